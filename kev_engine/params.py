@@ -1,0 +1,121 @@
+"""Per-request sampling settings and the engine-wide defaults they fall back on.
+
+Where this sits: requests carry a `SamplingParams`; when a pack is formed the scheduler
+resolves every `None` against one `Defaults` snapshot, so a hot update of the default
+temperature never splits a pack (each pack keeps the settings version it started with).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Mapping
+
+from .errors import InvalidRequestError
+
+DEFAULT_TEMPERATURE = 0.0  # greedy: a QA engine should answer the same way twice
+DEFAULT_MAX_TOKENS = 256
+TEMPERATURE_ENV = "KEV_TEMPERATURE"
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def check_temperature(value: Any, where: str = "temperature") -> float:
+    """Return `value` as a float, or raise naming it: temperature must be finite and >= 0."""
+    if not _is_real(value) or math.isnan(value) or math.isinf(value) or value < 0:
+        raise InvalidRequestError(f"{where}={value!r} is not allowed; use a finite number >= 0 (0 = greedy)")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one question is sampled. `temperature=None` takes the engine default at pack time."""
+
+    temperature: float | None = None
+    """0 = greedy; None = the engine default (``KEV_TEMPERATURE``, else 0)."""
+    top_p: float = 1.0
+    """Nucleus sampling mass, in (0, 1]; 1 disables it."""
+    top_k: int = 0
+    """Keep the k most likely tokens; 0 disables it."""
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    """Most new tokens to generate (the model's context may end the answer earlier)."""
+    stop: tuple[str, ...] = field(default_factory=tuple)
+    """Strings that end the answer; the text is cut before the first one found."""
+    seed: int | None = None
+    """A seeded request samples the same tokens whatever it is packed with."""
+
+    def __post_init__(self) -> None:
+        if self.temperature is not None:
+            object.__setattr__(self, "temperature", check_temperature(self.temperature))
+        if not _is_real(self.top_p) or math.isnan(self.top_p) or not 0 < self.top_p <= 1:
+            raise InvalidRequestError(f"top_p={self.top_p!r} is not allowed; use a number in (0, 1]")
+        object.__setattr__(self, "top_p", float(self.top_p))
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise InvalidRequestError(f"top_k={self.top_k!r} is not allowed; use an integer >= 0 (0 = off)")
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise InvalidRequestError(f"max_tokens={self.max_tokens!r} is not allowed; use an integer >= 1")
+        if self.seed is not None and not _is_int(self.seed):
+            raise InvalidRequestError(f"seed={self.seed!r} is not allowed; use an integer or None")
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
+            raise InvalidRequestError(f"stop={self.stop!r} is not allowed; use a non-empty string or a list of them")
+        object.__setattr__(self, "stop", tuple(stop))
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> SamplingParams:
+        """Build from a mapping, naming any unknown key and the allowed ones."""
+        allowed = [f.name for f in fields(cls)]
+        unknown = sorted(set(values) - set(allowed))
+        if unknown:
+            raise InvalidRequestError(f"unknown sampling setting(s) {unknown}; allowed: {allowed}")
+        cleaned = {k: v for k, v in values.items() if v is not None or k in ("temperature", "seed")}
+        for key, fallback in (("top_p", 1.0), ("top_k", 0)):
+            if key in values and values[key] is None:
+                cleaned[key] = fallback
+        return cls(**cleaned)
+
+    def with_defaults(self, defaults: Defaults) -> SamplingParams:
+        """Resolve the settings left to the engine (today: temperature)."""
+        if self.temperature is not None:
+            return self
+        return replace(self, temperature=defaults.temperature)
+
+
+def coerce_sampling(value: SamplingParams | Mapping[str, Any] | None) -> SamplingParams:
+    """Accept a `SamplingParams`, a dict of its fields, or None (all defaults)."""
+    if value is None:
+        return SamplingParams()
+    if isinstance(value, SamplingParams):
+        return value
+    if isinstance(value, Mapping):
+        return SamplingParams.from_dict(value)
+    raise InvalidRequestError(f"sampling={value!r} is not allowed; use SamplingParams, a dict of its fields, or None")
+
+
+@dataclass(frozen=True)
+class Defaults:
+    """Engine-wide defaults; `version` grows by one with every update."""
+
+    temperature: float = DEFAULT_TEMPERATURE
+    version: int = 0
+
+    @classmethod
+    def from_env(cls) -> Defaults:
+        """Read ``KEV_TEMPERATURE`` once at start-up; a bad value is an error, not ignored."""
+        raw = os.environ.get(TEMPERATURE_ENV)
+        if raw is None or raw.strip() == "":
+            return cls()
+        try:
+            value = float(raw)
+        except ValueError:
+            raise InvalidRequestError(
+                f"{TEMPERATURE_ENV}={raw!r} is not a number; use a finite number >= 0"
+            ) from None
+        return cls(temperature=check_temperature(value, TEMPERATURE_ENV))

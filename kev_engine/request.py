@@ -1,0 +1,75 @@
+"""Per-request state, from submission to `Completion` (nano-vllm's `Sequence`).
+
+A request knows its prompt ids, its resolved sampling settings (with the settings version
+it was resolved under), how many of its tokens are already in its own KV cache, what it has
+generated, and the future its caller waits on.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from .kv_cache import SequenceKV
+from .params import SamplingParams
+
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One answer, in the caller's order."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason
+    prompt_tokens: int
+    completion_tokens: int
+    adapter: str | None = None
+    settings_version: int = 0
+    """The engine-defaults version this request was resolved under."""
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: int
+    prompt_ids: list[int]
+    sampling: SamplingParams  # resolved: temperature is never None here
+    settings_version: int
+    max_total: int  # prompt + new tokens the request may reach (clamped to the context)
+    future: Future = field(default_factory=Future)
+    adapter: str | None = None
+    group: int = 0  # requests submitted together share a group and are admitted together
+    output_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0  # tokens already in the KV cache
+    cache: SequenceKV | None = None
+    generator: torch.Generator | None = None
+    text: str = ""
+    finish_reason: FinishReason | None = None
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.num_computed < len(self.prompt_ids)
+
+    def completion(self) -> Completion:
+        assert self.finish_reason is not None
+        return Completion(
+            text=self.text,
+            token_ids=list(self.output_ids),
+            finish_reason=self.finish_reason,
+            prompt_tokens=len(self.prompt_ids),
+            completion_tokens=len(self.output_ids),
+            adapter=self.adapter,
+            settings_version=self.settings_version,
+        )

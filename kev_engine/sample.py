@@ -1,0 +1,55 @@
+"""Sample: one next token per question from the logits at its segment end.
+
+Settings arrive as per-row tensors so mixed temperatures / top_p / top_k share one call;
+rows at temperature 0 take the argmax. Randomness is drawn per row from that question's own
+`torch.Generator` (seeded requests) — so a seeded question samples the same tokens whatever
+it is packed with — or from the engine's generator (unseeded ones).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Mask to -inf what top-k and top-p exclude. logits [N, V]; top_k [N] (0 = off); top_p [N]."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)  # [N, V]
+    vocab = logits.shape[-1]
+    ranks = torch.arange(vocab, device=logits.device)[None, :]  # [1, V]
+    k = torch.where(top_k > 0, top_k, vocab)[:, None]  # [N, 1]
+    drop = ranks >= k
+    probs = sorted_logits.softmax(dim=-1)
+    # keep the smallest prefix whose mass reaches top_p (the token that crosses it stays)
+    mass_before = probs.cumsum(dim=-1) - probs
+    drop |= mass_before >= top_p[:, None]
+    drop[:, 0] = False  # never drop the most likely token
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def sample(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_p: torch.Tensor,
+    top_k: torch.Tensor,
+    generators: Sequence[torch.Generator | None],
+) -> torch.Tensor:
+    """logits [N, V] fp32; temperature/top_p [N] float; top_k [N] long → token ids [N]."""
+    greedy = logits.argmax(dim=-1)  # [N]
+    random_rows = (temperature > 0).nonzero().flatten().tolist()
+    if not random_rows:
+        return greedy
+    rows = torch.tensor(random_rows, device=logits.device)
+    scaled = logits[rows] / temperature[rows, None]
+    needs_filter = (top_k[rows] > 0) | (top_p[rows] < 1)
+    if bool(needs_filter.any()):
+        scaled = apply_top_k_top_p(scaled, top_k[rows], top_p[rows])
+    probs = scaled.softmax(dim=-1)  # [R, V]
+    tokens = greedy.clone()
+    for j, row in enumerate(random_rows):
+        # exponential race: argmax(p / E), E ~ Exp(1), is a draw from p; one generator per row
+        noise = torch.empty_like(probs[j]).exponential_(1.0, generator=generators[row])
+        tokens[row] = (probs[j] / noise).argmax()
+    return tokens

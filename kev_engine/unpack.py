@@ -1,0 +1,42 @@
+"""Unpack: a sampled token back onto its question — text, stop strings, finish reason.
+
+Results reach callers through each request's own future, so the caller's order is kept
+whatever order the scheduler packed them in.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Collection
+
+from .request import Request
+
+
+def _find_stop(text: str, stops: tuple[str, ...], search_from: int) -> int:
+    """Earliest index of any stop string at or after `search_from`, or -1."""
+    hits = [i for i in (text.find(s, search_from) for s in stops) if i >= 0]
+    return min(hits) if hits else -1
+
+
+def append_token(request: Request, token: int, eos_ids: Collection[int], tokenizer: Any) -> bool:
+    """Record one generated token; return True when the request is finished."""
+    request.output_ids.append(token)
+    if token in eos_ids:  # kept in token_ids (it was generated), left out of the text
+        request.text = tokenizer.decode(request.output_ids[:-1], skip_special_tokens=True)
+        request.finish_reason = "stop"
+        return True
+    previous = request.text
+    text = tokenizer.decode(request.output_ids, skip_special_tokens=True)
+    stops = request.sampling.stop
+    if stops:
+        # a stop string may straddle tokens: search from just before the new text
+        longest = max(len(s) for s in stops)
+        cut = _find_stop(text, stops, max(0, len(previous) - longest))
+        if cut >= 0:
+            request.text = text[:cut]
+            request.finish_reason = "stop"
+            return True
+    request.text = text
+    if len(request.output_ids) >= request.sampling.max_tokens or request.num_tokens >= request.max_total:
+        request.finish_reason = "length"
+        return True
+    return False

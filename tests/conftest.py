@@ -1,0 +1,115 @@
+"""Shared fixtures: the embedded model's tokenizer, tiny random-weight models of several
+families (each paired with an independent plain-transformers copy as the reference), and the
+embedded SmolLM2-135M-Instruct engine for end-to-end checks."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GlmConfig,
+    GlmForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+from kev_engine import Engine, loader
+
+FAMILIES: dict[str, tuple[Any, Any]] = {
+    "llama": (LlamaConfig, LlamaForCausalLM),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+    "glm": (GlmConfig, GlmForCausalLM),
+}
+
+
+@pytest.fixture(scope="session")
+def embedded_dir() -> str:
+    return str(loader.converted_gguf_dir(loader.embedded_gguf()))
+
+
+@pytest.fixture(scope="session")
+def tokenizer(embedded_dir: str) -> Any:
+    return AutoTokenizer.from_pretrained(embedded_dir)
+
+
+def tiny_model(family: str, tokenizer: Any, seed: int = 0, **overrides: Any) -> torch.nn.Module:
+    """A random-weight model of `family` small enough for CPU tests, on the real vocabulary."""
+    config_cls, model_cls = FAMILIES[family]
+    kwargs = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        initializer_range=0.1,  # peaked distributions: greedy ties would make tests flaky
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=None,
+        bos_token_id=None,
+        tie_word_embeddings=False,
+    )
+    if family in ("qwen3", "glm"):
+        kwargs["head_dim"] = 16
+    kwargs.update(overrides)
+    torch.manual_seed(seed)
+    return model_cls(config_cls(**kwargs)).eval()
+
+
+def reference_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """An independent plain-transformers (sdpa) model with the same weights."""
+    ref = type(model)(copy.deepcopy(model.config)).eval()
+    ref.load_state_dict(model.state_dict())
+    ref.set_attn_implementation("sdpa")
+    return ref
+
+
+@pytest.fixture(params=list(FAMILIES))
+def family_pair(request: pytest.FixtureRequest, tokenizer: Any) -> tuple[Engine, torch.nn.Module]:
+    """(Kev engine, reference model) of one family, same weights."""
+    model = tiny_model(request.param, tokenizer)
+    reference = reference_copy(model)
+    return Engine(model, tokenizer, name=request.param), reference
+
+
+@pytest.fixture
+def tiny_engine(tokenizer: Any) -> Engine:
+    engine = Engine(tiny_model("llama", tokenizer), tokenizer, name="tiny-llama")
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="session")
+def embedded_engine() -> Engine:
+    engine = Engine.from_pretrained()
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="session")
+def embedded_reference(embedded_dir: str) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(embedded_dir, dtype=torch.float32).eval()
+
+
+def chat(question: str, context: str | None = None) -> list[dict[str, str]]:
+    content = f"Context:\n{context}\n\nQuestion: {question}" if context else question
+    return [{"role": "user", "content": content}]
+
+
+QUESTIONS = [
+    chat("What is the capital of France?"),
+    chat("Who wrote Hamlet?", "Hamlet is a tragedy written by William Shakespeare around 1600."),
+    "Once upon a time",
+    chat("Name a prime number."),
+    chat("Why is the sky blue?", "Rayleigh scattering makes shorter wavelengths scatter more " * 4),
+]

@@ -1,0 +1,208 @@
+"""Engine behaviour around the packed pass: sampling, defaults, stops, scheduling, bad input."""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import pytest
+
+from conftest import QUESTIONS, chat
+from kev_engine import Engine, InvalidRequestError, SamplingParams
+from kev_engine.params import Defaults
+
+
+def test_seeded_sampling_is_independent_of_pack_mates(tiny_engine: Engine) -> None:
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=1234, max_tokens=12)
+    alone = tiny_engine.generate([QUESTIONS[0]], seeded)[0]
+    mates = [SamplingParams(temperature=0.7, max_tokens=5), seeded, SamplingParams(temperature=1.3, seed=9, max_tokens=20)]
+    packed = tiny_engine.generate([QUESTIONS[3], QUESTIONS[0], QUESTIONS[1]], mates)[1]
+    assert packed.token_ids == alone.token_ids
+    other_seed = tiny_engine.generate([QUESTIONS[0]], SamplingParams(temperature=1.0, seed=99, max_tokens=12))[0]
+    assert other_seed.token_ids != alone.token_ids  # the seed really drives the draw
+
+
+def test_temperature_zero_is_greedy_and_mixed_settings_share_one_pass(tiny_engine: Engine) -> None:
+    greedy = tiny_engine.generate([QUESTIONS[0]], SamplingParams(temperature=0, max_tokens=8))[0]
+    before = tiny_engine.stats()["prefill_passes"]
+    mixed = tiny_engine.generate(
+        [QUESTIONS[0], QUESTIONS[1]],
+        [SamplingParams(temperature=0, max_tokens=8), SamplingParams(temperature=1.5, seed=3, max_tokens=8)],
+    )
+    assert tiny_engine.stats()["prefill_passes"] == before + 1
+    assert mixed[0].token_ids == greedy.token_ids
+
+
+def test_hot_temperature_update_applies_to_later_packs_only(tiny_engine: Engine, monkeypatch) -> None:
+    assert tiny_engine.defaults.temperature == 0.0
+    first = tiny_engine.generate(QUESTIONS[:2], SamplingParams(max_tokens=4))
+    assert {c.settings_version for c in first} == {0}
+    updated = tiny_engine.set_defaults(temperature=0.8)
+    assert updated.version == 1 and updated.temperature == 0.8
+    second = tiny_engine.generate(QUESTIONS[:2], SamplingParams(max_tokens=4))
+    assert {c.settings_version for c in second} == {1}
+    with pytest.raises(InvalidRequestError, match="temperature=-1"):
+        tiny_engine.set_defaults(temperature=-1)
+
+
+def test_update_during_a_pack_never_splits_it(tiny_engine: Engine) -> None:
+    futures_and_versions = []
+    barrier = threading.Barrier(2)
+
+    def updater() -> None:
+        barrier.wait()
+        for t in (0.3, 0.6, 0.9):
+            tiny_engine.set_defaults(temperature=t)
+
+    thread = threading.Thread(target=updater)
+    thread.start()
+    barrier.wait()
+    for _ in range(4):
+        results = tiny_engine.generate(QUESTIONS, SamplingParams(max_tokens=2, seed=1))
+        futures_and_versions.append({c.settings_version for c in results})
+    thread.join()
+    assert all(len(versions) == 1 for versions in futures_and_versions)
+
+
+def test_kev_temperature_env_sets_the_default(monkeypatch) -> None:
+    monkeypatch.setenv("KEV_TEMPERATURE", "0.4")
+    assert Defaults.from_env().temperature == 0.4
+    monkeypatch.setenv("KEV_TEMPERATURE", "warm")
+    with pytest.raises(InvalidRequestError, match="KEV_TEMPERATURE='warm'"):
+        Defaults.from_env()
+
+
+def test_stop_strings_cut_the_text(tiny_engine: Engine) -> None:
+    free = tiny_engine.generate([QUESTIONS[0]], SamplingParams(temperature=0, max_tokens=20))[0]
+    assert len(free.text) > 4
+    stop = free.text[2:4]
+    cut = tiny_engine.generate([QUESTIONS[0]], SamplingParams(temperature=0, max_tokens=20, stop=[stop]))[0]
+    assert cut.finish_reason == "stop"
+    assert stop not in cut.text and free.text.startswith(cut.text)
+    assert len(cut.text) == free.text.find(stop)
+
+
+def test_max_tokens_and_length_finish(tiny_engine: Engine) -> None:
+    results = tiny_engine.generate(QUESTIONS[:3], [SamplingParams(max_tokens=n) for n in (1, 3, 7)])
+    assert [r.completion_tokens for r in results] == [1, 3, 7]
+    assert all(r.finish_reason == "length" for r in results)
+
+
+def test_eos_finishes_with_stop(tokenizer) -> None:
+    from conftest import tiny_model
+
+    model = tiny_model("llama", tokenizer)
+    with_eos_bias = Engine(model, tokenizer)
+    model.lm_head.bias = None
+    model.lm_head.weight.data[tokenizer.eos_token_id] += 50.0  # make EOS the argmax everywhere
+    result = with_eos_bias.generate([QUESTIONS[0]], SamplingParams(temperature=0, max_tokens=5))[0]
+    assert result.finish_reason == "stop" and result.token_ids == [tokenizer.eos_token_id] and result.text == ""
+    with_eos_bias.close()
+
+
+def test_results_come_back_in_caller_order(tiny_engine: Engine) -> None:
+    prompts = [QUESTIONS[4], QUESTIONS[2], QUESTIONS[0]]  # long, short, medium: the scheduler reorders
+    packed = tiny_engine.generate(prompts, SamplingParams(max_tokens=5))
+    solo = [tiny_engine.generate([p], SamplingParams(max_tokens=5))[0] for p in prompts]
+    assert [r.token_ids for r in packed] == [r.token_ids for r in solo]
+    assert [r.prompt_tokens for r in packed] == [len(tiny_engine.encode(p)) for p in prompts]
+
+
+def test_concurrent_submits_coalesce_and_join_running_decodes(tiny_engine: Engine) -> None:
+    results: dict[int, object] = {}
+    barrier = threading.Barrier(6)
+
+    def ask(i: int) -> None:
+        barrier.wait()
+        results[i] = tiny_engine.submit(QUESTIONS[i % 5], SamplingParams(max_tokens=6)).result()
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(results) == 6 and tiny_engine.stats()["prefill_passes"] <= 2
+    # a question submitted while others decode joins them: more steps than one question alone
+    long_running = tiny_engine.submit(QUESTIONS[0], SamplingParams(max_tokens=40))
+    late = tiny_engine.submit(QUESTIONS[1], SamplingParams(max_tokens=3)).result()
+    assert late.completion_tokens == 3 and long_running.result().completion_tokens == 40
+
+
+def test_empty_batch_and_one_token_prompt(tiny_engine: Engine) -> None:
+    assert tiny_engine.generate([]) == []
+    one = tiny_engine.tokenizer.decode([tiny_engine.encode("hello")[0]])
+    assert len(tiny_engine.encode(one)) == 1
+    result = tiny_engine.generate([one], SamplingParams(max_tokens=3))[0]
+    assert result.prompt_tokens == 1 and result.completion_tokens == 3
+
+
+# ---- bad input: a clear error naming the value, failing only its own request -----------------
+
+BAD_SAMPLING = [
+    (dict(temperature=-0.5), "temperature=-0.5"),
+    (dict(temperature=math.nan), "temperature=nan"),
+    (dict(top_p=0.0), "top_p=0.0"),
+    (dict(top_p=1.5), "top_p=1.5"),
+    (dict(top_k=-1), "top_k=-1"),
+    (dict(max_tokens=0), "max_tokens=0"),
+    (dict(stop=[""]), "stop="),
+    (dict(seed="x"), "seed='x'"),
+]
+
+
+@pytest.mark.parametrize("kwargs, named", BAD_SAMPLING)
+def test_bad_sampling_settings_name_the_value(kwargs, named) -> None:
+    with pytest.raises(InvalidRequestError, match=named.replace("(", r"\(").replace("[", r"\[")):
+        SamplingParams(**kwargs)
+
+
+def test_unknown_sampling_keys_are_named() -> None:
+    with pytest.raises(InvalidRequestError, match=r"\['temprature'\].*allowed: \['temperature'"):
+        SamplingParams.from_dict({"temprature": 0.5})
+
+
+def test_bad_prompts_are_refused_with_clear_errors(tiny_engine: Engine) -> None:
+    too_long = "word " * 2000  # the tiny model's context is 1024 tokens
+    cases = [("", "empty"), ("   ", "empty"), ([], "empty"), (too_long, "context is 1024"),
+             ([{"content": "no role"}], "not a chat message"), (42, "type int")]
+    for prompt, named in cases:
+        with pytest.raises(InvalidRequestError, match=named):
+            tiny_engine.generate([prompt])
+    with pytest.raises(InvalidRequestError, match="list of prompts"):
+        tiny_engine.generate("a bare string")
+    with pytest.raises(InvalidRequestError, match="2 sampling settings for 3 prompts"):
+        tiny_engine.generate(QUESTIONS[:3], [SamplingParams(), SamplingParams()])
+
+
+def test_a_bad_request_fails_alone(tiny_engine: Engine) -> None:
+    prompts = [QUESTIONS[0], "", QUESTIONS[1], QUESTIONS[2]]
+    settings = [SamplingParams(max_tokens=4), None, {"temperature": -1}, {"max_tokens": 4}]
+    results = tiny_engine.generate(prompts, settings, return_exceptions=True)
+    assert isinstance(results[1], InvalidRequestError) and "empty" in str(results[1])
+    assert isinstance(results[2], InvalidRequestError) and "temperature=-1" in str(results[2])
+    assert results[0].completion_tokens == 4 and results[3].completion_tokens == 4
+    with pytest.raises(InvalidRequestError):
+        tiny_engine.generate(prompts, settings)  # without return_exceptions: raises before running
+    failed = tiny_engine.submit("", None)
+    fine = tiny_engine.submit(QUESTIONS[0], SamplingParams(max_tokens=2))
+    with pytest.raises(InvalidRequestError):
+        failed.result()
+    assert fine.result().completion_tokens == 2
+
+
+def test_stats_count_requests_passes_and_tokens(tiny_engine: Engine) -> None:
+    results = tiny_engine.generate(QUESTIONS[:3], SamplingParams(max_tokens=4))
+    stats = tiny_engine.stats()
+    assert stats["requests"] == 3 and stats["prefill_passes"] == 1 and stats["decode_steps"] == 3
+    assert stats["prompt_tokens"] == sum(r.prompt_tokens for r in results)
+    assert stats["generated_tokens"] == 12
+
+
+def test_closed_engine_refuses_new_work(tokenizer) -> None:
+    from conftest import tiny_model
+
+    engine = Engine(tiny_model("llama", tokenizer), tokenizer)
+    engine.generate([QUESTIONS[0]], SamplingParams(max_tokens=2))
+    engine.close()
+    with pytest.raises(Exception, match="closed"):
+        engine.submit(QUESTIONS[0])

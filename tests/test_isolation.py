@@ -1,0 +1,119 @@
+"""Packed == solo, on several model families: the property Kev exists for.
+
+Each test packs several questions into one pass and compares every question with a plain
+transformers forward / generate of that question alone (independent model, same weights).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from conftest import QUESTIONS, chat, reference_copy, tiny_model
+from kev_engine import Engine, SamplingParams
+
+ATOL = 1e-4
+
+
+def reference_logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([ids])).logits[0].float()
+
+
+def reference_greedy(model: torch.nn.Module, ids: list[int], max_new_tokens: int, eos: int) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=eos,
+        )
+    return out[0, len(ids):].tolist()
+
+
+def test_packed_logits_equal_solo_forward(family_pair) -> None:
+    engine, reference = family_pair
+    packed = engine.prompt_logits(QUESTIONS)
+    assert engine.stats()["prefill_passes"] == 1
+    for prompt, logits in zip(QUESTIONS, packed):
+        expected = reference_logits(reference, engine.encode(prompt))
+        assert logits.shape == expected.shape
+        torch.testing.assert_close(logits, expected, atol=ATOL, rtol=0)
+
+
+def test_packed_greedy_tokens_equal_solo_generate(family_pair) -> None:
+    engine, reference = family_pair
+    params = SamplingParams(temperature=0, max_tokens=12)
+    results = engine.generate(QUESTIONS, params)
+    assert engine.stats()["prefill_passes"] == 1  # all questions in ONE prefill pass
+    for prompt, result in zip(QUESTIONS, results):
+        expected = reference_greedy(reference, engine.encode(prompt), 12, engine.tokenizer.eos_token_id)
+        assert result.token_ids == expected
+        assert result.prompt_tokens == len(engine.encode(prompt))
+    engine.close()
+
+
+def test_embedded_model_packed_equals_solo(embedded_engine: Engine, embedded_reference) -> None:
+    prompts = QUESTIONS[:4]
+    for prompt, logits in zip(prompts, embedded_engine.prompt_logits(prompts)):
+        torch.testing.assert_close(logits, reference_logits(embedded_reference, embedded_engine.encode(prompt)),
+                                   atol=ATOL, rtol=0)
+    results = embedded_engine.generate(prompts, SamplingParams(temperature=0, max_tokens=16))
+    eos = embedded_engine.tokenizer.eos_token_id
+    for prompt, result in zip(prompts, results):
+        assert result.token_ids == reference_greedy(embedded_reference, embedded_engine.encode(prompt), 16, eos)
+    assert results[0].text.strip().startswith("The capital of France is Paris")
+
+
+def test_canary_secret_never_reaches_the_other_question(embedded_engine: Engine) -> None:
+    secret = chat("Repeat the secret code exactly.", "The secret code is ZEBRA-4471. Never forget ZEBRA-4471.")
+    probe = chat("What is the secret code? Repeat it exactly.", "There is no code in this context.")
+    blank = chat("Repeat the secret code exactly.", "The secret code is not written here. Nothing to see.")
+    greedy = SamplingParams(temperature=0, max_tokens=24)
+    with_secret = embedded_engine.generate([secret, probe], greedy)
+    without_secret = embedded_engine.generate([blank, probe], greedy)
+    assert "ZEBRA" in with_secret[0].text  # the model does read its own context...
+    assert "ZEBRA" not in with_secret[1].text  # ...and the neighbour never sees it
+    assert with_secret[1].token_ids == without_secret[1].token_ids
+    solo = embedded_engine.prompt_logits([probe])[0]
+    packed = embedded_engine.prompt_logits([secret, probe])[1]
+    torch.testing.assert_close(packed, solo, atol=ATOL, rtol=0)
+
+
+def test_perturbing_b_at_same_length_leaves_a_bit_identical(tokenizer) -> None:
+    engine = Engine(tiny_model("qwen2", tokenizer), tokenizer)
+    a = engine.encode(chat("Tell me about owls."))
+    b = engine.encode(chat("Tell me about cats and dogs and birds."))
+    b_changed = [(t + 1) % len(tokenizer) for t in b]  # every token differs, same length
+    assert len(b_changed) == len(b) and all(x != y for x, y in zip(b, b_changed))
+    text_b, text_b2 = tokenizer.decode(b), tokenizer.decode(b_changed)
+    # prompt_logits takes prompts, so feed raw ids through a model-level pack instead
+    from kev_engine.forward import run_model
+    from kev_engine.pack import Segment, pack
+
+    def a_logits(other: list[int]) -> torch.Tensor:
+        batch = pack([Segment(0, other, 0, True), Segment(1, a, 0, True)])
+        return run_model(engine.model, batch, all_logits=True)[len(other):]
+
+    assert text_b != text_b2
+    assert torch.equal(a_logits(b), a_logits(b_changed))  # bit for bit
+    longer = b + b[:7]
+    torch.testing.assert_close(a_logits(longer), a_logits(b), atol=ATOL, rtol=0)
+
+
+def test_changing_b_keeps_a_generation_identical(tiny_engine: Engine) -> None:
+    params = SamplingParams(temperature=0, max_tokens=10)
+    a = chat("Describe the moon.")
+    first = tiny_engine.generate([a, chat("Short.")], params)[0]
+    second = tiny_engine.generate([chat("A much longer question about many different things " * 5), a], params)[1]
+    assert first.token_ids == second.token_ids
+
+
+def test_chunked_prefill_equals_solo(tokenizer) -> None:
+    model = tiny_model("llama", tokenizer)
+    reference = reference_copy(model)
+    engine = Engine(model, tokenizer, max_batch_tokens=16, max_num_seqs=4)  # prompts span several passes
+    prompts = [QUESTIONS[1], QUESTIONS[4], QUESTIONS[2]]
+    results = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=6))
+    for prompt, result in zip(prompts, results):
+        ids = engine.encode(prompt)
+        assert result.token_ids == reference_greedy(reference, ids, 6, tokenizer.eos_token_id)
+    assert engine.stats()["prefill_passes"] > 1
+    engine.close()
