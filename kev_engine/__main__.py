@@ -1,0 +1,7 @@
+"""`python -m kev_engine ...` runs the `kev` command line."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

@@ -1,0 +1,195 @@
+"""`kev`: the engine from a shell. Questions in (arguments or JSONL), one JSON answer per line out.
+
+    kev generate "What is 2+2?" "Name a prime." --max-tokens 32
+    kev generate --file questions.jsonl > answers.jsonl      # `--file -` reads stdin
+    kev show-pack "first question" "second question" --out pack.png
+
+A thin layer: each line becomes chat messages and a `SamplingParams`, then ONE
+`engine.generate(...)` call answers them all. A refused question becomes an error row;
+the others are still answered. Exit status: 0 all answered, 1 some refused, 2 usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import fields
+from typing import Any, Sequence, TextIO
+
+from .engine import Engine
+from .errors import InvalidRequestError
+from .params import SamplingParams
+from .visualize import draw_pack_mask, format_table
+
+SAMPLING_KEYS = [f.name for f in fields(SamplingParams)]
+QUESTION_KEYS = ["id", "question", "context", "messages"]
+
+
+class UsageError(ValueError):
+    """Bad input to the command itself (exit status 2), as opposed to one refused question."""
+
+
+def read_jsonl(stream: TextIO, name: str) -> list[dict[str, Any]]:
+    """Parse one JSON object per non-blank line; a bad line is named by its number."""
+    records = []
+    for number, line in enumerate(stream, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise UsageError(f"{name} line {number}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+        if not isinstance(record, dict):
+            raise UsageError(f"{name} line {number}: expected a JSON object, got {type(record).__name__}")
+        records.append(record)
+    return records
+
+
+def read_questions(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Questions from the arguments first, then from --file; each gets an id (its position by default)."""
+    records: list[dict[str, Any]] = [{"question": q} for q in args.questions]
+    if args.file == "-":
+        records += read_jsonl(sys.stdin, "<stdin>")
+    elif args.file:
+        try:
+            with open(args.file, encoding="utf-8") as stream:
+                records += read_jsonl(stream, args.file)
+        except OSError as exc:
+            raise UsageError(f"cannot read --file {args.file!r}: {exc.strerror}") from None
+    if not records:
+        raise UsageError("no questions; give some as arguments or with --file")
+    return [{"id": i, **record} for i, record in enumerate(records)]
+
+
+def build_prompt(record: dict[str, Any], system: str | None, raw: bool) -> Any:
+    """One record → chat messages (or plain text with --raw); a bad record raises InvalidRequestError."""
+    unknown = sorted(set(record) - set(QUESTION_KEYS) - set(SAMPLING_KEYS))
+    if unknown:
+        raise InvalidRequestError(f"unknown key(s) {unknown}; allowed: {QUESTION_KEYS + SAMPLING_KEYS}")
+    if "messages" in record:
+        if raw:
+            raise InvalidRequestError("--raw sends plain text; this question gives 'messages'")
+        return record["messages"]
+    question, context = record.get("question"), record.get("context")
+    if not isinstance(question, str):
+        raise InvalidRequestError(f"question={question!r} is not allowed; give a string (or 'messages')")
+    if context is not None and not isinstance(context, str):
+        raise InvalidRequestError(f"context of type {type(context).__name__} is not allowed; give a string")
+    content = f"Context:\n{context}\n\nQuestion: {question}" if context else question
+    if raw:
+        return f"{system}\n\n{content}" if system else content
+    return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": content}]
+
+
+def _sampling_flags(args: argparse.Namespace) -> dict[str, Any]:
+    """The sampling flags given on the command line; each question's own keys override them."""
+    flags = {key: getattr(args, key) for key in SAMPLING_KEYS if getattr(args, key) is not None}
+    try:
+        SamplingParams.from_dict(flags)
+    except InvalidRequestError as exc:
+        raise UsageError(str(exc)) from None
+    return flags
+
+
+def run_generate(engine: Engine, args: argparse.Namespace, records: list[dict[str, Any]]) -> int:
+    flags = _sampling_flags(args)
+    rows: list[dict[str, Any] | None] = []  # None: to be answered by the engine
+    prompts, samplings = [], []
+    for record in records:
+        try:
+            prompt = build_prompt(record, args.system, args.raw)
+            sampling = SamplingParams.from_dict({**flags, **{k: record[k] for k in SAMPLING_KEYS if k in record}})
+        except InvalidRequestError as exc:
+            rows.append({"id": record["id"], "error": str(exc)})
+            continue
+        rows.append(None)
+        prompts.append(prompt)
+        samplings.append(sampling)
+    started = time.perf_counter()
+    results = iter(engine.generate(prompts, sampling=samplings, return_exceptions=True))
+    wall = time.perf_counter() - started
+    failed = 0
+    for record, row in zip(records, rows):
+        if row is None:
+            result = next(results)
+            if isinstance(result, BaseException):
+                row = {"id": record["id"], "error": str(result) or type(result).__name__}
+            else:
+                row = {"id": record["id"], "text": result.text, "finish_reason": result.finish_reason,
+                       "prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens}
+        failed += "error" in row
+        print(json.dumps(row, ensure_ascii=False), flush=True)
+    print(f"kev: {len(records) - failed} answered, {failed} failed in {wall:.2f} s; "
+          f"stats {json.dumps(engine.stats())}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def run_show_pack(engine: Engine, args: argparse.Namespace, records: list[dict[str, Any]]) -> int:
+    prompts = []
+    for record in records:
+        try:
+            prompts.append(build_prompt(record, args.system, args.raw))
+        except InvalidRequestError as exc:
+            print(f"kev: question {record['id']!r}: {exc}", file=sys.stderr)
+            return 1
+    try:
+        rows = draw_pack_mask(engine, prompts, args.out, max_pixels=args.max_pixels)
+    except InvalidRequestError as exc:  # a prompt the engine refuses (empty, too long)
+        print(f"kev: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:
+        print(f"kev: error: cannot write --out {args.out!r}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    print(format_table(rows))
+    print(f"kev: drew {len(rows)} segments, {rows[-1]['end']} tokens, to {args.out}", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kev", description="Answer many questions in one packed pass.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("questions", nargs="*", metavar="QUESTION", help="questions to ask")
+    common.add_argument(
+        "--file", help='JSONL, one {"question", "context"?, "id"?, sampling keys?} or {"messages"} a line; - = stdin'
+    )
+    common.add_argument("--model", help="local folder, .gguf file or hub id (default: embedded SmolLM2-135M)")
+    common.add_argument("--device", help="cpu, cuda, cuda:1... (default: cuda if available)")
+    common.add_argument("--dtype", help="float32, bfloat16, float16 (default: fp32 on CPU, bf16 on CUDA)")
+    common.add_argument("--system", help="system message put before every question")
+    common.add_argument("--raw", action="store_true", help="send plain text, not chat messages")
+    gen = commands.add_parser("generate", parents=[common], help="answer questions, one JSON line each")
+    gen.add_argument("--max-tokens", dest="max_tokens", type=int, help="most new tokens per answer (default 256)")
+    gen.add_argument("--temperature", type=float, help="0 = greedy (default: KEV_TEMPERATURE, else 0)")
+    gen.add_argument("--top-p", dest="top_p", type=float, help="nucleus mass in (0, 1] (default 1 = off)")
+    gen.add_argument("--top-k", dest="top_k", type=int, help="keep the k likeliest tokens (default 0 = off)")
+    gen.add_argument("--seed", type=int, help="seeded sampling: same tokens whatever the pack")
+    gen.add_argument("--stop", action="append", metavar="STR", help="a string that ends an answer (repeatable)")
+    show = commands.add_parser("show-pack", parents=[common], help="draw the pack's attention mask as a PNG")
+    show.add_argument("--out", required=True, help="PNG file to write")
+    show.add_argument("--max-pixels", dest="max_pixels", type=int, default=1024, help="most mask pixels per side")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help (0) or a usage error (2): report it as the return value
+        return exc.code if isinstance(exc.code, int) else 2
+    try:
+        records = read_questions(args)
+        if args.command == "generate":
+            _sampling_flags(args)  # refuse bad flags before the slow model load
+        elif args.max_pixels < 16:
+            raise UsageError(f"--max-pixels={args.max_pixels} is too small; use at least 16")
+        engine = Engine.from_pretrained(args.model, device=args.device, dtype=args.dtype)
+    except (UsageError, ValueError, OSError) as exc:
+        print(f"kev: error: {exc}", file=sys.stderr)
+        return 2
+    with engine:
+        if args.command == "generate":
+            return run_generate(engine, args, records)
+        return run_show_pack(engine, args, records)

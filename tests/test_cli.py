@@ -1,0 +1,156 @@
+"""The `kev` command line, run in-process on a tiny random-weight engine."""
+
+from __future__ import annotations
+
+import io
+import json
+from typing import Any
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from conftest import chat, tiny_model
+from kev_engine import Engine, SamplingParams, cli
+from kev_engine import visualize as vis
+
+
+@pytest.fixture
+def loads(monkeypatch: pytest.MonkeyPatch, tiny_engine: Engine) -> list[tuple[Any, dict[str, Any]]]:
+    """Make `Engine.from_pretrained` hand out the tiny engine; record how it was called."""
+    calls: list[tuple[Any, dict[str, Any]]] = []
+
+    def fake_from_pretrained(source: Any = None, **kwargs: Any) -> Engine:
+        calls.append((source, kwargs))
+        return tiny_engine
+
+    monkeypatch.setattr(Engine, "from_pretrained", fake_from_pretrained)
+    return calls
+
+
+def write_jsonl(path, lines: list[Any]) -> str:
+    path.write_text("\n".join(line if isinstance(line, str) else json.dumps(line) for line in lines) + "\n")
+    return str(path)
+
+
+def output_rows(capsys: pytest.CaptureFixture[str]) -> tuple[list[dict[str, Any]], str]:
+    captured = capsys.readouterr()
+    return [json.loads(line) for line in captured.out.splitlines()], captured.err
+
+
+def test_jsonl_in_jsonl_out_in_order(loads, capsys, tmp_path, tokenizer) -> None:
+    lines = [
+        {"question": "What is the capital of France?", "id": "paris"},
+        {"question": "Who wrote Hamlet?", "context": "Hamlet is a play by Shakespeare.", "max_tokens": 3},
+        "",  # blank lines are skipped
+        {"messages": [{"role": "user", "content": "Name a prime number."}], "temperature": 0.9, "seed": 7},
+    ]
+    path = write_jsonl(tmp_path / "q.jsonl", lines)
+    code = cli.main(["generate", "--file", path, "--max-tokens", "6", "--model", "m", "--device", "cpu"])
+    rows, err = output_rows(capsys)
+    assert code == 0
+    assert loads == [("m", {"device": "cpu", "dtype": None})]
+    assert [r["id"] for r in rows] == ["paris", 1, 2]  # default id: position among the questions
+    assert all(r["completion_tokens"] <= n for r, n in zip(rows, [6, 3, 6]))
+    assert all(r["finish_reason"] in ("stop", "length") for r in rows)
+    assert "stats" in err and "forward_passes" in err
+
+    # the same questions asked of the engine directly (same weights) give the same answers
+    prompts = [chat(lines[0]["question"]), chat(lines[1]["question"], lines[1]["context"]), lines[3]["messages"]]
+    settings = [SamplingParams(max_tokens=6), SamplingParams(max_tokens=3),
+                SamplingParams(max_tokens=6, temperature=0.9, seed=7)]
+    with Engine(tiny_model("llama", tokenizer), tokenizer) as direct:
+        expected = direct.generate(prompts, settings)
+    assert [r["text"] for r in rows] == [c.text for c in expected]
+    assert [r["prompt_tokens"] for r in rows] == [c.prompt_tokens for c in expected]
+
+
+def test_a_refused_question_fails_alone(loads, capsys, tmp_path) -> None:
+    lines = [
+        {"question": "first", "max_tokens": 2},
+        {"question": "second", "temperature": -1},
+        {"question": "third", "temprature": 0.5},
+        {"question": ""},
+        {"question": "fifth", "max_tokens": 2},
+    ]
+    code = cli.main(["generate", "--file", write_jsonl(tmp_path / "q.jsonl", lines)])
+    rows, _ = output_rows(capsys)
+    assert code == 1
+    assert [r["id"] for r in rows] == [0, 1, 2, 3, 4]
+    assert "temperature=-1" in rows[1]["error"]
+    assert "temprature" in rows[2]["error"]
+    assert "empty" in rows[3]["error"]  # refused by the engine, not the CLI
+    assert {"text", "finish_reason"} <= rows[0].keys() and {"text", "finish_reason"} <= rows[4].keys()
+
+
+def test_bad_json_names_the_line_and_loads_nothing(loads, capsys, tmp_path) -> None:
+    path = write_jsonl(tmp_path / "q.jsonl", [{"question": "fine"}, '{"question": "oops",}'])
+    assert cli.main(["generate", "--file", path]) == 2
+    err = capsys.readouterr().err
+    assert "line 2" in err and "not valid JSON" in err
+    path = write_jsonl(tmp_path / "list.jsonl", ['["not", "an", "object"]'])
+    assert cli.main(["generate", "--file", path]) == 2
+    assert "line 1: expected a JSON object, got list" in capsys.readouterr().err
+    assert loads == []  # usage errors are caught before the model loads
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["generate"], ["generate", "hi", "--temperature", "-1"], ["generate", "hi", "--max-tokens", "x"],
+     ["generate", "--file", "/no/such/file.jsonl"], ["show-pack", "hi"], ["frobnicate"]],
+)
+def test_usage_errors_exit_2(loads, capsys, argv: list[str]) -> None:
+    assert cli.main(argv) == 2
+    assert capsys.readouterr().err
+    assert loads == []
+
+
+def test_arguments_stdin_system_and_raw(loads, capsys, monkeypatch, tiny_engine: Engine) -> None:
+    monkeypatch.setattr("sys.stdin", io.StringIO('{"question": "from stdin"}\n'))
+    argv = ["generate", "one", "--file", "-", "--system", "Be brief.", "--max-tokens", "2", "--stop", "."]
+    assert cli.main(argv) == 0
+    rows, _ = output_rows(capsys)
+    system = {"role": "system", "content": "Be brief."}
+    assert [r["prompt_tokens"] for r in rows] == [
+        len(tiny_engine.encode([system, {"role": "user", "content": q}])) for q in ("one", "from stdin")
+    ]
+
+
+def test_raw_sends_plain_text(loads, capsys, tiny_engine: Engine) -> None:
+    assert cli.main(["generate", "Once upon a time", "--raw", "--max-tokens", "2"]) == 0
+    rows, _ = output_rows(capsys)
+    assert rows[0]["prompt_tokens"] == len(tiny_engine.encode("Once upon a time"))
+
+
+def test_show_pack_draws_the_mask_and_prints_the_table(loads, capsys, tmp_path, tiny_engine: Engine) -> None:
+    out = tmp_path / "pack.png"
+    questions = ["What is the capital of France?", "Why is the sky blue? " * 5, "Name a prime."]
+    assert cli.main(["show-pack", *questions, "--out", str(out), "--max-pixels", "600"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == list(vis.COLUMNS)
+    table = [dict(zip(vis.COLUMNS, line.split())) for line in lines[1:]]
+    lengths = [len(tiny_engine.encode(chat(q))) for q in questions]
+    assert [int(r["tokens"]) for r in table] == lengths
+    assert [int(r["start"]) for r in table] == [0, lengths[0], lengths[0] + lengths[1]]
+
+    num_tokens = sum(lengths)
+    side = min(600, max(num_tokens, vis.MIN_SIDE))
+    pixels = np.asarray(Image.open(out).convert("RGB"))  # [H, W, 3]
+    ink = (pixels == vis.INK).all(-1)
+    top, left = np.flatnonzero(ink.sum(1) >= side)[0] + 1, np.flatnonzero(ink.sum(0) >= side)[0] + 1
+    assert pixels.shape[0] > top + side and pixels.shape[1] >= left + side
+
+    def colour(query: float, key: float) -> tuple[int, ...]:
+        scale = side / num_tokens
+        return tuple(pixels[top + int(query * scale), left + int(key * scale)])
+
+    assert colour(lengths[0] + lengths[1] / 2, lengths[0] / 2) == vis.BACKGROUND  # off-diagonal block
+    assert colour(lengths[0] * 0.9, lengths[0] * 0.1) == vis.PALETTE[0]  # inside question 0's triangle
+    assert colour(lengths[0] * 0.1, lengths[0] * 0.9) == vis.BACKGROUND  # its future: masked
+
+
+def test_show_pack_refuses_a_bad_question(loads, capsys, tmp_path) -> None:
+    out = tmp_path / "pack.png"
+    assert cli.main(["show-pack", "fine", "   ", "--out", str(out), "--raw"]) == 1
+    assert "question 1" in capsys.readouterr().err
+    assert not out.exists()
