@@ -19,8 +19,9 @@ from typing import Any, Sequence
 import torch
 
 from . import loader
+from .adapters import AdapterPool
 from .attention import KEV_ATTENTION
-from .errors import EngineClosedError, InvalidRequestError
+from .errors import EngineClosedError, InvalidRequestError, KevError
 from .forward import run_model
 from .kv_cache import SequenceKV
 from .pack import Segment, pack
@@ -32,8 +33,16 @@ from .tokenize import Prompt, encode_prompt
 from .unpack import append_token
 
 SamplingArg = SamplingParams | dict[str, Any] | None
-Prepared = tuple[list[int], SamplingParams] | BaseException
+AdapterArg = str | None
+Prepared = tuple[list[int], SamplingParams, AdapterArg] | BaseException
 STAT_KEYS = ("requests", "prefill_passes", "decode_steps", "forward_passes", "prompt_tokens", "generated_tokens")
+
+
+def _failed_future(exc: BaseException) -> Future[Completion]:
+    """A refused request's answer: a future that already holds its error."""
+    future: Future[Completion] = Future()
+    future.set_exception(exc)
+    return future
 
 
 def _prepare_model(model: torch.nn.Module) -> None:
@@ -80,6 +89,7 @@ class Engine:
         max_batch_tokens: token budget of one pass (prefill chunks + one token per decode).
         max_num_seqs: most questions running at once (each holds its own KV cache).
         coalesce_ms: how long an idle engine waits for concurrent callers before a pass.
+        max_adapters: LoRA adapters resident on the model's device at once (others wait on the CPU).
     """
 
     def __init__(
@@ -91,6 +101,7 @@ class Engine:
         max_batch_tokens: int = 8192,
         max_num_seqs: int = 64,
         coalesce_ms: float = 5.0,
+        max_adapters: int = 4,
     ) -> None:
         _prepare_model(model)
         self.model = model
@@ -103,6 +114,7 @@ class Engine:
         self._num_layers = model.config.get_text_config().num_hidden_layers
         self._defaults = Defaults.from_env()
         self._scheduler = Scheduler(max_batch_tokens, max_num_seqs)
+        self._adapters = AdapterPool(model, self.device, max_adapters)
         self._cond = threading.Condition()
         self._forward_lock = threading.Lock()  # one pass at a time: prompt_logits vs the loop
         self._stats = dict.fromkeys(STAT_KEYS, 0)
@@ -119,11 +131,18 @@ class Engine:
         device: str | torch.device | None = None,
         dtype: str | torch.dtype | None = None,
         trust_remote_code: bool = False,
+        adapters: dict[str, str] | None = None,
         **engine_kwargs: Any,
     ) -> Engine:
-        """Load from a local folder, a .gguf file or a hub id; None is the embedded SmolLM2-135M-Instruct."""
+        """Load from a local folder, a .gguf file or a hub id; None is the embedded SmolLM2-135M-Instruct.
+
+        `adapters` maps names to PEFT LoRA folders, loaded before the engine serves.
+        """
         model, tokenizer, name = loader.load(source, device, dtype, trust_remote_code)
-        return cls(model, tokenizer, name=name, **engine_kwargs)
+        engine = cls(model, tokenizer, name=name, **engine_kwargs)
+        for adapter_name, path in (adapters or {}).items():
+            engine.load_adapter(adapter_name, path)
+        return engine
 
     # ---- public API -------------------------------------------------------------------------
 
@@ -131,15 +150,16 @@ class Engine:
         """The exact token ids the engine feeds for `prompt` (chat template applied to messages)."""
         return encode_prompt(self.tokenizer, prompt, self.max_context)
 
-    def submit(self, prompt: Prompt, sampling: SamplingArg = None) -> Future[Completion]:
+    def submit(self, prompt: Prompt, sampling: SamplingArg = None, adapter: AdapterArg = None) -> Future[Completion]:
         """Queue one question; a bad one gets a future that fails alone, never an exception here."""
-        return self._enqueue(self._prepare([prompt], [sampling]))[0]
+        return self._enqueue(self._prepare([prompt], [sampling], [adapter]))[0]
 
     def generate(
         self,
         prompts: Sequence[Prompt],
         sampling: SamplingArg | Sequence[SamplingArg] = None,
         return_exceptions: bool = False,
+        adapters: AdapterArg | Sequence[AdapterArg] = None,
     ) -> list[Completion | BaseException]:
         """Answer all prompts, packed together; results in the caller's order.
 
@@ -149,7 +169,10 @@ class Engine:
         prompts = self._check_prompts(prompts)
         if not prompts:
             return []
-        prepared = self._prepare(prompts, self._per_prompt(sampling, len(prompts)))
+        prepared = self._prepare(
+            prompts, self._per_prompt(sampling, len(prompts), "sampling settings"),
+            self._per_prompt(adapters, len(prompts), "adapters"),
+        )
         if not return_exceptions:
             for item in prepared:
                 if isinstance(item, BaseException):
@@ -165,15 +188,31 @@ class Engine:
                 results.append(exc)
         return results
 
-    def prompt_logits(self, prompts: Sequence[Prompt]) -> list[torch.Tensor]:
+    def prompt_logits(
+        self, prompts: Sequence[Prompt], adapters: AdapterArg | Sequence[AdapterArg] = None
+    ) -> list[torch.Tensor]:
         """Logits of every prompt position, [len_i, vocab] fp32 each, from ONE packed pass."""
         prompts = self._check_prompts(prompts)
         if not prompts:
             return []
+        names = self._per_prompt(adapters, len(prompts), "adapters")
         ids = [self.encode(p) for p in prompts]
-        batch = pack([Segment(i, x, 0, needs_logits=True) for i, x in enumerate(ids)], self.device)
-        with self._forward_lock:
-            logits = run_model(self.model, batch, all_logits=True)  # [T, vocab]
+        segments = [Segment(i, x, 0, needs_logits=True, adapter=a) for i, (x, a) in enumerate(zip(ids, names))]
+        batch = pack(segments, self.device)
+        with self._cond:
+            for name in names:
+                self._adapters.ref(name)
+            for name in names:  # a slot for each adapter, waiting while running requests pin them all
+                while not self._adapters.acquire(name):
+                    self._cond.wait()
+        try:
+            logits = self._forward(batch, all_logits=True)  # [T, vocab]
+        finally:
+            with self._cond:
+                for name in names:
+                    self._adapters.release(name)
+                    self._adapters.unref(name)
+                self._cond.notify_all()
         with self._cond:
             self._stats["prefill_passes"] += 1
             self._stats["forward_passes"] += 1
@@ -184,7 +223,29 @@ class Engine:
     def stats(self) -> dict[str, int]:
         """Counters since start: requests, prefill_passes, decode_steps, forward_passes, tokens."""
         with self._cond:
-            return {**self._stats, "running": len(self._scheduler.running), "waiting": len(self._scheduler.waiting)}
+            return {
+                **self._stats,
+                "running": len(self._scheduler.running),
+                "waiting": len(self._scheduler.waiting),
+                "adapter_evictions": self._adapters.evictions,
+            }
+
+    @property
+    def adapters(self) -> list[str]:
+        """Names of the LoRA adapters requests may use."""
+        with self._cond:
+            return self._adapters.names
+
+    def load_adapter(self, name: str, path: str) -> None:
+        """Hot-load a PEFT LoRA adapter; running requests are not disturbed."""
+        adapter = self._adapters.read(name, path)  # disk + validation, outside every lock
+        with self._forward_lock, self._cond:
+            self._adapters.install(adapter)
+
+    def unload_adapter(self, name: str) -> None:
+        """Forget an adapter; requests already using it finish first, new ones naming it fail."""
+        with self._cond:
+            self._adapters.unload(name)
 
     @property
     def defaults(self) -> Defaults:
@@ -216,17 +277,19 @@ class Engine:
     def step(self) -> int:
         """One pass: schedule → pack → forward → sample → unpack. Returns the tokens it ran."""
         with self._cond:
-            chunks = self._scheduler.schedule()
+            chunks = self._scheduler.schedule(lambda r: self._adapters.acquire(r.adapter))
+            for request in self._scheduler.take_cancelled():
+                self._adapters.unref(request.adapter)
         if not chunks:
             return 0
+        chunks.sort(key=lambda c: (c.request.adapter is not None, c.request.adapter or ""))  # adapter rows contiguous
         for chunk in chunks:
             if chunk.request.cache is None:
                 self._admit(chunk.request)
         batch = pack([self._segment(c) for c in chunks], self.device)
         has_prefill = any(c.request.in_prefill for c in chunks)
         has_decode = any(not c.request.in_prefill for c in chunks)
-        with self._forward_lock:
-            logits = run_model(self.model, batch)  # [K, vocab], K = chunks that sample
+        logits = self._forward(batch)  # [K, vocab], K = chunks that sample
         sampling = [c.request for c in chunks if c.completes_known_tokens]  # before num_computed moves
         for chunk in chunks:
             chunk.request.num_computed += chunk.num_tokens
@@ -239,10 +302,28 @@ class Engine:
             self._stats["generated_tokens"] += len(tokens)
             for request in finished:
                 self._scheduler.finish(request)
+                self._release(request)
         for request in finished:
             request.cache = None  # free its KV memory now, not when the caller drops the result
             request.future.set_result(request.completion())
         return batch.num_tokens
+
+    def _forward(self, batch: Any, all_logits: bool = False) -> torch.Tensor:
+        """The model on one pack, with each segment's adapter routed to its rows."""
+        with self._forward_lock:
+            with self._cond:
+                resident = self._adapters.resident_map()
+            self._adapters.router.set_routes(batch.cu_seqlens_list, batch.adapters, resident)
+            try:
+                return run_model(self.model, batch, all_logits=all_logits)
+            finally:
+                self._adapters.router.clear()
+
+    def _release(self, request: Request) -> None:
+        """Give back what a running request held (its adapter pin); call under self._cond."""
+        self._adapters.release(request.adapter)
+        self._adapters.unref(request.adapter)
+        self._cond.notify_all()
 
     def _segment(self, chunk: Chunk) -> Segment:
         request = chunk.request
@@ -285,20 +366,25 @@ class Engine:
         return list(prompts)
 
     @staticmethod
-    def _per_prompt(sampling: Any, count: int) -> list[SamplingArg]:
-        if isinstance(sampling, (list, tuple)):
-            if len(sampling) != count:
-                raise InvalidRequestError(f"got {len(sampling)} sampling settings for {count} prompts; give one or one each")
-            return list(sampling)
-        return [sampling] * count
+    def _per_prompt(value: Any, count: int, what: str) -> list[Any]:
+        """One value for every prompt, or a list with one each."""
+        if isinstance(value, (list, tuple)):
+            if len(value) != count:
+                raise InvalidRequestError(f"got {len(value)} {what} for {count} prompts; give one or one each")
+            return list(value)
+        return [value] * count
 
-    def _prepare(self, prompts: Sequence[Any], samplings: Sequence[Any]) -> list[Prepared]:
+    def _prepare(self, prompts: Sequence[Any], samplings: Sequence[Any], adapters: Sequence[Any]) -> list[Prepared]:
         """Tokenize and validate each request on its own: a bad one becomes its exception."""
         prepared: list[Prepared] = []
-        for prompt, sampling in zip(prompts, samplings):
+        for prompt, sampling, adapter in zip(prompts, samplings, adapters):
             try:
-                prepared.append((self.encode(prompt), coerce_sampling(sampling)))
-            except InvalidRequestError as exc:
+                if adapter is not None and not isinstance(adapter, str):
+                    raise InvalidRequestError(f"adapter={adapter!r} is not allowed; use an adapter name or None")
+                with self._cond:
+                    self._adapters.check(adapter)
+                prepared.append((self.encode(prompt), coerce_sampling(sampling), adapter))
+            except KevError as exc:
                 prepared.append(exc)
         return prepared
 
@@ -313,17 +399,21 @@ class Engine:
             group: list[Request] = []
             for item in prepared:
                 if isinstance(item, BaseException):
-                    failed: Future[Completion] = Future()
-                    failed.set_exception(item)
-                    out.append(failed)
+                    out.append(_failed_future(item))
                     continue
-                ids, params = item
+                ids, params, adapter = item
+                try:
+                    self._adapters.ref(adapter)  # unloaded since _prepare? then this request fails alone
+                except KevError as exc:
+                    out.append(_failed_future(exc))
+                    continue
                 request = Request(
                     request_id=next(self._request_ids),
                     prompt_ids=ids,
                     sampling=params.with_defaults(defaults),
                     settings_version=defaults.version,
                     max_total=min(len(ids) + params.max_tokens, self.max_context),
+                    adapter=adapter,
                     group=group_id,
                 )
                 group.append(request)
@@ -367,6 +457,7 @@ class Engine:
             failed = list(self._scheduler.running)
             for request in failed:
                 self._scheduler.finish(request)
+                self._release(request)
         for request in failed:
             request.cache = None
             request.future.set_exception(exc)

@@ -10,6 +10,7 @@ them again (continuous batching).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 from .request import Request
 
@@ -45,6 +46,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.waiting: list[Request] = []
         self.running: list[Request] = []
+        self.cancelled: list[Request] = []
 
     def add(self, group: list[Request]) -> None:
         """Queue a group submitted together, shortest bucket first (stable inside a bucket)."""
@@ -53,7 +55,9 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> list[Chunk]:
+    def schedule(self, can_admit: Callable[[Request], bool] = lambda r: True) -> list[Chunk]:
+        """Pick this pass's chunks. `can_admit` reserves what a waiting request needs (its
+        adapter's slot); a request it refuses stays queued and the next one is tried."""
         budget = self.max_batch_tokens
         chunks: list[Chunk] = []
         for request in self.running:
@@ -61,20 +65,35 @@ class Scheduler:
             if pending > 0:
                 chunks.append(Chunk(request, pending))
                 budget -= pending
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self.waiting.pop(0)
+        index = 0
+        while index < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[index]
+            if request.future.cancelled():
+                self.cancelled.append(self.waiting.pop(index))
+                continue
+            if not can_admit(request):
+                index += 1
+                continue
+            self.waiting.pop(index)
             if not request.future.set_running_or_notify_cancel():
-                continue  # cancelled while it waited: never computed
+                self.cancelled.append(request)  # cancelled between the two checks: never computed
+                continue
             self.running.append(request)
             take = min(len(request.prompt_ids), budget)
             chunks.append(Chunk(request, take))
             budget -= take
         return chunks
 
+    def take_cancelled(self) -> list[Request]:
+        """Requests cancelled while they waited (their resources are the engine's to release)."""
+        cancelled, self.cancelled = self.cancelled, []
+        return cancelled
+
     def finish(self, request: Request) -> None:
         self.running.remove(request)
 
     def drain(self) -> list[Request]:
         """Remove and return every request (engine shutdown)."""
-        requests, self.waiting, self.running = self.waiting + self.running, [], []
+        requests = self.waiting + self.running + self.cancelled
+        self.waiting, self.running, self.cancelled = [], [], []
         return requests

@@ -1,0 +1,118 @@
+"""The adapter pool: which LoRA adapters are known, which are resident, which are in use.
+
+`max_adapters` slots live on the model's device; when a new adapter needs a slot, the least
+recently used *idle* one moves to the CPU (kept, not forgotten). An adapter used by an
+in-flight request is pinned (refcount) and never evicted; a request whose adapter cannot get
+a slot yet simply waits in the queue. Unloading an adapter in use takes effect when its last
+request finishes; new requests naming it fail at once.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .errors import UnknownAdapterError
+from .lora import AdapterError, LoraAdapter, LoraRouter, load_adapter, wrap_targets
+
+
+class AdapterPool:
+    def __init__(self, model: nn.Module, device: torch.device, max_adapters: int) -> None:
+        if max_adapters < 1:
+            raise ValueError(f"max_adapters={max_adapters} is not allowed; use an integer >= 1")
+        self.model = model
+        self.device = device
+        self.max_adapters = max_adapters
+        self.router = LoraRouter()
+        self.known: dict[str, LoraAdapter] = {}
+        self.resident: OrderedDict[str, None] = OrderedDict()  # LRU order: oldest first
+        self.refs: Counter[str] = Counter()  # requests queued or running with it: keeps it loaded
+        self.pinned: Counter[str] = Counter()  # requests running with it: keeps it resident
+        self.unloading: set[str] = set()
+        self.evictions = 0
+
+    @property
+    def names(self) -> list[str]:
+        return [n for n in self.known if n not in self.unloading]
+
+    def read(self, name: str, path: str | Path) -> LoraAdapter:
+        """Load and validate from disk (slow; call outside the engine's forward lock)."""
+        if not isinstance(name, str) or not name:
+            raise AdapterError(f"adapter name {name!r} is not allowed; use a non-empty string")
+        if name in self.known:
+            raise AdapterError(f"adapter {name!r} is already loaded (or still finishing its requests); unload it first")
+        return load_adapter(name, path, self.model)
+
+    def install(self, adapter: LoraAdapter) -> None:
+        """Make a read adapter servable: wrap its target modules (under the forward lock)."""
+        wrap_targets(self.model, list(adapter.modules), self.router)
+        self.unloading.discard(adapter.name)
+        self.known[adapter.name] = adapter
+
+    def check(self, name: str | None) -> None:
+        """Raise for an adapter name no request may use."""
+        if name is not None and (name not in self.known or name in self.unloading):
+            raise UnknownAdapterError(f"unknown adapter {name!r}; loaded: {self.names}")
+
+    def ref(self, name: str | None) -> None:
+        """A request naming `name` was queued: it stays loaded until the request ends."""
+        self.check(name)
+        if name is not None:
+            self.refs[name] += 1
+
+    def unref(self, name: str | None) -> None:
+        if name is None:
+            return
+        self.refs[name] -= 1
+        if self.refs[name] <= 0:
+            del self.refs[name]
+            if name in self.unloading:
+                self._forget(name)
+
+    def acquire(self, name: str | None) -> bool:
+        """Pin `name` on the device for one running request; False if every slot is pinned."""
+        if name is None:
+            return True
+        if name not in self.resident:
+            if len(self.resident) >= self.max_adapters and not self._evict_one():
+                return False
+            self.known[name].to(self.device)
+            self.resident[name] = None
+        self.resident.move_to_end(name)
+        self.pinned[name] += 1
+        return True
+
+    def release(self, name: str | None) -> None:
+        if name is None:
+            return
+        self.pinned[name] -= 1
+        if self.pinned[name] <= 0:
+            del self.pinned[name]
+
+    def unload(self, name: str) -> None:
+        """Forget `name` now, or when the last request using it ends; new requests fail at once."""
+        self.check(name)
+        if self.refs[name]:
+            self.unloading.add(name)
+        else:
+            self._forget(name)
+
+    def _evict_one(self) -> bool:
+        for name in self.resident:  # oldest first
+            if not self.pinned[name]:
+                self.known[name].to("cpu")
+                del self.resident[name]
+                self.evictions += 1
+                return True
+        return False
+
+    def _forget(self, name: str) -> None:
+        self.resident.pop(name, None)
+        self.unloading.discard(name)
+        self.known.pop(name, None)
+
+    def resident_map(self) -> dict[str, LoraAdapter]:
+        return {n: self.known[n] for n in self.resident}

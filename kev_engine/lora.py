@@ -1,0 +1,211 @@
+"""LoRA adapters in the packed pass: read from PEFT's files, routed per segment.
+
+Where this sits: `forward`. Target linear layers of the base model are wrapped in
+`MultiLoRALinear`: the base projection runs once over the whole pack, then each adapter's
+`B(A(x)) * scaling` runs only on the rows (tokens) of the segments that use it — grouped by
+adapter, never over tokens it does not own — and is added in place. Base-model questions pay
+nothing. PEFT's own mixed batches route per *sample* (dim 0), which a [1, T] pack cannot use.
+
+Everything about an adapter (rank, alpha, rslora, rank/alpha patterns, targets) comes from
+its `adapter_config.json` and weights, never from the caller; what this path cannot compute
+exactly like PEFT is refused at load with the adapter's name and the reason.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .errors import KevError
+
+PEFT_PREFIX = "base_model.model."
+_UNSUPPORTED_FLAGS = {
+    "use_dora": "DoRA (use_dora=True)",
+    "lora_bias": "LoRA bias terms (lora_bias=True)",
+    "layer_replication": "layer replication",
+    "use_qalora": "QALoRA",
+    "target_parameters": "LoRA on raw parameters (target_parameters)",
+}
+
+
+class AdapterError(KevError, ValueError):
+    """An adapter Kev refuses to load; the message names the adapter and the reason."""
+
+
+@dataclass
+class LoraWeights:
+    """One adapter's weights for one linear module, in the adapter's own dtype."""
+
+    lora_A: torch.Tensor  # [r, in_features]
+    lora_B: torch.Tensor  # [out_features, r]
+    scaling: float
+
+
+@dataclass
+class LoraAdapter:
+    name: str
+    path: str
+    modules: dict[str, LoraWeights]  # base-model module name → weights
+
+    @property
+    def device(self) -> torch.device:
+        return next(iter(self.modules.values())).lora_A.device
+
+    def to(self, device: torch.device | str) -> None:
+        for w in self.modules.values():
+            w.lora_A, w.lora_B = w.lora_A.to(device), w.lora_B.to(device)
+
+    def nbytes(self) -> int:
+        return sum(w.lora_A.nbytes + w.lora_B.nbytes for w in self.modules.values())
+
+
+def _pattern_value(patterns: dict[str, Any], module_name: str, default: Any) -> Any:
+    """PEFT's rank_pattern/alpha_pattern rule: the first key matching the end of the module name."""
+    for key, value in patterns.items():
+        if re.match(rf"(.*\.)?({key})$", module_name):
+            return value
+    return default
+
+
+def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
+    safetensors_file = folder / "adapter_model.safetensors"
+    if safetensors_file.is_file():
+        from safetensors.torch import load_file
+
+        return load_file(str(safetensors_file))
+    bin_file = folder / "adapter_model.bin"
+    if bin_file.is_file():
+        return torch.load(str(bin_file), map_location="cpu", weights_only=True)
+    raise FileNotFoundError(f"no adapter_model.safetensors or adapter_model.bin in {folder}")
+
+
+def load_adapter(name: str, path: str | Path, model: nn.Module) -> LoraAdapter:
+    """Read and validate a PEFT LoRA adapter against `model`; weights stay on the CPU."""
+    folder = Path(path).expanduser()
+    config_file = folder / "adapter_config.json"
+    if not config_file.is_file():
+        raise AdapterError(f"adapter {name!r}: no adapter_config.json in {str(folder)!r}")
+    config = json.loads(config_file.read_text())
+    if config.get("peft_type", "LORA") != "LORA":
+        raise AdapterError(f"adapter {name!r}: peft_type={config.get('peft_type')!r}; only LORA is supported")
+    for flag, what in _UNSUPPORTED_FLAGS.items():
+        if config.get(flag):
+            raise AdapterError(f"adapter {name!r} uses {what}, which Kev's packed LoRA path cannot compute")
+    if config.get("modules_to_save"):
+        raise AdapterError(
+            f"adapter {name!r} has modules_to_save={config['modules_to_save']}; whole replaced modules "
+            "cannot be routed per segment"
+        )
+    rank, alpha = int(config["r"]), float(config["lora_alpha"])
+    rank_pattern, alpha_pattern = config.get("rank_pattern") or {}, config.get("alpha_pattern") or {}
+    rslora = bool(config.get("use_rslora"))
+
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in _read_weights(folder).items():
+        match = re.fullmatch(r"(.+)\.(lora_A|lora_B)\.weight", key.removeprefix(PEFT_PREFIX))
+        if match is None:
+            raise AdapterError(f"adapter {name!r} has weight {key!r}, which is not a LoRA A/B matrix of a linear layer")
+        pairs.setdefault(match.group(1), {})[match.group(2)] = tensor
+
+    modules: dict[str, LoraWeights] = {}
+    for module_name, ab in sorted(pairs.items()):
+        if set(ab) != {"lora_A", "lora_B"}:
+            raise AdapterError(f"adapter {name!r}: module {module_name!r} lacks {({'lora_A', 'lora_B'} - set(ab)).pop()}")
+        try:
+            base = model.get_submodule(module_name)
+        except AttributeError:
+            raise AdapterError(f"adapter {name!r} targets {module_name!r}, which this base model does not have") from None
+        base = base.base if isinstance(base, MultiLoRALinear) else base
+        if not isinstance(base, nn.Linear):
+            raise AdapterError(f"adapter {name!r} targets {module_name!r}, a {type(base).__name__}; only Linear layers")
+        lora_A, lora_B = ab["lora_A"], ab["lora_B"]
+        r = int(_pattern_value(rank_pattern, module_name, rank))
+        if lora_A.shape != (r, base.in_features) or lora_B.shape != (base.out_features, r):
+            raise AdapterError(
+                f"adapter {name!r}: {module_name} has lora_A {list(lora_A.shape)} and lora_B {list(lora_B.shape)}; "
+                f"this base model needs [{r}, {base.in_features}] and [{base.out_features}, {r}] "
+                "(an adapter for another base model?)"
+            )
+        a = float(_pattern_value(alpha_pattern, module_name, alpha))
+        scaling = a / math.sqrt(r) if rslora else a / r
+        modules[module_name] = LoraWeights(lora_A.contiguous(), lora_B.contiguous(), scaling)
+    if not modules:
+        raise AdapterError(f"adapter {name!r} in {str(folder)!r} has no LoRA weights")
+    return LoraAdapter(name=name, path=str(folder), modules=modules)
+
+
+class LoraRouter:
+    """Which rows of the current pack belong to which adapter; set for one forward at a time."""
+
+    def __init__(self) -> None:
+        self.routes: list[tuple[LoraAdapter, slice | torch.Tensor]] = []
+
+    def set_routes(self, cu_seqlens: list[int], adapters: list[str | None], resident: dict[str, LoraAdapter]) -> None:
+        """Group segments by adapter: contiguous rows become one slice, scattered ones an index."""
+        ranges: dict[str, list[tuple[int, int]]] = {}
+        for i, name in enumerate(adapters):
+            if name is not None:
+                ranges.setdefault(name, []).append((cu_seqlens[i], cu_seqlens[i + 1]))
+        self.routes = []
+        for name, spans in ranges.items():
+            adapter = resident[name]
+            merged = spans[0][0] if all(a == b for (_, b), (a, _) in zip(spans, spans[1:])) else None
+            if merged is not None:
+                self.routes.append((adapter, slice(merged, spans[-1][1])))
+            else:
+                rows = torch.cat([torch.arange(a, b) for a, b in spans]).to(adapter.device)
+                self.routes.append((adapter, rows))
+
+    def clear(self) -> None:
+        self.routes = []
+
+    def __iter__(self) -> Iterator[tuple[LoraAdapter, slice | torch.Tensor]]:
+        return iter(self.routes)
+
+
+class MultiLoRALinear(nn.Module):
+    """A base `nn.Linear` plus every adapter that targets it, applied per segment."""
+
+    def __init__(self, base: nn.Linear, module_name: str, router: LoraRouter) -> None:
+        super().__init__()
+        self.base = base
+        self.module_name = module_name
+        self.router = router
+
+    @property
+    def weight(self) -> torch.Tensor:  # models that read `.weight` directly (tied heads, dtype probes)
+        return self.base.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.base(x)  # [1, T, out]: the base projection once over the whole pack
+        for adapter, rows in self.router:
+            weights = adapter.modules.get(self.module_name)
+            if weights is None:
+                continue  # this adapter does not target this module
+            # PEFT's math on the token dimension; adapters keep their own dtype (cast in, cast back)
+            x_rows = x[0, rows].to(weights.lora_A.dtype)  # [n, in]
+            delta = F.linear(F.linear(x_rows, weights.lora_A), weights.lora_B) * weights.scaling  # [n, out]
+            if isinstance(rows, slice):
+                out[0, rows] += delta.to(out.dtype)
+            else:
+                out[0].index_add_(0, rows, delta.to(out.dtype))
+        return out
+
+
+def wrap_targets(model: nn.Module, module_names: list[str], router: LoraRouter) -> None:
+    """Wrap each named Linear of `model` (once) so adapters can be routed through it."""
+    for module_name in module_names:
+        module = model.get_submodule(module_name)
+        if isinstance(module, MultiLoRALinear):
+            continue
+        parent_name, _, child = module_name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, MultiLoRALinear(module, module_name, router))
