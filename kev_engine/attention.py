@@ -125,7 +125,7 @@ def kev_attention(
         raise RuntimeError("Kev's packed attention takes no attention mask; the pack defines the segments")
     if kwargs.get("sliding_window") is not None or kwargs.get("softcap") is not None:
         raise NotImplementedError("Kev's packed attention supports neither sliding windows nor soft-capping yet")
-    layer = module.layer_idx
+    layer = int(module.layer_idx)  # type: ignore[arg-type]
     q, k, v = query[0], key[0], value[0]
     _write_caches(batch, layer, k, v)
     if use_flash(q):

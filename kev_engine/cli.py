@@ -15,8 +15,9 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import fields
-from typing import Any, Sequence, TextIO
+from typing import Any, TextIO
 
 from .engine import Engine
 from .errors import InvalidRequestError

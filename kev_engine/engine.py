@@ -13,8 +13,9 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import Future
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -45,7 +46,7 @@ def _failed_future(exc: BaseException) -> Future[Completion]:
     return future
 
 
-def _prepare_model(model: torch.nn.Module) -> None:
+def _prepare_model(model: Any) -> None:
     """Switch the model to Kev's packed attention; refuse what that attention cannot do."""
     config = model.config.get_text_config()
     if "sliding_attention" in (getattr(config, "layer_types", None) or []):
@@ -59,7 +60,7 @@ def _prepare_model(model: torch.nn.Module) -> None:
     model.eval().requires_grad_(False)
 
 
-def _context_length(model: torch.nn.Module, tokenizer: Any) -> int:
+def _context_length(model: Any, tokenizer: Any) -> int:
     config = model.config.get_text_config()
     length = getattr(config, "max_position_embeddings", None)
     if not length:
@@ -69,7 +70,7 @@ def _context_length(model: torch.nn.Module, tokenizer: Any) -> int:
     return int(length)
 
 
-def _eos_ids(model: torch.nn.Module, tokenizer: Any) -> frozenset[int]:
+def _eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:
     ids: set[int] = set()
     generation_config = getattr(model, "generation_config", None)
     for value in (getattr(generation_config, "eos_token_id", None), tokenizer.eos_token_id):

@@ -76,7 +76,7 @@ def converted_gguf_dir(gguf: Path) -> Path:
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     # the weights are already dequantized to fp32; drop the GGUF marker so they save as plain safetensors
-    model.hf_quantizer = None
+    model.hf_quantizer = None  # type: ignore[assignment]
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -118,4 +118,4 @@ def load(
     kwargs = {"trust_remote_code": trust_remote_code}
     tokenizer = AutoTokenizer.from_pretrained(str(folder), **kwargs)
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch_dtype, **kwargs)
-    return model.to(torch_device), tokenizer, name
+    return model.to(torch_device), tokenizer, name  # type: ignore[arg-type]

@@ -16,9 +16,10 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -118,11 +119,14 @@ def load_adapter(name: str, path: str | Path, model: nn.Module) -> LoraAdapter:
     modules: dict[str, LoraWeights] = {}
     for module_name, ab in sorted(pairs.items()):
         if set(ab) != {"lora_A", "lora_B"}:
-            raise AdapterError(f"adapter {name!r}: module {module_name!r} lacks {({'lora_A', 'lora_B'} - set(ab)).pop()}")
+            missing = ({"lora_A", "lora_B"} - set(ab)).pop()
+            raise AdapterError(f"adapter {name!r}: module {module_name!r} lacks {missing}")
         try:
             base = model.get_submodule(module_name)
         except AttributeError:
-            raise AdapterError(f"adapter {name!r} targets {module_name!r}, which this base model does not have") from None
+            raise AdapterError(
+                f"adapter {name!r} targets {module_name!r}, which this base model does not have"
+            ) from None
         base = base.base if isinstance(base, MultiLoRALinear) else base
         if not isinstance(base, nn.Linear):
             raise AdapterError(f"adapter {name!r} targets {module_name!r}, a {type(base).__name__}; only Linear layers")
@@ -206,6 +210,8 @@ def wrap_targets(model: nn.Module, module_names: list[str], router: LoraRouter) 
         module = model.get_submodule(module_name)
         if isinstance(module, MultiLoRALinear):
             continue
+        if not isinstance(module, nn.Linear):
+            raise AdapterError(f"{module_name!r} is a {type(module).__name__}; LoRA routing wraps Linear layers only")
         parent_name, _, child = module_name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, MultiLoRALinear(module, module_name, router))

@@ -8,8 +8,8 @@ Python list-building, then one host→device copy.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import torch
 

@@ -8,7 +8,7 @@ it is packed with — or from the engine's generator (unseeded ones).
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

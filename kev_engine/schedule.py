@@ -9,8 +9,8 @@ them again (continuous batching).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from .request import Request
 

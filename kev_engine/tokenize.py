@@ -7,12 +7,13 @@ segment of a pack is shifted by a neighbour. Template output is tokenized with
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence, Union
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from .errors import InvalidRequestError
 
 Message = Mapping[str, Any]
-Prompt = Union[str, Sequence[Message]]
+Prompt = str | Sequence[Message]
 
 
 def _check_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:

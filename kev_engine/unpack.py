@@ -6,7 +6,8 @@ whatever order the scheduler packed them in.
 
 from __future__ import annotations
 
-from typing import Any, Collection
+from collections.abc import Collection
+from typing import Any
 
 from .request import Request
 

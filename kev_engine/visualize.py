@@ -11,7 +11,8 @@ dense T×T array; each triangle is drawn as one polygon in scaled pixel coordina
 from __future__ import annotations
 
 import os
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from PIL import Image, ImageDraw, ImageFont
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
 from conftest import QUESTIONS, reference_copy, tiny_model
+
 from kev_engine import Engine, SamplingParams, attention
 from kev_engine.pack import Segment, pack
 
@@ -35,7 +35,8 @@ def test_flash_varlen_path_matches_solo(tokenizer, monkeypatch) -> None:
     reference = reference_copy(model)
     monkeypatch.setattr(attention, "_flash_attn_varlen_func", varlen_reference)
     monkeypatch.setattr(attention, "use_flash", lambda query: True)
-    engine = Engine(model, tokenizer, max_batch_tokens=40, max_num_seqs=8)  # chunked prefill: cached prefixes + new chunks
+    # a small budget chunks the prefill: new chunks attend to cached prefixes
+    engine = Engine(model, tokenizer, max_batch_tokens=40, max_num_seqs=8)
     results = engine.generate(QUESTIONS, SamplingParams(temperature=0, max_tokens=6))
     for prompt, result in zip(QUESTIONS, results):
         ids = torch.tensor([engine.encode(prompt)])

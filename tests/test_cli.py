@@ -8,9 +8,9 @@ from typing import Any
 
 import numpy as np
 import pytest
+from conftest import chat, tiny_model
 from PIL import Image
 
-from conftest import chat, tiny_model
 from kev_engine import Engine, SamplingParams, cli
 from kev_engine import visualize as vis
 

@@ -6,8 +6,8 @@ import math
 import threading
 
 import pytest
+from conftest import QUESTIONS
 
-from conftest import QUESTIONS, chat
 from kev_engine import Engine, InvalidRequestError, SamplingParams
 from kev_engine.params import Defaults
 
@@ -15,7 +15,9 @@ from kev_engine.params import Defaults
 def test_seeded_sampling_is_independent_of_pack_mates(tiny_engine: Engine) -> None:
     seeded = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=1234, max_tokens=12)
     alone = tiny_engine.generate([QUESTIONS[0]], seeded)[0]
-    mates = [SamplingParams(temperature=0.7, max_tokens=5), seeded, SamplingParams(temperature=1.3, seed=9, max_tokens=20)]
+    mates = [
+        SamplingParams(temperature=0.7, max_tokens=5), seeded, SamplingParams(temperature=1.3, seed=9, max_tokens=20)
+    ]
     packed = tiny_engine.generate([QUESTIONS[3], QUESTIONS[0], QUESTIONS[1]], mates)[1]
     assert packed.token_ids == alone.token_ids
     other_seed = tiny_engine.generate([QUESTIONS[0]], SamplingParams(temperature=1.0, seed=99, max_tokens=12))[0]

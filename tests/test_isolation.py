@@ -7,8 +7,8 @@ transformers forward / generate of that question alone (independent model, same 
 from __future__ import annotations
 
 import torch
-
 from conftest import QUESTIONS, chat, reference_copy, tiny_model
+
 from kev_engine import Engine, SamplingParams
 
 ATOL = 1e-4

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import QUESTIONS, reference_copy, tiny_model
 from peft import LoraConfig, PeftModel, get_peft_model
 
-from conftest import QUESTIONS, chat, reference_copy, tiny_model
 from kev_engine import Engine, SamplingParams, UnknownAdapterError
 from kev_engine.lora import AdapterError
 

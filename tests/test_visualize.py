@@ -6,9 +6,9 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from conftest import QUESTIONS
 from PIL import Image
 
-from conftest import QUESTIONS
 from kev_engine import Engine, InvalidRequestError
 from kev_engine import visualize as vis
 
