@@ -35,11 +35,31 @@ def _no_mask(*args: Any, **kwargs: Any) -> None:
     return None
 
 
+def _decode_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None
+) -> torch.Tensor:
+    """One new token over its own cache: query [H, 1, D], key/value [kvH, L, D] → [H, 1, D].
+
+    Two small bmm calls with the query heads grouped per kv head (GQA without repeating
+    keys). CPU SDPA kernels spend far longer on setup than on math for a single query
+    (about 130 µs per call in bf16 here), and decode makes one call per question per layer.
+    """
+    num_heads, _, head_dim = query.shape
+    num_kv_heads = key.shape[0]
+    scale = scaling if scaling is not None else head_dim**-0.5
+    q = query.reshape(num_kv_heads, num_heads // num_kv_heads, head_dim)  # [kvH, G, D]
+    scores = torch.bmm(q, key.transpose(1, 2)).float() * scale  # [kvH, G, L], softmax in fp32
+    out = torch.bmm(scores.softmax(dim=-1).to(value.dtype), value)  # [kvH, G, D]
+    return out.reshape(num_heads, 1, head_dim)
+
+
 def _segment_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, past_len: int, scaling: float | None
 ) -> torch.Tensor:
     """query [H, n, D] over key/value [kvH, past_len + n, D] → [H, n, D], causal, bottom-right aligned."""
     n = query.shape[1]
+    if n == 1:
+        return _decode_attention(query, key, value, scaling)
     mask = None
     is_causal = False
     if n > 1 and past_len == 0:
