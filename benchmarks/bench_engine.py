@@ -1,6 +1,6 @@
 """Benchmark Kev's packed engine against plain baselines on the 16-question RAG workload.
 
-What it measures (greedy decoding, fp32 on CPU, torch threads = all usable cores):
+What it measures (greedy decoding, fp32 on CPU unless --dtype bfloat16, torch threads = all usable cores):
 
 * ``kev``       - ``Engine.generate`` on all 16 chats at once (one packed prefill, then decode).
 * ``hf_serial`` - HF ``model.generate`` per question: the naive loop, and the reference answers.
@@ -53,18 +53,18 @@ def strip_stop(ids: list[int], stop: set[int]) -> list[int]:
     return next((ids[:i] for i, t in enumerate(ids) if t in stop), ids)
 
 
-def load_hf(max_tokens: int) -> tuple[torch.nn.Module, Any]:
-    """Plain HF model dequantised from the same GGUF, fp32 + SDPA, with a greedy GenerationConfig."""
+def load_hf(max_tokens: int, dtype: str) -> tuple[torch.nn.Module, Any]:
+    """Plain HF model dequantised from the same GGUF, in `dtype` + SDPA, with a greedy GenerationConfig."""
     from transformers import AutoModelForCausalLM, GenerationConfig
-    model = AutoModelForCausalLM.from_pretrained(GGUF_DIR, gguf_file=GGUF_NAME, dtype=torch.float32,
+    model = AutoModelForCausalLM.from_pretrained(GGUF_DIR, gguf_file=GGUF_NAME, dtype=getattr(torch, dtype),
                                                  attn_implementation="sdpa").eval()
     eos = model.config.eos_token_id
     return model, GenerationConfig(do_sample=False, max_new_tokens=max_tokens, eos_token_id=eos,
                                    pad_token_id=model.config.pad_token_id or eos)
 
 
-def run_kev(prompts: list[list[int]], max_tokens: int) -> Runner:
-    engine = Engine.from_pretrained()
+def run_kev(prompts: list[list[int]], max_tokens: int, dtype: str) -> Runner:
+    engine = Engine.from_pretrained(dtype=dtype)
     msgs = [rag_messages(it) for it in load_rag()]
     sp = SamplingParams(temperature=0, max_tokens=max_tokens)
     engine.generate(msgs[:1], sampling=sp)  # warm-up
@@ -83,7 +83,8 @@ def run_kev(prompts: list[list[int]], max_tokens: int) -> Runner:
         one, before = SamplingParams(temperature=0, max_tokens=1), engine.stats()["prefill_passes"]
         best = min(timeit.repeat(lambda: engine.generate(msgs, sampling=one), number=1, repeat=3))
         flops = prefill_flops(engine.model.config, [len(p) for p in prompts], len(prompts))
-        return {**extra, "prefill_s": best, "prefill_flops": flops, "matmul_gflops": matmul_peak_gflops(),
+        peak = matmul_peak_gflops(dtype=getattr(torch, dtype))
+        return {**extra, "prefill_s": best, "prefill_flops": flops, "matmul_gflops": peak,
                 "prefill_passes_per_call": (engine.stats()["prefill_passes"] - before) / 3}
     return timed, after
 
@@ -101,8 +102,8 @@ def prefill_flops(cfg: Any, lengths: list[int], logit_rows: int) -> float:
     return float(linear + attn + 2 * cfg.vocab_size * d * logit_rows)
 
 
-def run_hf_serial(prompts: list[list[int]], max_tokens: int) -> Runner:
-    model, gen = load_hf(max_tokens)
+def run_hf_serial(prompts: list[list[int]], max_tokens: int, dtype: str) -> Runner:
+    model, gen = load_hf(max_tokens, dtype)
 
     @torch.inference_mode()
     def one(ids: list[int]) -> list[int]:
@@ -113,8 +114,8 @@ def run_hf_serial(prompts: list[list[int]], max_tokens: int) -> Runner:
     return (lambda: [one(p) for p in prompts]), dict
 
 
-def run_hf_padded(prompts: list[list[int]], max_tokens: int) -> Runner:
-    model, gen = load_hf(max_tokens)
+def run_hf_padded(prompts: list[list[int]], max_tokens: int, dtype: str) -> Runner:
+    model, gen = load_hf(max_tokens, dtype)
 
     @torch.inference_mode()
     def batch(ps: list[list[int]]) -> list[list[int]]:
@@ -127,7 +128,7 @@ def run_hf_padded(prompts: list[list[int]], max_tokens: int) -> Runner:
     return (lambda: batch(prompts)), (lambda: {"padded_tokens": len(prompts) * max(map(len, prompts))})
 
 
-def run_llamacpp(prompts: list[list[int]], max_tokens: int) -> Runner:
+def run_llamacpp(prompts: list[list[int]], max_tokens: int, dtype: str) -> Runner:  # GGUF's own quantisation
     import llama_cpp  # ImportError -> reported as skipped
     llm = llama_cpp.Llama(model_path=os.path.join(GGUF_DIR, GGUF_NAME), n_ctx=2048, n_threads=CORES,
                           n_threads_batch=CORES, seed=0, verbose=False)
@@ -153,7 +154,7 @@ def worker(name: str, ids_path: str, out_path: str) -> None:
     torch.set_num_threads(CORES)
     data = json.loads(Path(ids_path).read_text())  # prompts, stop ids, max_tokens, repeat
     try:
-        timed, after = RUNNERS[name](data["prompts"], data["max_tokens"])
+        timed, after = RUNNERS[name](data["prompts"], data["max_tokens"], data["dtype"])
     except ImportError as e:
         Path(out_path).write_text(json.dumps({"skipped": f"{type(e).__name__}: {e}"}))
         return
@@ -171,16 +172,16 @@ def worker(name: str, ids_path: str, out_path: str) -> None:
     Path(out_path).write_text(json.dumps(res))
 
 
-def matmul_peak_gflops(n: int = 2048, reps: int = 5) -> float:
-    """Best-of-`reps` fp32 torch.matmul of two n x n matrices, after 2 warm-up calls."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
+def matmul_peak_gflops(n: int = 2048, reps: int = 5, dtype: torch.dtype = torch.float32) -> float:
+    """Best-of-`reps` torch.matmul of two n x n `dtype` matrices, after 2 warm-up calls."""
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
     torch.matmul(a, b), torch.matmul(a, b)  # warm-up
     return 2 * n**3 / min(timeit.repeat(lambda: torch.matmul(a, b), number=1, repeat=reps)) / 1e9
 
 
-def report(res: dict[str, dict], max_tokens: int, stats: dict) -> str:
+def report(res: dict[str, dict], max_tokens: int, stats: dict, dtype: str) -> str:
     kev = res.get("kev", {})
-    lines = [(f"# bench_engine: {stats['n']} RAG questions, greedy, max_new_tokens={max_tokens}, fp32 CPU, "
+    lines = [(f"# bench_engine: {stats['n']} RAG questions, greedy, max_new_tokens={max_tokens}, {dtype} CPU, "
               f"{CORES} threads, torch {torch.__version__}, {os.uname().machine}"), "",
              (f"Prompt tokens: {stats['prompt_tokens']} total, min {stats['min']}, max {stats['max']}. "
               f"Wall = best of {stats['repeat']} timed run(s) after a 1-question warm-up."), "",
@@ -196,7 +197,7 @@ def report(res: dict[str, dict], max_tokens: int, stats: dict) -> str:
         lines.append(f"| {name} | {wall} | {sum(map(len, r['token_ids']))} | {speed} | {mem} |")
     if "prefill_s" in kev:
         peak = kev["matmul_gflops"]  # measured in the kev worker right after its prefill timing
-        lines += ["", f"fp32 matmul peak (2048^3 torch.matmul, best of 5): {peak:.1f} GFLOP/s"]
+        lines += ["", f"{dtype} matmul peak (2048^3 torch.matmul, best of 5): {peak:.1f} GFLOP/s"]
         gflop, sec, rate = kev["prefill_flops"] / 1e9, kev["prefill_s"], kev["prefill_flops"] / 1e9 / kev["prefill_s"]
         lines.append(f"kev prefill GFLOP/s, % of peak: {rate:.1f} GFLOP/s, {100 * rate / peak:.1f}% "
                      f"({gflop:.1f} GFLOP in {sec:.3f} s: best of 3 generate(max_tokens=1) calls of "
@@ -216,6 +217,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--repeat", type=int, default=1, help="timed runs per system; the best is reported")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                    help="dtype of kev and the transformers baselines (llama.cpp keeps its GGUF quantisation)")
     ap.add_argument("--only", choices=SYSTEMS)
     ap.add_argument("--skip", action="append", default=[], choices=SYSTEMS)
     ap.add_argument("--worker", nargs=3, metavar=("NAME", "IDS_JSON", "OUT_JSON"), help=argparse.SUPPRESS)
@@ -239,9 +242,10 @@ def main() -> None:
             rc = subprocess.call([sys.executable, __file__, "--worker", name, ids_path, out])
             r = results[name] = json.loads(Path(out).read_text()) if rc == 0 else {"skipped": f"worker exit code {rc}"}
             print(f"{name}: " + (r["skipped"] if "skipped" in r else f"{r['wall_s']:.2f} s"), flush=True)
-    md = report(results, args.max_tokens, stats)
-    RESULTS_MD.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS_MD.write_text(md)
+    md = report(results, args.max_tokens, stats, args.dtype)
+    target = RESULTS_MD if args.dtype == "float32" else RESULTS_MD.with_name(f"bench_engine_{args.dtype}.md")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(md)
     print("\n" + md)
 
 
