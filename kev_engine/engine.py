@@ -11,10 +11,11 @@ between decode steps (continuous batching).
 from __future__ import annotations
 
 import itertools
+import queue
 import threading
 import time
-from collections.abc import Sequence
-from concurrent.futures import Future
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, InvalidStateError
 from typing import Any
 
 import torch
@@ -31,12 +32,14 @@ from .request import Completion, Request
 from .sample import sample
 from .schedule import Chunk, Scheduler
 from .tokenize import Prompt, encode_prompt
-from .unpack import append_token
+from .unpack import append_token, text_delta
 
 SamplingArg = SamplingParams | dict[str, Any] | None
 AdapterArg = str | None
 Prepared = tuple[list[int], SamplingParams, AdapterArg] | BaseException
-STAT_KEYS = ("requests", "prefill_passes", "decode_steps", "forward_passes", "prompt_tokens", "generated_tokens")
+STAT_KEYS = (
+    "requests", "prefill_passes", "decode_steps", "forward_passes", "prompt_tokens", "generated_tokens", "cancelled"
+)
 
 
 def _failed_future(exc: BaseException) -> Future[Completion]:
@@ -44,6 +47,21 @@ def _failed_future(exc: BaseException) -> Future[Completion]:
     future: Future[Completion] = Future()
     future.set_exception(exc)
     return future
+
+
+def _resolve(future: Future[Completion], result: Completion | None = None, exc: BaseException | None = None) -> None:
+    """Complete a request's future unless its caller cancelled it meanwhile.
+
+    Futures stay PENDING while their request runs (never `set_running_or_notify_cancel`), so a
+    caller — or asyncio, through `wrap_future` — can cancel a request at any time before it ends.
+    """
+    try:
+        if exc is not None:
+            future.set_exception(exc)
+        else:
+            future.set_result(result)  # type: ignore[arg-type]
+    except InvalidStateError:  # cancelled between our check and now: nobody waits for it
+        pass
 
 
 def _prepare_model(model: Any) -> None:
@@ -151,9 +169,31 @@ class Engine:
         """The exact token ids the engine feeds for `prompt` (chat template applied to messages)."""
         return encode_prompt(self.tokenizer, prompt, self.max_context)
 
-    def submit(self, prompt: Prompt, sampling: SamplingArg = None, adapter: AdapterArg = None) -> Future[Completion]:
-        """Queue one question; a bad one gets a future that fails alone, never an exception here."""
-        return self._enqueue(self._prepare([prompt], [sampling], [adapter]))[0]
+    def submit(
+        self,
+        prompt: Prompt,
+        sampling: SamplingArg = None,
+        adapter: AdapterArg = None,
+        on_text: Callable[[str], None] | None = None,
+    ) -> Future[Completion]:
+        """Queue one question; a bad one gets a future that fails alone, never an exception here.
+
+        `on_text(piece)` streams the answer as it grows (called on the scheduler thread: keep it
+        quick). Cancelling the future stops the request at the next pass.
+        """
+        return self._enqueue(self._prepare([prompt], [sampling], [adapter]), on_text=on_text)[0]
+
+    def stream(self, prompt: Prompt, sampling: SamplingArg = None, adapter: AdapterArg = None) -> Iterator[str]:
+        """Yield the answer's text piece by piece; it shares passes with everything else running."""
+        pieces: queue.SimpleQueue[str | None] = queue.SimpleQueue()
+        future = self.submit(prompt, sampling, adapter, on_text=pieces.put)
+        future.add_done_callback(lambda _: pieces.put(None))
+        try:
+            while (piece := pieces.get()) is not None:
+                yield piece
+            future.result()  # a failed request raises here, after what it streamed
+        finally:
+            future.cancel()  # the consumer stopped early: stop computing (no-op once finished)
 
     def generate(
         self,
@@ -278,9 +318,13 @@ class Engine:
     def step(self) -> int:
         """One pass: schedule → pack → forward → sample → unpack. Returns the tokens it ran."""
         with self._cond:
-            chunks = self._scheduler.schedule(lambda r: self._adapters.acquire(r.adapter))
-            for request in self._scheduler.take_cancelled():
+            for request in self._scheduler.take_cancelled():  # running ones stop computing now
+                if request.cache is not None:
+                    self._adapters.release(request.adapter)
                 self._adapters.unref(request.adapter)
+                request.cache = None
+                self._stats["cancelled"] += 1
+            chunks = self._scheduler.schedule(lambda r: self._adapters.acquire(r.adapter))
         if not chunks:
             return 0
         chunks.sort(key=lambda c: (c.request.adapter is not None, c.request.adapter or ""))  # adapter rows contiguous
@@ -296,6 +340,11 @@ class Engine:
             chunk.request.num_computed += chunk.num_tokens
         tokens = self._sample(logits, sampling).tolist() if sampling else []
         finished = [r for r, t in zip(sampling, tokens) if append_token(r, t, self.eos_ids, self.tokenizer)]
+        for request in sampling:
+            if request.on_text is not None:
+                delta = text_delta(request)
+                if delta:
+                    request.on_text(delta)
         with self._cond:
             self._stats["forward_passes"] += 1
             self._stats["prefill_passes"] += has_prefill
@@ -306,7 +355,7 @@ class Engine:
                 self._release(request)
         for request in finished:
             request.cache = None  # free its KV memory now, not when the caller drops the result
-            request.future.set_result(request.completion())
+            _resolve(request.future, request.completion())
         return batch.num_tokens
 
     def _forward(self, batch: Any, all_logits: bool = False) -> torch.Tensor:
@@ -389,7 +438,9 @@ class Engine:
                 prepared.append(exc)
         return prepared
 
-    def _enqueue(self, prepared: Sequence[Prepared]) -> list[Future[Completion]]:
+    def _enqueue(
+        self, prepared: Sequence[Prepared], on_text: Callable[[str], None] | None = None
+    ) -> list[Future[Completion]]:
         """Queue all valid requests as one group; a refused one gets an already-failed future."""
         out: list[Future[Completion]] = []
         with self._cond:
@@ -416,6 +467,7 @@ class Engine:
                     max_total=min(len(ids) + params.max_tokens, self.max_context),
                     adapter=adapter,
                     group=group_id,
+                    on_text=on_text,
                 )
                 group.append(request)
                 out.append(request.future)
@@ -449,9 +501,7 @@ class Engine:
                 self._fail_running(exc)
         for request in pending:
             request.cache = None
-            future = request.future
-            if future.running() or (not future.done() and future.set_running_or_notify_cancel()):
-                future.set_exception(EngineClosedError("the engine was closed before this request finished"))
+            _resolve(request.future, exc=EngineClosedError("the engine was closed before this request finished"))
 
     def _fail_running(self, exc: BaseException) -> None:
         with self._cond:
@@ -461,4 +511,4 @@ class Engine:
                 self._release(request)
         for request in failed:
             request.cache = None
-            request.future.set_exception(exc)
+            _resolve(request.future, exc=exc)

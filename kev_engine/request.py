@@ -7,6 +7,7 @@ generated, and the future its caller waits on.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Literal
@@ -49,6 +50,8 @@ class Request:
     generator: torch.Generator | None = None
     text: str = ""
     finish_reason: FinishReason | None = None
+    on_text: Callable[[str], None] | None = None  # streaming: called with each new piece of text
+    streamed: int = 0  # characters of `text` already handed to on_text
 
     @property
     def all_ids(self) -> list[int]:

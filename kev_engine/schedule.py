@@ -75,9 +75,6 @@ class Scheduler:
                 index += 1
                 continue
             self.waiting.pop(index)
-            if not request.future.set_running_or_notify_cancel():
-                self.cancelled.append(request)  # cancelled between the two checks: never computed
-                continue
             self.running.append(request)
             take = min(len(request.prompt_ids), budget)
             chunks.append(Chunk(request, take))
@@ -85,8 +82,11 @@ class Scheduler:
         return chunks
 
     def take_cancelled(self) -> list[Request]:
-        """Requests cancelled while they waited (their resources are the engine's to release)."""
-        cancelled, self.cancelled = self.cancelled, []
+        """Requests whose caller cancelled them, waiting or running: they leave now, and their
+        resources (adapter pins, KV cache) are the engine's to release."""
+        running = [r for r in self.running if r.future.cancelled()]
+        self.running = [r for r in self.running if not r.future.cancelled()]
+        cancelled, self.cancelled = self.cancelled + running, []
         return cancelled
 
     def finish(self, request: Request) -> None:

@@ -18,6 +18,25 @@ def _find_stop(text: str, stops: tuple[str, ...], search_from: int) -> int:
     return min(hits) if hits else -1
 
 
+def text_delta(request: Request) -> str:
+    """Text that is safe to stream now, and mark it streamed.
+
+    Until the request finishes, hold back what could still turn out to be the start of a stop
+    string (it would be cut from the final text) and a trailing partial UTF-8 character.
+    """
+    text = request.text
+    end = len(text)
+    if request.finish_reason is None:
+        if request.sampling.stop:
+            end -= max(len(s) for s in request.sampling.stop) - 1
+        while end > 0 and text[end - 1] == "\ufffd":
+            end -= 1
+    if end <= request.streamed:
+        return ""
+    delta, request.streamed = text[request.streamed : end], end
+    return delta
+
+
 def append_token(request: Request, token: int, eos_ids: Collection[int], tokenizer: Any) -> bool:
     """Record one generated token; return True when the request is finished."""
     request.output_ids.append(token)

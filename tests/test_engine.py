@@ -209,3 +209,48 @@ def test_closed_engine_refuses_new_work(tokenizer) -> None:
     engine.close()
     with pytest.raises(Exception, match="closed"):
         engine.submit(QUESTIONS[0])
+
+
+# ---- streaming and cancellation ------------------------------------------------------------------
+
+
+def test_stream_pieces_add_up_to_the_answer(tiny_engine: Engine) -> None:
+    params = SamplingParams(temperature=0, max_tokens=15)
+    whole = tiny_engine.generate([QUESTIONS[0]], params)[0].text
+    pieces = list(tiny_engine.stream(QUESTIONS[0], params))
+    assert len(pieces) > 1 and "".join(pieces) == whole
+
+
+def test_stream_never_shows_a_stop_string(tiny_engine: Engine) -> None:
+    free = tiny_engine.generate([QUESTIONS[0]], SamplingParams(temperature=0, max_tokens=20))[0].text
+    stop = free[5:8]
+    cut = SamplingParams(temperature=0, max_tokens=20, stop=[stop])
+    streamed = "".join(tiny_engine.stream(QUESTIONS[0], cut))
+    assert streamed == free[: free.find(stop)] and stop not in streamed
+
+
+def test_cancelling_a_running_request_leaves_the_others_answered(tiny_engine: Engine) -> None:
+    started = threading.Event()
+    long_one = tiny_engine.submit(QUESTIONS[0], SamplingParams(max_tokens=200), on_text=lambda _: started.set())
+    others = [tiny_engine.submit(q, SamplingParams(temperature=0, max_tokens=30)) for q in QUESTIONS[1:4]]
+    assert started.wait(30)
+    assert long_one.cancel()  # running requests stay cancellable
+    answers = [f.result() for f in others]
+    assert all(a.completion_tokens == 30 for a in answers)
+    solo = tiny_engine.generate(QUESTIONS[1:4], SamplingParams(temperature=0, max_tokens=30))
+    assert [a.token_ids for a in answers] == [s.token_ids for s in solo]
+    stats = tiny_engine.stats()
+    assert stats["cancelled"] == 1 and stats["running"] == 0
+    assert stats["generated_tokens"] < 200 + 6 * 30  # the cancelled one stopped early
+
+
+def test_cancelling_a_waiting_request_never_computes_it(tokenizer) -> None:
+    from conftest import tiny_model
+
+    engine = Engine(tiny_model("llama", tokenizer), tokenizer, max_num_seqs=1, max_batch_tokens=64)
+    first = engine.submit(QUESTIONS[0], SamplingParams(max_tokens=20))
+    queued = engine.submit(QUESTIONS[1], SamplingParams(max_tokens=20))
+    assert queued.cancel()
+    assert first.result().completion_tokens == 20
+    assert engine.stats()["requests"] == 2 and engine.stats()["generated_tokens"] == 20
+    engine.close()
