@@ -1,0 +1,42 @@
+"""One engine per (source, device, dtype), shared by every LLM object that names it.
+
+LangChain and LlamaIndex copy LLM objects freely (`bind`, `configurable_fields`, `model_copy`),
+so construction must be cheap: the model loads on first use, once, and every copy shares that
+engine — and therefore its packed passes.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+
+from kev_engine import Engine
+
+_lock = threading.Lock()
+_engines: dict[tuple[str | None, str | None, str | None], Engine] = {}
+
+
+def shared_engine(
+    source: str | None = None,
+    device: str | None = None,
+    dtype: str | None = None,
+    adapters: Mapping[str, str] | None = None,
+) -> Engine:
+    """The engine for (source, device, dtype), loading it on first use; adapters are loaded once."""
+    key = (source, device, dtype)
+    with _lock:  # one load even when many threads ask at once
+        engine = _engines.get(key)
+        if engine is None:
+            engine = _engines[key] = Engine.from_pretrained(source, device=device, dtype=dtype)
+        for name, path in (adapters or {}).items():
+            if name not in engine.adapters:
+                engine.load_adapter(name, path)
+    return engine
+
+
+def clear_shared_engines() -> None:
+    """Close and forget every shared engine (tests, or freeing memory)."""
+    with _lock:
+        for engine in _engines.values():
+            engine.close()
+        _engines.clear()
