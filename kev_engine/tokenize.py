@@ -13,7 +13,7 @@ from typing import Any
 from .errors import InvalidRequestError
 
 Message = Mapping[str, Any]
-Prompt = str | Sequence[Message]
+Prompt = str | Sequence[Message] | Mapping[str, Any]
 
 
 def _check_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
@@ -38,18 +38,30 @@ def _check_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
 
 
 def render_prompt(tokenizer: Any, prompt: Any) -> tuple[str, bool]:
-    """Return the text to tokenize and whether the tokenizer should add its special tokens."""
+    """Return the text to tokenize and whether the tokenizer should add its special tokens.
+
+    A prompt is raw text, a list of chat messages, or ``{"messages": [...], "tools": [...]}``
+    (tool schemas handed to the model's own chat template).
+    """
     if isinstance(prompt, str):
         if not prompt.strip():
             raise InvalidRequestError(f"prompt={prompt!r} is empty; give some text")
         return prompt, True
+    tools = None
+    if isinstance(prompt, Mapping):
+        unknown = sorted(set(prompt) - {"messages", "tools"})
+        if unknown or "messages" not in prompt:
+            raise InvalidRequestError(
+                f"a dict prompt takes 'messages' (required) and 'tools'; got keys {sorted(prompt)}"
+            )
+        prompt, tools = prompt["messages"], prompt.get("tools") or None
     if isinstance(prompt, Sequence) and not isinstance(prompt, (bytes, bytearray)):
         messages = _check_messages(prompt)
         if not getattr(tokenizer, "chat_template", None):
             raise InvalidRequestError(
                 "chat messages need a chat template and this tokenizer has none; pass the prompt as a string"
             )
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
         return text, False
     raise InvalidRequestError(
         f"prompt of type {type(prompt).__name__} is not allowed; use a string or a list of chat messages"

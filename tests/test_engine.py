@@ -254,3 +254,22 @@ def test_cancelling_a_waiting_request_never_computes_it(tokenizer) -> None:
     assert first.result().completion_tokens == 20
     assert engine.stats()["requests"] == 2 and engine.stats()["generated_tokens"] == 20
     engine.close()
+
+
+def test_dict_prompt_hands_tools_to_the_chat_template(tiny_engine: Engine) -> None:
+    seen = {}
+    template = tiny_engine.tokenizer.apply_chat_template
+
+    def spy(messages, **kwargs):
+        seen.update(kwargs)
+        return template(messages, **kwargs)
+
+    tiny_engine.tokenizer.apply_chat_template = spy
+    tools = [{"type": "function", "function": {"name": "f", "description": "d", "parameters": {"type": "object"}}}]
+    try:
+        ids = tiny_engine.encode({"messages": QUESTIONS[0], "tools": tools})
+    finally:
+        del tiny_engine.tokenizer.apply_chat_template
+    assert seen["tools"] == tools and ids == tiny_engine.encode(QUESTIONS[0])  # this template ignores tools
+    with pytest.raises(InvalidRequestError, match="'messages' \\(required\\) and 'tools'"):
+        tiny_engine.encode({"msgs": QUESTIONS[0]})
