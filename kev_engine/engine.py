@@ -10,10 +10,12 @@ between decode steps (continuous batching).
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, InvalidStateError
 from typing import Any
@@ -47,6 +49,16 @@ def _failed_future(exc: BaseException) -> Future[Completion]:
     future: Future[Completion] = Future()
     future.set_exception(exc)
     return future
+
+
+_live_engines: weakref.WeakSet[Engine] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_live_engines() -> None:
+    """Stop scheduler threads before the interpreter tears down torch's thread pools."""
+    for engine in list(_live_engines):
+        engine.close()
 
 
 def _resolve(future: Future[Completion], result: Completion | None = None, exc: BaseException | None = None) -> None:
@@ -141,6 +153,7 @@ class Engine:
         self._groups = itertools.count()
         self._thread: threading.Thread | None = None
         self._closed = False
+        _live_engines.add(self)
 
     @classmethod
     def from_pretrained(
@@ -237,6 +250,15 @@ class Engine:
         if not prompts:
             return []
         names = self._per_prompt(adapters, len(prompts), "adapters")
+        distinct = sorted({n for n in names if n is not None})
+        if len(distinct) > self._adapters.max_adapters:
+            raise InvalidRequestError(
+                f"one prompt_logits pass uses {len(distinct)} adapters {distinct}, but only "
+                f"max_adapters={self._adapters.max_adapters} can be resident at once"
+            )
+        with self._cond:
+            for name in distinct:
+                self._adapters.check(name)
         ids = [self.encode(p) for p in prompts]
         segments = [Segment(i, x, 0, needs_logits=True, adapter=a) for i, (x, a) in enumerate(zip(ids, names))]
         batch = pack(segments, self.device)

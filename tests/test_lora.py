@@ -232,3 +232,12 @@ def test_non_linear_targets_and_missing_files_are_refused(tokenizer, tmp_path) -
     engine.load_adapter("good", str(good))
     with pytest.raises(AdapterError, match="already loaded"):
         engine.load_adapter("good", str(good))
+
+
+def test_prompt_logits_with_more_adapters_than_slots_is_refused(small_pool) -> None:
+    engine, _, _ = small_pool  # max_adapters=2
+    with pytest.raises(ValueError, match=r"uses 3 adapters \['a', 'b', 'c'\].*max_adapters=2"):
+        engine.prompt_logits(QUESTIONS[:3], adapters=["a", "b", "c"])
+    with pytest.raises(UnknownAdapterError, match="unknown adapter 'zzz'"):
+        engine.prompt_logits(QUESTIONS[:1], adapters=["zzz"])
+    assert engine.prompt_logits(QUESTIONS[:2], adapters=["a", "b"])  # still serving
