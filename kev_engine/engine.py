@@ -17,20 +17,20 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future, InvalidStateError
+from concurrent.futures import Future
 from typing import Any
 
 import torch
 
 from . import loader
 from .adapters import AdapterPool
-from .attention import KEV_ATTENTION
 from .errors import EngineClosedError, InvalidRequestError, KevError
 from .forward import run_model
 from .kv_cache import SequenceKV
+from .model_setup import context_length, eos_ids, prepare_model
 from .pack import Segment, pack
 from .params import Defaults, SamplingParams, check_temperature, coerce_sampling
-from .request import Completion, Request
+from .request import Completion, Request, failed_future, resolve_future
 from .sample import sample
 from .schedule import Chunk, Scheduler
 from .tokenize import Prompt, encode_prompt
@@ -44,13 +44,6 @@ STAT_KEYS = (
 )
 
 
-def _failed_future(exc: BaseException) -> Future[Completion]:
-    """A refused request's answer: a future that already holds its error."""
-    future: Future[Completion] = Future()
-    future.set_exception(exc)
-    return future
-
-
 _live_engines: weakref.WeakSet[Engine] = weakref.WeakSet()
 
 
@@ -59,56 +52,6 @@ def _close_live_engines() -> None:
     """Stop scheduler threads before the interpreter tears down torch's thread pools."""
     for engine in list(_live_engines):
         engine.close()
-
-
-def _resolve(future: Future[Completion], result: Completion | None = None, exc: BaseException | None = None) -> None:
-    """Complete a request's future unless its caller cancelled it meanwhile.
-
-    Futures stay PENDING while their request runs (never `set_running_or_notify_cancel`), so a
-    caller — or asyncio, through `wrap_future` — can cancel a request at any time before it ends.
-    """
-    try:
-        if exc is not None:
-            future.set_exception(exc)
-        else:
-            future.set_result(result)  # type: ignore[arg-type]
-    except InvalidStateError:  # cancelled between our check and now: nobody waits for it
-        pass
-
-
-def _prepare_model(model: Any) -> None:
-    """Switch the model to Kev's packed attention; refuse what that attention cannot do."""
-    config = model.config.get_text_config()
-    if "sliding_attention" in (getattr(config, "layer_types", None) or []):
-        raise ValueError(
-            f"{type(model).__name__} uses sliding-window attention (config.layer_types); "
-            "Kev's packed attention supports full attention only"
-        )
-    if not hasattr(model, "set_attn_implementation") or not model._can_set_attn_implementation():
-        raise ValueError(f"{type(model).__name__} does not use transformers' AttentionInterface; Kev cannot pack it")
-    model.set_attn_implementation(KEV_ATTENTION)
-    model.eval().requires_grad_(False)
-
-
-def _context_length(model: Any, tokenizer: Any) -> int:
-    config = model.config.get_text_config()
-    length = getattr(config, "max_position_embeddings", None)
-    if not length:
-        length = getattr(tokenizer, "model_max_length", None)
-    if not length or length > 10**8:
-        raise ValueError("cannot tell the model's context length (no config.max_position_embeddings)")
-    return int(length)
-
-
-def _eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:
-    ids: set[int] = set()
-    generation_config = getattr(model, "generation_config", None)
-    for value in (getattr(generation_config, "eos_token_id", None), tokenizer.eos_token_id):
-        if isinstance(value, int):
-            ids.add(value)
-        elif isinstance(value, (list, tuple)):
-            ids.update(int(v) for v in value)
-    return frozenset(ids)
 
 
 class Engine:
@@ -134,13 +77,13 @@ class Engine:
         coalesce_ms: float = 5.0,
         max_adapters: int = 4,
     ) -> None:
-        _prepare_model(model)
+        prepare_model(model)
         self.model = model
         self.tokenizer = tokenizer
         self.name = name or getattr(model.config, "_name_or_path", "") or type(model).__name__
         self.device = next(model.parameters()).device
-        self.max_context = _context_length(model, tokenizer)
-        self.eos_ids = _eos_ids(model, tokenizer)
+        self.max_context = context_length(model, tokenizer)
+        self.eos_ids = eos_ids(model, tokenizer)
         self.coalesce_s = max(0.0, coalesce_ms) / 1000
         self._num_layers = model.config.get_text_config().num_hidden_layers
         self._defaults = Defaults.from_env()
@@ -377,7 +320,7 @@ class Engine:
                 self._release(request)
         for request in finished:
             request.cache = None  # free its KV memory now, not when the caller drops the result
-            _resolve(request.future, request.completion())
+            resolve_future(request.future, request.completion())
         return batch.num_tokens
 
     def _forward(self, batch: Any, all_logits: bool = False) -> torch.Tensor:
@@ -473,13 +416,13 @@ class Engine:
             group: list[Request] = []
             for item in prepared:
                 if isinstance(item, BaseException):
-                    out.append(_failed_future(item))
+                    out.append(failed_future(item))
                     continue
                 ids, params, adapter = item
                 try:
                     self._adapters.ref(adapter)  # unloaded since _prepare? then this request fails alone
                 except KevError as exc:
-                    out.append(_failed_future(exc))
+                    out.append(failed_future(exc))
                     continue
                 request = Request(
                     request_id=next(self._request_ids),
@@ -523,7 +466,7 @@ class Engine:
                 self._fail_running(exc)
         for request in pending:
             request.cache = None
-            _resolve(request.future, exc=EngineClosedError("the engine was closed before this request finished"))
+            resolve_future(request.future, exc=EngineClosedError("the engine was closed before this request finished"))
 
     def _fail_running(self, exc: BaseException) -> None:
         with self._cond:
@@ -533,4 +476,4 @@ class Engine:
                 self._release(request)
         for request in failed:
             request.cache = None
-            _resolve(request.future, exc=exc)
+            resolve_future(request.future, exc=exc)

@@ -8,7 +8,7 @@ generated, and the future its caller waits on.
 from __future__ import annotations
 
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -76,3 +76,27 @@ class Request:
             adapter=self.adapter,
             settings_version=self.settings_version,
         )
+
+
+def failed_future(exc: BaseException) -> Future[Completion]:
+    """A refused request's answer: a future that already holds its error."""
+    future: Future[Completion] = Future()
+    future.set_exception(exc)
+    return future
+
+
+def resolve_future(
+    future: Future[Completion], result: Completion | None = None, exc: BaseException | None = None
+) -> None:
+    """Complete a request's future unless its caller cancelled it meanwhile.
+
+    Futures stay PENDING while their request runs (never `set_running_or_notify_cancel`), so a
+    caller — or asyncio, through `wrap_future` — can cancel a request at any time before it ends.
+    """
+    try:
+        if exc is not None:
+            future.set_exception(exc)
+        else:
+            future.set_result(result)  # type: ignore[arg-type]
+    except InvalidStateError:  # cancelled between our check and now: nobody waits for it
+        pass
