@@ -117,3 +117,19 @@ def test_chunked_prefill_equals_solo(tokenizer) -> None:
         assert result.token_ids == reference_greedy(reference, ids, 6, tokenizer.eos_token_id)
     assert engine.stats()["prefill_passes"] > 1
     engine.close()
+
+
+def test_bfloat16_packed_equals_solo_within_dtype_tolerance(tokenizer) -> None:
+    model = tiny_model("qwen3", tokenizer).to(torch.bfloat16)
+    reference = reference_copy(model).to(torch.bfloat16)
+    engine = Engine(model, tokenizer)
+    eps = torch.finfo(torch.bfloat16).eps  # 2**-7: a few ulps of the logits' scale
+    for prompt, logits in zip(QUESTIONS, engine.prompt_logits(QUESTIONS)):
+        expected = reference_logits(reference, engine.encode(prompt))
+        scale = expected.abs().max().item()
+        torch.testing.assert_close(logits, expected, atol=4 * eps * scale, rtol=0)
+    # the solo engine pass is the bit-level reference: same kernels, same dtype
+    packed = engine.prompt_logits(QUESTIONS)
+    for prompt, logits in zip(QUESTIONS, packed):
+        torch.testing.assert_close(logits, engine.prompt_logits([prompt])[0], atol=4 * eps * logits.abs().max().item(),
+                                   rtol=0)
