@@ -304,24 +304,40 @@ class Engine:
         for chunk in chunks:
             chunk.request.num_computed += chunk.num_tokens
         tokens = self._sample(logits, sampling).tolist() if sampling else []
-        finished = [r for r, t in zip(sampling, tokens) if append_token(r, t, self.eos_ids, self.tokenizer)]
-        for request in sampling:
-            if request.on_text is not None:
-                delta = text_delta(request)
-                if delta:
-                    request.on_text(delta)
+        finished: list[tuple[Request, BaseException | None]] = []
+        for request, token in zip(sampling, tokens):
+            done = append_token(request, token, self.eos_ids, self.tokenizer)
+            error = self._stream(request)
+            if done or error is not None:
+                finished.append((request, error))
         with self._cond:
             self._stats["forward_passes"] += 1
             self._stats["prefill_passes"] += has_prefill
             self._stats["decode_steps"] += has_decode
             self._stats["generated_tokens"] += len(tokens)
-            for request in finished:
+            for request, _ in finished:
                 self._scheduler.finish(request)
                 self._release(request)
-        for request in finished:
+        for request, error in finished:
             request.cache = None  # free its KV memory now, not when the caller drops the result
-            resolve_future(request.future, request.completion())
+            if error is None:
+                resolve_future(request.future, request.completion())
+            else:
+                resolve_future(request.future, exc=error)
         return batch.num_tokens
+
+    @staticmethod
+    def _stream(request: Request) -> BaseException | None:
+        """Hand a request its new text; a failing `on_text` fails that request alone."""
+        if request.on_text is None:
+            return None
+        delta = text_delta(request)
+        if delta:
+            try:
+                request.on_text(delta)
+            except Exception as exc:  # noqa: BLE001 - the caller's callback, the caller's error
+                return exc
+        return None
 
     def _forward(self, batch: Any, all_logits: bool = False) -> torch.Tensor:
         """The model on one pack, with each segment's adapter routed to its rows."""

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Mapping
+from typing import Any
 
 from kev_engine import Engine
 
 _lock = threading.Lock()
 _engines: dict[tuple[str | None, str | None, str | None], Engine] = {}
+_settings: dict[tuple[str | None, str | None, str | None], dict[str, Any]] = {}
 
 
 def shared_engine(
@@ -21,13 +23,23 @@ def shared_engine(
     device: str | None = None,
     dtype: str | None = None,
     adapters: Mapping[str, str] | None = None,
+    **engine_kwargs: Any,
 ) -> Engine:
-    """The engine for (source, device, dtype), loading it on first use; adapters are loaded once."""
+    """The engine for (source, device, dtype), loading it on first use; adapters are loaded once.
+
+    `engine_kwargs` (`max_batch_tokens`, `coalesce_ms`, ...) configure the engine when this call
+    creates it; asking for different ones later is an error, not silently ignored.
+    """
     key = (source, device, dtype)
     with _lock:  # one load even when many threads ask at once
         engine = _engines.get(key)
         if engine is None:
-            engine = _engines[key] = Engine.from_pretrained(source, device=device, dtype=dtype)
+            engine = _engines[key] = Engine.from_pretrained(source, device=device, dtype=dtype, **engine_kwargs)
+            _settings[key] = dict(engine_kwargs)
+        elif engine_kwargs and engine_kwargs != _settings[key]:
+            raise ValueError(
+                f"the shared engine for {key} was created with {_settings[key]}; it cannot change to {engine_kwargs}"
+            )
         for name, path in (adapters or {}).items():
             if name not in engine.adapters:
                 engine.load_adapter(name, path)
@@ -40,3 +52,4 @@ def clear_shared_engines() -> None:
         for engine in _engines.values():
             engine.close()
         _engines.clear()
+        _settings.clear()

@@ -273,3 +273,14 @@ def test_dict_prompt_hands_tools_to_the_chat_template(tiny_engine: Engine) -> No
     assert seen["tools"] == tools and ids == tiny_engine.encode(QUESTIONS[0])  # this template ignores tools
     with pytest.raises(InvalidRequestError, match="'messages' \\(required\\) and 'tools'"):
         tiny_engine.encode({"msgs": QUESTIONS[0]})
+
+
+def test_a_failing_stream_callback_fails_only_its_request(tiny_engine: Engine) -> None:
+    def broken(_: str) -> None:
+        raise RuntimeError("listener went away")
+
+    bad = tiny_engine.submit(QUESTIONS[0], SamplingParams(max_tokens=20), on_text=broken)
+    good = tiny_engine.submit(QUESTIONS[1], SamplingParams(max_tokens=20))
+    with pytest.raises(RuntimeError, match="listener went away"):
+        bad.result()
+    assert good.result().completion_tokens == 20
