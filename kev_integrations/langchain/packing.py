@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import queue
 from collections import defaultdict, deque
 from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import contextmanager
@@ -20,6 +19,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from kev_engine import Completion, Engine, SamplingParams
+
+from ..streaming import astream_answer, stream_answer
 
 Key = tuple[int, str, SamplingParams, str | None]
 _PREPARED: ContextVar[dict[Key, deque[Completion | BaseException]] | None] = ContextVar("kev_prepared", default=None)
@@ -106,50 +107,26 @@ async def acomplete(request: EngineRequest, timeout: float | None = None) -> Com
 
 
 def stream(request: EngineRequest) -> Iterator[str | Completion]:
-    """Yield text pieces as the engine produces them, then the final `Completion`."""
+    """Text pieces, then the `Completion`: prepared by a batch, else streamed by the engine."""
     answer = take_prepared(request)
-    if answer is not None:
-        if answer.text:
-            yield answer.text
-        yield answer
+    if answer is None:
+        yield from stream_answer(request.engine, request.prompt, request.sampling, request.adapter)
         return
-    pieces: queue.SimpleQueue[str | None] = queue.SimpleQueue()
-    future = request.engine.submit(request.prompt, request.sampling, request.adapter, on_text=pieces.put)
-    future.add_done_callback(lambda _: pieces.put(None))
-    try:
-        while (piece := pieces.get()) is not None:
-            yield piece
-        yield future.result()
-    finally:
-        future.cancel()  # the consumer stopped early: stop computing
+    if answer.text:
+        yield answer.text
+    yield answer
 
 
 async def astream(request: EngineRequest) -> AsyncIterator[str | Completion]:
-    """Async `stream`: the scheduler thread hands pieces to this event loop, thread-safely."""
+    """Async `stream`."""
     answer = take_prepared(request)
-    if answer is not None:
-        if answer.text:
-            yield answer.text
-        yield answer
+    if answer is None:
+        async for item in astream_answer(request.engine, request.prompt, request.sampling, request.adapter):
+            yield item
         return
-    loop = asyncio.get_running_loop()
-    pieces: asyncio.Queue[str | None] = asyncio.Queue()
-
-    def put(piece: str | None) -> None:  # runs on the scheduler thread: must never raise there
-        try:
-            loop.call_soon_threadsafe(pieces.put_nowait, piece)
-        except RuntimeError:  # the loop is closed: nobody is listening any more
-            future.cancel()
-
-    future = request.engine.submit(request.prompt, request.sampling, request.adapter, on_text=put)
-    future.add_done_callback(lambda _: put(None))
-    try:
-        while (piece := await pieces.get()) is not None:
-            yield piece
-        completion: Completion = await asyncio.wrap_future(future)
-        yield completion
-    finally:
-        future.cancel()
+    if answer.text:
+        yield answer.text
+    yield answer
 
 
 class PackingModel(Protocol):

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import queue
 import re
 import uuid
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
@@ -37,6 +36,7 @@ from llama_index.core.llms.llm import ToolSelection
 from kev_engine import Completion, Engine, SamplingParams
 from kev_integrations.shared import shared_engine
 
+from ..streaming import astream_answer, stream_answer
 from .scoped import SAMPLING_KEYS, check_settings, current_overrides
 
 _TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
@@ -184,15 +184,18 @@ class Kev(FunctionCallingLLM):
 
     # ---- the one primitive: a prompt and settings → an engine future ---------------------------
 
-    def _submit(self, prompt: Any, kwargs: Mapping[str, Any], on_text: Any = None) -> Future[Completion]:
-        """Resolve settings (fields < `scoped` block < call kwargs) and queue the request."""
+    def _settings(self, kwargs: Mapping[str, Any]) -> tuple[SamplingParams, str | None]:
+        """Resolve settings: fields < `scoped` block < call kwargs."""
         check_settings(kwargs, "call argument")
         settings = {key: getattr(self, key) for key in (*SAMPLING_KEYS, "adapter")}
         settings.update(current_overrides())
         settings.update(kwargs)
         adapter = settings.pop("adapter")
         settings["stop"] = settings["stop"] or ()
-        return self.get_engine().submit(prompt, SamplingParams(**settings), adapter, on_text=on_text)
+        return SamplingParams(**settings), adapter
+
+    def _submit(self, prompt: Any, kwargs: Mapping[str, Any]) -> Future[Completion]:
+        return self.get_engine().submit(prompt, *self._settings(kwargs))
 
     def _run(self, prompt: Any, kwargs: Mapping[str, Any]) -> Completion:
         future = self._submit(prompt, kwargs)
@@ -207,35 +210,10 @@ class Kev(FunctionCallingLLM):
 
     def _stream(self, prompt: Any, kwargs: Mapping[str, Any]) -> Iterator[str | Completion]:
         """Text pieces as they come, then the `Completion`."""
-        pieces: queue.SimpleQueue[str | None] = queue.SimpleQueue()
-        future = self._submit(prompt, kwargs, on_text=pieces.put)
-        future.add_done_callback(lambda _: pieces.put(None))
-        try:
-            while (piece := pieces.get()) is not None:
-                yield piece
-            yield future.result()
-        finally:
-            future.cancel()  # the consumer stopped early
+        return stream_answer(self.get_engine(), prompt, *self._settings(kwargs))
 
-    async def _astream(self, prompt: Any, kwargs: Mapping[str, Any]) -> AsyncIterator[str | Completion]:
-        loop = asyncio.get_running_loop()
-        pieces: asyncio.Queue[str | None] = asyncio.Queue()
-
-        def put(piece: str | None) -> None:  # runs on the scheduler thread: must never raise there
-            try:
-                loop.call_soon_threadsafe(pieces.put_nowait, piece)
-            except RuntimeError:  # the loop is closed: nobody is listening any more
-                pass
-
-        future = self._submit(prompt, kwargs, on_text=put)
-        future.add_done_callback(lambda _: put(None))
-        try:
-            while (piece := await pieces.get()) is not None:
-                yield piece
-            completion: Completion = await asyncio.wrap_future(future)
-            yield completion
-        finally:
-            future.cancel()
+    def _astream(self, prompt: Any, kwargs: Mapping[str, Any]) -> AsyncIterator[str | Completion]:
+        return astream_answer(self.get_engine(), prompt, *self._settings(kwargs))
 
     # ---- LlamaIndex's surface -----------------------------------------------------------------
 

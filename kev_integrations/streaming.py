@@ -1,0 +1,53 @@
+"""Streaming for both front ends: text pieces as the engine makes them, then the `Completion`.
+
+The engine calls `on_text` on its scheduler thread; these generators hand the pieces to the
+caller's thread (a queue) or event loop (`call_soon_threadsafe`), so a stream never holds up
+the packed passes it shares. Stopping early cancels the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+from collections.abc import AsyncIterator, Iterator
+
+from kev_engine import Completion, Engine, SamplingParams
+
+
+def stream_answer(
+    engine: Engine, prompt: object, sampling: SamplingParams, adapter: str | None
+) -> Iterator[str | Completion]:
+    """Text pieces, then the final `Completion` (for usage and finish reason)."""
+    pieces: queue.SimpleQueue[str | None] = queue.SimpleQueue()
+    future = engine.submit(prompt, sampling, adapter, on_text=pieces.put)  # type: ignore[arg-type]
+    future.add_done_callback(lambda _: pieces.put(None))
+    try:
+        while (piece := pieces.get()) is not None:
+            yield piece
+        yield future.result()  # a failed request raises here, after what it streamed
+    finally:
+        future.cancel()  # the consumer stopped early: stop computing (no-op once finished)
+
+
+async def astream_answer(
+    engine: Engine, prompt: object, sampling: SamplingParams, adapter: str | None
+) -> AsyncIterator[str | Completion]:
+    """`stream_answer` for an event loop: awaiting never blocks the loop."""
+    loop = asyncio.get_running_loop()
+    pieces: asyncio.Queue[str | None] = asyncio.Queue()
+
+    def put(piece: str | None) -> None:  # runs on the scheduler thread: must never raise there
+        try:
+            loop.call_soon_threadsafe(pieces.put_nowait, piece)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            future.cancel()
+
+    future = engine.submit(prompt, sampling, adapter, on_text=put)  # type: ignore[arg-type]
+    future.add_done_callback(lambda _: put(None))
+    try:
+        while (piece := await pieces.get()) is not None:
+            yield piece
+        completion: Completion = await asyncio.wrap_future(future)
+        yield completion
+    finally:
+        future.cancel()
