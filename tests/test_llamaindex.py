@@ -303,14 +303,28 @@ def test_tools_reach_the_chat_template_and_tool_calls_parse(llm, record_submits)
         """Add two numbers."""
         return a + b
 
-    llm.chat_with_tools([FunctionTool.from_defaults(add)], user_msg="What is 2 + 3?")
-    prompt = record_submits[0][0]
+    tool = FunctionTool.from_defaults(add)
+    llm.chat_with_tools([tool], user_msg="What is 2 + 3?")  # SmolLM2's template ignores tools...
+    system, user = record_submits[0][0]
+    assert system["role"] == "system" and '"name": "add"' in system["content"] and "<tool_call>" in system["content"]
+    assert user == {"role": "user", "content": "What is 2 + 3?"}
+
+    tokenizer = llm.get_engine().tokenizer
+    original = tokenizer.chat_template
+    tokenizer.chat_template = original + "{# tools #}"  # ...a template that renders tools gets them natively
+    try:
+        llm.chat_with_tools([tool], user_msg="What is 2 + 3?")
+    finally:
+        tokenizer.chat_template = original
+    prompt = record_submits[1][0]
     assert prompt["tools"][0]["function"]["name"] == "add"
     assert prompt["messages"] == [{"role": "user", "content": "What is 2 + 3?"}]
 
     text = 'Sure.<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
     assert parse_tool_calls(text) == [{"name": "add", "arguments": {"a": 2, "b": 3}}]
-    assert parse_tool_calls('{"name": "add", "arguments": "{\\"a\\": 1}"}') == [{"name": "add", "arguments": {"a": 1}}]
+    bare = '{"name": "add", "arguments": "{\\"a\\": 1}"}'
+    assert parse_tool_calls(bare, ["add"]) == [{"name": "add", "arguments": {"a": 1}}]
+    assert parse_tool_calls(bare) == []  # a bare JSON object is a call only when it names a known tool
     assert parse_tool_calls("The answer is 5.") == []
     response = ChatResponse(message=llm._assistant(text))
     (selection,) = llm.get_tool_calls_from_response(response)

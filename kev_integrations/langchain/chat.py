@@ -22,12 +22,13 @@ from pydantic import BaseModel
 
 from kev_engine import Completion
 
+from ..tool_format import template_supports_tools, tool_choice_instruction
 from . import packing
 from .configurable import KevConfigurableFields
 from .messages import build_prompt, response_metadata, schema_instruction, usage_of
 from .packing import EngineRequest
 from .settings import KevFields
-from .tools import convert_tools, parse_tool_calls, template_supports_tools, tool_choice_instruction
+from .tools import convert_tools, parse_tool_calls
 
 CHAT_KWARGS = ("tools", "tool_choice", "response_format")
 

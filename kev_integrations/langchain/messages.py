@@ -18,7 +18,7 @@ from langchain_core.messages.ai import UsageMetadata
 
 from kev_engine import Completion
 
-from .tools import format_tool_call, format_tool_result, tool_choice_instruction, tool_system_prompt
+from ..tool_format import format_tool_call, format_tool_result, tool_choice_instruction, tool_system_prompt
 
 ROLES = {"human": "user", "ai": "assistant", "system": "system", "tool": "tool"}
 

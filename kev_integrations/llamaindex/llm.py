@@ -10,8 +10,6 @@ questions join running ones between decode steps — so the gather becomes packe
 from __future__ import annotations
 
 import asyncio
-import json
-import re
 import uuid
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from concurrent.futures import Future
@@ -37,9 +35,8 @@ from kev_engine import Completion, Engine, SamplingParams
 from kev_integrations.shared import shared_engine
 
 from ..streaming import astream_answer, stream_answer
+from ..tool_format import split_tool_calls, template_supports_tools, tool_system_prompt
 from .scoped import SAMPLING_KEYS, check_settings, current_overrides
-
-_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 
 def _usage(completion: Completion) -> dict[str, Any]:
@@ -63,26 +60,14 @@ def _to_engine_message(message: ChatMessage) -> dict[str, Any]:
     return out
 
 
-def parse_tool_calls(text: str) -> list[dict[str, Any]]:
-    """Tool calls in a model's answer: Hermes/Qwen `<tool_call>{json}</tool_call>` blocks, or a
-    bare JSON object (or list) of `{"name", "arguments"}`. Anything else is plain text: []."""
-    blocks = _TOOL_CALL.findall(text) or [text.strip()]
-    calls: list[dict[str, Any]] = []
-    for block in blocks:
-        try:
-            value = json.loads(block)
-        except ValueError:
-            continue
-        for item in value if isinstance(value, list) else [value]:
-            if isinstance(item, dict) and isinstance(item.get("name"), str):
-                arguments = item.get("arguments", item.get("parameters", {}))
-                if isinstance(arguments, str):
-                    try:
-                        arguments = json.loads(arguments)
-                    except ValueError:
-                        arguments = {}
-                calls.append({"name": item["name"], "arguments": arguments if isinstance(arguments, dict) else {}})
-    return calls
+def parse_tool_calls(text: str, tool_names: Sequence[str] = ()) -> list[dict[str, Any]]:
+    """Tool calls in a model's answer as `{"name", "arguments"}`: `<tool_call>` blocks, or a bare
+    JSON call naming one of `tool_names`. Anything else is plain text: []."""
+    return split_tool_calls(text, tool_names)[1]
+
+
+def _tool_names(tools: Sequence[dict[str, Any]] | None) -> list[str]:
+    return [t["function"]["name"] for t in tools or ()]
 
 
 class Kev(FunctionCallingLLM):
@@ -224,12 +209,21 @@ class Kev(FunctionCallingLLM):
         return [{"role": "user", "content": prompt}]
 
     def _chat_prompt(self, messages: Sequence[ChatMessage], tools: Sequence[dict[str, Any]] | None) -> Any:
+        """Tools go to the chat template when it knows them, else into a system message."""
         converted = [_to_engine_message(m) for m in messages]
-        return {"messages": converted, "tools": list(tools)} if tools else converted
+        if not tools:
+            return converted
+        if template_supports_tools(self.get_engine().tokenizer):
+            return {"messages": converted, "tools": list(tools)}
+        described = tool_system_prompt(tools)
+        if converted and converted[0]["role"] == "system":
+            converted[0] = {**converted[0], "content": f"{converted[0]['content']}\n\n{described}"}
+            return converted
+        return [{"role": "system", "content": described}, *converted]
 
     @staticmethod
-    def _assistant(text: str) -> ChatMessage:
-        calls = parse_tool_calls(text)
+    def _assistant(text: str, tools: Sequence[dict[str, Any]] | None = None) -> ChatMessage:
+        calls = parse_tool_calls(text, _tool_names(tools))
         extra = {"tool_calls": [{"id": f"call_{uuid.uuid4().hex[:12]}", **c} for c in calls]} if calls else {}
         return ChatMessage(role=MessageRole.ASSISTANT, content=text, additional_kwargs=extra)
 
@@ -279,13 +273,13 @@ class Kev(FunctionCallingLLM):
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
         tools = kwargs.pop("tools", None)
         completion = self._run(self._chat_prompt(messages, tools), kwargs)
-        return ChatResponse(message=self._assistant(completion.text), raw=_usage(completion))
+        return ChatResponse(message=self._assistant(completion.text, tools), raw=_usage(completion))
 
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
         tools = kwargs.pop("tools", None)
         completion = await self._arun(self._chat_prompt(messages, tools), kwargs)
-        return ChatResponse(message=self._assistant(completion.text), raw=_usage(completion))
+        return ChatResponse(message=self._assistant(completion.text, tools), raw=_usage(completion))
 
     @llm_chat_callback()
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
@@ -299,7 +293,7 @@ class Kev(FunctionCallingLLM):
                     text += item
                     yield ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text), delta=item)
                 else:
-                    yield ChatResponse(message=self._assistant(text), delta="", raw=_usage(item))
+                    yield ChatResponse(message=self._assistant(text, tools), delta="", raw=_usage(item))
 
         return gen()
 
@@ -315,7 +309,7 @@ class Kev(FunctionCallingLLM):
                     text += item
                     yield ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text), delta=item)
                 else:
-                    yield ChatResponse(message=self._assistant(text), delta="", raw=_usage(item))
+                    yield ChatResponse(message=self._assistant(text, tools), delta="", raw=_usage(item))
 
         return gen()
 

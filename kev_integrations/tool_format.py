@@ -1,0 +1,100 @@
+"""Tool calls in text, Hermes/Qwen style, for both front ends.
+
+Templates that know tools (``"tools"`` appears in the template) get the JSON schemas natively
+(``{"messages": ..., "tools": ...}`` prompts). Templates that ignore tools — the embedded
+SmolLM2 one does — get the schemas and the ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
+format described in a system message instead. Replies are parsed for that format either way
+(plus a bare JSON object naming a known tool, which some models emit).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from typing import Any
+
+TOOL_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+
+
+def template_supports_tools(tokenizer: Any) -> bool:
+    """Whether the tokenizer's chat template renders a `tools` argument itself."""
+    template = getattr(tokenizer, "chat_template", None) or ""
+    return "tools" in (template if isinstance(template, str) else json.dumps(template))
+
+
+def tool_choice_instruction(tool_choice: Any, tools: Sequence[dict[str, Any]]) -> str:
+    """A sentence steering the model when the caller requires a tool (templates have no tool_choice)."""
+    if tool_choice in (None, "auto", "none", False):
+        return ""
+    if isinstance(tool_choice, dict):  # {"type": "function", "function": {"name": ...}}
+        tool_choice = tool_choice.get("function", {}).get("name") or tool_choice.get("name")
+    names = {t["function"]["name"] for t in tools}
+    if isinstance(tool_choice, str) and tool_choice in names:
+        return f"You must call the function {tool_choice}."
+    if tool_choice in ("any", "required", True):
+        return "You must call one of the functions."
+    raise ValueError(f"tool_choice={tool_choice!r} is not allowed; use 'auto', 'any', 'none' or one of {sorted(names)}")
+
+
+def tool_system_prompt(tools: Sequence[dict[str, Any]], tool_choice: Any = None) -> str:
+    """The Hermes-style description of the tools, for templates that ignore `tools`."""
+    lines = [
+        "You may call one or more functions to answer the user. Function signatures, as JSON schemas:",
+        "<tools>",
+        *(json.dumps(tool, ensure_ascii=False) for tool in tools),
+        "</tools>",
+        "To call a function, reply with a JSON object with the function name and its arguments inside "
+        "<tool_call></tool_call> tags, for example:",
+        '<tool_call>{"name": "function_name", "arguments": {"arg": "value"}}</tool_call>',
+    ]
+    if instruction := tool_choice_instruction(tool_choice, tools):
+        lines.append(instruction)
+    return "\n".join(lines)
+
+
+def format_tool_call(name: str, args: dict[str, Any]) -> str:
+    """A previous tool call written back into a history, in the format the model was taught."""
+    return "<tool_call>" + json.dumps({"name": name, "arguments": args}, ensure_ascii=False) + "</tool_call>"
+
+
+def format_tool_result(name: str | None, content: str) -> str:
+    """A tool's result written into a history for templates without a `tool` role."""
+    return "<tool_response>" + json.dumps({"name": name, "content": content}, ensure_ascii=False) + "</tool_response>"
+
+
+def parse_call(raw: str) -> dict[str, Any]:
+    """One `{"name", "arguments"}` JSON call; raises ValueError/KeyError/TypeError if it is not one."""
+    data = json.loads(raw)
+    name = data["name"]
+    args = data.get("arguments", data.get("parameters", {}))
+    if isinstance(args, str):
+        args = json.loads(args) if args.strip() else {}
+    if not isinstance(name, str) or not isinstance(args, dict):
+        raise TypeError("name must be a string and arguments an object")
+    return {"name": name, "arguments": args}
+
+
+def split_tool_calls(
+    text: str, tool_names: Sequence[str] = ()
+) -> tuple[str, list[dict[str, Any]], list[tuple[str, str]]]:
+    """Split a reply into (remaining text, calls as {"name", "arguments"}, invalid as (raw, error))."""
+    matches = list(TOOL_CALL_RE.finditer(text))
+    if not matches:
+        stripped = text.strip()
+        if stripped.startswith("{") and tool_names:  # a bare JSON call naming a known tool
+            try:
+                call = parse_call(stripped)
+            except (ValueError, KeyError, TypeError):
+                return text, [], []
+            if call["name"] in tool_names:
+                return "", [call], []
+        return text, [], []
+    calls: list[dict[str, Any]] = []
+    invalid: list[tuple[str, str]] = []
+    for match in matches:
+        try:
+            calls.append(parse_call(match.group(1)))
+        except (ValueError, KeyError, TypeError) as exc:
+            invalid.append((match.group(1), f"{type(exc).__name__}: {exc}"))
+    return TOOL_CALL_RE.sub("", text).strip(), calls, invalid
