@@ -46,6 +46,23 @@ def shared_engine(
     return engine
 
 
+def resolve_engine(
+    engine: Engine | None,
+    source: str | None,
+    device: str | None,
+    dtype: str | None,
+    adapters: Mapping[str, str],
+) -> Engine:
+    """The engine an integration object runs on: the one it was given (its adapters loaded into
+    it once), else the shared one for (source, device, dtype)."""
+    if engine is None:
+        return shared_engine(source, device, dtype, adapters)
+    for name, path in adapters.items():
+        if name not in engine.adapters:
+            engine.load_adapter(name, path)
+    return engine
+
+
 def clear_shared_engines() -> None:
     """Close and forget every shared engine (tests, or freeing memory)."""
     with _lock:

@@ -5,6 +5,7 @@ embedded SmolLM2-135M-Instruct engine for end-to-end checks."""
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -64,6 +65,21 @@ def tiny_model(family: str, tokenizer: Any, seed: int = 0, **overrides: Any) -> 
     kwargs.update(overrides)
     torch.manual_seed(seed)
     return model_cls(config_cls(**kwargs)).eval()
+
+
+def make_adapter(base: torch.nn.Module, folder: Path, seed: int = 0, scale: float = 0.1, **config: Any) -> Path:
+    """Save a PEFT LoRA adapter for `base` with random non-zero A and B (a zero B is a no-op)."""
+    from peft import LoraConfig, get_peft_model
+
+    config = config or dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    model = get_peft_model(reference_copy(base), LoraConfig(**config))
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * scale)
+    model.save_pretrained(folder)
+    return folder
 
 
 def reference_copy(model: torch.nn.Module) -> torch.nn.Module:

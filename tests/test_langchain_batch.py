@@ -9,13 +9,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
-from conftest import reference_copy, tiny_model
+from conftest import make_adapter, reference_copy, tiny_model
 from langchain_core.documents import Document
 from langchain_core.output_parsers import StrOutputParser
 from langchain_core.prompts import ChatPromptTemplate, PromptTemplate
 from langchain_core.runnables import ConfigurableField, RunnableLambda, RunnablePassthrough
-from peft import LoraConfig, get_peft_model
 from rank_bm25 import BM25Okapi
 
 from kev_engine import Engine
@@ -36,25 +34,13 @@ SETTINGS = [
 ]
 
 
-def make_adapter(base: torch.nn.Module, folder: Path, seed: int) -> str:
-    """A small PEFT LoRA adapter with random non-zero weights (zero B would be a no-op)."""
-    model = get_peft_model(reference_copy(base), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_" in name:
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.2)
-    model.save_pretrained(folder)
-    return str(folder)
-
-
 @pytest.fixture(scope="module")
 def lora_engine(tokenizer: Any, tmp_path_factory: pytest.TempPathFactory) -> Engine:
     base = tiny_model("llama", tokenizer)
     folder = tmp_path_factory.mktemp("adapters")
     engine = Engine(reference_copy(base), tokenizer, name="tiny-llama")
     for seed, name in enumerate(("a", "b")):
-        engine.load_adapter(name, make_adapter(base, folder / name, seed))
+        engine.load_adapter(name, str(make_adapter(base, folder / name, seed, scale=0.2)))
     yield engine
     engine.close()
 

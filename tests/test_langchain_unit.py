@@ -83,7 +83,7 @@ def engine() -> FakeEngine:
 # ---- construction and settings ------------------------------------------------------------
 
 def test_construction_and_copies_load_nothing() -> None:
-    with mock.patch("kev_integrations.langchain.settings.shared_engine") as shared:
+    with mock.patch("kev_integrations.shared.shared_engine") as shared:
         shared.return_value = FakeEngine()
         llm = ChatKev(model="some/model", device="cpu", adapters={"sql": "/x"}, temperature=0.3)
         llm.bind(adapter="sql").with_config(tags=["t"])

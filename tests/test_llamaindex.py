@@ -7,18 +7,15 @@ from __future__ import annotations
 import asyncio
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
-import torch
-from conftest import reference_copy, tiny_model
+from conftest import make_adapter, tiny_model
 from llama_index.core import SummaryIndex
 from llama_index.core.base.llms.types import ChatMessage, ChatResponse, MessageRole
 from llama_index.core.callbacks import CallbackManager, TokenCountingHandler
 from llama_index.core.schema import TextNode
-from peft import LoraConfig, get_peft_model
 
-import kev_integrations.llamaindex as kev_llamaindex
+import kev_integrations.shared
 from kev_engine import Engine, UnknownAdapterError
 from kev_integrations.llamaindex import Kev, parse_tool_calls, scoped
 
@@ -30,22 +27,10 @@ NODES = ["Lake Baikal is the deepest lake.", "Mount Etna is a volcano in Sicily.
 TIMEOUT = 60
 
 
-def make_adapter(base: torch.nn.Module, folder: Path) -> Path:
-    """A PEFT LoRA adapter with random non-zero weights for `base`."""
-    model = get_peft_model(reference_copy(base), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_" in name:
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
-    model.save_pretrained(folder)
-    return folder
-
-
 @pytest.fixture(scope="module")
 def engine(tokenizer, tmp_path_factory):
     base = tiny_model("llama", tokenizer)
-    folder = make_adapter(base, tmp_path_factory.mktemp("lora") / "terse")
+    folder = make_adapter(base, tmp_path_factory.mktemp("lora") / "terse", seed=1)
     # 50 ms window: 8 threads on 2 busy CPU cores must all arrive before the first pass
     engine = Engine(base, tokenizer, name="tiny-llama", coalesce_ms=50)
     engine.load_adapter("terse", str(folder))
@@ -252,7 +237,7 @@ def test_construction_is_lazy_and_serialization_drops_the_engine(engine, monkeyp
     def refuse(*args, **kwargs):
         raise AssertionError("constructing Kev must not load a model")
 
-    monkeypatch.setattr(kev_llamaindex.llm, "shared_engine", refuse)
+    monkeypatch.setattr(kev_integrations.shared, "shared_engine", refuse)
     lazy = Kev(model="some/folder", adapters={"a": "/x"}, temperature=0.2)
     assert lazy.to_dict()["model"] == "some/folder"
     assert "engine" not in Kev(engine=engine).to_dict()

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import QUESTIONS, reference_copy, tiny_model
-from peft import LoraConfig, PeftModel, get_peft_model
+from conftest import QUESTIONS, make_adapter, reference_copy, tiny_model
+from peft import PeftModel
 
 from kev_engine import Engine, SamplingParams, UnknownAdapterError
 from kev_engine.lora import AdapterError
@@ -21,18 +21,6 @@ ADAPTERS = {  # different ranks, targets, rslora and rank/alpha patterns
     "pattern": dict(r=2, lora_alpha=4, target_modules=["q_proj", "k_proj", "up_proj"],
                     rank_pattern={"k_proj": 6}, alpha_pattern={"up_proj": 32}),
 }
-
-
-def make_adapter(base: torch.nn.Module, folder: Path, seed: int, **config) -> Path:
-    """Save a PEFT LoRA adapter with random (non-zero) A and B for `base`."""
-    model = get_peft_model(reference_copy(base), LoraConfig(**config))
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_" in name:
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
-    model.save_pretrained(folder)
-    return folder
 
 
 def peft_solo(base: torch.nn.Module, folder: Path | None) -> torch.nn.Module:

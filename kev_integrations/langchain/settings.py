@@ -14,7 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kev_engine import Engine, SamplingParams
 from kev_engine.params import DEFAULT_MAX_TOKENS
-from kev_integrations.shared import shared_engine
+
+from ..shared import resolve_engine
 
 SETTING_KEYS = ("adapter", "temperature", "top_p", "top_k", "max_tokens", "stop", "seed")
 # kwargs LangChain itself adds to calls; they carry no sampling meaning
@@ -56,12 +57,7 @@ class KevFields(BaseModel):
 
     def get_engine(self) -> Engine:
         """The engine to run on: the one passed in, else the shared one (loaded on first use)."""
-        if self.engine is not None:
-            for name, path in self.adapters.items():
-                if name not in self.engine.adapters:
-                    self.engine.load_adapter(name, path)
-            return self.engine
-        return shared_engine(self.model, self.device, self.dtype, self.adapters)
+        return resolve_engine(self.engine, self.model, self.device, self.dtype, self.adapters)
 
     @property
     def model_name(self) -> str:

@@ -32,8 +32,8 @@ from llama_index.core.llms.function_calling import FunctionCallingLLM
 from llama_index.core.llms.llm import ToolSelection
 
 from kev_engine import Completion, Engine, SamplingParams
-from kev_integrations.shared import shared_engine
 
+from ..shared import resolve_engine
 from ..streaming import astream_answer, stream_answer
 from ..tool_format import split_tool_calls, template_supports_tools, tool_system_prompt
 from .scoped import SAMPLING_KEYS, check_settings, current_overrides
@@ -138,13 +138,8 @@ class Kev(FunctionCallingLLM):
 
     def get_engine(self) -> Engine:
         """The engine this LLM runs on: `engine`, else the shared one (loaded on first use)."""
-        if self.engine is not None:
-            for name, path in self.adapters.items():
-                if name not in self.engine.adapters:
-                    self.engine.load_adapter(name, path)
-            return self.engine
         if self._loaded is None:
-            self._loaded = shared_engine(self.model, self.device, self.dtype, self.adapters)
+            self._loaded = resolve_engine(self.engine, self.model, self.device, self.dtype, self.adapters)
         return self._loaded
 
     def with_settings(self, **settings: Any) -> Kev:
