@@ -18,7 +18,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, Literal, overload
 
 import torch
 
@@ -151,13 +151,31 @@ class Engine:
         finally:
             future.cancel()  # the consumer stopped early: stop computing (no-op once finished)
 
+    @overload
+    def generate(
+        self,
+        prompts: Sequence[Prompt],
+        sampling: SamplingArg | Sequence[SamplingArg] = None,
+        return_exceptions: Literal[False] = False,
+        adapters: AdapterArg | Sequence[AdapterArg] = None,
+    ) -> list[Completion]: ...
+
+    @overload
+    def generate(
+        self,
+        prompts: Sequence[Prompt],
+        sampling: SamplingArg | Sequence[SamplingArg] = None,
+        return_exceptions: bool = ...,
+        adapters: AdapterArg | Sequence[AdapterArg] = None,
+    ) -> list[Completion | BaseException]: ...
+
     def generate(
         self,
         prompts: Sequence[Prompt],
         sampling: SamplingArg | Sequence[SamplingArg] = None,
         return_exceptions: bool = False,
         adapters: AdapterArg | Sequence[AdapterArg] = None,
-    ) -> list[Completion | BaseException]:
+    ) -> list[Any]:  # list[Completion], or with exceptions in place when return_exceptions=True
         """Answer all prompts, packed together; results in the caller's order.
 
         Without `return_exceptions` any bad prompt or setting raises before anything runs;

@@ -140,6 +140,9 @@ def load_adapter(name: str, path: str | Path, model: nn.Module) -> LoraAdapter:
             )
         a = float(_pattern_value(alpha_pattern, module_name, alpha))
         scaling = a / math.sqrt(r) if rslora else a / r
+        # like PEFT's default (autocast_adapter_dtype): half-precision adapter weights compute in fp32
+        if lora_A.dtype in (torch.float16, torch.bfloat16):
+            lora_A, lora_B = lora_A.float(), lora_B.float()
         modules[module_name] = LoraWeights(lora_A.contiguous(), lora_B.contiguous(), scaling)
     if not modules:
         raise AdapterError(f"adapter {name!r} in {str(folder)!r} has no LoRA weights")

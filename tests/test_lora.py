@@ -229,3 +229,19 @@ def test_prompt_logits_with_more_adapters_than_slots_is_refused(small_pool) -> N
     with pytest.raises(UnknownAdapterError, match="unknown adapter 'zzz'"):
         engine.prompt_logits(QUESTIONS[:1], adapters=["zzz"])
     assert engine.prompt_logits(QUESTIONS[:2], adapters=["a", "b"])  # still serving
+
+
+def test_half_precision_adapter_computes_in_fp32_like_peft(tokenizer, tmp_path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    base = tiny_model("llama", tokenizer)
+    folder = make_adapter(base, tmp_path / "half", 3)
+    weights = folder / "adapter_model.safetensors"
+    save_file({k: v.to(torch.float16) for k, v in load_file(str(weights)).items()}, str(weights))
+    engine = Engine(reference_copy(base), tokenizer)
+    engine.load_adapter("half", str(folder))
+    assert {w.lora_A.dtype for w in engine._adapters.known["half"].modules.values()} == {torch.float32}
+    packed = engine.prompt_logits(QUESTIONS[:2], adapters=["half", None])[0]
+    with torch.no_grad():
+        expected = peft_solo(base, folder)(input_ids=torch.tensor([engine.encode(QUESTIONS[0])])).logits[0]
+    torch.testing.assert_close(packed, expected, atol=ATOL, rtol=0)
