@@ -13,14 +13,13 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from kev_engine import Engine, SamplingParams
-from kev_engine.params import DEFAULT_MAX_TOKENS
+from kev_engine.loader import EMBEDDED_NAME
 
 from ..shared import resolve_engine
 
 SETTING_KEYS = ("adapter", "temperature", "top_p", "top_k", "max_tokens", "stop", "seed")
 # kwargs LangChain itself adds to calls; they carry no sampling meaning
 IGNORED_KWARGS = frozenset({"ls_structured_output_format", "structured_output_format", "stream"})
-EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 
 
 class KevFields(BaseModel):
@@ -82,12 +81,4 @@ class KevFields(BaseModel):
         if stop is not None:  # an explicit `stop=` on the call beats the field
             values["stop"] = stop
         adapter = values.pop("adapter")
-        sampling = SamplingParams(
-            temperature=values["temperature"],
-            top_p=1.0 if values["top_p"] is None else values["top_p"],
-            top_k=0 if values["top_k"] is None else values["top_k"],
-            max_tokens=DEFAULT_MAX_TOKENS if values["max_tokens"] is None else values["max_tokens"],
-            stop=tuple(values["stop"] or ()),
-            seed=values["seed"],
-        )
-        return sampling, adapter
+        return SamplingParams.from_dict(values), adapter  # None fields take the engine's defaults

@@ -171,8 +171,7 @@ class Kev(FunctionCallingLLM):
         settings.update(current_overrides())
         settings.update(kwargs)
         adapter = settings.pop("adapter")
-        settings["stop"] = settings["stop"] or ()
-        return SamplingParams(**settings), adapter
+        return SamplingParams.from_dict(settings), adapter  # None fields take the engine's defaults
 
     def _submit(self, prompt: Any, kwargs: Mapping[str, Any]) -> Future[Completion]:
         return self.get_engine().submit(prompt, *self._settings(kwargs))
