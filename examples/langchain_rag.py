@@ -4,7 +4,7 @@ The corpus is the 16 passages of `data/rag.jsonl`; a real BM25 retriever (rank-b
 passage for each question. The same chain then answers the questions one at a time, to show
 what packing saves. Runs offline on the embedded SmolLM2-135M-Instruct.
 
-    pip install "kev[langchain]" rank-bm25
+    pip install "kev-llm[langchain]" rank-bm25
     python examples/langchain_rag.py
 """
 

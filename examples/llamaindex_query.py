@@ -5,7 +5,7 @@ LLM those concurrent calls reach the engine together and run as one packed pass.
 answers the same questions twice on the embedded SmolLM2-135M-Instruct — gathered, then one
 LLM call at a time — and prints the engine's passes and the wall time of each.
 
-    pip install "kev[llamaindex]" llama-index-retrievers-bm25
+    pip install "kev-llm[llamaindex]" llama-index-retrievers-bm25
     python examples/llamaindex_query.py                      # the embedded model
     python examples/llamaindex_query.py --model DIR --sub-questions   # a model that writes JSON
 

@@ -46,6 +46,19 @@ class AdapterPool:
             raise AdapterError(f"adapter {name!r} is already loaded (or still finishing its requests); unload it first")
         return load_adapter(name, path, self.model)
 
+    def loaded_from(self, name: str, path: str | Path) -> bool:
+        """True when `name` is already servable from the same folder (loading it again is a no-op);
+        an error when `name` is taken by another folder: one name never silently means two adapters."""
+        adapter = self.known.get(name)
+        if adapter is None or name in self.unloading:
+            return False
+        if Path(adapter.path).resolve() == Path(path).expanduser().resolve():
+            return True
+        raise AdapterError(
+            f"adapter {name!r} is already loaded from {adapter.path!r}; it cannot also name {str(path)!r}. "
+            "Use another name, or unload_adapter() it first"
+        )
+
     def install(self, adapter: LoraAdapter) -> None:
         """Make a read adapter servable: wrap its target modules (under the forward lock)."""
         wrap_targets(self.model, list(adapter.modules), self.router)

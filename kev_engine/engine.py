@@ -11,6 +11,7 @@ between decode steps (continuous batching).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import itertools
 import queue
 import threading
@@ -96,6 +97,7 @@ class Engine:
         self._groups = itertools.count()
         self._thread: threading.Thread | None = None
         self._closed = False
+        self._holds = 0  # > 0 while inside hold(): no new pass starts
         _live_engines.add(self)
 
     @classmethod
@@ -261,7 +263,14 @@ class Engine:
             return self._adapters.names
 
     def load_adapter(self, name: str, path: str) -> None:
-        """Hot-load a PEFT LoRA adapter; running requests are not disturbed."""
+        """Hot-load a PEFT LoRA adapter; running requests are not disturbed.
+
+        Loading the same name from the same folder again is a no-op (integration objects sharing
+        an engine each declare their adapters); the same name from another folder is an error.
+        """
+        with self._cond:
+            if self._adapters.loaded_from(name, path):
+                return
         adapter = self._adapters.read(name, path)  # disk + validation, outside every lock
         with self._forward_lock, self._cond:
             self._adapters.install(adapter)
@@ -281,6 +290,22 @@ class Engine:
         with self._cond:
             self._defaults = Defaults(temperature=value, version=self._defaults.version + 1)
             return self._defaults
+
+    @contextlib.contextmanager
+    def hold(self) -> Iterator[None]:
+        """Start no new pass while inside: everything submitted meanwhile shares the next pass.
+
+        Coalescing without a clock: tests (and callers that know a burst is coming) submit under
+        `hold()` and the pack is formed when the block exits. A pass already running finishes.
+        """
+        with self._cond:
+            self._holds += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._holds -= 1
+                self._cond.notify_all()
 
     def close(self) -> None:
         """Stop the scheduler thread; requests still queued fail with EngineClosedError."""
@@ -487,7 +512,7 @@ class Engine:
         while True:
             with self._cond:
                 was_idle = not self._scheduler.has_work()
-                while not self._scheduler.has_work() and not self._closed:
+                while (self._holds or not self._scheduler.has_work()) and not self._closed:
                     self._cond.wait()
                 if self._closed:
                     pending = self._scheduler.drain()

