@@ -16,8 +16,12 @@ from typing import Any
 from .errors import InvalidRequestError
 
 DEFAULT_TEMPERATURE = 0.0  # greedy: a QA engine should answer the same way twice
+GREEDY_BELOW = 1e-5  # a temperature under this samples greedily: logits / 1e-40 overflow to NaN
 DEFAULT_MAX_TOKENS = 256
 TEMPERATURE_ENV = "KEV_TEMPERATURE"
+# what torch.Generator.manual_seed accepts (a negative seed wraps to 2**64 + seed)
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+TOP_K_MAX = 2**63 - 1  # top_k travels to the sampler as an int64 tensor
 
 
 def _is_int(value: Any) -> bool:
@@ -40,17 +44,18 @@ class SamplingParams:
     """How one question is sampled. `temperature=None` takes the engine default at pack time."""
 
     temperature: float | None = None
-    """0 = greedy; None = the engine default (``KEV_TEMPERATURE``, else 0)."""
+    """0 = greedy (so is anything below ``GREEDY_BELOW`` = 1e-5); None = the engine default
+    (``KEV_TEMPERATURE``, else 0)."""
     top_p: float = 1.0
     """Nucleus sampling mass, in (0, 1]; 1 disables it."""
     top_k: int = 0
-    """Keep the k most likely tokens; 0 disables it."""
+    """Keep the k most likely tokens; 0 disables it. At most 2**63 - 1."""
     max_tokens: int = DEFAULT_MAX_TOKENS
     """Most new tokens to generate (the model's context may end the answer earlier)."""
     stop: tuple[str, ...] = field(default_factory=tuple)
     """Strings that end the answer; the text is cut before the first one found."""
     seed: int | None = None
-    """A seeded request samples the same tokens whatever it is packed with."""
+    """A seeded request samples the same tokens whatever it is packed with; -2**63 .. 2**64 - 1."""
 
     def __post_init__(self) -> None:
         if self.temperature is not None:
@@ -58,12 +63,16 @@ class SamplingParams:
         if not _is_real(self.top_p) or math.isnan(self.top_p) or not 0 < self.top_p <= 1:
             raise InvalidRequestError(f"top_p={self.top_p!r} is not allowed; use a number in (0, 1]")
         object.__setattr__(self, "top_p", float(self.top_p))
-        if not _is_int(self.top_k) or self.top_k < 0:
-            raise InvalidRequestError(f"top_k={self.top_k!r} is not allowed; use an integer >= 0 (0 = off)")
+        if not _is_int(self.top_k) or not 0 <= self.top_k <= TOP_K_MAX:
+            raise InvalidRequestError(
+                f"top_k={self.top_k!r} is not allowed; use an integer in [0, 2**63 - 1] (0 = off)"
+            )
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise InvalidRequestError(f"max_tokens={self.max_tokens!r} is not allowed; use an integer >= 1")
-        if self.seed is not None and not _is_int(self.seed):
-            raise InvalidRequestError(f"seed={self.seed!r} is not allowed; use an integer or None")
+        if self.seed is not None and (not _is_int(self.seed) or not SEED_MIN <= self.seed <= SEED_MAX):
+            raise InvalidRequestError(
+                f"seed={self.seed!r} is not allowed; use None or an integer in [-2**63, 2**64 - 1]"
+            )
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
         if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
             raise InvalidRequestError(f"stop={self.stop!r} is not allowed; use a non-empty string or a list of them")
