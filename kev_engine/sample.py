@@ -1,9 +1,12 @@
 """Sample: one next token per question from the logits at its segment end.
 
-Settings arrive as per-row tensors so mixed temperatures / top_p / top_k share one call;
-rows at temperature 0 take the argmax. Randomness is drawn per row from that question's own
-`torch.Generator` (seeded requests) — so a seeded question samples the same tokens whatever
-it is packed with — or from the engine's generator (unseeded ones).
+Settings arrive as per-row tensors so mixed temperatures / top_p / top_k share one call.
+Rows at temperature 0 — or below `GREEDY_BELOW` (1e-5), where logits / temperature would
+overflow to NaN — take the argmax, and so does any row whose probabilities still come out
+non-finite (a model emitting inf/NaN logits): no row ever draws from NaN. Randomness is drawn
+per row from that question's own `torch.Generator` (seeded requests) — so a seeded question
+samples the same tokens whatever it is packed with — or from the engine's generator
+(unseeded ones).
 """
 
 from __future__ import annotations
@@ -11,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+
+from .params import GREEDY_BELOW
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -38,7 +43,7 @@ def sample(
 ) -> torch.Tensor:
     """logits [N, V] fp32; temperature/top_p [N] float; top_k [N] long → token ids [N]."""
     greedy = logits.argmax(dim=-1)  # [N]
-    random_rows = (temperature > 0).nonzero().flatten().tolist()
+    random_rows = (temperature >= GREEDY_BELOW).nonzero().flatten().tolist()
     if not random_rows:
         return greedy
     rows = torch.tensor(random_rows, device=logits.device)
@@ -47,9 +52,10 @@ def sample(
     if bool(needs_filter.any()):
         scaled = apply_top_k_top_p(scaled, top_k[rows], top_p[rows])
     probs = scaled.softmax(dim=-1)  # [R, V]
+    finite = torch.isfinite(probs).all(dim=-1)  # [R]; a non-finite row keeps its argmax (no sync here)
     tokens = greedy.clone()
     for j, row in enumerate(random_rows):
         # exponential race: argmax(p / E), E ~ Exp(1), is a draw from p; one generator per row
         noise = torch.empty_like(probs[j]).exponential_(1.0, generator=generators[row])
-        tokens[row] = (probs[j] / noise).argmax()
+        tokens[row] = torch.where(finite[j], (probs[j] / noise).argmax(), greedy[row])
     return tokens
