@@ -3,6 +3,11 @@
 Each question is tokenized on its own, with its own chat template and special tokens, so no
 segment of a pack is shifted by a neighbour. Template output is tokenized with
 `add_special_tokens=False`: the template already wrote any BOS (a double BOS otherwise).
+
+Whatever a caller can put in a prompt fails as an `InvalidRequestError` naming the spot —
+text that is not valid UTF-8 (a lone surrogate), a message the chat template cannot render —
+never as a tokenizer's or jinja's own exception. A message's `content=None` (an assistant
+turn that only calls tools) renders as "".
 """
 
 from __future__ import annotations
@@ -14,6 +19,41 @@ from .errors import InvalidRequestError
 
 Message = Mapping[str, Any]
 Prompt = str | Sequence[Message] | Mapping[str, Any]
+
+
+def _is_message(item: Any) -> bool:
+    return isinstance(item, Mapping) and "role" in item
+
+
+def check_prompt_list(prompts: Any) -> list[Any]:
+    """The prompts of one `generate` call as a list; refuse what is not a list of prompts.
+
+    Catches the likely slips by name: one string, bytes, one chat conversation (a list of
+    message dicts) or one dict prompt where a list of prompts belongs.
+    """
+    if isinstance(prompts, (str, bytes, bytearray, Mapping)) or not isinstance(prompts, Sequence):
+        hint = "; wrap it: generate([prompt])" if isinstance(prompts, (str, Mapping)) else ""
+        raise InvalidRequestError(
+            f"prompts must be a list of prompts (strings or chat-message lists), not {type(prompts).__name__}{hint}"
+        )
+    prompts = list(prompts)
+    if prompts and all(_is_message(item) for item in prompts):
+        raise InvalidRequestError(
+            "prompts must be a list of prompts, and got one conversation (a list of messages); "
+            "wrap it: generate([messages])"
+        )
+    return prompts
+
+
+def _check_text(text: str, where: str) -> None:
+    """Refuse text the tokenizer cannot take: it must encode as UTF-8 (no lone surrogates)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidRequestError(
+            f"{where} has {text[exc.start]!r} at position {exc.start}, which is not valid UTF-8 "
+            "(a lone surrogate); send well-formed text"
+        ) from None
 
 
 def _check_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
@@ -31,10 +71,37 @@ def _check_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
             raise InvalidRequestError(
                 f"message {i} has content of type {type(message['content']).__name__}; use a string"
             )
-        checked.append(dict(message))
+        _check_text(message["role"], f"message {i}'s role")
+        _check_text(message["content"] or "", f"message {i}'s content")
+        checked.append({**message, "content": message["content"] or ""})  # None: a tool-calling turn
     if not any((m["content"] or "").strip() for m in checked):
         raise InvalidRequestError("every chat message is empty; give at least one with content")
     return checked
+
+
+def _apply_template(tokenizer: Any, messages: list[dict[str, Any]], tools: Any) -> str:
+    """The chat template's text; a message it cannot render is named by its index."""
+
+    def render(upto: int) -> str:
+        text = tokenizer.apply_chat_template(messages[:upto], tools=tools, add_generation_prompt=True, tokenize=False)
+        return text if isinstance(text, str) else str(text)
+
+    try:
+        return render(len(messages))
+    except Exception as exc:  # a template is code: jinja and the data it reads can raise anything
+        reason = f"{type(exc).__name__}: {exc}"
+    # the first prefix that fails to render ends with the message to blame
+    culprit = next((i for i in range(len(messages)) if not _renders(render, i + 1)), None)
+    where = "these messages" if culprit is None else f"message {culprit} (role {messages[culprit]['role']!r})"
+    raise InvalidRequestError(f"the chat template cannot render {where}: {reason}")
+
+
+def _renders(render: Any, upto: int) -> bool:
+    try:
+        render(upto)
+    except Exception:
+        return False
+    return True
 
 
 def render_prompt(tokenizer: Any, prompt: Any) -> tuple[str, bool]:
@@ -46,9 +113,14 @@ def render_prompt(tokenizer: Any, prompt: Any) -> tuple[str, bool]:
     if isinstance(prompt, str):
         if not prompt.strip():
             raise InvalidRequestError(f"prompt={prompt!r} is empty; give some text")
+        _check_text(prompt, "prompt")
         return prompt, True
     tools = None
     if isinstance(prompt, Mapping):
+        if _is_message(prompt):
+            raise InvalidRequestError(
+                "this prompt is one chat message; a chat prompt is a list of messages: wrap it in [ ]"
+            )
         unknown = sorted(set(prompt) - {"messages", "tools"})
         if unknown or "messages" not in prompt:
             raise InvalidRequestError(
@@ -61,7 +133,8 @@ def render_prompt(tokenizer: Any, prompt: Any) -> tuple[str, bool]:
             raise InvalidRequestError(
                 "chat messages need a chat template and this tokenizer has none; pass the prompt as a string"
             )
-        text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+        text = _apply_template(tokenizer, messages, tools)
+        _check_text(text, "the rendered chat prompt")  # a tool schema or extra message field
         return text, False
     raise InvalidRequestError(
         f"prompt of type {type(prompt).__name__} is not allowed; use a string or a list of chat messages"
