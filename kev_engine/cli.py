@@ -2,11 +2,18 @@
 
     kev generate "What is 2+2?" "Name a prime." --max-tokens 32
     kev generate --file questions.jsonl > answers.jsonl      # `--file -` reads stdin
+    kev generate --adapter sql=./adapters/sql --file questions.jsonl
+    kev generate "List the tables." --adapter sql=./adapters/sql --use-adapter sql
     kev show-pack "first question" "second question" --out pack.png
 
 A thin layer: each line becomes chat messages and a `SamplingParams`, then ONE
 `engine.generate(...)` call answers them all. A refused question becomes an error row;
 the others are still answered. Exit status: 0 all answered, 1 some refused, 2 usage error.
+
+LoRA adapters: `--adapter NAME=PATH` (repeatable) loads a PEFT adapter folder under NAME.
+A JSONL line picks one with `"adapter": "NAME"` (`null`: the base model); `--use-adapter NAME`
+is the adapter of every question that does not name its own — the only way to give one to
+questions passed as arguments. Without either, questions use the base model.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import fields
+from pathlib import Path
 from typing import Any, TextIO
 
 from .engine import Engine
@@ -25,7 +33,7 @@ from .params import SamplingParams
 from .visualize import draw_pack_mask, format_table
 
 SAMPLING_KEYS = [f.name for f in fields(SamplingParams)]
-QUESTION_KEYS = ["id", "question", "context", "messages"]
+QUESTION_KEYS = ["id", "question", "context", "messages", "adapter"]
 
 
 class UsageError(ValueError):
@@ -84,6 +92,25 @@ def build_prompt(record: dict[str, Any], system: str | None, raw: bool) -> Any:
     return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": content}]
 
 
+def parse_adapters(args: argparse.Namespace) -> dict[str, str]:
+    """`--adapter NAME=PATH` flags → {name: folder}; checked before the slow model load."""
+    adapters: dict[str, str] = {}
+    for spec in getattr(args, "adapter_specs", None) or []:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise UsageError(f"--adapter {spec!r} is not NAME=PATH (e.g. --adapter sql=./adapters/sql)")
+        if name in adapters:
+            raise UsageError(f"--adapter names {name!r} twice ({adapters[name]!r} and {path!r})")
+        if not Path(path).expanduser().is_dir():
+            raise UsageError(f"--adapter {spec!r}: folder {path!r} does not exist")
+        adapters[name] = path
+    default = getattr(args, "use_adapter", None)
+    if default is not None and default not in adapters:
+        raise UsageError(f"--use-adapter {default!r} is not loaded; give it with --adapter {default}=PATH "
+                         f"(loaded: {sorted(adapters)})")
+    return adapters
+
+
 def _sampling_flags(args: argparse.Namespace) -> dict[str, Any]:
     """The sampling flags given on the command line; each question's own keys override them."""
     flags = {key: getattr(args, key) for key in SAMPLING_KEYS if getattr(args, key) is not None}
@@ -97,7 +124,7 @@ def _sampling_flags(args: argparse.Namespace) -> dict[str, Any]:
 def run_generate(engine: Engine, args: argparse.Namespace, records: list[dict[str, Any]]) -> int:
     flags = _sampling_flags(args)
     rows: list[dict[str, Any] | None] = []  # None: to be answered by the engine
-    prompts, samplings = [], []
+    prompts, samplings, adapters = [], [], []
     for record in records:
         try:
             prompt = build_prompt(record, args.system, args.raw)
@@ -108,8 +135,9 @@ def run_generate(engine: Engine, args: argparse.Namespace, records: list[dict[st
         rows.append(None)
         prompts.append(prompt)
         samplings.append(sampling)
+        adapters.append(record.get("adapter", args.use_adapter))  # the engine refuses an unknown name
     started = time.perf_counter()
-    results = iter(engine.generate(prompts, sampling=samplings, return_exceptions=True))
+    results = iter(engine.generate(prompts, sampling=samplings, adapters=adapters, return_exceptions=True))
     wall = time.perf_counter() - started
     failed = 0
     for record, row in zip(records, rows):
@@ -168,6 +196,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", dest="top_k", type=int, help="keep the k likeliest tokens (default 0 = off)")
     gen.add_argument("--seed", type=int, help="seeded sampling: same tokens whatever the pack")
     gen.add_argument("--stop", action="append", metavar="STR", help="a string that ends an answer (repeatable)")
+    gen.add_argument("--adapter", dest="adapter_specs", action="append", metavar="NAME=PATH",
+                     help='load a PEFT LoRA adapter folder as NAME (repeatable); a JSONL line uses it with "adapter"')
+    gen.add_argument("--use-adapter", dest="use_adapter", metavar="NAME",
+                     help="adapter for questions that name none (default: the base model)")
     show = commands.add_parser("show-pack", parents=[common], help="draw the pack's attention mask as a PNG")
     show.add_argument("--out", required=True, help="PNG file to write")
     show.add_argument("--max-pixels", dest="max_pixels", type=int, default=1024, help="most mask pixels per side")
@@ -186,11 +218,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             _sampling_flags(args)  # refuse bad flags before the slow model load
         elif args.max_pixels < 16:
             raise UsageError(f"--max-pixels={args.max_pixels} is too small; use at least 16")
+        adapters = parse_adapters(args)
         engine = Engine.from_pretrained(args.model, device=args.device, dtype=args.dtype)
     except (UsageError, ValueError, OSError) as exc:
         print(f"kev: error: {exc}", file=sys.stderr)
         return 2
     with engine:
+        try:
+            for name, path in adapters.items():
+                engine.load_adapter(name, path)
+        except ValueError as exc:  # AdapterError: a folder that is not a LoRA for this model
+            print(f"kev: error: {exc}", file=sys.stderr)
+            return 2
         if args.command == "generate":
             return run_generate(engine, args, records)
         return run_show_pack(engine, args, records)

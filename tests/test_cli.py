@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import chat, tiny_model
+from conftest import chat, make_adapter, tiny_model
 from PIL import Image
 
 from kev_engine import Engine, SamplingParams, cli
@@ -154,3 +154,66 @@ def test_show_pack_refuses_a_bad_question(loads, capsys, tmp_path) -> None:
     assert cli.main(["show-pack", "fine", "   ", "--out", str(out), "--raw"]) == 1
     assert "question 1" in capsys.readouterr().err
     assert not out.exists()
+
+
+# ---- LoRA adapters: --adapter NAME=PATH, a line's "adapter", --use-adapter ---------------------
+
+
+@pytest.fixture
+def sql_adapter(tmp_path, tokenizer) -> str:
+    """A PEFT adapter for the tiny llama the `loads` fixture hands out (same seed, same weights)."""
+    return str(make_adapter(tiny_model("llama", tokenizer), tmp_path / "sql", seed=3, scale=0.5))
+
+
+def direct_answers(tokenizer, adapter: str, prompts: list[Any], adapters: list[str | None]) -> list[str]:
+    with Engine(tiny_model("llama", tokenizer), tokenizer) as direct:
+        direct.load_adapter("sql", adapter)
+        return [c.text for c in direct.generate(prompts, SamplingParams(max_tokens=6), adapters=adapters)]
+
+
+def test_a_line_picks_its_adapter(loads, capsys, tmp_path, tokenizer, sql_adapter) -> None:
+    lines = [{"question": "List the tables.", "adapter": "sql"}, {"question": "List the tables."},
+             {"question": "List the tables.", "adapter": "nope"}]
+    path = write_jsonl(tmp_path / "q.jsonl", lines)
+    code = cli.main(["generate", "--file", path, "--adapter", f"sql={sql_adapter}", "--max-tokens", "6"])
+    rows, _ = output_rows(capsys)
+    assert code == 1  # the unknown adapter fails its own line only
+    assert "unknown adapter 'nope'; loaded: ['sql']" in rows[2]["error"]
+    expected = direct_answers(tokenizer, sql_adapter, [chat("List the tables.")] * 2, ["sql", None])
+    assert [r["text"] for r in rows[:2]] == expected
+    assert expected[0] != expected[1]  # the adapter really answers differently
+
+
+def test_use_adapter_is_the_default_for_questions_naming_none(loads, capsys, tmp_path, tokenizer, sql_adapter) -> None:
+    path = write_jsonl(tmp_path / "q.jsonl", [{"question": "List the tables.", "adapter": None}])
+    argv = ["generate", "List the tables.", "--file", path, "--adapter", f"sql={sql_adapter}", "--use-adapter", "sql",
+            "--max-tokens", "6"]
+    assert cli.main(argv) == 0
+    rows, _ = output_rows(capsys)
+    expected = direct_answers(tokenizer, sql_adapter, [chat("List the tables.")] * 2, ["sql", None])
+    assert [r["text"] for r in rows] == expected  # the argument → sql; the line's null → the base model
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--adapter", "sqlpath"], "--adapter 'sqlpath' is not NAME=PATH"),
+    (["--adapter", "=somewhere"], "--adapter '=somewhere' is not NAME=PATH"),
+    (["--adapter", "sql="], "--adapter 'sql=' is not NAME=PATH"),
+    (["--adapter", "sql=/no/such/adapter"], "folder '/no/such/adapter' does not exist"),
+    (["--use-adapter", "sql"], "--use-adapter 'sql' is not loaded"),
+])
+def test_bad_adapter_flags_are_usage_errors(loads, capsys, flags, named) -> None:
+    assert cli.main(["generate", "hi", *flags]) == 2
+    assert named in capsys.readouterr().err
+    assert loads == []  # refused before the model loads
+
+
+def test_a_folder_that_is_no_adapter_exits_2(loads, capsys, tmp_path, sql_adapter) -> None:
+    argv = ["generate", "hi", "--adapter", f"sql={sql_adapter}", "--adapter", f"other={tmp_path}"]
+    assert cli.main(argv) == 2
+    assert "adapter 'other': no adapter_config.json" in capsys.readouterr().err
+
+
+def test_a_missing_model_folder_exits_2_without_the_network(capsys, tmp_path) -> None:
+    missing = str(tmp_path / "no-such-model")
+    assert cli.main(["generate", "hi", "--model", missing]) == 2
+    assert f"model folder '{missing}' does not exist" in capsys.readouterr().err
