@@ -218,8 +218,9 @@ def test_non_linear_targets_and_missing_files_are_refused(tokenizer, tmp_path) -
         engine.load_adapter("missing", str(tmp_path / "nowhere"))
     good = make_adapter(base, tmp_path / "good", 0, r=4, lora_alpha=8, target_modules=["q_proj"])
     engine.load_adapter("good", str(good))
-    with pytest.raises(AdapterError, match="already loaded"):
-        engine.load_adapter("good", str(good))
+    engine.load_adapter("good", str(good))  # the same folder again: a no-op
+    with pytest.raises(AdapterError, match="already loaded from"):
+        engine.load_adapter("good", str(folder))  # another folder under a taken name
 
 
 def test_prompt_logits_with_more_adapters_than_slots_is_refused(small_pool) -> None:
