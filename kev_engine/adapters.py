@@ -9,6 +9,7 @@ request finishes; new requests naming it fail at once.
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter, OrderedDict
 from pathlib import Path
 
@@ -16,7 +17,9 @@ import torch
 from torch import nn
 
 from .errors import UnknownAdapterError
-from .lora import AdapterError, LoraAdapter, LoraRouter, load_adapter, wrap_targets
+from .lora import AdapterError, LoraAdapter, LoraRouter, MultiLoRALinear, load_adapter, wrap_targets
+
+_versions = itertools.count(1)  # one per load, process-wide: a reload under the same name is a new adapter
 
 
 class AdapterPool:
@@ -32,6 +35,7 @@ class AdapterPool:
         self.refs: Counter[str] = Counter()  # requests queued or running with it: keeps it loaded
         self.pinned: Counter[str] = Counter()  # requests running with it: keeps it resident
         self.unloading: set[str] = set()
+        self.versions: dict[str, int] = {}
         self.evictions = 0
 
     @property
@@ -64,6 +68,22 @@ class AdapterPool:
         wrap_targets(self.model, list(adapter.modules), self.router)
         self.unloading.discard(adapter.name)
         self.known[adapter.name] = adapter
+        self.versions[adapter.name] = next(_versions)
+
+    def prefix_key(self, name: str | None) -> tuple[str, int] | None:
+        """What an adapter adds to a KV prefix key: its name AND the load it came from."""
+        return None if name is None else (name, self.versions[name])
+
+    def restore_model(self) -> None:
+        """Put the model's original Linear layers back (the engine is closing: the model leaves clean)."""
+        for module_name, module in list(self.model.named_modules()):
+            if isinstance(module, MultiLoRALinear):
+                parent_name, _, child = module_name.rpartition(".")
+                parent = self.model.get_submodule(parent_name) if parent_name else self.model
+                setattr(parent, child, module.base)
+        for adapter in self.known.values():
+            adapter.to("cpu")
+        self.resident.clear()
 
     def check(self, name: str | None) -> None:
         """Raise for an adapter name no request may use."""
@@ -126,6 +146,7 @@ class AdapterPool:
         self.resident.pop(name, None)
         self.unloading.discard(name)
         self.known.pop(name, None)
+        self.versions.pop(name, None)
 
     def resident_map(self) -> dict[str, LoraAdapter]:
         return {n: self.known[n] for n in self.resident}

@@ -5,10 +5,14 @@ mask function that returns None — so transformers never builds a (leaky or O(T
 never falls back to its automatic packed-sequence detection, which is skipped whenever a
 cache exists. The pack travels in the forward kwargs as `kev_pack` (a `PackedBatch`).
 
-Each segment attends only to its own question: new keys/values go into that question's
-`SequenceKV`, queries see that question's cached prefix plus its own new tokens, causally.
-CPU (and CUDA without flash-attn): one SDPA call per segment, ΣLᵢ² work in total.
-CUDA with flash-attn: one `flash_attn_varlen_func` call over the pack with `cu_seqlens`.
+Each segment attends only to its own question: every new token's keys/values are written to
+its slot in the engine's KV pool first (so a question starting after a prefix that an earlier
+segment of the same pass computes reads it, layer by layer), then queries see that question's
+blocks — its own, or a shared prefix's — plus its own new tokens, causally.
+CPU (and CUDA without flash-attn): prefill chunks take one SDPA call each (ΣLᵢ² work, large
+calls); all decode rows take ONE batched call per layer over their blocks, read in place.
+CUDA with flash-attn: one `flash_attn_varlen_func` call per layer over the whole pack, with
+`cu_seqlens` and the block table (paged KV): nothing is concatenated or copied per step.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from .pack import PackedBatch
+from .pack import DecodeLayout, PackedBatch
 
 KEV_ATTENTION = "kev_varlen"
 
@@ -73,55 +77,93 @@ def _segment_attention(
     return out[0]
 
 
-def _write_caches(batch: PackedBatch, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
-    """Append each segment's new keys/values ([kvH, T, D] flat) to its own cache."""
+def _segment_keys(batch: PackedBatch, i: int, layer: int, key: torch.Tensor, value: torch.Tensor):
+    """Keys/values segment i attends to: its new ones alone, or its cached prefix and them."""
     cu = batch.cu_seqlens_list
-    for i, cache in enumerate(batch.caches):
-        if cache is not None:
-            cache.write(layer, batch.past_lens[i], key[:, cu[i] : cu[i + 1]], value[:, cu[i] : cu[i + 1]])
-
-
-def _keys_for(batch: PackedBatch, i: int, layer: int, key: torch.Tensor, value: torch.Tensor):
-    """Keys/values segment i attends to: its new ones alone, or its whole cached prefix."""
-    cu = batch.cu_seqlens_list
-    if batch.past_lens[i] == 0:
+    past, n = batch.past_lens[i], cu[i + 1] - cu[i]
+    if past == 0:
         return key[:, cu[i] : cu[i + 1]], value[:, cu[i] : cu[i + 1]]
-    cache = batch.caches[i]
-    assert cache is not None, "a segment with a cached prefix needs its cache"
-    return cache.read(layer, batch.past_lens[i] + cu[i + 1] - cu[i])
+    block_size = batch.kv.block_size
+    blocks = torch.tensor(batch.block_tables[i][: -(-(past + n) // block_size)], device=key.device)
+    return batch.kv.gather(layer, blocks, past + n)  # a copy, once per prefill chunk and layer
 
 
-def _per_segment(batch: PackedBatch, layer: int, query, key, value, scaling) -> torch.Tensor:
-    # query [H, T, D]; key/value [kvH, T, D] → out [T, H, D]
+def _per_segment(batch: PackedBatch, layer: int, query, key, value, scaling, skip: set[int]) -> torch.Tensor:
+    # query [H, T, D]; key/value [kvH, T, D] → out [T, H, D] (rows of `skip` segments left unset)
     cu = batch.cu_seqlens_list
     out = query.new_empty(query.shape[1], query.shape[0], query.shape[2])
     for i in range(batch.num_segments):
-        seg_k, seg_v = _keys_for(batch, i, layer, key, value)
+        if i in skip:
+            continue
+        seg_k, seg_v = _segment_keys(batch, i, layer, key, value)
         seg_out = _segment_attention(query[:, cu[i] : cu[i + 1]], seg_k, seg_v, batch.past_lens[i], scaling)
         out[cu[i] : cu[i + 1]] = seg_out.transpose(0, 1)
     return out
 
 
-def _flash_varlen(batch: PackedBatch, layer: int, query, key, value, scaling) -> torch.Tensor:
-    # flash-attn wants [T, H, D]; its causal mask is bottom-right aligned, as a chunk with a prefix needs
-    q = query.transpose(0, 1)
-    if not any(batch.past_lens):
-        k, v = key.transpose(0, 1), value.transpose(0, 1)
-        cu_k, max_k = batch.cu_seqlens, batch.max_seqlen
-    else:
-        pairs = [_keys_for(batch, i, layer, key, value) for i in range(batch.num_segments)]
-        k = torch.cat([p[0].transpose(0, 1) for p in pairs])
-        v = torch.cat([p[1].transpose(0, 1) for p in pairs])
-        lens = [p[0].shape[1] for p in pairs]
-        cu_k = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=q.device)
-        max_k = max(lens)
+def batched_decode(
+    query: torch.Tensor, layout: DecodeLayout, keys: torch.Tensor, values: torch.Tensor, scaling: float | None
+) -> torch.Tensor:
+    """Every decode row over its own KV blocks at once: query [B, H, D] → [B, H, D].
+
+    keys/values: one layer of the pool, [num_blocks, kvH, block_size, D]. Each block is scored
+    against the query of the row(s) that read it — a batched matmul over blocks, reading the pool
+    in place — then a softmax segmented by row (row max, exp, row sum via scatter/index_add) and
+    one more batched matmul for the values. A shared prefix block is read once for all its rows
+    (its group has M rows per block). A fixed number of kernels per layer, whatever B is.
+    """
+    num_rows, num_heads, head_dim = query.shape
+    kv_heads = keys.shape[1]
+    group = num_heads // kv_heads
+    scale = scaling if scaling is not None else head_dim**-0.5
+    q = torch.cat([query, query.new_zeros(1, num_heads, head_dim)]).view(num_rows + 1, kv_heads, group, head_dim)
+    row_max = query.new_full((num_rows + 1, kv_heads, group), float("-inf"), dtype=torch.float32)
+    scored = []
+    for g in layout.groups:
+        if g.block_ids is None:
+            k, v = keys[g.start : g.stop], values[g.start : g.stop]  # views: no copy
+        else:
+            k, v = keys[g.block_ids], values[g.block_ids]
+        nb, width = g.owners.shape
+        qg = q[g.owners.flatten()].view(nb, width, kv_heads, group, head_dim).transpose(1, 2)
+        qg = qg.reshape(nb, kv_heads, width * group, head_dim)  # [nb, kvH, M*G, D]
+        s = torch.matmul(qg, k.transpose(-1, -2)).float() * scale  # [nb, kvH, M*G, bs]
+        s.masked_fill_(~g.valid[:, None, None, :], float("-inf"))
+        block_max = s.amax(dim=-1).view(nb, kv_heads, width, group).transpose(1, 2).reshape(nb * width, kv_heads, group)
+        index = g.owners.flatten()[:, None, None].expand(-1, kv_heads, group)
+        row_max.scatter_reduce_(0, index, block_max, reduce="amax")
+        scored.append((g, s, v, index))
+    row_max = torch.nan_to_num(row_max, neginf=0.0)  # the "nobody" row may see no key at all
+    out = torch.zeros(num_rows + 1, kv_heads, group, head_dim, dtype=torch.float32, device=query.device)
+    total = torch.zeros(num_rows + 1, kv_heads, group, dtype=torch.float32, device=query.device)
+    for g, s, v, index in scored:
+        nb, width = g.owners.shape
+        shift = row_max[g.owners.flatten()].view(nb, width, kv_heads, group).transpose(1, 2)
+        p = torch.exp(s - shift.reshape(nb, kv_heads, width * group)[..., None])  # [nb, kvH, M*G, bs]
+        sums = p.sum(dim=-1).view(nb, kv_heads, width, group).transpose(1, 2).reshape(nb * width, kv_heads, group)
+        total.index_add_(0, g.owners.flatten(), sums)
+        pv = torch.matmul(p.to(v.dtype), v).float()  # [nb, kvH, M*G, D]
+        pv = pv.view(nb, kv_heads, width, group, head_dim).transpose(1, 2).reshape(nb * width, kv_heads, group, head_dim)
+        out.index_add_(0, g.owners.flatten(), pv)
+    out = out[:num_rows] / total[:num_rows, ..., None]
+    return out.reshape(num_rows, num_heads, head_dim).to(query.dtype)
+
+
+def _flash_paged(batch: PackedBatch, layer: int, query: torch.Tensor, scaling: float | None) -> torch.Tensor:
+    """Every segment, prefill and decode, in ONE flash-attn varlen call over the paged pool."""
+    # flash-attn wants q [T, H, D] and the pool as [num_blocks, block_size, kvH, D]; its causal
+    # mask is bottom-right aligned, as a chunk continuing its own cached prefix needs
+    assert batch.flash is not None
+    cu_k, max_k, block_table = batch.flash
     return _flash_attn_varlen_func(
-        q, k, v, batch.cu_seqlens, cu_k, batch.max_seqlen, max_k, softmax_scale=scaling, causal=True
+        query.transpose(0, 1), batch.kv.keys[layer], batch.kv.values[layer], batch.cu_seqlens, cu_k,
+        batch.max_seqlen, max_k, softmax_scale=scaling, causal=True, block_table=block_table,
     )
 
 
-def use_flash(query: torch.Tensor) -> bool:
-    return _flash_attn_varlen_func is not None and query.is_cuda and query.dtype in (torch.float16, torch.bfloat16)
+def use_flash(device: torch.device, dtype: torch.dtype) -> bool:
+    """The paged flash-attn path: CUDA, half precision, flash-attn installed."""
+    return _flash_attn_varlen_func is not None and device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
 
 
 def kev_attention(
@@ -147,11 +189,17 @@ def kev_attention(
         raise NotImplementedError("Kev's packed attention supports neither sliding windows nor soft-capping yet")
     layer = int(module.layer_idx)  # type: ignore[arg-type]
     q, k, v = query[0], key[0], value[0]
-    _write_caches(batch, layer, k, v)
-    if use_flash(q):
-        out = _flash_varlen(batch, layer, q, k, v, scaling)
-    else:
-        out = _per_segment(batch, layer, q, k, v, scaling)
+    kv = batch.kv
+    if kv is not None:  # every segment's new keys go in first: later segments may read them this pass
+        kv.write(layer, batch.slot_blocks, batch.slot_offsets, k, v)
+        if kv.flash_layout:
+            return _flash_paged(batch, layer, q, scaling)[None], None
+    decode = batch.decode
+    skip = set() if decode is None else set(decode.row_segments)
+    out = _per_segment(batch, layer, q, k, v, scaling, skip)
+    if decode is not None:
+        rows = q[:, decode.row_tokens].transpose(0, 1)  # [B, H, D]
+        out[decode.row_tokens] = batched_decode(rows, decode, kv.keys[layer], kv.values[layer], scaling)
     return out[None], None
 
 

@@ -1,11 +1,12 @@
 """The engine: requests in, completions out, every pass packed and isolated.
 
-    tokenize → schedule → pack → forward → sample → unpack        (see ../DESIGN.md)
+    tokenize → schedule → pack → forward → sample → unpack        (see the README's "How it works")
 
-`Engine.step()` is that whole flow once. A scheduler thread runs `step()` while there is
-work, so callers of `submit()` on other threads (LangChain's thread pools, LlamaIndex's
-`asyncio.gather`) coalesce into the same passes, and waiting questions join running ones
-between decode steps (continuous batching).
+`Engine.step()` is that whole flow once, as named stages. A scheduler thread runs `step()`
+while there is work, so callers of `submit()` on other threads (LangChain's thread pools,
+LlamaIndex's `asyncio.gather`) coalesce into the same passes, and waiting questions join
+running ones between decode steps (continuous batching). The engine owns the KV memory: a
+budgeted pool of blocks, shared between questions that start with the same tokens.
 """
 
 from __future__ import annotations
@@ -25,13 +26,15 @@ import torch
 
 from . import loader
 from .adapters import AdapterPool
-from .errors import EngineClosedError, InvalidRequestError, KevError
+from .attention import use_flash
+from .blocks import BlockManager, BlockTable
+from .errors import EngineClosedError, InvalidRequestError, KevError, PassFailedError
 from .forward import run_model
-from .kv_cache import SequenceKV
-from .model_setup import context_length, eos_ids, prepare_model
-from .pack import Segment, pack
+from .kv_pool import KVPool
+from .model_setup import claim_model, context_length, eos_ids, prepare_model, release_model
+from .pack import PackedBatch, Segment, pack
 from .params import Defaults, SamplingParams, check_temperature, coerce_sampling
-from .request import Completion, Request, failed_future, resolve_future
+from .request import Completion, Request, Status, failed_future, resolve_future
 from .sample import sample
 from .schedule import Chunk, Scheduler
 from .tokenize import Prompt, encode_prompt
@@ -41,8 +44,10 @@ SamplingArg = SamplingParams | dict[str, Any] | None
 AdapterArg = str | None
 Prepared = tuple[list[int], SamplingParams, AdapterArg] | BaseException
 STAT_KEYS = (
-    "requests", "prefill_passes", "decode_steps", "forward_passes", "prompt_tokens", "generated_tokens", "cancelled"
+    "requests", "prefill_passes", "decode_steps", "forward_passes", "prompt_tokens", "generated_tokens",
+    "cancelled", "prefix_hit_tokens", "kv_cache_peak_bytes",
 )
+IDLE_RECHECK_S = 0.05  # a pass that could schedule nothing waits this long (or for news) before retrying
 
 
 _live_engines: weakref.WeakSet[Engine] = weakref.WeakSet()
@@ -55,16 +60,62 @@ def _close_live_engines() -> None:
         engine.close()
 
 
+def _wake_if_cancelled(cond: threading.Condition, future: Future) -> None:
+    """A caller cancelled: wake the scheduler so the request frees what it holds now."""
+    if future.cancelled():
+        with cond:
+            cond.notify_all()
+
+
+def _scheduler_loop(engine_ref: weakref.ref[Engine], cond: threading.Condition) -> None:
+    """The scheduler thread. It holds the engine only weakly between passes, so an engine dropped
+    without close() is collected (its finalizer wakes this loop, which then ends)."""
+    was_idle = True
+    while True:
+        with cond:
+            while True:
+                engine = engine_ref()
+                if engine is None:
+                    return
+                if engine._closed or (not engine._holds and engine._scheduler.has_work()):
+                    break
+                was_idle = True
+                del engine  # never wait holding it
+                cond.wait()
+            if engine._closed:
+                engine._drain()
+                return
+        if was_idle and engine.coalesce_s:
+            time.sleep(engine.coalesce_s)  # let callers arriving together share the first pass
+        was_idle = False
+        try:
+            ran = engine.step()
+        except BaseException as exc:  # noqa: BLE001 - a failed pass fails its requests, not the loop
+            engine._fail_running(exc)
+            ran = 1
+        if not ran:
+            with cond:  # nothing could run (e.g. waiting on adapter slots): wait for news, bounded
+                cond.wait(IDLE_RECHECK_S)
+        del engine
+
+
 class Engine:
     """Many questions, one isolated packed forward pass.
 
     Args:
-        model: a transformers causal LM (its attention is switched to Kev's packed attention).
+        model: a transformers causal LM (its attention is switched to Kev's packed attention
+            while this engine lives; `close()` gives it back as it came).
         tokenizer: its tokenizer; chat prompts use its chat template.
         max_batch_tokens: token budget of one pass (prefill chunks + one token per decode).
-        max_num_seqs: most questions running at once (each holds its own KV cache).
-        coalesce_ms: how long an idle engine waits for concurrent callers before a pass.
+        max_num_seqs: most questions running at once.
+        coalesce_ms: how long an idle engine waits for concurrent callers before a pass
+            (`hold()` coalesces without a clock).
         max_adapters: LoRA adapters resident on the model's device at once (others wait on the CPU).
+        kv_cache_bytes: the KV memory budget (None: half the free GPU memory, or on CPU a fifth
+            of the available memory up to 4 GiB). Admission waits for memory; nothing exceeds it.
+        block_size: tokens per KV block (None: 32 on CPU, 256 with flash-attn). Prefixes are
+            shared in whole blocks.
+        max_logits_tokens: most `prompt_logits` positions computed in one pass (each is a vocab row).
     """
 
     def __init__(
@@ -77,26 +128,33 @@ class Engine:
         max_num_seqs: int = 64,
         coalesce_ms: float = 5.0,
         max_adapters: int = 4,
+        kv_cache_bytes: int | None = None,
+        block_size: int | None = None,
+        max_logits_tokens: int = 1024,
     ) -> None:
+        self.name = name or getattr(model.config, "_name_or_path", "") or type(model).__name__
+        self._closed = False
+        claim_model(model, self)
         prepare_model(model)
         self.model = model
         self.tokenizer = tokenizer
-        self.name = name or getattr(model.config, "_name_or_path", "") or type(model).__name__
-        self.device = next(model.parameters()).device
+        parameter = next(model.parameters())
+        self.device = parameter.device
         self.max_context = context_length(model, tokenizer)
         self.eos_ids = eos_ids(model, tokenizer)
         self.coalesce_s = max(0.0, coalesce_ms) / 1000
-        self._num_layers = model.config.get_text_config().num_hidden_layers
         self._defaults = Defaults.from_env()
-        self._scheduler = Scheduler(max_batch_tokens, max_num_seqs)
+        self._kv = KVPool(model, self.device, parameter.dtype, kv_cache_bytes, block_size,
+                          flash_layout=use_flash(self.device, parameter.dtype))
+        self._blocks = BlockManager(self._kv.num_blocks, self._kv.block_size)
+        self._scheduler = Scheduler(max_batch_tokens, max_num_seqs, self._blocks, max_logits_tokens)
         self._adapters = AdapterPool(model, self.device, max_adapters)
         self._cond = threading.Condition()
-        self._forward_lock = threading.Lock()  # one pass at a time: prompt_logits vs the loop
+        self._forward_lock = threading.Lock()  # one pass at a time; adapters install between passes
         self._stats = dict.fromkeys(STAT_KEYS, 0)
         self._request_ids = itertools.count()
         self._groups = itertools.count()
         self._thread: threading.Thread | None = None
-        self._closed = False
         self._holds = 0  # > 0 while inside hold(): no new pass starts
         _live_engines.add(self)
 
@@ -137,12 +195,14 @@ class Engine:
         """Queue one question; a bad one gets a future that fails alone, never an exception here.
 
         `on_text(piece)` streams the answer as it grows (called on the scheduler thread: keep it
-        quick). Cancelling the future stops the request at the next pass.
+        quick; an exception it raises fails this request alone). Cancelling the future stops the
+        request at the next pass and frees what it holds.
         """
         return self._enqueue(self._prepare([prompt], [sampling], [adapter]), on_text=on_text)[0]
 
     def stream(self, prompt: Prompt, sampling: SamplingArg = None, adapter: AdapterArg = None) -> Iterator[str]:
         """Yield the answer's text piece by piece; it shares passes with everything else running."""
+        self._refuse_on_scheduler_thread("stream")
         pieces: queue.SimpleQueue[str | None] = queue.SimpleQueue()
         future = self.submit(prompt, sampling, adapter, on_text=pieces.put)
         future.add_done_callback(lambda _: pieces.put(None))
@@ -182,7 +242,9 @@ class Engine:
 
         Without `return_exceptions` any bad prompt or setting raises before anything runs;
         with it, each bad request comes back as its exception and the others are answered.
+        If this call ends early (an error, Ctrl-C), the requests it queued are cancelled.
         """
+        self._refuse_on_scheduler_thread("generate")
         prompts = self._check_prompts(prompts)
         if not prompts:
             return []
@@ -194,66 +256,42 @@ class Engine:
             for item in prepared:
                 if isinstance(item, BaseException):
                     raise item
-        futures = self._enqueue(prepared)
-        results: list[Completion | BaseException] = []
-        for future in futures:
-            try:
-                results.append(future.result())
-            except BaseException as exc:  # noqa: BLE001 - returned or re-raised
-                if not return_exceptions:
-                    raise
-                results.append(exc)
-        return results
+        return self._wait(self._enqueue(prepared), return_exceptions)
 
     def prompt_logits(
         self, prompts: Sequence[Prompt], adapters: AdapterArg | Sequence[AdapterArg] = None
     ) -> list[torch.Tensor]:
-        """Logits of every prompt position, [len_i, vocab] fp32 each, from ONE packed pass."""
+        """Logits of every prompt position, [len_i, vocab] fp32 each, packed like everything else.
+
+        The prompts go through the scheduler with the rest of the engine's work: at most
+        `max_logits_tokens` positions per pass (long prompts in chunks), adapter slots taken as
+        for any request, and each result is its own tensor (not a view of a whole pass). They
+        never start from a cached prefix: every position's logits are computed.
+        """
+        self._refuse_on_scheduler_thread("prompt_logits")
         prompts = self._check_prompts(prompts)
         if not prompts:
             return []
         names = self._per_prompt(adapters, len(prompts), "adapters")
-        distinct = sorted({n for n in names if n is not None})
-        if len(distinct) > self._adapters.max_adapters:
-            raise InvalidRequestError(
-                f"one prompt_logits pass uses {len(distinct)} adapters {distinct}, but only "
-                f"max_adapters={self._adapters.max_adapters} can be resident at once"
-            )
-        with self._cond:
-            for name in distinct:
-                self._adapters.check(name)
-        ids = [self.encode(p) for p in prompts]
-        segments = [Segment(i, x, 0, needs_logits=True, adapter=a) for i, (x, a) in enumerate(zip(ids, names))]
-        batch = pack(segments, self.device)
-        with self._cond:
-            for name in names:
-                self._adapters.ref(name)
-            for name in names:  # a slot for each adapter, waiting while running requests pin them all
-                while not self._adapters.acquire(name):
-                    self._cond.wait()
-        try:
-            logits = self._forward(batch, all_logits=True)  # [T, vocab]
-        finally:
-            with self._cond:
-                for name in names:
-                    self._adapters.release(name)
-                    self._adapters.unref(name)
-                self._cond.notify_all()
-        with self._cond:
-            self._stats["prefill_passes"] += 1
-            self._stats["forward_passes"] += 1
-            self._stats["prompt_tokens"] += batch.num_tokens
-        cu = batch.cu_seqlens_list
-        return [logits[cu[i] : cu[i + 1]] for i in range(len(ids))]
+        prepared = self._prepare(prompts, [None] * len(prompts), names)
+        for item in prepared:
+            if isinstance(item, BaseException):
+                raise item
+        return self._wait(self._enqueue(prepared, logits_only=True), return_exceptions=False)
 
     def stats(self) -> dict[str, int]:
-        """Counters since start: requests, prefill_passes, decode_steps, forward_passes, tokens."""
+        """Counters since start (requests, passes, tokens, prefix hits) and the KV memory now."""
         with self._cond:
             return {
                 **self._stats,
                 "running": len(self._scheduler.running),
                 "waiting": len(self._scheduler.waiting),
+                "preemptions": self._scheduler.preemptions,
                 "adapter_evictions": self._adapters.evictions,
+                "kv_cache_bytes": self._blocks.num_used * self._kv.block_bytes,
+                "kv_cached_prefix_bytes": len(self._blocks.cached) * self._kv.block_bytes,
+                "kv_cache_budget_bytes": self._kv.budget_bytes,
+                "kv_block_size": self._kv.block_size,
             }
 
     @property
@@ -267,6 +305,7 @@ class Engine:
 
         Loading the same name from the same folder again is a no-op (integration objects sharing
         an engine each declare their adapters); the same name from another folder is an error.
+        A reload (unload, then load) is a new adapter: no KV computed under the old one is reused.
         """
         with self._cond:
             if self._adapters.loaded_from(name, path):
@@ -307,13 +346,26 @@ class Engine:
                 self._holds -= 1
                 self._cond.notify_all()
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def close(self) -> None:
-        """Stop the scheduler thread; requests still queued fail with EngineClosedError."""
+        """Stop the scheduler thread; requests still queued or running fail with EngineClosedError.
+        The model is given back as it came (its own attention, no LoRA wrappers)."""
         with self._cond:
+            if self._closed and self._thread is None:
+                return
             self._closed = True
             self._cond.notify_all()
-        if self._thread is not None:
-            self._thread.join()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+        with self._forward_lock, self._cond:
+            self._drain()
+            self._adapters.restore_model()
+            release_model(self.model)
+            self._thread = None
 
     def __enter__(self) -> Engine:
         return self
@@ -324,112 +376,174 @@ class Engine:
     # ---- the flow ---------------------------------------------------------------------------
 
     def step(self) -> int:
-        """One pass: schedule → pack → forward → sample → unpack. Returns the tokens it ran."""
-        with self._cond:
-            for request in self._scheduler.take_cancelled():  # running ones stop computing now
-                if request.cache is not None:
-                    self._adapters.release(request.adapter)
-                self._adapters.unref(request.adapter)
-                request.cache = None
-                self._stats["cancelled"] += 1
-            chunks = self._scheduler.schedule(lambda r: self._adapters.acquire(r.adapter))
+        """One pass: cancel → schedule → pack → forward → sample → postprocess → finish.
+
+        Returns the number of tokens it ran (0: nothing could run).
+        """
+        self._cancel()
+        chunks = self._schedule()
         if not chunks:
             return 0
-        chunks.sort(key=lambda c: (c.request.adapter is not None, c.request.adapter or ""))  # adapter rows contiguous
-        for chunk in chunks:
-            if chunk.request.cache is None:
-                self._admit(chunk.request)
-        batch = pack([self._segment(c) for c in chunks], self.device)
-        has_prefill = any(c.request.in_prefill for c in chunks)
-        has_decode = any(not c.request.in_prefill for c in chunks)
-        logits = self._forward(batch)  # [K, vocab], K = chunks that sample
-        sampling = [c.request for c in chunks if c.completes_known_tokens]  # before num_computed moves
-        for chunk in chunks:
-            chunk.request.num_computed += chunk.num_tokens
-        tokens = self._sample(logits, sampling).tolist() if sampling else []
-        finished: list[tuple[Request, BaseException | None]] = []
-        for request, token in zip(sampling, tokens):
-            done = append_token(request, token, self.eos_ids, self.tokenizer)
-            error = self._stream(request)
-            if done or error is not None:
-                finished.append((request, error))
-        with self._cond:
-            self._stats["forward_passes"] += 1
-            self._stats["prefill_passes"] += has_prefill
-            self._stats["decode_steps"] += has_decode
-            self._stats["generated_tokens"] += len(tokens)
-            for request, _ in finished:
-                self._scheduler.finish(request)
-                self._release(request)
-        for request, error in finished:
-            request.cache = None  # free its KV memory now, not when the caller drops the result
-            if error is None:
-                resolve_future(request.future, request.completion())
-            else:
-                resolve_future(request.future, exc=error)
+        try:
+            batch = self._pack(chunks)
+            logits = self._forward(batch)  # [K, vocab]
+        finally:
+            with self._cond:
+                self._blocks.end_pass()
+        tokens = self._sample(chunks, batch, logits)
+        finished = self._postprocess(chunks, batch, logits, tokens)
+        self._finish(finished)
         return batch.num_tokens
 
-    @staticmethod
-    def _stream(request: Request) -> BaseException | None:
-        """Hand a request its new text; a failing `on_text` fails that request alone."""
-        if request.on_text is None:
-            return None
-        delta = text_delta(request)
-        if delta:
-            try:
-                request.on_text(delta)
-            except Exception as exc:  # noqa: BLE001 - the caller's callback, the caller's error
-                return exc
-        return None
+    def _cancel(self) -> None:
+        """Requests whose caller cancelled them leave now and free what they hold."""
+        with self._cond:
+            for request in self._scheduler.take_cancelled():
+                self._free(request)
+                self._stats["cancelled"] += 1
 
-    def _forward(self, batch: Any, all_logits: bool = False) -> torch.Tensor:
+    def _schedule(self) -> list[Chunk]:
+        """This pass's chunks; each admitted request gets its KV blocks and its adapter's slot."""
+        with self._cond:
+            chunks = self._scheduler.schedule(self._admit, lambda r: self._adapters.release(r.adapter))
+            used = self._blocks.num_used * self._kv.block_bytes
+            self._stats["kv_cache_peak_bytes"] = max(self._stats["kv_cache_peak_bytes"], used)
+        chunks.sort(key=lambda c: (c.request.adapter is not None, c.request.adapter or ""))  # adapter rows contiguous
+        return chunks
+
+    def _admit(self, request: Request) -> bool:
+        """Called under self._cond when a request's KV fits: take its adapter slot, or wait."""
+        if not self._adapters.acquire(request.adapter):
+            return False
+        if request.sampling.seed is not None and request.generator is None:
+            request.generator = torch.Generator(device=self.device).manual_seed(request.sampling.seed)
+        if request.num_admissions == 0:
+            self._stats["prompt_tokens"] += len(request.prompt_ids)
+        self._stats["prefix_hit_tokens"] += request.num_computed
+        request.num_admissions += 1
+        return True
+
+    def _pack(self, chunks: list[Chunk]) -> PackedBatch:
+        segments = []
+        for chunk in chunks:
+            request, start = chunk.request, chunk.request.num_computed
+            segments.append(Segment(
+                request_id=request.request_id,
+                token_ids=request.all_ids[start : start + chunk.num_tokens],
+                past_len=start,
+                needs_logits=chunk.completes_known_tokens and not request.logits_only,
+                block_ids=request.blocks.block_ids,
+                adapter=request.adapter,
+                all_logits=request.logits_only,
+            ))
+        return pack(segments, self.device, self._kv)
+
+    def _forward(self, batch: PackedBatch) -> torch.Tensor:
         """The model on one pack, with each segment's adapter routed to its rows."""
         with self._forward_lock:
             with self._cond:
                 resident = self._adapters.resident_map()
             self._adapters.router.set_routes(batch.cu_seqlens_list, batch.adapters, resident)
             try:
-                return run_model(self.model, batch, all_logits=all_logits)
+                return run_model(self.model, batch)
             finally:
                 self._adapters.router.clear()
 
-    def _release(self, request: Request) -> None:
-        """Give back what a running request held (its adapter pin); call under self._cond."""
-        self._adapters.release(request.adapter)
-        self._adapters.unref(request.adapter)
-        self._cond.notify_all()
-
-    def _segment(self, chunk: Chunk) -> Segment:
-        request = chunk.request
-        start = request.num_computed
-        return Segment(
-            request_id=request.request_id,
-            token_ids=request.all_ids[start : start + chunk.num_tokens],
-            past_len=start,
-            needs_logits=chunk.completes_known_tokens,
-            cache=request.cache,
-            adapter=request.adapter,
-        )
-
-    def _admit(self, request: Request) -> None:
-        request.cache = SequenceKV(self._num_layers, request.max_total)
-        if request.sampling.seed is not None:
-            request.generator = torch.Generator(device=self.device).manual_seed(request.sampling.seed)
-        with self._cond:
-            self._stats["prompt_tokens"] += len(request.prompt_ids)
-
-    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    def _sample(self, chunks: list[Chunk], batch: PackedBatch, logits: torch.Tensor) -> list[int]:
+        """One token for every chunk that reached its request's last known token."""
+        rows = [batch.logits_rows[i][0] for i, c in enumerate(chunks)
+                if c.completes_known_tokens and not c.request.logits_only]
+        if not rows:
+            return []
+        requests = [c.request for c in chunks if c.completes_known_tokens and not c.request.logits_only]
         settings = [r.sampling for r in requests]
         device = logits.device
         return sample(
-            logits,
+            logits[rows],
             temperature=torch.tensor([s.temperature for s in settings], dtype=torch.float32, device=device),
             top_p=torch.tensor([s.top_p for s in settings], dtype=torch.float32, device=device),
             top_k=torch.tensor([s.top_k for s in settings], dtype=torch.long, device=device),
             generators=[r.generator for r in requests],
-        )
+        ).tolist()
+
+    def _postprocess(
+        self, chunks: list[Chunk], batch: PackedBatch, logits: torch.Tensor, tokens: list[int]
+    ) -> list[tuple[Request, BaseException | None]]:
+        """Advance each request by what this pass computed; return those that are done."""
+        finished: list[tuple[Request, BaseException | None]] = []
+        sampled = iter(tokens)
+        samples = [c.completes_known_tokens and not c.request.logits_only for c in chunks]  # before advancing
+        has_prefill = any(c.request.in_prefill for c in chunks)
+        has_decode = any(not c.request.in_prefill for c in chunks)
+        with self._cond:
+            for chunk in chunks:
+                request = chunk.request
+                request.num_computed += chunk.num_tokens
+                self._blocks.commit(request.blocks, request.all_ids, request.prefix_key, request.num_computed)
+            self._stats["forward_passes"] += 1
+            self._stats["prefill_passes"] += has_prefill
+            self._stats["decode_steps"] += has_decode
+            self._stats["generated_tokens"] += len(tokens)
+        for i, chunk in enumerate(chunks):
+            request = chunk.request
+            if request.logits_only:
+                first, last = batch.logits_rows[i]
+                request.logits.append(logits[first:last].clone())  # its own memory, not a view of the pass
+                if not request.in_prefill:
+                    finished.append((request, None))
+            elif samples[i]:
+                done = append_token(request, next(sampled), self.eos_ids, self.tokenizer)
+                error = self._stream(request)
+                if done or error is not None:
+                    finished.append((request, error))
+        return finished
+
+    def _finish(self, finished: list[tuple[Request, BaseException | None]]) -> None:
+        """Free what finished requests hold, then hand each caller its result (outside the lock)."""
+        with self._cond:
+            for request, _ in finished:
+                self._scheduler.finish(request)
+                self._free(request)
+        for request, error in finished:
+            if error is None:
+                resolve_future(request.future, request.result())
+            else:
+                resolve_future(request.future, exc=error)
+
+    def _free(self, request: Request) -> None:
+        """Everything a request holds, given back in one place (call under self._cond)."""
+        if request.status is Status.FINISHED:
+            return
+        if request.status is Status.RUNNING:
+            self._blocks.free(request.blocks)
+            self._adapters.release(request.adapter)
+        self._adapters.unref(request.adapter)
+        request.status = Status.FINISHED
+        self._cond.notify_all()
+
+    @staticmethod
+    def _stream(request: Request) -> BaseException | None:
+        """Hand a request its new text; anything its `on_text` raises fails that request alone."""
+        if request.on_text is None:
+            return None
+        delta = text_delta(request)
+        if delta:
+            try:
+                request.on_text(delta)
+            except BaseException as exc:  # noqa: BLE001 - even KeyboardInterrupt: the caller's callback, its error
+                return exc
+        return None
 
     # ---- requests in ------------------------------------------------------------------------
+
+    def _refuse_on_scheduler_thread(self, what: str) -> None:
+        """A blocking call from an on_text or done callback would wait for the thread it blocks."""
+        if self._thread is not None and threading.current_thread() is self._thread:
+            raise InvalidRequestError(
+                f"Engine.{what}() was called from the engine's scheduler thread (inside an on_text or "
+                "future callback); it would wait for itself forever. Use submit() there, or hand the "
+                "work to another thread"
+            )
 
     @staticmethod
     def _check_prompts(prompts: Any) -> list[Any]:
@@ -457,16 +571,29 @@ class Engine:
                     raise InvalidRequestError(f"adapter={adapter!r} is not allowed; use an adapter name or None")
                 with self._cond:
                     self._adapters.check(adapter)
-                prepared.append((self.encode(prompt), coerce_sampling(sampling), adapter))
+                params = coerce_sampling(sampling)
+                ids = self.encode(prompt)
+                self._check_fits(len(ids), params.max_tokens)
+                prepared.append((ids, params, adapter))
             except KevError as exc:
                 prepared.append(exc)
         return prepared
 
+    def _check_fits(self, num_prompt: int, max_tokens: int) -> None:
+        """A request that could never fit in the KV pool is refused now, not left waiting forever."""
+        need = min(num_prompt + max_tokens, self.max_context)
+        if need > self._kv.capacity_tokens:
+            raise InvalidRequestError(
+                f"this request may reach {need} tokens (prompt {num_prompt} + max_tokens {max_tokens}); "
+                f"the KV pool holds {self._kv.capacity_tokens} tokens (kv_cache_bytes={self._kv.budget_bytes}). "
+                "Lower max_tokens, shorten the prompt, or give the engine a larger kv_cache_bytes"
+            )
+
     def _enqueue(
-        self, prepared: Sequence[Prepared], on_text: Callable[[str], None] | None = None
-    ) -> list[Future[Completion]]:
+        self, prepared: Sequence[Prepared], on_text: Callable[[str], None] | None = None, logits_only: bool = False
+    ) -> list[Future[Any]]:
         """Queue all valid requests as one group; a refused one gets an already-failed future."""
-        out: list[Future[Completion]] = []
+        out: list[Future[Any]] = []
         with self._cond:
             if self._closed:
                 raise EngineClosedError("the engine is closed")
@@ -488,11 +615,15 @@ class Engine:
                     prompt_ids=ids,
                     sampling=params.with_defaults(defaults),
                     settings_version=defaults.version,
-                    max_total=min(len(ids) + params.max_tokens, self.max_context),
+                    max_total=len(ids) + 1 if logits_only else min(len(ids) + params.max_tokens, self.max_context),
                     adapter=adapter,
+                    prefix_key=(self._adapters.prefix_key(adapter), getattr(params, "cache_salt", None)),
+                    logits_only=logits_only,
+                    blocks=BlockTable(cacheable=not logits_only),
                     group=group_id,
                     on_text=on_text,
                 )
+                request.future.add_done_callback(lambda f, cond=self._cond: _wake_if_cancelled(cond, f))
                 group.append(request)
                 out.append(request.future)
             self._scheduler.add(group)
@@ -501,38 +632,54 @@ class Engine:
             self._cond.notify_all()
         return out
 
+    def _wait(self, futures: list[Future[Any]], return_exceptions: bool) -> list[Any]:
+        """Collect results in order; if this caller stops early, cancel what it queued."""
+        results: list[Any] = []
+        try:
+            for future in futures:
+                try:
+                    results.append(future.result())
+                except Exception as exc:  # noqa: BLE001 - returned in place, or re-raised
+                    if not return_exceptions:
+                        raise
+                    results.append(exc)
+        except BaseException:
+            for future in futures:
+                future.cancel()
+            raise
+        return results
+
     # ---- the scheduler thread ---------------------------------------------------------------
 
     def _start_thread(self) -> None:
         if self._thread is None:
-            self._thread = threading.Thread(target=self._loop, name="kev-scheduler", daemon=True)
+            self._thread = threading.Thread(
+                target=_scheduler_loop, args=(weakref.ref(self), self._cond), name="kev-scheduler", daemon=True
+            )
+            weakref.finalize(self, _notify, self._cond)
             self._thread.start()
 
-    def _loop(self) -> None:
-        while True:
-            with self._cond:
-                was_idle = not self._scheduler.has_work()
-                while (self._holds or not self._scheduler.has_work()) and not self._closed:
-                    self._cond.wait()
-                if self._closed:
-                    pending = self._scheduler.drain()
-                    break
-            if was_idle and self.coalesce_s:
-                time.sleep(self.coalesce_s)  # let callers arriving together share the first pass
-            try:
-                self.step()
-            except BaseException as exc:  # noqa: BLE001 - a failed pass fails its requests, not the loop
-                self._fail_running(exc)
+    def _drain(self) -> None:
+        """Fail every request still queued or running (call under self._cond, engine closed)."""
+        pending = self._scheduler.drain()
         for request in pending:
-            request.cache = None
+            self._free(request)
+        for request in pending:
             resolve_future(request.future, exc=EngineClosedError("the engine was closed before this request finished"))
 
     def _fail_running(self, exc: BaseException) -> None:
+        """A pass raised: its requests fail, each with its own error chained to the cause."""
         with self._cond:
             failed = list(self._scheduler.running)
             for request in failed:
                 self._scheduler.finish(request)
-                self._release(request)
+                self._free(request)
         for request in failed:
-            request.cache = None
-            resolve_future(request.future, exc=exc)
+            error = PassFailedError(f"the forward pass this request was in failed: {type(exc).__name__}: {exc}")
+            error.__cause__ = exc
+            resolve_future(request.future, exc=error)
+
+
+def _notify(cond: threading.Condition) -> None:
+    with cond:
+        cond.notify_all()

@@ -24,3 +24,7 @@ class UnknownAdapterError(KevError, KeyError):
 
 class EngineClosedError(KevError, RuntimeError):
     """The engine was shut down while the request waited."""
+
+
+class PassFailedError(KevError, RuntimeError):
+    """The forward pass a request was part of raised; `__cause__` holds what it raised."""

@@ -1,7 +1,7 @@
 """Forward: one packed batch through the model, logits only where they are needed.
 
-`use_cache=False` keeps transformers from creating its own cache (Kev's per-question caches
-live in the pack), and explicit `position_ids` give every question its own positions.
+`use_cache=False` keeps transformers from creating its own cache (Kev's KV pool travels in
+the pack), and explicit `position_ids` give every question its own positions.
 """
 
 from __future__ import annotations
@@ -13,10 +13,11 @@ from .pack import PackedBatch
 
 @torch.inference_mode()
 def run_model(model: torch.nn.Module, batch: PackedBatch, all_logits: bool = False) -> torch.Tensor:
-    """Return fp32 logits: [K, vocab] at `batch.logits_indices`, or [T, vocab] with `all_logits`."""
+    """Return fp32 logits: [K, vocab] at `batch.logits_indices`, or [T, vocab] with `all_logits`.
+
+    With no index to keep the pass still runs: it fills the KV blocks of prefill chunks.
+    """
     keep: int | torch.Tensor = 0 if all_logits else batch.logits_indices
-    if not all_logits and batch.logits_indices.numel() == 0:
-        keep = batch.logits_indices  # still run the pass: it fills the caches of prefill chunks
     out = model(
         input_ids=batch.input_ids[None],  # [1, T]
         position_ids=batch.position_ids[None],  # [1, T]

@@ -5,9 +5,35 @@ Where this sits: once, when an `Engine` wraps a model — before any request flo
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 from .attention import KEV_ATTENTION
+
+OWNER_ATTR = "_kev_owner"  # weakref to the live Engine serving this model
+ORIGINAL_ATTN_ATTR = "_kev_original_attn"
+
+
+def claim_model(model: Any, engine: Any) -> None:
+    """One live engine per model object: a second would wrap its layers under the first's router."""
+    owner_ref = getattr(model, OWNER_ATTR, None)
+    owner = owner_ref() if owner_ref is not None else None
+    if owner is not None and not owner.closed:
+        raise ValueError(
+            f"this {type(model).__name__} object already serves a live Engine ({owner.name!r}); "
+            "close() that engine first, or load another copy of the model"
+        )
+    object.__setattr__(model, OWNER_ATTR, weakref.ref(engine))
+
+
+def release_model(model: Any) -> None:
+    """Give the model back as it came: its own attention, no owner (LoRA layers are unwrapped by the pool)."""
+    original = getattr(model, ORIGINAL_ATTN_ATTR, None)
+    if original is not None and original != KEV_ATTENTION:
+        model.set_attn_implementation(original)
+    for attr in (OWNER_ATTR, ORIGINAL_ATTN_ATTR):
+        if attr in model.__dict__:
+            object.__delattr__(model, attr)
 
 
 def prepare_model(model: Any) -> None:
@@ -20,6 +46,7 @@ def prepare_model(model: Any) -> None:
         )
     if not hasattr(model, "set_attn_implementation") or not model._can_set_attn_implementation():
         raise ValueError(f"{type(model).__name__} does not use transformers' AttentionInterface; Kev cannot pack it")
+    object.__setattr__(model, ORIGINAL_ATTN_ATTR, model.config._attn_implementation or "sdpa")
     model.set_attn_implementation(KEV_ATTENTION)
     model.eval().requires_grad_(False)
 

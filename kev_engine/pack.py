@@ -2,30 +2,58 @@
 
 Each segment is one question's new tokens this pass; `position_ids` continue that question's
 own count (restarting at 0 for a fresh prompt), `cu_seqlens` marks where segments start and
-end, and `past_lens` says how much of each question is already in its KV cache. Plain
-Python list-building, then one host→device copy.
+end, `past_lens` says how much of each question is already in KV blocks, and the slot mapping
+says where each new token's keys/values go. Decode rows (one new token) also get a
+`DecodeLayout`: their blocks grouped so that ONE batched attention per layer serves them all,
+whatever their number. Plain Python list-building, then one host→device copy per tensor.
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-from .kv_cache import SequenceKV
+GATHER_SLACK = 2  # view a block range in place unless it is this many times larger than needed
 
 
 @dataclass
 class Segment:
-    """One question's share of a pass: `token_ids` follow `past_len` cached tokens."""
+    """One question's share of a pass: `token_ids` follow `past_len` tokens already in `block_ids`."""
 
     request_id: int
     token_ids: list[int]
     past_len: int
     needs_logits: bool
-    cache: SequenceKV | None = None
+    block_ids: list[int] = field(default_factory=list)  # covering past_len + len(token_ids) tokens
     adapter: str | None = None
+    all_logits: bool = False  # logits at every new token (prompt_logits), not only the last
+
+
+@dataclass
+class BlockGroup:
+    """Blocks several decode rows read, each block on behalf of up to M rows.
+
+    Either a range of the pool viewed in place (`start`, `stop`) or gathered `block_ids`.
+    """
+
+    owners: torch.Tensor  # [nb, M] long: decode row per (block, reader); B = nobody
+    valid: torch.Tensor  # [nb, block_size] bool: positions of the block that hold the row's tokens
+    start: int = 0
+    stop: int = 0
+    block_ids: torch.Tensor | None = None  # [nb] long, when gathered
+
+
+@dataclass
+class DecodeLayout:
+    """The decode rows of a pass and their KV blocks, prepared once for every layer."""
+
+    row_tokens: torch.Tensor  # [B] long: flat index of each decode row's token
+    row_segments: list[int]  # [B] the segment each row is
+    groups: list[BlockGroup]
 
 
 @dataclass
@@ -36,12 +64,18 @@ class PackedBatch:
     position_ids: torch.Tensor  # [T] long, restarting per question
     cu_seqlens: torch.Tensor  # [S+1] int32, segment boundaries in the flat sequence
     cu_seqlens_list: list[int]  # the same on the host, to slice without a device sync
-    past_lens: list[int]  # [S] tokens already cached per segment
+    past_lens: list[int]  # [S] tokens already in KV blocks per segment
     max_seqlen: int  # longest segment this pass (flash-attn's max_seqlen_q)
-    logits_indices: torch.Tensor  # [K] flat index of each last token that needs logits
+    logits_indices: torch.Tensor  # [K] flat index of each token that needs logits
+    logits_rows: list[tuple[int, int]]  # [S] this segment's rows of the [K, vocab] logits
     request_ids: list[int]  # [S]
     adapters: list[str | None]  # [S]
-    caches: list[SequenceKV | None] = field(default_factory=list)  # [S]
+    block_tables: list[list[int]] = field(default_factory=list)  # [S]
+    kv: Any = None  # the engine's KVPool; None = prefill-only pack with no memory (tests, drawings)
+    slot_blocks: torch.Tensor | None = None  # [T] long: block of each new token's K/V
+    slot_offsets: torch.Tensor | None = None  # [T] long: its position inside that block
+    decode: DecodeLayout | None = None  # CPU pool: decode rows, attended in one batched call per layer
+    flash: tuple[torch.Tensor, int, torch.Tensor] | None = None  # flash pool: (cu_seqlens_k, max_seqlen_k, block_table)
 
     @property
     def num_tokens(self) -> int:
@@ -55,30 +89,114 @@ class PackedBatch:
         return [b - a for a, b in zip(self.cu_seqlens_list, self.cu_seqlens_list[1:])]
 
 
-def pack(segments: Sequence[Segment], device: torch.device | str = "cpu") -> PackedBatch:
-    """Concatenate the segments; logits are kept only at the last token of those that need them."""
+def pack(segments: Sequence[Segment], device: torch.device | str = "cpu", kv: Any = None) -> PackedBatch:
+    """Concatenate the segments; logits are kept only where a segment needs them."""
     if not segments:
         raise ValueError("pack() needs at least one segment")
     input_ids: list[int] = []
     position_ids: list[int] = []
     cu_seqlens = [0]
     logits_indices: list[int] = []
+    logits_rows: list[tuple[int, int]] = []
+    slot_blocks: list[int] = []
+    slot_offsets: list[int] = []
+    block_size = kv.block_size if kv is not None else 0
     for seg in segments:
         assert seg.token_ids, f"empty segment for request {seg.request_id}"
+        start = len(input_ids)
         input_ids.extend(seg.token_ids)
-        position_ids.extend(range(seg.past_len, seg.past_len + len(seg.token_ids)))
+        positions = range(seg.past_len, seg.past_len + len(seg.token_ids))
+        position_ids.extend(positions)
         cu_seqlens.append(len(input_ids))
-        if seg.needs_logits:
+        first = len(logits_indices)
+        if seg.all_logits:
+            logits_indices.extend(range(start, len(input_ids)))
+        elif seg.needs_logits:
             logits_indices.append(len(input_ids) - 1)
+        logits_rows.append((first, len(logits_indices)))
+        if kv is not None:
+            assert len(seg.block_ids) * block_size >= positions.stop, f"request {seg.request_id} lacks KV blocks"
+            slot_blocks.extend(seg.block_ids[p // block_size] for p in positions)
+            slot_offsets.extend(p % block_size for p in positions)
+    if kv is None and any(seg.past_len for seg in segments):
+        raise ValueError("a segment continues cached tokens, so the pack needs the engine's KV pool")
+
+    def tensor(values: list[int], dtype: torch.dtype = torch.long) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, device=device)
+
     return PackedBatch(
-        input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
-        position_ids=torch.tensor(position_ids, dtype=torch.long, device=device),
-        cu_seqlens=torch.tensor(cu_seqlens, dtype=torch.int32, device=device),
+        input_ids=tensor(input_ids),
+        position_ids=tensor(position_ids),
+        cu_seqlens=tensor(cu_seqlens, torch.int32),
         cu_seqlens_list=cu_seqlens,
         past_lens=[seg.past_len for seg in segments],
         max_seqlen=max(len(seg.token_ids) for seg in segments),
-        logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=device),
+        logits_indices=tensor(logits_indices),
+        logits_rows=logits_rows,
         request_ids=[seg.request_id for seg in segments],
         adapters=[seg.adapter for seg in segments],
-        caches=[seg.cache for seg in segments],
+        block_tables=[list(seg.block_ids) for seg in segments],
+        kv=kv,
+        slot_blocks=tensor(slot_blocks) if kv is not None else None,
+        slot_offsets=tensor(slot_offsets) if kv is not None else None,
+        decode=decode_layout(segments, cu_seqlens, block_size, device) if kv is not None and not kv.flash_layout else None,
+        flash=flash_tables(segments, block_size, device) if kv is not None and kv.flash_layout else None,
     )
+
+
+def flash_tables(segments: Sequence[Segment], block_size: int, device: torch.device | str):
+    """flash-attn's paged-KV arguments: cu_seqlens_k [S+1] int32, max_seqlen_k, block_table [S, max_blocks] int32."""
+    lengths = [seg.past_len + len(seg.token_ids) for seg in segments]
+    tables = [seg.block_ids[: -(-n // block_size)] for seg, n in zip(segments, lengths)]
+    width = max(map(len, tables))
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    block_table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device)
+    return torch.tensor(cu, dtype=torch.int32, device=device), max(lengths), block_table
+
+
+def decode_layout(
+    segments: Sequence[Segment], cu_seqlens: list[int], block_size: int, device: torch.device | str
+) -> DecodeLayout | None:
+    """Group the blocks of every one-token segment: blocks one row reads (its own suffix) and
+    blocks several rows read (a shared prefix: read once for all of them, cascade-style)."""
+    rows = [i for i, seg in enumerate(segments) if len(seg.token_ids) == 1]
+    if not rows:
+        return None
+    num_rows = len(rows)
+    readers: dict[int, list[tuple[int, int]]] = defaultdict(list)  # block → [(row, valid tokens)]
+    for row, i in enumerate(rows):
+        length = segments[i].past_len + 1
+        for j, block_id in enumerate(segments[i].block_ids[: -(-length // block_size)]):
+            readers[block_id].append((row, min(block_size, length - j * block_size)))
+    private = {b: r[0] for b, r in readers.items() if len(r) == 1}
+    shared = {b: r for b, r in readers.items() if len(r) > 1}
+    groups = [_group(private, num_rows, block_size, device)] if private else []
+    if shared:
+        groups.append(_group(shared, num_rows, block_size, device))
+    row_tokens = torch.tensor([cu_seqlens[i] for i in rows], dtype=torch.long, device=device)
+    return DecodeLayout(row_tokens, rows, groups)
+
+
+def _group(
+    readers: dict[int, Any], num_rows: int, block_size: int, device: torch.device | str
+) -> BlockGroup:
+    """One BlockGroup: a range viewed in place when it is dense enough, else gathered blocks."""
+    by_block = {b: (r if isinstance(r, list) else [r]) for b, r in readers.items()}
+    width = max(len(r) for r in by_block.values())
+    lo, hi = min(by_block), max(by_block) + 1
+    in_place = width == 1 and hi - lo <= GATHER_SLACK * len(by_block) + 8
+    ids = list(range(lo, hi)) if in_place else sorted(by_block)
+    owners = [[num_rows] * width for _ in ids]
+    counts = [0] * len(ids)
+    for k, block_id in enumerate(ids):
+        for m, (row, valid) in enumerate(by_block.get(block_id, [])):
+            owners[k][m] = row
+            counts[k] = valid  # a shared block is a full one: the same count for each reader
+    count_t = torch.tensor(counts, dtype=torch.long, device=device)
+    valid_mask = torch.arange(block_size, device=device)[None, :] < count_t[:, None]  # [nb, bs]
+    owners_t = torch.tensor(owners, dtype=torch.long, device=device)
+    if in_place:
+        return BlockGroup(owners_t, valid_mask, start=lo, stop=hi)
+    return BlockGroup(owners_t, valid_mask, block_ids=torch.tensor(ids, dtype=torch.long, device=device))

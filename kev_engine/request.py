@@ -1,20 +1,21 @@
 """Per-request state, from submission to `Completion` (nano-vllm's `Sequence`).
 
 A request knows its prompt ids, its resolved sampling settings (with the settings version
-it was resolved under), how many of its tokens are already in its own KV cache, what it has
-generated, and the future its caller waits on.
+it was resolved under), its status, the KV blocks it holds and how many of its tokens are
+already in them, what it has generated, and the future its caller waits on.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import enum
+from collections.abc import Callable, Hashable
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
-from .kv_cache import SequenceKV
+from .blocks import BlockTable
 from .params import SamplingParams
 
 FinishReason = Literal["stop", "length"]
@@ -32,6 +33,14 @@ class Completion:
     adapter: str | None = None
     settings_version: int = 0
     """The engine-defaults version this request was resolved under."""
+    cached_tokens: int = 0
+    """Prompt tokens whose KV was reused from a shared prefix instead of computed."""
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"  # queued; holds no KV
+    RUNNING = "running"  # admitted: holds KV blocks (and its adapter's slot)
+    FINISHED = "finished"  # left the engine; everything it held is freed
 
 
 @dataclass(eq=False)
@@ -43,11 +52,17 @@ class Request:
     max_total: int  # prompt + new tokens the request may reach (clamped to the context)
     future: Future = field(default_factory=Future)
     adapter: str | None = None
+    prefix_key: Hashable = None  # what besides tokens shapes its KV: (adapter, its version, cache_salt)
+    logits_only: bool = False  # prompt_logits: every prompt position's logits, no sampling
     group: int = 0  # requests submitted together share a group and are admitted together
+    status: Status = Status.WAITING
     output_ids: list[int] = field(default_factory=list)
-    num_computed: int = 0  # tokens already in the KV cache
-    cache: SequenceKV | None = None
+    num_computed: int = 0  # tokens already in its KV blocks
+    cached_tokens: int = 0  # of those, prompt tokens reused from a shared prefix
+    blocks: BlockTable = field(default_factory=BlockTable)
+    logits: list[torch.Tensor] = field(default_factory=list)  # logits_only: [n, vocab] per chunk
     generator: torch.Generator | None = None
+    num_admissions: int = 0  # more than one: it was preempted and recomputed
     text: str = ""
     finish_reason: FinishReason | None = None
     on_text: Callable[[str], None] | None = None  # streaming: called with each new piece of text
@@ -75,7 +90,12 @@ class Request:
             completion_tokens=len(self.output_ids),
             adapter=self.adapter,
             settings_version=self.settings_version,
+            cached_tokens=self.cached_tokens,
         )
+
+    def result(self) -> Any:
+        """What the caller's future receives: a `Completion`, or the prompt's logits [len, vocab]."""
+        return torch.cat(self.logits) if self.logits_only else self.completion()
 
 
 def failed_future(exc: BaseException) -> Future[Completion]:
@@ -85,9 +105,7 @@ def failed_future(exc: BaseException) -> Future[Completion]:
     return future
 
 
-def resolve_future(
-    future: Future[Completion], result: Completion | None = None, exc: BaseException | None = None
-) -> None:
+def resolve_future(future: Future[Any], result: Any = None, exc: BaseException | None = None) -> None:
     """Complete a request's future unless its caller cancelled it meanwhile.
 
     Futures stay PENDING while their request runs (never `set_running_or_notify_cancel`), so a

@@ -1,10 +1,14 @@
-"""Schedule: which tokens of which questions run in the next pass, under a token budget.
+"""Schedule: which tokens of which questions run in the next pass — under a token budget AND
+the KV memory budget.
 
-Running questions go first (a decode is one token; a long prompt continues in chunks), so
-no admitted question ever starves. Then waiting questions join in arrival-group order,
-shortest bucket first inside a group (sorted, bucketed in `BUCKET`-token steps), while the
-token budget and the sequence slots last. Finished questions leave: nothing is computed for
-them again (continuous batching).
+Running questions go first (a decode is one token; a long prompt continues in chunks), so no
+admitted question starves; each gets the KV blocks its chunk needs, and when the pool is full
+the most recently admitted question is preempted (its blocks freed, its tokens recomputed
+later — cheaply, since its computed full blocks stay in the prefix cache). Then waiting
+questions join in arrival-group order, shortest bucket first inside a group, while the token
+budget, the sequence slots and the KV blocks last. A new question starts after the longest
+prefix of full blocks already computed — by an earlier pass, or by an earlier chunk of this
+one. Finished questions leave: nothing is computed for them again (continuous batching).
 """
 
 from __future__ import annotations
@@ -12,9 +16,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .request import Request
+from .blocks import BlockManager
+from .request import Request, Status
 
 BUCKET = 128
+WATERMARK = 0.01  # share of blocks kept free at admission, so running decodes rarely preempt
 
 
 def bucket_of(num_tokens: int) -> int:
@@ -36,7 +42,9 @@ class Chunk:
 
 
 class Scheduler:
-    def __init__(self, max_batch_tokens: int, max_num_seqs: int) -> None:
+    def __init__(
+        self, max_batch_tokens: int, max_num_seqs: int, blocks: BlockManager, max_logits_tokens: int = 1024
+    ) -> None:
         if max_batch_tokens < max_num_seqs:
             raise ValueError(
                 f"max_batch_tokens={max_batch_tokens} must be >= max_num_seqs={max_num_seqs}: "
@@ -44,9 +52,13 @@ class Scheduler:
             )
         self.max_batch_tokens = max_batch_tokens
         self.max_num_seqs = max_num_seqs
+        self.max_logits_tokens = max_logits_tokens
+        self.blocks = blocks
+        self.watermark = int(blocks.num_blocks * WATERMARK)
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.cancelled: list[Request] = []
+        self.preemptions = 0
 
     def add(self, group: list[Request]) -> None:
         """Queue a group submitted together, shortest bucket first (stable inside a bucket)."""
@@ -55,42 +67,93 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self, can_admit: Callable[[Request], bool] = lambda r: True) -> list[Chunk]:
-        """Pick this pass's chunks. `can_admit` reserves what a waiting request needs (its
-        adapter's slot); a request it refuses stays queued and the next one is tried."""
+    def schedule(
+        self,
+        can_admit: Callable[[Request], bool] = lambda r: True,
+        on_preempt: Callable[[Request], None] = lambda r: None,
+    ) -> list[Chunk]:
+        """Pick this pass's chunks and give each the KV it needs. `can_admit` reserves what else a
+        waiting request needs (its adapter's slot); `on_preempt` gives that back."""
         budget = self.max_batch_tokens
+        logits_budget = self.max_logits_tokens
         chunks: list[Chunk] = []
-        for request in self.running:
-            pending = min(request.num_tokens - request.num_computed, budget)
-            if pending > 0:
-                chunks.append(Chunk(request, pending))
-                budget -= pending
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            take = min(request.num_tokens - request.num_computed, budget)
+            if request.logits_only:
+                take = min(take, logits_budget)
+            if take <= 0:
+                index += 1
+                continue
+            while not self.blocks.grow(request.blocks, request.num_computed + take):
+                victim = self.running[-1]
+                self._preempt(victim, on_preempt)
+                if victim is request:
+                    break
+            if request.status is not Status.RUNNING:
+                break  # it was the last one and preempted itself: everything before it is planned
+            chunks.append(self._plan(request, take))
+            budget -= take
+            logits_budget -= take if request.logits_only else 0
+            index += 1
         index = 0
         while index < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[index]
             if request.future.cancelled():
                 self.cancelled.append(self.waiting.pop(index))
                 continue
+            if request.logits_only and logits_budget <= 0:
+                index += 1
+                continue
+            cached = self.blocks.allocate(request.blocks, request.all_ids, request.prefix_key, self.watermark)
+            if cached is None:
+                break  # the pool is full: later requests wait too (first come, first served)
+            request.num_computed = cached
+            request.cached_tokens = min(cached, len(request.prompt_ids))
             if not can_admit(request):
+                self.blocks.free(request.blocks)
+                request.num_computed = request.cached_tokens = 0
                 index += 1
                 continue
             self.waiting.pop(index)
             self.running.append(request)
-            take = min(len(request.prompt_ids), budget)
-            chunks.append(Chunk(request, take))
+            request.status = Status.RUNNING
+            take = min(request.num_tokens - cached, budget)
+            if request.logits_only:
+                take = min(take, logits_budget)
+                logits_budget -= take
+            chunks.append(self._plan(request, take))
             budget -= take
         return chunks
 
+    def _plan(self, request: Request, take: int) -> Chunk:
+        # later chunks of this same pass may start after the full blocks this one writes
+        self.blocks.announce(request.blocks, request.all_ids, request.prefix_key, request.num_computed + take)
+        return Chunk(request, take)
+
+    def _preempt(self, request: Request, on_preempt: Callable[[Request], None]) -> None:
+        """Free a running request's KV and queue it first again; its tokens so far are kept."""
+        self.running.remove(request)
+        self.blocks.free(request.blocks)
+        request.status, request.num_computed = Status.WAITING, 0
+        on_preempt(request)
+        self.waiting.insert(0, request)
+        self.preemptions += 1
+
     def take_cancelled(self) -> list[Request]:
-        """Requests whose caller cancelled them, waiting or running: they leave now, and their
-        resources (adapter pins, KV cache) are the engine's to release."""
+        """Requests whose caller cancelled them, waiting or running: they leave now, and what
+        they hold is the engine's to free."""
         running = [r for r in self.running if r.future.cancelled()]
         self.running = [r for r in self.running if not r.future.cancelled()]
-        cancelled, self.cancelled = self.cancelled + running, []
+        waiting = [r for r in self.waiting if r.future.cancelled()]
+        self.waiting = [r for r in self.waiting if not r.future.cancelled()]
+        cancelled, self.cancelled = self.cancelled + waiting + running, []
         return cancelled
 
     def finish(self, request: Request) -> None:
-        self.running.remove(request)
+        if request in self.running:
+            self.running.remove(request)
 
     def drain(self) -> list[Request]:
         """Remove and return every request (engine shutdown)."""

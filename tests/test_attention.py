@@ -1,48 +1,73 @@
-"""The attention paths themselves: per-segment SDPA, and the flash-attn varlen plumbing.
+"""The attention paths themselves: per-segment SDPA for prefill, one batched call for all decode
+rows, and the flash-attn paged varlen plumbing.
 
 flash-attn needs CUDA, which CI does not have; its call is checked here against a pure-torch
-implementation of `flash_attn_varlen_func`'s contract (cu_seqlens, bottom-right causal), so the
-packing, cache gathering and layout logic of the CUDA path run on every CI machine.
+implementation of `flash_attn_varlen_func`'s paged contract (cu_seqlens, block_table, bottom-right
+causal), so the pool layout, slot writes and block tables of the CUDA path run on every CI machine.
 """
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
+import pytest
 import torch
 import torch.nn.functional as F
-from conftest import QUESTIONS, reference_copy, tiny_model
+from conftest import QUESTIONS, chat, reference_copy, tiny_model
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from kev_engine import Engine, SamplingParams, attention
+from kev_engine import engine as engine_module
 from kev_engine.pack import Segment, pack
 
 
-def varlen_reference(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=None, causal=False):
-    """flash_attn_varlen_func's contract in plain torch: q [Tq, H, D], k/v [Tk, kvH, D]."""
+def varlen_reference(q, k_cache, v_cache, cu_q, cu_k, max_q, max_k, softmax_scale=None, causal=False,
+                     block_table=None):
+    """flash_attn_varlen_func's paged contract in plain torch: q [Tq, H, D]; k/v_cache
+    [num_blocks, block_size, kvH, D]; block_table [S, max_blocks] int32; causal is bottom-right aligned."""
+    assert block_table is not None and block_table.dtype == torch.int32 and cu_k.dtype == torch.int32
     out = torch.empty_like(q)
     for i in range(len(cu_q) - 1):
-        qs, ks = q[cu_q[i]:cu_q[i + 1]].transpose(0, 1), k[cu_k[i]:cu_k[i + 1]].transpose(0, 1)
-        vs = v[cu_k[i]:cu_k[i + 1]].transpose(0, 1)
-        n, m = qs.shape[1], ks.shape[1]
+        n, m = int(cu_q[i + 1] - cu_q[i]), int(cu_k[i + 1] - cu_k[i])
+        blocks = block_table[i, : -(-m // k_cache.shape[1])].long()
+        ks = k_cache[blocks].flatten(0, 1)[:m].transpose(0, 1)  # [kvH, m, D]
+        vs = v_cache[blocks].flatten(0, 1)[:m].transpose(0, 1)
+        qs = q[cu_q[i]:cu_q[i + 1]].transpose(0, 1)
         mask = torch.ones(n, m, dtype=torch.bool).tril(diagonal=m - n) if causal else None
         o = F.scaled_dot_product_attention(qs[None], ks[None], vs[None], attn_mask=mask, scale=softmax_scale,
                                            enable_gqa=True)
         out[cu_q[i]:cu_q[i + 1]] = o[0].transpose(0, 1)
     assert max_q == max(int(cu_q[i + 1] - cu_q[i]) for i in range(len(cu_q) - 1))
+    assert max_k == max(int(cu_k[i + 1] - cu_k[i]) for i in range(len(cu_k) - 1))
     return out
 
 
-def test_flash_varlen_path_matches_solo(tokenizer, monkeypatch) -> None:
+def test_flash_paged_path_matches_solo(tokenizer, monkeypatch) -> None:
+    """The CUDA path's plumbing: pool layout, slot writes, block tables, cu_seqlens_k — one call per layer."""
     model = tiny_model("llama", tokenizer)
     reference = reference_copy(model)
-    monkeypatch.setattr(attention, "_flash_attn_varlen_func", varlen_reference)
-    monkeypatch.setattr(attention, "use_flash", lambda query: True)
-    # a small budget chunks the prefill: new chunks attend to cached prefixes
-    engine = Engine(model, tokenizer, max_batch_tokens=40, max_num_seqs=8)
-    results = engine.generate(QUESTIONS, SamplingParams(temperature=0, max_tokens=6))
-    for prompt, result in zip(QUESTIONS, results):
+    calls = []
+
+    def counting_reference(*args, **kwargs):
+        calls.append(1)
+        return varlen_reference(*args, **kwargs)
+
+    monkeypatch.setattr(attention, "_flash_attn_varlen_func", counting_reference)
+    monkeypatch.setattr(engine_module, "use_flash", lambda device, dtype: True)
+    # a small budget chunks the prefill: new chunks attend to their own cached blocks
+    engine = Engine(model, tokenizer, max_batch_tokens=40, max_num_seqs=8, block_size=16)
+    assert engine.stats()["kv_block_size"] == 16
+    doc = "The lighthouse was built in 1874 on a granite rock. " * 3
+    prompts = QUESTIONS + [chat("Who built it?", doc), chat("When was it built?", doc)]  # a shared prefix
+    results = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=6))
+    for prompt, result in zip(prompts, results):
         ids = torch.tensor([engine.encode(prompt)])
         expected = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
                                       eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id)
         assert result.token_ids == expected[0, ids.shape[1]:].tolist()
+    stats = engine.stats()
+    assert stats["prefix_hit_tokens"] > 0
+    assert len(calls) == stats["forward_passes"] * model.config.num_hidden_layers  # one call per layer per pass
     engine.close()
 
 
@@ -82,10 +107,74 @@ def test_model_used_outside_the_engine_fails_loudly(tokenizer) -> None:
 
 
 def test_pack_round_trip() -> None:
-    segments = [Segment(0, [5, 6, 7], 0, True), Segment(1, [9], 4, True), Segment(2, [1, 2], 0, False)]
-    batch = pack(segments)
+    kv = SimpleNamespace(block_size=4, flash_layout=False)
+    segments = [Segment(0, [5, 6, 7], 0, True, block_ids=[3]), Segment(1, [9], 4, True, block_ids=[0, 1]),
+                Segment(2, [1, 2], 0, False, block_ids=[2])]
+    batch = pack(segments, kv=kv)
     assert batch.input_ids.tolist() == [5, 6, 7, 9, 1, 2]
     assert batch.position_ids.tolist() == [0, 1, 2, 4, 0, 1]  # restart per question; decode continues its own
     assert batch.cu_seqlens.tolist() == [0, 3, 4, 6] and batch.max_seqlen == 3
     assert batch.logits_indices.tolist() == [2, 3]  # only segments that sample
     assert batch.segment_lengths() == [3, 1, 2] and batch.past_lens == [0, 4, 0]
+    assert batch.slot_blocks.tolist() == [3, 3, 3, 1, 2, 2]  # position 4 of request 1 is block 1, offset 0
+    assert batch.slot_offsets.tolist() == [0, 1, 2, 0, 0, 1]
+    assert batch.decode is not None and batch.decode.row_segments == [1]
+    with pytest.raises(ValueError, match="KV pool"):
+        pack([Segment(1, [9], 4, True)])
+
+
+def test_batched_decode_equals_attention_per_row() -> None:
+    """Rows over private blocks and over a shared prefix block, in one call, against SDPA per row."""
+    torch.manual_seed(0)
+    kv_heads, heads, dim, block = 2, 4, 8, 4
+    keys, values = torch.randn(12, kv_heads, block, dim), torch.randn(12, kv_heads, block, dim)
+    tables = [[0, 1, 5], [0, 1, 7], [9], [0, 2]]  # rows 0, 1 and 3 share blocks 0 (and 0, 1 rows 0-1)
+    past = [9, 10, 2, 5]
+    segments = [Segment(i, [1], p, True, block_ids=t) for i, (t, p) in enumerate(zip(tables, past))]
+    batch = pack(segments, kv=SimpleNamespace(block_size=block, flash_layout=False))
+    query = torch.randn(len(tables), heads, dim)
+    out = attention.batched_decode(query, batch.decode, keys, values, scaling=None)
+    for i, (table, p) in enumerate(zip(tables, past)):
+        k = keys[table].transpose(0, 1).reshape(kv_heads, -1, dim)[:, : p + 1]
+        v = values[table].transpose(0, 1).reshape(kv_heads, -1, dim)[:, : p + 1]
+        expected = F.scaled_dot_product_attention(query[i][None, :, None], k[None], v[None], enable_gqa=True)
+        torch.testing.assert_close(out[i], expected[0, :, 0], atol=1e-5, rtol=1e-5)
+    assert len(batch.decode.groups) == 2  # private blocks, and the shared prefix read once for its rows
+
+
+def count_attention_kernels(engine: Engine, num_questions: int) -> int:
+    """Matmul-class kernels the attention runs in one decode step of `num_questions` questions."""
+    prompts = [chat(f"Question number {i}: tell me something about the number {i * 7}.") for i in range(num_questions)]
+    kernels = []
+    original = attention.batched_decode
+
+    def counted(*args, **kwargs):
+        with KernelCounter() as counter:
+            out = original(*args, **kwargs)
+        kernels.append(counter.count)
+        return out
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(attention, "batched_decode", counted)
+        engine.generate(prompts, SamplingParams(temperature=0, max_tokens=3))  # prefill, then 2 decode steps
+    per_layer = set(kernels)
+    assert len(per_layer) == 1, per_layer
+    return kernels[0]
+
+
+class KernelCounter(TorchDispatchMode):
+    MATMULS = {"bmm", "mm", "matmul", "baddbmm", "_scaled_dot_product_attention_math",
+               "_scaled_dot_product_flash_attention_for_cpu"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.__name__.split(".")[0] in self.MATMULS:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_one_attention_call_per_layer_for_any_number_of_decode_rows(tiny_engine: Engine) -> None:
+    assert count_attention_kernels(tiny_engine, 2) == count_attention_kernels(tiny_engine, 16) > 0

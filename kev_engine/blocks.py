@@ -1,0 +1,185 @@
+"""Block manager: which question owns which KV blocks, and which full blocks are shared.
+
+Where this sits: `schedule` asks it whether a request's KV fits before admitting it (and for one
+more block as a decode grows); `Engine` frees everything a request holds in one call.
+
+Prefix sharing (vLLM's automatic prefix caching, with exact keys instead of hashes): a FULL block
+is keyed by (its parent's key id, its token ids); the first block's parent is the request's
+`extra` key — adapter name and loaded version, and the `cache_salt` — so different adapters or
+tenants never share a block. Keys are compared by value (no hash collision can alias two
+prefixes). A block is findable only once its KV is computed, or — within one pass — once an
+earlier chunk of the same pass is going to write it (`attention` writes every segment's keys
+before any segment reads, layer by layer). Blocks in use are refcounted and never evicted;
+a block nobody uses but whose key is known stays cached (LRU) until its memory is needed.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import OrderedDict
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+
+ExtraKey = Hashable
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    key: tuple | None = None  # set while the block is findable by its prefix
+    node: int = -1  # id children key themselves under
+
+
+@dataclass
+class BlockTable:
+    """One request's blocks, in position order, and how far its prefix chain is keyed."""
+
+    block_ids: list[int] = field(default_factory=list)
+    num_keyed: int = 0  # leading full blocks whose key is known (matched, or registered after compute)
+    parent_node: int | None = None  # node of block num_keyed - 1 (None: chain starts at the extra key)
+    cacheable: bool = True
+
+    def __len__(self) -> int:
+        return len(self.block_ids)
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_ids = list(range(num_blocks))  # a min-heap: low ids first keep the used range compact
+        self.cached: OrderedDict[int, None] = OrderedDict()  # unused but findable, oldest first
+        self.table: dict[tuple, int] = {}  # prefix key → block id (KV computed)
+        self.filling: dict[tuple, int] = {}  # prefix key → block id written by this pass
+        self._nodes = itertools.count(1)
+
+    # ---- accounting -------------------------------------------------------------------------
+
+    @property
+    def num_available(self) -> int:
+        """Blocks a request could get now: free ones plus cached ones nobody uses."""
+        return len(self.free_ids) + len(self.cached)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - self.num_available
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # ---- allocation -------------------------------------------------------------------------
+
+    def _take(self) -> int:
+        """A block nobody uses: a free one, else the least recently used cached one (forgotten)."""
+        if self.free_ids:
+            block_id = heapq.heappop(self.free_ids)
+        else:
+            block_id, _ = self.cached.popitem(last=False)
+            block = self.blocks[block_id]
+            assert block.key is not None and block.ref_count == 0
+            self.table.pop(block.key, None)
+            block.key, block.node = None, -1
+        self.blocks[block_id].ref_count = 1
+        return block_id
+
+    def _key(self, parent: int | None, extra: ExtraKey, tokens: Sequence[int]) -> tuple:
+        return (parent, tuple(tokens)) if parent is not None else ("root", extra, tuple(tokens))
+
+    def match(self, token_ids: Sequence[int], extra: ExtraKey) -> list[int]:
+        """Leading full blocks of `token_ids` already computed (or being computed this pass).
+
+        The last token is never matched: a question whose whole prompt is cached still runs its
+        last token, for the logits it samples from.
+        """
+        hits: list[int] = []
+        parent: int | None = None
+        bs = self.block_size
+        for start in range(0, len(token_ids) - 1 - bs + 1, bs):
+            key = self._key(parent, extra, token_ids[start : start + bs])
+            block_id = self.table.get(key, self.filling.get(key))
+            if block_id is None:
+                break
+            hits.append(block_id)
+            parent = self.blocks[block_id].node
+        return hits
+
+    def allocate(self, table: BlockTable, token_ids: Sequence[int], extra: ExtraKey, watermark: int = 0) -> int | None:
+        """Give a new request blocks for `token_ids`, sharing what is cached. Returns the number of
+        prompt tokens whose KV is reused, or None (nothing taken) when the rest does not fit."""
+        hits = self.match(token_ids, extra) if table.cacheable else []
+        new = self.blocks_for(len(token_ids)) - len(hits)
+        reclaimable = self.num_available - sum(1 for b in hits if b in self.cached)
+        if new + watermark > reclaimable:
+            return None
+        for block_id in hits:
+            block = self.blocks[block_id]
+            block.ref_count += 1
+            self.cached.pop(block_id, None)
+        table.block_ids = hits + [self._take() for _ in range(new)]
+        table.num_keyed = len(hits)
+        table.parent_node = self.blocks[hits[-1]].node if hits else None
+        return len(hits) * self.block_size
+
+    def grow(self, table: BlockTable, num_tokens: int) -> bool:
+        """Make room for a request to reach `num_tokens` tokens; False if the pool is full."""
+        need = self.blocks_for(num_tokens) - len(table.block_ids)
+        if need > self.num_available:
+            return False
+        table.block_ids.extend(self._take() for _ in range(need))
+        return True
+
+    def announce(self, table: BlockTable, token_ids: Sequence[int], extra: ExtraKey, computed_after: int) -> None:
+        """This pass will compute the request's tokens up to `computed_after`: make its full blocks
+        findable by later chunks of the same pass."""
+        self._key_blocks(table, token_ids, extra, computed_after, self.filling)
+
+    def commit(self, table: BlockTable, token_ids: Sequence[int], extra: ExtraKey, num_computed: int) -> None:
+        """After a pass: full blocks whose KV is now computed become findable by later requests."""
+        self._key_blocks(table, token_ids, extra, num_computed, self.table)
+
+    def end_pass(self) -> None:
+        self.filling.clear()
+
+    def _key_blocks(self, table: BlockTable, token_ids: Sequence[int], extra: ExtraKey, upto: int, into: dict) -> None:
+        if not table.cacheable:
+            return
+        bs = self.block_size
+        index, parent = table.num_keyed, table.parent_node
+        while (index + 1) * bs <= upto and index < len(table.block_ids):
+            key = self._key(parent, extra, token_ids[index * bs : (index + 1) * bs])
+            block = self.blocks[table.block_ids[index]]
+            known = self.table.get(key)
+            if known is not None and known != block.block_id:
+                parent = self.blocks[known].node  # the same content is cached elsewhere: chain through it
+            elif into is self.filling:
+                if block.node < 0:
+                    block.node = next(self._nodes)
+                into.setdefault(key, block.block_id)
+                parent = block.node
+            else:
+                if block.node < 0:
+                    block.node = next(self._nodes)
+                block.key = key
+                self.table[key] = block.block_id
+                parent = block.node
+            index += 1
+        if into is self.table:  # filling is provisional: the chain position advances only when computed
+            table.num_keyed, table.parent_node = index, parent
+
+    def free(self, table: BlockTable) -> None:
+        """Give back every block the request holds; keyed ones stay cached for the next request."""
+        for block_id in reversed(table.block_ids):  # the tail first: it is evicted first
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            assert block.ref_count >= 0, f"block {block_id} freed twice"
+            if block.ref_count == 0:
+                if block.key is not None:
+                    self.cached[block_id] = None
+                else:
+                    block.node = -1
+                    heapq.heappush(self.free_ids, block_id)
+        table.block_ids = []
+        table.num_keyed, table.parent_node = 0, None

@@ -1,0 +1,112 @@
+"""KV memory the engine owns: one budgeted pool of fixed-size blocks per layer.
+
+Where this sits: allocated once when the `Engine` starts; `blocks.BlockManager` decides which
+question owns (or shares) which block, `attention` writes each new token's keys/values into its
+slot and reads them back. Nothing outside the pool ever holds KV, so the budget is the bound.
+
+Layout per layer: keys and values of shape [num_blocks, num_kv_heads, block_size, head_dim] on
+CPU, so one block of one head is a contiguous [block_size, head_dim] matrix that a batched matmul
+reads in place; flash-attn's paged kernels want [num_blocks, block_size, num_kv_heads, head_dim].
+On CPU the tensors come from `torch.empty`: pages the engine never touches are never resident.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+CPU_BLOCK_SIZE = 32  # tokens per block: prefixes are shared in whole blocks
+FLASH_BLOCK_SIZE = 256  # flash-attn's paged KV needs a multiple of 256
+CPU_DEFAULT_MAX_BYTES = 4 << 30
+CPU_DEFAULT_FRACTION = 0.2  # of the memory available when the engine starts
+CUDA_DEFAULT_FRACTION = 0.5  # of the device memory still free after the model loaded
+
+
+def kv_shape(model: Any) -> tuple[int, int, int]:
+    """(num_layers, num_kv_heads, head_dim) from the model's config."""
+    config = model.config.get_text_config()
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return config.num_hidden_layers, getattr(config, "num_key_value_heads", None) or heads, head_dim
+
+
+def default_kv_cache_bytes(device: torch.device) -> int:
+    """A sane budget when the caller gives none: a share of what the device has free now."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * CUDA_DEFAULT_FRACTION)
+    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    try:
+        with open("/proc/meminfo") as meminfo:  # MemAvailable counts reclaimable page cache; AVPHYS does not
+            available = next(int(line.split()[1]) * 1024 for line in meminfo if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        pass
+    return int(min(CPU_DEFAULT_MAX_BYTES, available * CPU_DEFAULT_FRACTION))
+
+
+class KVPool:
+    """Per-layer key/value block tensors within `kv_cache_bytes`."""
+
+    def __init__(
+        self,
+        model: Any,
+        device: torch.device,
+        dtype: torch.dtype,
+        kv_cache_bytes: int | None = None,
+        block_size: int | None = None,
+        flash_layout: bool = False,
+    ) -> None:
+        self.num_layers, self.num_kv_heads, self.head_dim = kv_shape(model)
+        self.flash_layout = flash_layout
+        self.block_size = block_size or (FLASH_BLOCK_SIZE if flash_layout else CPU_BLOCK_SIZE)
+        if self.block_size < 1:
+            raise ValueError(f"block_size={self.block_size} is not allowed; use an integer >= 1")
+        element = torch.empty((), dtype=dtype).element_size()
+        # keys + values, every layer, one block
+        self.block_bytes = 2 * self.num_layers * self.num_kv_heads * self.block_size * self.head_dim * element
+        budget = default_kv_cache_bytes(device) if kv_cache_bytes is None else kv_cache_bytes
+        self.num_blocks = int(budget) // self.block_bytes
+        if self.num_blocks < 1:
+            raise ValueError(
+                f"kv_cache_bytes={budget} holds no block; one block of {self.block_size} tokens needs "
+                f"{self.block_bytes} bytes on this model"
+            )
+        self.budget_bytes = self.num_blocks * self.block_bytes
+        if flash_layout:
+            shape = (self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        else:
+            shape = (self.num_blocks, self.num_kv_heads, self.block_size, self.head_dim)
+        self.keys = [torch.empty(shape, dtype=dtype, device=device) for _ in range(self.num_layers)]
+        self.values = [torch.empty(shape, dtype=dtype, device=device) for _ in range(self.num_layers)]
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    def write(
+        self, layer: int, block_ids: torch.Tensor, offsets: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+    ) -> None:
+        """Store new keys/values [num_kv_heads, T, head_dim] at their slots (block_ids[t], offsets[t])."""
+        if key.shape[0] != self.num_kv_heads or key.shape[2] != self.head_dim:
+            raise RuntimeError(
+                f"the model produced keys of shape {list(key.shape)}; Kev's KV pool expects "
+                f"[{self.num_kv_heads}, T, {self.head_dim}] from its config"
+            )
+        if self.flash_layout:
+            self.keys[layer][block_ids, offsets] = key.transpose(0, 1)  # [T, kvH, D]
+            self.values[layer][block_ids, offsets] = value.transpose(0, 1)
+        else:
+            self.keys[layer][block_ids, :, offsets] = key.transpose(0, 1)
+            self.values[layer][block_ids, :, offsets] = value.transpose(0, 1)
+
+    def gather(self, layer: int, block_ids: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One question's keys/values over its blocks, positions 0..length: [num_kv_heads, length, head_dim]."""
+        assert not self.flash_layout
+        keys = self.keys[layer][block_ids]  # [n, kvH, bs, D]
+        values = self.values[layer][block_ids]
+        n = keys.shape[0]
+        flat_k = keys.transpose(0, 1).reshape(self.num_kv_heads, n * self.block_size, self.head_dim)
+        flat_v = values.transpose(0, 1).reshape(self.num_kv_heads, n * self.block_size, self.head_dim)
+        return flat_k[:, :length], flat_v[:, :length]
