@@ -55,6 +55,7 @@ class BlockManager:
         self.table: dict[tuple, int] = {}  # prefix key → block id (KV computed)
         self.filling: dict[tuple, int] = {}  # prefix key → block id written by this pass
         self._nodes = itertools.count(1)
+        self.evictions = 0  # cached blocks forgotten to make room
 
     # ---- accounting -------------------------------------------------------------------------
 
@@ -78,6 +79,7 @@ class BlockManager:
             block_id = heapq.heappop(self.free_ids)
         else:
             block_id, _ = self.cached.popitem(last=False)
+            self.evictions += 1
             block = self.blocks[block_id]
             assert block.key is not None and block.ref_count == 0
             self.table.pop(block.key, None)

@@ -150,7 +150,8 @@ class Engine:
         self._scheduler = Scheduler(max_batch_tokens, max_num_seqs, self._blocks, max_logits_tokens)
         self._adapters = AdapterPool(model, self.device, max_adapters)
         self._cond = threading.Condition()
-        self._forward_lock = threading.Lock()  # one pass at a time; adapters install between passes
+        self._step_lock = threading.Lock()  # one step at a time, whoever runs it
+        self._forward_lock = threading.Lock()  # one forward at a time; adapters install between passes
         self._stats = dict.fromkeys(STAT_KEYS, 0)
         self._request_ids = itertools.count()
         self._groups = itertools.count()
@@ -290,6 +291,7 @@ class Engine:
                 "adapter_evictions": self._adapters.evictions,
                 "kv_cache_bytes": self._blocks.num_used * self._kv.block_bytes,
                 "kv_cached_prefix_bytes": len(self._blocks.cached) * self._kv.block_bytes,
+                "kv_prefix_evictions": self._blocks.evictions,
                 "kv_cache_budget_bytes": self._kv.budget_bytes,
                 "kv_block_size": self._kv.block_size,
             }
@@ -378,8 +380,13 @@ class Engine:
     def step(self) -> int:
         """One pass: cancel → schedule → pack → forward → sample → postprocess → finish.
 
-        Returns the number of tokens it ran (0: nothing could run).
+        Returns the number of tokens it ran (0: nothing could run). Passes never overlap: a caller
+        stepping by hand (inside `hold()`) waits for the scheduler thread's pass to end.
         """
+        with self._step_lock:
+            return self._step()
+
+    def _step(self) -> int:
         self._cancel()
         chunks = self._schedule()
         if not chunks:
@@ -617,7 +624,7 @@ class Engine:
                     settings_version=defaults.version,
                     max_total=len(ids) + 1 if logits_only else min(len(ids) + params.max_tokens, self.max_context),
                     adapter=adapter,
-                    prefix_key=(self._adapters.prefix_key(adapter), getattr(params, "cache_salt", None)),
+                    prefix_key=(self._adapters.prefix_key(adapter), params.cache_salt),
                     logits_only=logits_only,
                     blocks=BlockTable(cacheable=not logits_only),
                     group=group_id,

@@ -56,6 +56,9 @@ class SamplingParams:
     """Strings that end the answer; the text is cut before the first one found."""
     seed: int | None = None
     """A seeded request samples the same tokens whatever it is packed with; -2**63 .. 2**64 - 1."""
+    cache_salt: str | None = None
+    """Requests with different salts never share prefix KV: give each tenant its own, since a
+    shared prefix cache is a timing side channel between them (vLLM, CVE-2025-46570)."""
 
     def __post_init__(self) -> None:
         if self.temperature is not None:
@@ -77,6 +80,10 @@ class SamplingParams:
         if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
             raise InvalidRequestError(f"stop={self.stop!r} is not allowed; use a non-empty string or a list of them")
         object.__setattr__(self, "stop", tuple(stop))
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
+            raise InvalidRequestError(
+                f"cache_salt={self.cache_salt!r} is not allowed; use a non-empty string or None"
+            )
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> SamplingParams:
