@@ -113,7 +113,7 @@ def parse_adapters(args: argparse.Namespace) -> dict[str, str]:
 
 def _sampling_flags(args: argparse.Namespace) -> dict[str, Any]:
     """The sampling flags given on the command line; each question's own keys override them."""
-    flags = {key: getattr(args, key) for key in SAMPLING_KEYS if getattr(args, key) is not None}
+    flags = {key: getattr(args, key, None) for key in SAMPLING_KEYS if getattr(args, key, None) is not None}
     try:
         SamplingParams.from_dict(flags)
     except InvalidRequestError as exc:
