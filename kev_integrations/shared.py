@@ -2,20 +2,55 @@
 
 LangChain and LlamaIndex copy LLM objects freely (`bind`, `configurable_fields`, `model_copy`),
 so construction must be cheap: the model loads on first use, once, and every copy shares that
-engine — and therefore its packed passes.
+engine — and therefore its packed passes. Spellings of the same engine share one key:
+``device=None`` is the device it resolves to, ``dtype="fp32"`` is ``"float32"``, and a local
+folder is its absolute path.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
-from kev_engine import Engine
+import torch
+
+from kev_engine import Engine, loader
+from kev_engine.lora import AdapterError
+
+EngineKey = tuple[str | None, str, str]
 
 _lock = threading.Lock()
-_engines: dict[tuple[str | None, str | None, str | None], Engine] = {}
-_settings: dict[tuple[str | None, str | None, str | None], dict[str, Any]] = {}
+_adapter_lock = threading.Lock()
+_engines: dict[EngineKey, Engine] = {}
+_settings: dict[EngineKey, dict[str, Any]] = {}
+
+
+def engine_key(source: str | None, device: str | None, dtype: str | None) -> EngineKey:
+    """The canonical (source, device, dtype) of an engine; a bad device or dtype raises here."""
+    resolved = loader.resolve_device(device)
+    if resolved.type == "cuda" and resolved.index is None:
+        resolved = torch.device("cuda", torch.cuda.current_device())  # "cuda" and "cuda:0" are one device
+    dtype_name = str(loader.resolve_dtype(dtype, resolved)).removeprefix("torch.")
+    if source is not None and Path(source).expanduser().exists():  # a local folder or .gguf, not a hub id
+        source = str(Path(source).expanduser().resolve())
+    return source, str(resolved), dtype_name
+
+
+def load_adapters(engine: Engine, adapters: Mapping[str, str]) -> None:
+    """Load each adapter into `engine`: a no-op for a name already loaded from the same folder,
+    an error for a name already loaded from another one (objects sharing an engine share its
+    adapter names, so one name can never quietly mean two adapters)."""
+    with _adapter_lock:  # two objects declaring the same new adapter at once: it loads once
+        for name, path in adapters.items():
+            try:
+                engine.load_adapter(name, path)
+            except AdapterError as exc:
+                raise AdapterError(
+                    f"adapters={{{name!r}: {path!r}}} conflicts with the engine {engine.name!r} this object "
+                    f"shares: {exc}"
+                ) from exc
 
 
 def shared_engine(
@@ -30,19 +65,18 @@ def shared_engine(
     `engine_kwargs` (`max_batch_tokens`, `coalesce_ms`, ...) configure the engine when this call
     creates it; asking for different ones later is an error, not silently ignored.
     """
-    key = (source, device, dtype)
+    key = engine_key(source, device, dtype)
     with _lock:  # one load even when many threads ask at once
         engine = _engines.get(key)
         if engine is None:
-            engine = _engines[key] = Engine.from_pretrained(source, device=device, dtype=dtype, **engine_kwargs)
+            engine = Engine.from_pretrained(key[0], device=key[1], dtype=key[2], **engine_kwargs)
+            _engines[key] = engine
             _settings[key] = dict(engine_kwargs)
         elif engine_kwargs and engine_kwargs != _settings[key]:
             raise ValueError(
                 f"the shared engine for {key} was created with {_settings[key]}; it cannot change to {engine_kwargs}"
             )
-        for name, path in (adapters or {}).items():
-            if name not in engine.adapters:
-                engine.load_adapter(name, path)
+    load_adapters(engine, adapters or {})
     return engine
 
 
@@ -54,12 +88,10 @@ def resolve_engine(
     adapters: Mapping[str, str],
 ) -> Engine:
     """The engine an integration object runs on: the one it was given (its adapters loaded into
-    it once), else the shared one for (source, device, dtype)."""
+    it), else the shared one for (source, device, dtype)."""
     if engine is None:
         return shared_engine(source, device, dtype, adapters)
-    for name, path in adapters.items():
-        if name not in engine.adapters:
-            engine.load_adapter(name, path)
+    load_adapters(engine, adapters)
     return engine
 
 

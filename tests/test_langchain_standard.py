@@ -56,6 +56,15 @@ class KevFlags:
     def supported_usage_metadata_details(self) -> dict[str, list[str]]:
         return {"invoke": [], "stream": []}  # no cache/reasoning/audio token breakdowns
 
+    @property
+    def standard_chat_model_params(self) -> dict[str, Any]:
+        # Kev refuses unknown constructor arguments (a dropped `num_predict` would silently run
+        # 256 tokens), and a hosted model's client settings mean nothing in-process.
+        params = super().standard_chat_model_params  # type: ignore[misc]
+        for name in ("max_retries", "api_key", "base_url"):
+            params.pop(name, None)
+        return params
+
 
 class TestChatKevUnit(KevFlags, ChatModelUnitTests):
     pass

@@ -10,12 +10,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kev_engine import Engine, SamplingParams
 from kev_engine.loader import EMBEDDED_NAME
 
+from ..init_args import check_sampling, refuse_unknown
 from ..shared import resolve_engine
+from ..tokens import text_token_ids
 
 SETTING_KEYS = ("adapter", "temperature", "top_p", "top_k", "max_tokens", "stop", "seed")
 # kwargs LangChain itself adds to calls; they carry no sampling meaning
@@ -51,8 +53,21 @@ class KevFields(BaseModel):
     """Strings that end an answer; the text is cut before the first one."""
     seed: int | None = None
     """Seeded sampling: the same tokens whatever the question is packed with."""
-    timeout: float | None = None
-    """Seconds to wait for one answer before cancelling it; None = no limit."""
+    timeout: float | None = Field(default=None, gt=0)
+    """Seconds to wait for an answer before cancelling it (TimeoutError); None = no limit."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _kev_refuse_unknown_args(cls, values: Any) -> Any:
+        """``ChatKev(num_predict=8)`` is a TypeError naming ``max_tokens``, not silently 256 tokens."""
+        refuse_unknown(cls.__name__, values, cls.model_fields)
+        return values
+
+    @model_validator(mode="after")
+    def _kev_check_sampling(self) -> Any:
+        """``temperature=-1`` fails here, at construction, with the engine's own message."""
+        check_sampling({key: getattr(self, key) for key in SETTING_KEYS if key != "adapter"})
+        return self
 
     def get_engine(self) -> Engine:
         """The engine to run on: the one passed in, else the shared one (loaded on first use)."""
@@ -64,6 +79,13 @@ class KevFields(BaseModel):
         if self.engine is not None:
             return self.engine.name
         return self.model or EMBEDDED_NAME
+
+    def get_token_ids(self, text: str) -> list[int]:
+        """The ids of `text` from the model's own tokenizer (no chat template, no special tokens)."""
+        custom = getattr(self, "custom_get_token_ids", None)
+        if custom is not None:
+            return list(custom(text))
+        return text_token_ids(self.get_engine(), text)
 
     def settings_params(self) -> dict[str, Any]:
         """Fields that change an answer: part of the cache key and of the tracing params."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -26,15 +26,17 @@ from llama_index.core.base.llms.types import (
     LLMMetadata,
     MessageRole,
 )
-from llama_index.core.bridge.pydantic import Field, PrivateAttr
+from llama_index.core.bridge.pydantic import Field, PrivateAttr, model_validator
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.function_calling import FunctionCallingLLM
 from llama_index.core.llms.llm import ToolSelection
 
 from kev_engine import Completion, Engine, SamplingParams
 
+from ..init_args import check_sampling, refuse_unknown
 from ..shared import resolve_engine
 from ..streaming import astream_answer, stream_answer
+from ..tokens import text_token_ids
 from ..tool_format import split_tool_calls, template_supports_tools, tool_system_prompt
 from .scoped import SAMPLING_KEYS, check_settings, current_overrides
 
@@ -80,6 +82,18 @@ class Kev(FunctionCallingLLM):
         model: local folder, .gguf file or hub id; None = embedded SmolLM2-135M-Instruct.
         adapter / temperature / top_p / top_k / max_tokens / stop / seed: per-call defaults.
         engine: an already-built `kev_engine.Engine` to use instead of the shared one.
+        Unknown arguments are a TypeError naming the right one (``max_new_tokens`` → ``max_tokens``);
+        ``context_window`` is not an argument: ``metadata`` reports the model's own.
+
+    Prompts: ``complete("...")`` sends the string as one user message through the model's chat
+    template (when it has one); ``complete(text, formatted=True)`` sends raw text. The same rule
+    as LangChain's ``ChatKev`` and ``KevLLM``.
+
+    Token counts with the model's own tokenizer (offline), e.g. for LlamaIndex's settings:
+        .. code-block:: python
+
+            Settings.tokenizer = llm.tokenizer
+            TokenCountingHandler(tokenizer=llm.tokenizer)
 
     Instantiate:
         .. code-block:: python
@@ -132,9 +146,29 @@ class Kev(FunctionCallingLLM):
 
     _loaded: Engine | None = PrivateAttr(default=None)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _kev_refuse_unknown_args(cls, values: Any) -> Any:
+        """``Kev(context_window=2048)`` is a TypeError saying where the context window comes from."""
+        if isinstance(values, Mapping):
+            values = {k: v for k, v in values.items() if k != "class_name"}  # from_dict's marker
+        refuse_unknown(cls.__name__, values, cls.model_fields)
+        return values
+
+    @model_validator(mode="after")
+    def _kev_check_sampling(self) -> Kev:
+        check_sampling({key: getattr(self, key) for key in SAMPLING_KEYS})
+        return self
+
     @classmethod
     def class_name(cls) -> str:
         return "Kev"
+
+    @property
+    def tokenizer(self) -> Callable[[str], list[int]]:
+        """`text → token ids` with the model's own tokenizer (no template, no special tokens)."""
+        engine = self.get_engine()
+        return lambda text: text_token_ids(engine, text)
 
     def get_engine(self) -> Engine:
         """The engine this LLM runs on: `engine`, else the shared one (loaded on first use)."""

@@ -1,0 +1,59 @@
+"""Constructor arguments for both front ends: unknown names refused, sampling checked up front.
+
+pydantic models drop unknown keyword arguments by default, so ``ChatKev(num_predict=8)`` would
+run with 256 new tokens and say nothing. Kev refuses them, naming the right field; and sampling
+fields go through `SamplingParams` at construction, not at the first call.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from kev_engine import SamplingParams
+
+# names other libraries use for Kev's fields: what to write instead
+RENAMED = {
+    "num_predict": "max_tokens", "max_new_tokens": "max_tokens", "max_length": "max_tokens",
+    "n_predict": "max_tokens", "max_output_tokens": "max_tokens", "num_output": "max_tokens",
+    "max_tokens_to_sample": "max_tokens", "model_name": "model", "model_path": "model", "model_id": "model",
+    "lora": "adapter", "lora_adapter": "adapter", "adapter_name": "adapter", "random_seed": "seed",
+    "stop_sequences": "stop", "request_timeout": "timeout",
+}
+CONTEXT_WINDOW_NAMES = ("context_window", "num_ctx", "n_ctx", "context_length", "max_context")
+# client settings of hosted models (LangChain's standard parameters): meaningless in-process
+NOT_APPLICABLE = {
+    "max_retries": "Kev runs the model in-process: there is nothing to retry",
+    "api_key": "Kev runs a local model in-process: there is no API key",
+    "base_url": "Kev runs a local model in-process, not a client of a server: use model= for a local folder",
+}
+
+
+def _hint(name: str, allowed: Iterable[str], owner: str) -> str:
+    if name in CONTEXT_WINDOW_NAMES:
+        return ("the context window is not a setting: it is read from the model's config "
+                "(engine.max_context; LlamaIndex's Kev reports it as llm.metadata.context_window)")
+    if name in NOT_APPLICABLE:
+        return NOT_APPLICABLE[name]
+    allowed = list(allowed)
+    if RENAMED.get(name) in allowed:
+        return f"use {RENAMED[name]}= instead"
+    close = difflib.get_close_matches(name, allowed, n=1)
+    return f"did you mean {close[0]}=?" if close else f"{owner} takes {sorted(allowed)}"
+
+
+def refuse_unknown(owner: str, values: Any, allowed: Iterable[str]) -> None:
+    """Raise TypeError for constructor arguments that are no field of `owner`, naming the right one."""
+    if not isinstance(values, Mapping):
+        return
+    allowed = set(allowed)
+    unknown = sorted(set(values) - allowed)
+    if unknown:
+        raise TypeError("; ".join(f"{owner}() got an unknown argument {name!r}: {_hint(name, allowed, owner)}"
+                                  for name in unknown))
+
+
+def check_sampling(values: Mapping[str, Any]) -> None:
+    """Validate sampling fields now, with the engine's own rules (`InvalidRequestError` naming the value)."""
+    SamplingParams.from_dict(values)
