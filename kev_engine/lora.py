@@ -38,7 +38,9 @@ _UNSUPPORTED_FLAGS = {
     "use_qalora": "QALoRA",
     "target_parameters": "LoRA on raw parameters (target_parameters)",
 }
-# a GGUF file name's quantization tag ("SmolLM2-135M-Instruct.Q4_1"): not part of the model's name
+# not part of a model's name: Kev's converted-GGUF cache key ("-<16 hex>", formerly "-<size>-<mtime>"),
+# then a GGUF file name's quantization tag ("SmolLM2-135M-Instruct.Q4_1")
+_CACHE_KEY = re.compile(r"-([0-9a-f]{16}|\d+-\d+)$")
 _QUANT_TAG = re.compile(r"[.\-_](i?q\d\w*|f16|f32|bf16)$", re.IGNORECASE)
 
 
@@ -131,9 +133,10 @@ def _read_weights(name: str, folder: Path) -> dict[str, torch.Tensor]:
 
 
 def _leaf_name(name_or_path: str) -> str:
-    """'HuggingFaceTB/SmolLM2-135M-Instruct' and '/x/SmolLM2-135M-Instruct.Q4_1.gguf' → 'smollm2-135m-instruct'."""
+    """'HuggingFaceTB/SmolLM2-135M-Instruct', '/x/SmolLM2-135M-Instruct.Q4_1.gguf' and Kev's converted
+    '~/.cache/kev/SmolLM2-135M-Instruct.Q4_1-75d583c6e691fabe' → 'smollm2-135m-instruct'."""
     leaf = name_or_path.replace("\\", "/").rstrip("/").rpartition("/")[2].casefold().removesuffix(".gguf")
-    return _QUANT_TAG.sub("", leaf)
+    return _QUANT_TAG.sub("", _CACHE_KEY.sub("", leaf))
 
 
 def _warn_if_other_base(name: str, config: dict[str, Any], model: nn.Module) -> None:

@@ -161,6 +161,8 @@ def test_invalid_config_json_is_refused(adapter_folder) -> None:
     ("someone/Other-Model-7B", "HuggingFaceTB/SmolLM2-135M-Instruct", True),
     ("HuggingFaceTB/SmolLM2-135M-Instruct", "/models/smollm2-135m-instruct", False),  # leaf, any case
     ("HuggingFaceTB/SmolLM2-135M-Instruct", "SmolLM2-135M-Instruct.Q4_1", False),  # a GGUF's quant tag
+    ("/home/u/.cache/kev/SmolLM2-135M-Instruct.Q4_1-75d583c6e691fabe", "SmolLM2-135M-Instruct", False),
+    ("/home/u/.cache/kev/SmolLM2-135M-Instruct.Q4_1-98362432-1796035716", "SmolLM2-135M-Instruct", False),
     (None, "HuggingFaceTB/SmolLM2-135M-Instruct", False),  # unnamed: nothing to compare
     ("someone/Other-Model-7B", "", False),
 ])
