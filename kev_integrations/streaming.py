@@ -9,18 +9,24 @@ from __future__ import annotations
 
 import asyncio
 import queue
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 
 from kev_engine import Completion, Engine, SamplingParams
 
 
 def stream_answer(
-    engine: Engine, prompt: object, sampling: SamplingParams, adapter: str | None
+    engine: Engine, prompt: object, sampling: SamplingParams, adapter: str | None,
+    on_submitted: Callable[[], None] | None = None,
 ) -> Iterator[str | Completion]:
-    """Text pieces, then the final `Completion` (for usage and finish reason)."""
+    """Text pieces, then the final `Completion` (for usage and finish reason).
+
+    `on_submitted()` runs once the request is queued (a LangChain batch waits for that).
+    """
     pieces: queue.SimpleQueue[str | None] = queue.SimpleQueue()
     future = engine.submit(prompt, sampling, adapter, on_text=pieces.put)  # type: ignore[arg-type]
     future.add_done_callback(lambda _: pieces.put(None))
+    if on_submitted is not None:
+        on_submitted()
     try:
         while (piece := pieces.get()) is not None:
             yield piece
@@ -30,7 +36,8 @@ def stream_answer(
 
 
 async def astream_answer(
-    engine: Engine, prompt: object, sampling: SamplingParams, adapter: str | None
+    engine: Engine, prompt: object, sampling: SamplingParams, adapter: str | None,
+    on_submitted: Callable[[], None] | None = None,
 ) -> AsyncIterator[str | Completion]:
     """`stream_answer` for an event loop: awaiting never blocks the loop."""
     loop = asyncio.get_running_loop()
@@ -44,6 +51,8 @@ async def astream_answer(
 
     future = engine.submit(prompt, sampling, adapter, on_text=put)  # type: ignore[arg-type]
     future.add_done_callback(lambda _: put(None))
+    if on_submitted is not None:
+        on_submitted()
     try:
         while (piece := await pieces.get()) is not None:
             yield piece

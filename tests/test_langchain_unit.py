@@ -8,7 +8,8 @@ handling, usage and caching are checked without any model; `test_langchain_batch
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import Any
 from unittest import mock
@@ -21,6 +22,7 @@ from langchain_core.runnables import ConfigurableField
 from pydantic import BaseModel
 
 from kev_engine import Completion, Engine, InvalidRequestError, SamplingParams
+from kev_engine.lora import AdapterError
 from kev_integrations.langchain import ChatKev, KevLLM
 from kev_integrations.langchain.tools import parse_tool_calls
 
@@ -29,15 +31,38 @@ TOOLS_TEMPLATE = PLAIN_TEMPLATE + "{% if tools %}{{ tools | tojson }}{% endif %}
 
 
 class FakeEngine(Engine):
-    """An `Engine` that loads nothing: records every call, answers with `script(prompt, sampling, adapter)`."""
+    """An `Engine` that loads nothing: records every call, answers with `script(prompt, sampling, adapter)`.
+
+    Like the real engine, everything submitted inside `hold()` shares one pass: each submit
+    records the number of the pass it would join (`pack`)."""
 
     def __init__(self, script: Callable[..., str] | None = None, template: str = PLAIN_TEMPLATE) -> None:
         self.script = script or (lambda prompt, sampling, adapter: f"answer[{adapter}]")
         self.tokenizer = mock.Mock(chat_template=template)
         self.name = "fake-model"
-        self.loaded: list[str] = []
+        self.loaded: dict[str, str] = {}
+        self.load_calls = 0
         self.generate_calls: list[dict[str, Any]] = []
         self.submit_calls: list[dict[str, Any]] = []
+        self.holds = 0
+        self.packs = 0
+
+    @contextlib.contextmanager
+    def hold(self) -> Iterator[None]:
+        if self.holds == 0:
+            self.packs += 1
+        self.holds += 1
+        try:
+            yield
+        finally:
+            self.holds -= 1
+
+    def pack_sizes(self) -> list[int]:
+        """How many submitted requests each pass would hold."""
+        sizes: dict[int, int] = {}
+        for call in self.submit_calls:
+            sizes[call["pack"]] = sizes.get(call["pack"], 0) + 1
+        return list(sizes.values())
 
     def _complete(self, prompt: Any, sampling: SamplingParams, adapter: str | None) -> Completion:
         text = self.script(prompt, sampling, adapter)
@@ -58,7 +83,9 @@ class FakeEngine(Engine):
 
     def submit(self, prompt: Any, sampling: SamplingParams | None = None, adapter: str | None = None,
                on_text: Callable[[str], None] | None = None) -> Future[Completion]:
-        self.submit_calls.append({"prompt": prompt, "sampling": sampling, "adapter": adapter})
+        if self.holds == 0:
+            self.packs += 1  # not held: a pass of its own
+        self.submit_calls.append({"prompt": prompt, "sampling": sampling, "adapter": adapter, "pack": self.packs})
         completion = self._complete(prompt, sampling or SamplingParams(), adapter)
         if on_text is not None:
             for word in completion.text.split(" "):
@@ -71,8 +98,11 @@ class FakeEngine(Engine):
     def adapters(self) -> list[str]:
         return list(self.loaded)
 
-    def load_adapter(self, name: str, path: str) -> None:
-        self.loaded.append(name)
+    def load_adapter(self, name: str, path: str) -> None:  # the real engine's rule, without the files
+        self.load_calls += 1
+        if name in self.loaded and self.loaded[name] != path:
+            raise AdapterError(f"adapter {name!r} is already loaded from {self.loaded[name]!r}")
+        self.loaded[name] = path
 
 
 @pytest.fixture
@@ -96,7 +126,7 @@ def test_construction_and_copies_load_nothing() -> None:
 
 def test_passed_engine_gets_the_adapters(engine: FakeEngine) -> None:
     ChatKev(engine=engine, adapters={"a": "/path/a"}).invoke("hi")
-    assert engine.loaded == ["a"]
+    assert engine.loaded == {"a": "/path/a"}
 
 
 def test_chat_invoke_sends_messages_and_merged_settings(engine: FakeEngine) -> None:
@@ -112,29 +142,30 @@ def test_unknown_setting_is_an_error(engine: FakeEngine) -> None:
     with pytest.raises(TypeError, match="unknown Kev setting"):
         ChatKev(engine=engine).invoke("hi", temprature=0.1)
     with pytest.raises(InvalidRequestError, match="top_p"):
-        KevLLM(engine=engine, top_p=2.0).invoke("hi")
+        KevLLM(engine=engine).invoke("hi", top_p=2.0)
 
 
-def test_llm_generate_is_one_engine_call(engine: FakeEngine) -> None:
+def test_llm_generate_is_one_pass(engine: FakeEngine) -> None:
     result = KevLLM(engine=engine, max_tokens=9, adapter="a").generate(["p1", "p2", "p3"], stop=["\n"])
-    (call,) = engine.generate_calls
-    assert call["prompts"] == ["p1", "p2", "p3"]
-    assert call["sampling"] == SamplingParams(max_tokens=9, stop=("\n",))
-    assert call["adapters"] == "a"
+    assert engine.pack_sizes() == [3]
+    assert [c["prompt"] for c in engine.submit_calls] == [[{"role": "user", "content": p}] for p in ("p1", "p2", "p3")]
+    assert {c["sampling"] for c in engine.submit_calls} == {SamplingParams(max_tokens=9, stop=("\n",))}
+    assert {c["adapter"] for c in engine.submit_calls} == {"a"}
     assert result.llm_output == {
         "token_usage": {"prompt_tokens": 21, "completion_tokens": 3, "total_tokens": 24}, "model_name": "fake-model"
     }
     assert result.generations[0][0].generation_info["finish_reason"] == "stop"
 
 
-def test_chat_batch_is_one_engine_call_and_max_concurrency_splits(engine: FakeEngine) -> None:
+def test_chat_batch_is_one_pass_and_max_concurrency_splits(engine: FakeEngine) -> None:
     llm = ChatKev(engine=engine, temperature=0.0)
     answers = llm.batch(["a", "b", "c", "d", "e"], adapter="x")
-    assert [len(c["prompts"]) for c in engine.generate_calls] == [5]
-    assert engine.submit_calls == []  # every invoke found its answer prepared
-    assert all(a.content == "answer[x]" for a in answers)
+    assert engine.pack_sizes() == [5]
+    assert sorted(c["prompt"][0]["content"] for c in engine.submit_calls) == ["a", "b", "c", "d", "e"]
+    assert [a.content for a in answers] == ["answer[x]"] * 5
+    engine.submit_calls.clear()
     llm.batch(["a", "b", "c", "d", "e"], config={"max_concurrency": 2})
-    assert [len(c["prompts"]) for c in engine.generate_calls[1:]] == [2, 2, 1]
+    assert engine.pack_sizes() == [2, 2, 1]
 
 
 def test_configurable_fields_batch_mixes_settings_in_one_call(engine: FakeEngine) -> None:
@@ -143,12 +174,12 @@ def test_configurable_fields_batch_mixes_settings_in_one_call(engine: FakeEngine
     )
     configs = [{"configurable": {"adapter": "a", "temperature": 0.7}}, {"configurable": {"adapter": "b"}}, {}]
     answers = llm.batch(["q1", "q2", "q3"], config=configs)
-    (call,) = engine.generate_calls
-    assert call["adapters"] == ["a", "b", None]
-    assert [s.temperature for s in call["sampling"]] == [0.7, None, None]
+    assert engine.pack_sizes() == [3]
+    sent = sorted((c["prompt"][0]["content"], c["adapter"], c["sampling"].temperature) for c in engine.submit_calls)
+    assert sent == [("q1", "a", 0.7), ("q2", "b", None), ("q3", None, None)]
     assert [a.content for a in answers] == ["answer[a]", "answer[b]", "answer[None]"]
     assert asyncio.run(llm.abatch(["q1", "q2", "q3"], config=configs))[1].content == "answer[b]"
-    assert len(engine.generate_calls) == 2 and engine.submit_calls == []
+    assert engine.pack_sizes() == [3, 3]
 
 
 def test_batch_return_exceptions_keeps_good_answers(engine: FakeEngine) -> None:

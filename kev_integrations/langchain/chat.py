@@ -22,6 +22,7 @@ from pydantic import BaseModel
 
 from kev_engine import Completion
 
+from ..tokens import prompt_token_count
 from ..tool_format import template_supports_tools, tool_choice_instruction
 from . import packing
 from .configurable import KevConfigurableFields
@@ -50,6 +51,11 @@ class ChatKev(KevFields, BaseChatModel):
     Key init args — per call (also via ``.bind(...)``, ``invoke(..., **kwargs)``,
     ``configurable_fields``):
         adapter, temperature, top_p, top_k, max_tokens, stop, seed, timeout.
+
+    Unknown arguments are a TypeError naming the right field (``num_predict``/``max_new_tokens``
+    → ``max_tokens``), and sampling values are checked at construction (``temperature=-1`` fails
+    there). A plain string input is one user message (the model's chat template applies), as for
+    ``KevLLM`` and LlamaIndex's ``Kev``.
 
     Instantiate:
         .. code-block:: python
@@ -99,6 +105,13 @@ class ChatKev(KevFields, BaseChatModel):
     Response metadata:
         ``usage_metadata`` (input/output/total tokens); ``response_metadata`` has
         ``model_name``, ``finish_reason`` ("stop" | "length"), ``adapter``, ``model_provider``.
+
+    Token counting (offline, the model's own tokenizer and template):
+        .. code-block:: python
+
+            llm.get_num_tokens("some text")                     # the text's tokens alone
+            trim_messages(history, max_tokens=900, token_counter=llm, strategy="last")
+            llm.get_num_tokens_from_messages(history, tools=[get_weather])   # = the prompt fed
     """
 
     streaming: bool = False
@@ -147,10 +160,13 @@ class ChatKev(KevFields, BaseChatModel):
         names = [t["function"]["name"] for t in tools or ()]
         return EngineRequest(engine, prompt, sampling, adapter), names
 
-    def engine_request(self, input: LanguageModelInput, kwargs: dict[str, Any]) -> EngineRequest:
-        """The request `invoke(input, **kwargs)` would make (used to pack batches)."""
-        stop = kwargs.pop("stop", None)
-        return self._request(self._convert_input(input).to_messages(), stop, kwargs)[0]
+    def get_num_tokens_from_messages(self, messages: list[BaseMessage], tools: Sequence[Any] | None = None) -> int:
+        """Exactly the prompt tokens `invoke(messages)` (with these tools bound) feeds the model:
+        its chat template, system prompt and tool schemas included. Offline, no GPT-2."""
+        engine = self.get_engine()
+        schemas = convert_tools(tools) if tools else None
+        prompt = build_prompt(messages, schemas, None, template_supports_tools(engine.tokenizer))
+        return prompt_token_count(engine, prompt)
 
     def _message(self, completion: Completion, tool_names: list[str]) -> AIMessage:
         text, tool_calls, invalid = parse_tool_calls(completion.text, tool_names) if tool_names else (
@@ -248,7 +264,8 @@ class ChatKev(KevFields, BaseChatModel):
         return_exceptions: bool = False,
         **kwargs: Any,
     ) -> list[AIMessage]:
-        """All inputs in one packed engine pass (per `max_concurrency` inputs), then the usual invokes."""
+        """The usual invokes, side by side; every input not already in the LLM cache is answered in
+        one packed engine pass (per `max_concurrency` inputs). Callbacks start before the pass."""
         configs = get_config_list(config, len(inputs))
         return packing.batch_packed([self] * len(inputs), inputs, configs, return_exceptions, kwargs)
 

@@ -2,8 +2,8 @@
 
 LangChain's `RunnableConfigurableFields.batch` runs one `invoke` per input in a thread pool
 as soon as the inputs' settings differ. Kev's version builds every input's model (the same
-cheap copies LangChain would build), packs all their requests into one engine call, then runs
-the invokes on the prepared answers.
+cheap copies LangChain would build) and runs their invokes through `packing.batch_packed`, so
+all their requests share one packed pass.
 """
 
 from __future__ import annotations

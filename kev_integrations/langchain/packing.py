@@ -1,20 +1,26 @@
-"""How a LangChain batch becomes ONE packed engine call, whatever each input's settings.
+"""How a LangChain batch becomes ONE packed engine pass, whatever each input's settings.
 
 LangChain runs chat batches (and `configurable_fields` batches with differing settings) as one
-`invoke` per input. Kev first builds every input's engine request and answers them all with one
-`Engine.generate` call (one pack per `max_concurrency` inputs), then runs the ordinary `invoke`s
-inside `prepared(...)`: their `_generate` finds its answer already computed and returns it, so
-callbacks, tracing, caching and output parsing behave exactly as for a single call.
+`invoke` per input. Kev runs those invokes side by side while their engines are held
+(`Engine.hold()`: no pass starts), and lets the pass start once every invoke has either
+submitted its request or finished without one (an LLM-cache hit, a bad input). So:
+
+- the requests still missing an answer share one packed pass (per `max_concurrency` inputs);
+- each invoke is the ordinary one: callbacks, tracing, the LLM cache and output parsing behave
+  as for a single call — `on_llm_start` fires before the pass, `on_llm_end` after its answer.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
-from collections import defaultdict, deque
-from collections.abc import AsyncIterator, Iterator, Sequence
-from contextlib import contextmanager
-from contextvars import ContextVar
+import contextlib
+import functools
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from concurrent import futures as cf
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextvars import ContextVar, copy_context
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -22,8 +28,10 @@ from kev_engine import Completion, Engine, SamplingParams
 
 from ..streaming import astream_answer, stream_answer
 
-Key = tuple[int, str, SamplingParams, str | None]
-_PREPARED: ContextVar[dict[Key, deque[Completion | BaseException]] | None] = ContextVar("kev_prepared", default=None)
+# Bounds the wait for a batch's invokes to reach the engine. They only convert messages and run
+# callbacks before submitting, so this is only reached when something blocks (a callback waiting
+# on the held engine): the pass then starts anyway, with whoever has arrived.
+GATHER_TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -35,134 +43,176 @@ class EngineRequest:
     sampling: SamplingParams
     adapter: str | None
 
-    @property
-    def key(self) -> Key:
-        return (id(self.engine), json.dumps(self.prompt, sort_keys=True, default=str), self.sampling, self.adapter)
+
+class _Gate:
+    """Counts the invokes of one pack until each has submitted its request or finished."""
+
+    def __init__(self, count: int, on_all_arrived: Callable[[], object]) -> None:
+        self._lock = threading.Lock()
+        self._left = count
+        self._on_all_arrived = on_all_arrived
+        if count == 0:
+            on_all_arrived()
+
+    def arrive(self) -> None:
+        with self._lock:
+            self._left -= 1
+            done = self._left == 0
+        if done:
+            self._on_all_arrived()
 
 
-def answer_together(
-    requests: Sequence[EngineRequest], max_concurrency: int | None = None
-) -> list[Completion | BaseException]:
-    """Answer all requests, one `generate` call (one pack) per engine and per `max_concurrency` slice."""
-    results: list[Completion | BaseException | None] = [None] * len(requests)
-    by_engine: dict[int, list[int]] = defaultdict(list)
-    for i, request in enumerate(requests):
-        by_engine[id(request.engine)].append(i)
-    for indices in by_engine.values():
-        size = max_concurrency or len(indices)
-        for start in range(0, len(indices), size):
-            chunk = [requests[i] for i in indices[start : start + size]]
-            answers = chunk[0].engine.generate(
-                [r.prompt for r in chunk], [r.sampling for r in chunk],
-                return_exceptions=True, adapters=[r.adapter for r in chunk],
-            )
-            for i, answer in zip(indices[start : start + size], answers):
-                results[i] = answer
-    return results  # type: ignore[return-value]
+class _Arrival:
+    """One invoke's single arrival at its gate (later calls are no-ops)."""
+
+    def __init__(self, gate: _Gate) -> None:
+        self._gate: _Gate | None = gate
+
+    def __call__(self) -> None:
+        gate, self._gate = self._gate, None
+        if gate is not None:
+            gate.arrive()
 
 
-@contextmanager
-def prepared(requests: Sequence[EngineRequest], answers: Sequence[Completion | BaseException]) -> Iterator[None]:
-    """Make `answers` available to the `_generate` calls run inside this block."""
-    table: dict[Key, deque[Completion | BaseException]] = defaultdict(deque)
-    for request, answer in zip(requests, answers):
-        table[request.key].append(answer)
-    token = _PREPARED.set(table)
+# what a timed-out wait raises: one class since Python 3.11, three before
+TIMEOUTS = (TimeoutError, cf.TimeoutError, asyncio.TimeoutError)
+
+_ARRIVAL: ContextVar[_Arrival | None] = ContextVar("kev_arrival", default=None)
+
+
+def arrive() -> None:
+    """Tell an enclosing batch that this invoke's requests are queued (no-op outside a batch)."""
+    arrival = _ARRIVAL.get()
+    if arrival is not None:
+        arrival()
+
+
+def timeout_error(timeout: float | None) -> TimeoutError:
+    return TimeoutError(f"no answer within timeout={timeout} s; the request was cancelled")
+
+
+def submit_all(requests: Sequence[EngineRequest]) -> list[Future[Completion]]:
+    """Queue the requests together (they share the next pass); an enclosing batch is told."""
+    with contextlib.ExitStack() as stack:
+        for engine in {id(r.engine): r.engine for r in requests}.values():
+            stack.enter_context(engine.hold())
+        futures = [r.engine.submit(r.prompt, r.sampling, r.adapter) for r in requests]
+    arrive()
+    return futures
+
+
+def wait(futures: Sequence[Future[Completion]], timeout: float | None) -> list[Completion]:
+    """All answers, within `timeout` seconds in all; on a timeout or error every request is cancelled."""
+    deadline = None if timeout is None else time.monotonic() + timeout
     try:
-        yield
+        return [f.result(None if deadline is None else max(0.0, deadline - time.monotonic())) for f in futures]
+    except TIMEOUTS:
+        raise timeout_error(timeout) from None
     finally:
-        _PREPARED.reset(token)
+        for future in futures:
+            future.cancel()  # timed out, failed or interrupted: stop computing (no-op once finished)
 
 
-def take_prepared(request: EngineRequest) -> Completion | None:
-    """The answer computed for this request by an enclosing batch, if any (raises its error)."""
-    table = _PREPARED.get()
-    if not table or not table.get(request.key):
-        return None
-    answer = table[request.key].popleft()
-    if isinstance(answer, BaseException):
-        raise answer
-    return answer
+async def await_all(futures: Sequence[Future[Completion]], timeout: float | None) -> list[Completion]:
+    """Async `wait`: awaiting never blocks the loop; cancelling the task cancels the requests."""
+    try:
+        return list(await asyncio.wait_for(asyncio.gather(*(asyncio.wrap_future(f) for f in futures)), timeout))
+    except TIMEOUTS:
+        raise timeout_error(timeout) from None
+    finally:
+        for future in futures:
+            future.cancel()
 
 
 def complete(request: EngineRequest, timeout: float | None = None) -> Completion:
-    """One answer: prepared by a batch, else submitted (concurrent callers still share passes)."""
-    answer = take_prepared(request)
-    if answer is not None:
-        return answer
-    future = request.engine.submit(request.prompt, request.sampling, request.adapter)
-    try:
-        return future.result(timeout=timeout)
-    finally:
-        future.cancel()  # timed out or interrupted: stop computing (no-op once finished)
+    """One answer; inside a batch, it joins the batch's pass."""
+    return wait(submit_all([request]), timeout)[0]
 
 
 async def acomplete(request: EngineRequest, timeout: float | None = None) -> Completion:
-    """Truly async: awaits the engine's future; cancelling the task cancels the request."""
-    answer = take_prepared(request)
-    if answer is not None:
-        return answer
-    future = request.engine.submit(request.prompt, request.sampling, request.adapter)
-    return await asyncio.wait_for(asyncio.wrap_future(future), timeout)
+    """Truly async `complete`."""
+    return (await await_all(submit_all([request]), timeout))[0]
 
 
 def stream(request: EngineRequest) -> Iterator[str | Completion]:
-    """Text pieces, then the `Completion`: prepared by a batch, else streamed by the engine."""
-    answer = take_prepared(request)
-    if answer is None:
-        yield from stream_answer(request.engine, request.prompt, request.sampling, request.adapter)
-        return
-    if answer.text:
-        yield answer.text
-    yield answer
+    """Text pieces as the engine makes them, then the `Completion`."""
+    return stream_answer(request.engine, request.prompt, request.sampling, request.adapter, on_submitted=arrive)
 
 
-async def astream(request: EngineRequest) -> AsyncIterator[str | Completion]:
+def astream(request: EngineRequest) -> AsyncIterator[str | Completion]:
     """Async `stream`."""
-    answer = take_prepared(request)
-    if answer is None:
-        async for item in astream_answer(request.engine, request.prompt, request.sampling, request.adapter):
-            yield item
-        return
-    if answer.text:
-        yield answer.text
-    yield answer
+    return astream_answer(request.engine, request.prompt, request.sampling, request.adapter, on_submitted=arrive)
 
 
 class PackingModel(Protocol):
     """What `batch_packed` needs from a Kev LangChain model."""
 
-    def engine_request(self, input: Any, kwargs: dict[str, Any]) -> EngineRequest: ...
+    def get_engine(self) -> Engine: ...
     def invoke(self, input: Any, config: Any = None, **kwargs: Any) -> Any: ...
     async def ainvoke(self, input: Any, config: Any = None, **kwargs: Any) -> Any: ...
 
 
-def _requests(models: Sequence[PackingModel], inputs: Sequence[Any], kwargs: dict[str, Any]) -> list[EngineRequest]:
-    requests = []
-    for model, input_ in zip(models, inputs):
+@contextlib.contextmanager
+def _held(models: Sequence[PackingModel]) -> Iterator[None]:
+    """Hold every engine the models run on (each once)."""
+    engines: dict[int, Engine] = {}
+    for model in models:
         try:
-            requests.append(model.engine_request(input_, dict(kwargs)))
-        except Exception:  # noqa: BLE001 - this input's own invoke raises it again, in its place
+            engine = model.get_engine()
+        except Exception:  # noqa: BLE001 - that input's own invoke raises it again, in its place
             continue
-    return requests
+        engines[id(engine)] = engine
+    with contextlib.ExitStack() as stack:
+        for engine in engines.values():
+            stack.enter_context(engine.hold())
+        yield
+
+
+def _chunks(count: int, configs: Sequence[Any]) -> list[range]:
+    size = (configs[0].get("max_concurrency") if configs else None) or count
+    return [range(start, min(start + size, count)) for start in range(0, count, size)]
+
+
+def _invoke(arrival: _Arrival, model: PackingModel, input_: Any, config: Any, kwargs: dict[str, Any]) -> Any:
+    _ARRIVAL.set(arrival)  # runs in its own copied context: visible to this invoke only
+    try:
+        return model.invoke(input_, config, **kwargs)
+    finally:
+        arrival()
+
+
+async def _ainvoke(arrival: _Arrival, model: PackingModel, input_: Any, config: Any, kwargs: dict[str, Any]) -> Any:
+    _ARRIVAL.set(arrival)  # a task has its own context
+    try:
+        return await model.ainvoke(input_, config, **kwargs)
+    finally:
+        arrival()
 
 
 def batch_packed(
     models: Sequence[PackingModel], inputs: Sequence[Any], configs: Sequence[Any], return_exceptions: bool,
     kwargs: dict[str, Any],
 ) -> list[Any]:
-    """`Runnable.batch` for Kev models: one packed pass per `max_concurrency` inputs, then the invokes."""
-    requests = _requests(models, inputs, kwargs)
-    answers = answer_together(requests, configs[0].get("max_concurrency") if configs else None)
+    """`Runnable.batch` for Kev models: the invokes side by side, one packed pass per `max_concurrency` inputs."""
     results: list[Any] = []
-    with prepared(requests, answers):
-        for model, input_, config in zip(models, inputs, configs):
-            try:
-                results.append(model.invoke(input_, config, **kwargs))
-            except Exception as exc:
-                if not return_exceptions:
-                    raise
-                results.append(exc)
+    for chunk in _chunks(len(inputs), configs):
+        all_arrived = threading.Event()
+        gate = _Gate(len(chunk), all_arrived.set)
+        with ThreadPoolExecutor(max_workers=max(1, len(chunk)), thread_name_prefix="kev-batch") as pool:
+            with _held([models[i] for i in chunk]):
+                futures = [
+                    pool.submit(copy_context().run, _invoke, _Arrival(gate), models[i], inputs[i], configs[i],
+                                dict(kwargs))
+                    for i in chunk
+                ]
+                all_arrived.wait(GATHER_TIMEOUT_S)
+            for future in futures:  # the invokes end with their answers; they bound their own waits
+                try:
+                    results.append(future.result())
+                except Exception as exc:
+                    if not return_exceptions:
+                        raise
+                    results.append(exc)
     return results
 
 
@@ -170,17 +220,22 @@ async def abatch_packed(
     models: Sequence[PackingModel], inputs: Sequence[Any], configs: Sequence[Any], return_exceptions: bool,
     kwargs: dict[str, Any],
 ) -> list[Any]:
-    """Async `batch_packed`: the packed call runs in a worker thread, the event loop stays free."""
-    requests = _requests(models, inputs, kwargs)
-    max_concurrency = configs[0].get("max_concurrency") if configs else None
-    answers = await asyncio.get_running_loop().run_in_executor(None, answer_together, requests, max_concurrency)
+    """Async `batch_packed`: the invokes are tasks on the running loop."""
+    loop = asyncio.get_running_loop()
     results: list[Any] = []
-    with prepared(requests, answers):
-        for model, input_, config in zip(models, inputs, configs):
-            try:
-                results.append(await model.ainvoke(input_, config, **kwargs))
-            except Exception as exc:
-                if not return_exceptions:
-                    raise
-                results.append(exc)
+    for chunk in _chunks(len(inputs), configs):
+        all_arrived = asyncio.Event()
+        gate = _Gate(len(chunk), functools.partial(loop.call_soon_threadsafe, all_arrived.set))
+        with _held([models[i] for i in chunk]):
+            tasks = [
+                asyncio.create_task(_ainvoke(_Arrival(gate), models[i], inputs[i], configs[i], dict(kwargs)))
+                for i in chunk
+            ]
+            with contextlib.suppress(*TIMEOUTS):
+                await asyncio.wait_for(all_arrived.wait(), GATHER_TIMEOUT_S)
+        answers = await asyncio.gather(*tasks, return_exceptions=True)
+        for answer in answers:
+            if isinstance(answer, BaseException) and not (return_exceptions and isinstance(answer, Exception)):
+                raise answer
+            results.append(answer)
     return results
