@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 import pytest
 from conftest import make_adapter, tiny_model
@@ -31,8 +34,8 @@ TIMEOUT = 60
 def engine(tokenizer, tmp_path_factory):
     base = tiny_model("llama", tokenizer)
     folder = make_adapter(base, tmp_path_factory.mktemp("lora") / "terse", seed=1)
-    # 50 ms window: 8 threads on 2 busy CPU cores must all arrive before the first pass
-    engine = Engine(base, tokenizer, name="tiny-llama", coalesce_ms=50)
+    # no clock-based coalescing: tests that need calls to share a pass say so with `one_pass_for`
+    engine = Engine(base, tokenizer, name="tiny-llama", coalesce_ms=0)
     engine.load_adapter("terse", str(folder))
     yield engine
     engine.close()
@@ -52,6 +55,54 @@ def solo_answers(llm: Kev) -> list[str]:
     answers = [llm.complete(p, max_tokens=n).text for p, n in zip(PROMPTS, LENGTHS)]
     assert len(set(answers)) > 1  # the prompts really differ: equality below means something
     return answers
+
+
+@contextmanager
+def one_pass_for(engine: Engine, count: int) -> Iterator[None]:
+    """Hold the engine until `count` requests are submitted, so they share its next pass, whatever
+    the threads' or the event loop's timing (`Engine.hold()`, released by the last submit)."""
+    hold = engine.hold()
+    hold.__enter__()
+    submitted = 0
+    lock = threading.Lock()
+    submit, patched = engine.submit, "submit" in vars(engine)  # a spy of another fixture stays
+
+    def counting(*args, **kwargs):
+        nonlocal submitted
+        future = submit(*args, **kwargs)
+        with lock:
+            submitted += 1
+            if submitted == count:
+                hold.__exit__(None, None, None)
+        return future
+
+    engine.submit = counting
+    try:
+        yield
+    finally:
+        if patched:
+            engine.submit = submit
+        else:
+            del engine.submit
+        with lock:
+            if submitted < count:  # the block failed before every call arrived: let the engine go
+                hold.__exit__(None, None, None)
+
+
+async def until(predicate, timeout: float = TIMEOUT) -> None:
+    """Await a condition the engine's thread makes true, failing after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out waiting for the engine"
+        await asyncio.sleep(0.001)
+
+
+def wait_idle(engine: Engine) -> None:
+    """Wait (bounded) until the engine has dropped every request."""
+    deadline = time.monotonic() + TIMEOUT
+    while engine.stats()["running"] or engine.stats()["waiting"]:
+        assert time.monotonic() < deadline, "the engine never became idle"
+        threading.Event().wait(0.01)
 
 
 @pytest.fixture
@@ -76,12 +127,15 @@ def test_gathered_acomplete_calls_share_passes_and_equal_solo(engine, llm) -> No
     before = engine.stats()
 
     async def main():
-        return await asyncio.gather(*(llm.acomplete(p, max_tokens=n) for p, n in zip(PROMPTS, LENGTHS)))
+        return await asyncio.wait_for(
+            asyncio.gather(*(llm.acomplete(p, max_tokens=n) for p, n in zip(PROMPTS, LENGTHS))), TIMEOUT
+        )
 
-    answers = asyncio.run(main())
+    with one_pass_for(engine, 8):
+        answers = asyncio.run(main())
     used = delta(engine, before)
     assert used["requests"] == 8
-    assert used["prefill_passes"] <= 2
+    assert used["prefill_passes"] == 1
     assert [a.text for a in answers] == solo
     assert [a.raw["usage"]["completion_tokens"] for a in answers] == LENGTHS
 
@@ -91,15 +145,15 @@ def test_sync_calls_from_8_threads_coalesce(engine, llm) -> None:
     barrier = threading.Barrier(8)
 
     def ask(i: int) -> str:
-        barrier.wait()
+        barrier.wait(TIMEOUT)
         return llm.complete(PROMPTS[i], max_tokens=LENGTHS[i]).text
 
     before = engine.stats()
-    with ThreadPoolExecutor(8) as pool:
+    with one_pass_for(engine, 8), ThreadPoolExecutor(8) as pool:
         answers = list(pool.map(ask, range(8), timeout=TIMEOUT))
     used = delta(engine, before)
     assert used["requests"] == 8
-    assert used["prefill_passes"] <= 2
+    assert used["prefill_passes"] == 1
     assert answers == solo
 
 
@@ -109,24 +163,23 @@ def test_cancelling_one_call_leaves_the_others_answered(engine, llm, when) -> No
     before = engine.stats()
 
     async def main():
-        victim = asyncio.create_task(llm.acomplete(PROMPTS[7], max_tokens=500))
-        others = [asyncio.create_task(llm.acomplete(p, max_tokens=n)) for p, n in zip(PROMPTS, LENGTHS[:7])]
-        await asyncio.sleep(0)  # every task has submitted its request
+        with engine.hold():  # nothing runs until every task has submitted
+            victim = asyncio.create_task(llm.acomplete(PROMPTS[7], max_tokens=500))
+            others = [asyncio.create_task(llm.acomplete(p, max_tokens=n)) for p, n in zip(PROMPTS, LENGTHS[:7])]
+            await until(lambda: engine.stats()["requests"] - before["requests"] == 8)
+            if when == "waiting":
+                victim.cancel()
         if when == "running":
-            while engine.stats()["generated_tokens"] == before["generated_tokens"]:
-                await asyncio.sleep(0.002)
-        victim.cancel()
+            await until(lambda: engine.stats()["generated_tokens"] > before["generated_tokens"])
+            victim.cancel()
         answers = await asyncio.wait_for(asyncio.gather(*others), TIMEOUT)
         with pytest.raises(asyncio.CancelledError):
-            await victim
+            await asyncio.wait_for(victim, TIMEOUT)
         return answers
 
     answers = asyncio.run(main())
     assert [a.text for a in answers] == solo
-    for _ in range(TIMEOUT * 100):  # the engine drops the cancelled request at its next pass
-        if engine.stats()["running"] == engine.stats()["waiting"] == 0:
-            break
-        threading.Event().wait(0.01)
+    wait_idle(engine)  # the engine drops the cancelled request at its next pass
     used = delta(engine, before)
     assert used["cancelled"] == 1
     assert used["generated_tokens"] < sum(LENGTHS[:7]) + 500
@@ -144,10 +197,7 @@ def test_breaking_out_of_an_async_stream_stops_its_request(engine, llm) -> None:
         await stream.aclose()
 
     asyncio.run(main())
-    for _ in range(TIMEOUT * 100):
-        if engine.stats()["running"] == 0:
-            break
-        threading.Event().wait(0.01)
+    wait_idle(engine)
     used = delta(engine, before)
     assert used["cancelled"] == 1
     assert used["generated_tokens"] < 500
@@ -179,7 +229,7 @@ QUERY_PATHS = {
 def test_scoped_override_reaches_a_query_engines_calls(engine, llm, record_submits, path) -> None:
     qe = query_engine(llm)
     before = engine.stats()
-    with scoped(adapter="terse", max_tokens=3, temperature=0.5, seed=7):
+    with scoped(adapter="terse", max_tokens=3, temperature=0.5, seed=7), one_pass_for(engine, len(NODES)):
         response = QUERY_PATHS[path](qe)
     used = delta(engine, before)
     assert str(response)
@@ -187,7 +237,7 @@ def test_scoped_override_reaches_a_query_engines_calls(engine, llm, record_submi
     for _, sampling, adapter in record_submits:
         assert adapter == "terse"
         assert (sampling.max_tokens, sampling.temperature, sampling.seed) == (3, 0.5, 7)
-    assert used["prefill_passes"] <= 2  # the fan-out shared passes
+    assert used["prefill_passes"] == 1  # the fan-out arrived together and shared one pass
     record_submits.clear()
     QUERY_PATHS[path](qe)  # outside the scope: the LLM's own settings again
     assert {(s.max_tokens, a) for _, s, a in record_submits} == {(6, None)}
