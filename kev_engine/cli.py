@@ -5,6 +5,7 @@
     kev generate --adapter sql=./adapters/sql --file questions.jsonl
     kev generate "List the tables." --adapter sql=./adapters/sql --use-adapter sql
     kev show-pack "first question" "second question" --out pack.png
+    kev verify --model DIR --file prompts.jsonl [--adapter NAME=PATH]   # packed == solo, exit 1 if not
 
 A thin layer: each line becomes chat messages and a `SamplingParams`, then ONE
 `engine.generate(...)` call answers them all. A refused question becomes an error row;
@@ -30,6 +31,7 @@ from typing import Any, TextIO
 from .engine import Engine
 from .errors import InvalidRequestError
 from .params import SamplingParams
+from .verify import verify
 from .visualize import draw_pack_mask, format_table
 
 SAMPLING_KEYS = [f.name for f in fields(SamplingParams)]
@@ -155,6 +157,24 @@ def run_generate(engine: Engine, args: argparse.Namespace, records: list[dict[st
     return 1 if failed else 0
 
 
+def run_verify(engine: Engine, args: argparse.Namespace, records: list[dict[str, Any]]) -> int:
+    """Pack the prompts, run each alone, print one row per prompt; exit 1 when any differs."""
+    try:
+        prompts = [build_prompt(record, args.system, args.raw) for record in records]
+        adapters = [record.get("adapter", args.use_adapter) for record in records]
+        rows = verify(engine, prompts, adapters, args.max_tokens)
+    except (InvalidRequestError, KeyError) as exc:
+        print(f"kev: error: {exc}", file=sys.stderr)
+        return 2
+    for record, row in zip(records, rows):
+        print(json.dumps({"id": record["id"], **row}), flush=True)
+    bad = [r for r, row in zip(records, rows) if not row["ok"]]
+    print(f"kev verify: {len(rows) - len(bad)}/{len(rows)} prompts packed == solo "
+          f"({sum(row['shared_prefix_tokens'] for row in rows)} prompt tokens read from shared prefixes)"
+          + (f"; DIFFERENT: {[r['id'] for r in bad]}" if bad else ""), file=sys.stderr)
+    return 1 if bad else 0
+
+
 def run_show_pack(engine: Engine, args: argparse.Namespace, records: list[dict[str, Any]]) -> int:
     prompts = []
     for record in records:
@@ -196,10 +216,17 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", dest="top_k", type=int, help="keep the k likeliest tokens (default 0 = off)")
     gen.add_argument("--seed", type=int, help="seeded sampling: same tokens whatever the pack")
     gen.add_argument("--stop", action="append", metavar="STR", help="a string that ends an answer (repeatable)")
-    gen.add_argument("--adapter", dest="adapter_specs", action="append", metavar="NAME=PATH",
-                     help='load a PEFT LoRA adapter folder as NAME (repeatable); a JSONL line uses it with "adapter"')
-    gen.add_argument("--use-adapter", dest="use_adapter", metavar="NAME",
-                     help="adapter for questions that name none (default: the base model)")
+    gen.add_argument("--cache-salt", dest="cache_salt", metavar="SALT",
+                     help="questions with different salts never share prefix KV (one per tenant)")
+    verify = commands.add_parser("verify", parents=[common],
+                                 help="check packed == solo on your own model and prompts (exit 1 if not)")
+    verify.add_argument("--max-tokens", dest="max_tokens", type=int, default=16,
+                        help="greedy tokens compared per prompt (default 16)")
+    for sub in (gen, verify):
+        sub.add_argument("--adapter", dest="adapter_specs", action="append", metavar="NAME=PATH",
+                         help='load a PEFT LoRA adapter folder as NAME (repeatable); a JSONL line uses it with "adapter"')
+        sub.add_argument("--use-adapter", dest="use_adapter", metavar="NAME",
+                         help="adapter for questions that name none (default: the base model)")
     show = commands.add_parser("show-pack", parents=[common], help="draw the pack's attention mask as a PNG")
     show.add_argument("--out", required=True, help="PNG file to write")
     show.add_argument("--max-pixels", dest="max_pixels", type=int, default=1024, help="most mask pixels per side")
@@ -216,6 +243,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         records = read_questions(args)
         if args.command == "generate":
             _sampling_flags(args)  # refuse bad flags before the slow model load
+        elif args.command == "verify":
+            if args.max_tokens < 1:
+                raise UsageError(f"--max-tokens={args.max_tokens} is not allowed; use an integer >= 1")
         elif args.max_pixels < 16:
             raise UsageError(f"--max-pixels={args.max_pixels} is too small; use at least 16")
         adapters = parse_adapters(args)
@@ -232,4 +262,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         if args.command == "generate":
             return run_generate(engine, args, records)
+        if args.command == "verify":
+            return run_verify(engine, args, records)
         return run_show_pack(engine, args, records)

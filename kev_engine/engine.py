@@ -37,7 +37,7 @@ from .params import Defaults, SamplingParams, check_temperature, coerce_sampling
 from .request import Completion, Request, Status, failed_future, resolve_future
 from .sample import sample
 from .schedule import Chunk, Scheduler
-from .tokenize import Prompt, encode_prompt
+from .tokenize import Prompt, check_prompt_list, encode_prompt
 from .unpack import append_token, text_delta
 
 SamplingArg = SamplingParams | dict[str, Any] | None
@@ -499,6 +499,8 @@ class Engine:
                 if not request.in_prefill:
                     finished.append((request, None))
             elif samples[i]:
+                if request.capture_logits:
+                    request.logits.append(logits[batch.logits_rows[i][0]].clone())
                 done = append_token(request, next(sampled), self.eos_ids, self.tokenizer)
                 error = self._stream(request)
                 if done or error is not None:
@@ -554,11 +556,7 @@ class Engine:
 
     @staticmethod
     def _check_prompts(prompts: Any) -> list[Any]:
-        if isinstance(prompts, str) or not isinstance(prompts, Sequence):
-            raise InvalidRequestError(
-                f"prompts must be a list of prompts (strings or chat-message lists), not {type(prompts).__name__}"
-            )
-        return list(prompts)
+        return check_prompt_list(prompts)
 
     @staticmethod
     def _per_prompt(value: Any, count: int, what: str) -> list[Any]:
@@ -597,7 +595,11 @@ class Engine:
             )
 
     def _enqueue(
-        self, prepared: Sequence[Prepared], on_text: Callable[[str], None] | None = None, logits_only: bool = False
+        self,
+        prepared: Sequence[Prepared],
+        on_text: Callable[[str], None] | None = None,
+        logits_only: bool = False,
+        capture_logits: bool = False,
     ) -> list[Future[Any]]:
         """Queue all valid requests as one group; a refused one gets an already-failed future."""
         out: list[Future[Any]] = []
@@ -626,6 +628,7 @@ class Engine:
                     adapter=adapter,
                     prefix_key=(self._adapters.prefix_key(adapter), params.cache_salt),
                     logits_only=logits_only,
+                    capture_logits=capture_logits,
                     blocks=BlockTable(cacheable=not logits_only),
                     group=group_id,
                     on_text=on_text,

@@ -54,6 +54,7 @@ class Request:
     adapter: str | None = None
     prefix_key: Hashable = None  # what besides tokens shapes its KV: (adapter, its version, cache_salt)
     logits_only: bool = False  # prompt_logits: every prompt position's logits, no sampling
+    capture_logits: bool = False  # kev verify: keep the logits each generated token was sampled from
     group: int = 0  # requests submitted together share a group and are admitted together
     status: Status = Status.WAITING
     output_ids: list[int] = field(default_factory=list)
@@ -95,7 +96,11 @@ class Request:
 
     def result(self) -> Any:
         """What the caller's future receives: a `Completion`, or the prompt's logits [len, vocab]."""
-        return torch.cat(self.logits) if self.logits_only else self.completion()
+        if self.logits_only:
+            return torch.cat(self.logits)
+        if self.capture_logits:
+            return self.completion(), torch.stack(self.logits)  # [completion_tokens, vocab]
+        return self.completion()
 
 
 def failed_future(exc: BaseException) -> Future[Completion]:

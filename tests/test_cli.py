@@ -217,3 +217,15 @@ def test_a_missing_model_folder_exits_2_without_the_network(capsys, tmp_path) ->
     missing = str(tmp_path / "no-such-model")
     assert cli.main(["generate", "hi", "--model", missing]) == 2
     assert f"model folder '{missing}' does not exist" in capsys.readouterr().err
+
+
+def test_verify_reports_packed_equals_solo_with_shared_prefixes(tmp_path, capsys) -> None:
+    doc = "The Harbor Museum opened in 1901 and holds 3,000 paintings of the sea and its ships. " * 6
+    lines = [{"id": f"q{i}", "question": q, "context": doc} for i, q in enumerate(["When?", "How many?", "What?"])]
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("\n".join(json.dumps(line) for line in lines))
+    assert cli.main(["verify", "--file", str(path), "--max-tokens", "4"]) == 0
+    out, err = capsys.readouterr()
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert [r["id"] for r in rows] == ["q0", "q1", "q2"] and all(r["ok"] and r["tokens_match"] for r in rows)
+    assert rows[1]["shared_prefix_tokens"] > 0 and "3/3 prompts packed == solo" in err
