@@ -5,6 +5,7 @@
     kev generate --adapter sql=./adapters/sql --file questions.jsonl
     kev generate "List the tables." --adapter sql=./adapters/sql --use-adapter sql
     kev show-pack "first question" "second question" --out pack.png
+    kev show-pack --file examples/data/doc_qa.jsonl --out pack.png   # shared prefixes, ids, adapters
     kev verify --model DIR --file prompts.jsonl [--adapter NAME=PATH]   # packed == solo, exit 1 if not
 
 A thin layer: each line becomes chat messages and a `SamplingParams`, then ONE
@@ -176,15 +177,21 @@ def run_verify(engine: Engine, args: argparse.Namespace, records: list[dict[str,
 
 
 def run_show_pack(engine: Engine, args: argparse.Namespace, records: list[dict[str, Any]]) -> int:
-    prompts = []
+    """Draw the pass these questions would share (prefixes included) and print its segment table."""
+    prompts, adapters = [], []
     for record in records:
+        adapter = record.get("adapter", args.use_adapter)
         try:
             prompts.append(build_prompt(record, args.system, args.raw))
+            if adapter is not None and adapter not in engine.adapters:
+                raise InvalidRequestError(f"unknown adapter {adapter!r}; loaded: {engine.adapters}")
         except InvalidRequestError as exc:
             print(f"kev: question {record['id']!r}: {exc}", file=sys.stderr)
             return 1
+        adapters.append(adapter)
     try:
-        rows = draw_pack_mask(engine, prompts, args.out, max_pixels=args.max_pixels)
+        rows = draw_pack_mask(engine, prompts, args.out, adapters=adapters, max_pixels=args.max_pixels,
+                              ids=[record["id"] for record in records])
     except InvalidRequestError as exc:  # a prompt the engine refuses (empty, too long)
         print(f"kev: {exc}", file=sys.stderr)
         return 1
@@ -192,7 +199,8 @@ def run_show_pack(engine: Engine, args: argparse.Namespace, records: list[dict[s
         print(f"kev: error: cannot write --out {args.out!r}: {exc.strerror or exc}", file=sys.stderr)
         return 2
     print(format_table(rows))
-    print(f"kev: drew {len(rows)} segments, {rows[-1]['end']} tokens, to {args.out}", file=sys.stderr)
+    print(f"kev: drew {len(rows)} segments, {rows[-1]['end']} tokens computed, "
+          f"{sum(row['shared_prefix'] for row in rows)} read from shared prefixes, to {args.out}", file=sys.stderr)
     return 0
 
 
@@ -222,14 +230,14 @@ def build_parser() -> argparse.ArgumentParser:
                                  help="check packed == solo on your own model and prompts (exit 1 if not)")
     verify.add_argument("--max-tokens", dest="max_tokens", type=int, default=16,
                         help="greedy tokens compared per prompt (default 16)")
-    for sub in (gen, verify):
-        sub.add_argument("--adapter", dest="adapter_specs", action="append", metavar="NAME=PATH",
-                         help='load a PEFT LoRA adapter folder as NAME (repeatable); a JSONL line uses it with "adapter"')
-        sub.add_argument("--use-adapter", dest="use_adapter", metavar="NAME",
-                         help="adapter for questions that name none (default: the base model)")
     show = commands.add_parser("show-pack", parents=[common], help="draw the pack's attention mask as a PNG")
     show.add_argument("--out", required=True, help="PNG file to write")
     show.add_argument("--max-pixels", dest="max_pixels", type=int, default=1024, help="most mask pixels per side")
+    for sub in (gen, verify, show):
+        sub.add_argument("--adapter", dest="adapter_specs", action="append", metavar="NAME=PATH",
+                         help='load a PEFT LoRA folder as NAME (repeatable); a JSONL line uses it with "adapter"')
+        sub.add_argument("--use-adapter", dest="use_adapter", metavar="NAME",
+                         help="adapter for questions that name none (default: the base model)")
     return parser
 
 

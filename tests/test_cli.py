@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from conftest import chat, make_adapter, tiny_model
 from PIL import Image
+from test_visualize import find_mask
 
 from kev_engine import Engine, SamplingParams, cli
 from kev_engine import visualize as vis
@@ -135,10 +136,8 @@ def test_show_pack_draws_the_mask_and_prints_the_table(loads, capsys, tmp_path, 
 
     num_tokens = sum(lengths)
     side = min(600, max(num_tokens, vis.MIN_SIDE))
+    _, left, top = find_mask(out, side)
     pixels = np.asarray(Image.open(out).convert("RGB"))  # [H, W, 3]
-    ink = (pixels == vis.INK).all(-1)
-    top, left = np.flatnonzero(ink.sum(1) >= side)[0] + 1, np.flatnonzero(ink.sum(0) >= side)[0] + 1
-    assert pixels.shape[0] > top + side and pixels.shape[1] >= left + side
 
     def colour(query: float, key: float) -> tuple[int, ...]:
         scale = side / num_tokens
@@ -153,6 +152,36 @@ def test_show_pack_refuses_a_bad_question(loads, capsys, tmp_path) -> None:
     out = tmp_path / "pack.png"
     assert cli.main(["show-pack", "fine", "   ", "--out", str(out), "--raw"]) == 1
     assert "question 1" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_show_pack_labels_ids_and_shows_shared_prefixes_per_adapter(loads, capsys, tmp_path, sql_adapter) -> None:
+    doc = "The Harbour Museum opened in 1998 in a former customs house and holds a lighthouse lens. " * 3
+    questions = ["When?", "What?", "Where?"]
+    lines = [{"id": f"museum-{i}", "question": q, "context": doc} for i, q in enumerate(questions, 1)]
+    lines += [{"id": "museum-sql", "question": "When?", "context": doc, "adapter": "sql"},
+              {"question": "Name a prime."}]
+    path = write_jsonl(tmp_path / "doc_qa.jsonl", lines)
+    out = tmp_path / "pack.png"
+    assert cli.main(["show-pack", "--file", path, "--adapter", f"sql={sql_adapter}", "--out", str(out)]) == 0
+    captured = capsys.readouterr()
+    lines_out = captured.out.splitlines()
+    assert lines_out[0].split() == list(vis.COLUMNS)
+    table = [dict(zip(vis.COLUMNS, line.split())) for line in lines_out[1:]]
+    assert [r["id"] for r in table] == ["museum-1", "museum-2", "museum-3", "museum-sql", "4"]  # ids from the file
+    assert [r["adapter"] for r in table] == ["base", "base", "base", "sql", "base"]
+    shared = [int(r["shared_prefix"]) for r in table]
+    assert shared[0] == 0 and shared[1] == shared[2] > 0  # the document is computed once
+    assert shared[3] == 0 and shared[4] == 0  # another adapter never shares with the base model
+    assert f"{sum(shared)} read from shared prefixes" in captured.err and out.exists()
+
+
+def test_show_pack_refuses_an_unknown_adapter(loads, capsys, tmp_path) -> None:
+    lines = [{"id": "a", "question": "hi"}, {"id": "b", "question": "x", "adapter": "nope"}]
+    path = write_jsonl(tmp_path / "q.jsonl", lines)
+    out = tmp_path / "pack.png"
+    assert cli.main(["show-pack", "--file", path, "--out", str(out)]) == 1
+    assert "question 'b': unknown adapter 'nope'; loaded: []" in capsys.readouterr().err
     assert not out.exists()
 
 
