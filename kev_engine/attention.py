@@ -129,21 +129,23 @@ def batched_decode(
         qg = qg.reshape(nb, kv_heads, width * group, head_dim)  # [nb, kvH, M*G, D]
         s = torch.matmul(qg, k.transpose(-1, -2)).float() * scale  # [nb, kvH, M*G, bs]
         s.masked_fill_(~g.valid[:, None, None, :], float("-inf"))
-        block_max = s.amax(dim=-1).view(nb, kv_heads, width, group).transpose(1, 2).reshape(nb * width, kv_heads, group)
+        block_max = s.amax(dim=-1).view(nb, kv_heads, width, group).transpose(1, 2)
+        block_max = block_max.reshape(nb * width, kv_heads, group)  # [nb*M, kvH, G]: one entry per (block, reader)
         index = g.owners.flatten()[:, None, None].expand(-1, kv_heads, group)
         row_max.scatter_reduce_(0, index, block_max, reduce="amax")
-        scored.append((g, s, v, index))
+        scored.append((g, s, v))
     row_max = torch.nan_to_num(row_max, neginf=0.0)  # the "nobody" row may see no key at all
     out = torch.zeros(num_rows + 1, kv_heads, group, head_dim, dtype=torch.float32, device=query.device)
     total = torch.zeros(num_rows + 1, kv_heads, group, dtype=torch.float32, device=query.device)
-    for g, s, v, index in scored:
+    for g, s, v in scored:
         nb, width = g.owners.shape
         shift = row_max[g.owners.flatten()].view(nb, width, kv_heads, group).transpose(1, 2)
         p = torch.exp(s - shift.reshape(nb, kv_heads, width * group)[..., None])  # [nb, kvH, M*G, bs]
         sums = p.sum(dim=-1).view(nb, kv_heads, width, group).transpose(1, 2).reshape(nb * width, kv_heads, group)
         total.index_add_(0, g.owners.flatten(), sums)
         pv = torch.matmul(p.to(v.dtype), v).float()  # [nb, kvH, M*G, D]
-        pv = pv.view(nb, kv_heads, width, group, head_dim).transpose(1, 2).reshape(nb * width, kv_heads, group, head_dim)
+        pv = pv.view(nb, kv_heads, width, group, head_dim).transpose(1, 2)
+        pv = pv.reshape(nb * width, kv_heads, group, head_dim)
         out.index_add_(0, g.owners.flatten(), pv)
     out = out[:num_rows] / total[:num_rows, ..., None]
     return out.reshape(num_rows, num_heads, head_dim).to(query.dtype)

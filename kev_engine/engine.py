@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import itertools
 import queue
 import threading
@@ -633,7 +634,7 @@ class Engine:
                     group=group_id,
                     on_text=on_text,
                 )
-                request.future.add_done_callback(lambda f, cond=self._cond: _wake_if_cancelled(cond, f))
+                request.future.add_done_callback(functools.partial(_wake_if_cancelled, self._cond))
                 group.append(request)
                 out.append(request.future)
             self._scheduler.add(group)

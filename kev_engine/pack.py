@@ -121,6 +121,8 @@ def pack(segments: Sequence[Segment], device: torch.device | str = "cpu", kv: An
     if kv is None and any(seg.past_len for seg in segments):
         raise ValueError("a segment continues cached tokens, so the pack needs the engine's KV pool")
 
+    paged = kv is not None
+
     def tensor(values: list[int], dtype: torch.dtype = torch.long) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype, device=device)
 
@@ -139,8 +141,8 @@ def pack(segments: Sequence[Segment], device: torch.device | str = "cpu", kv: An
         kv=kv,
         slot_blocks=tensor(slot_blocks) if kv is not None else None,
         slot_offsets=tensor(slot_offsets) if kv is not None else None,
-        decode=decode_layout(segments, cu_seqlens, block_size, device) if kv is not None and not kv.flash_layout else None,
-        flash=flash_tables(segments, block_size, device) if kv is not None and kv.flash_layout else None,
+        decode=decode_layout(segments, cu_seqlens, block_size, device) if paged and not kv.flash_layout else None,
+        flash=flash_tables(segments, block_size, device) if paged and kv.flash_layout else None,
     )
 
 
