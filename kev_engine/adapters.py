@@ -37,6 +37,7 @@ class AdapterPool:
         self.unloading: set[str] = set()
         self.versions: dict[str, int] = {}
         self.evictions = 0
+        self.restore_model()  # wrappers an engine dropped without close() left behind would route to ITS router
 
     @property
     def names(self) -> list[str]:
@@ -75,7 +76,8 @@ class AdapterPool:
         return None if name is None else (name, self.versions[name])
 
     def restore_model(self) -> None:
-        """Put the model's original Linear layers back (the engine is closing: the model leaves clean)."""
+        """Put the model's original Linear layers back (closing: the model leaves clean; starting:
+        it arrives clean)."""
         for module_name, module in list(self.model.named_modules()):
             if isinstance(module, MultiLoRALinear):
                 parent_name, _, child = module_name.rpartition(".")

@@ -46,7 +46,8 @@ def prepare_model(model: Any) -> None:
         )
     if not hasattr(model, "set_attn_implementation") or not model._can_set_attn_implementation():
         raise ValueError(f"{type(model).__name__} does not use transformers' AttentionInterface; Kev cannot pack it")
-    object.__setattr__(model, ORIGINAL_ATTN_ATTR, model.config._attn_implementation or "sdpa")
+    if ORIGINAL_ATTN_ATTR not in model.__dict__:  # an engine dropped without close() left it: keep the first
+        object.__setattr__(model, ORIGINAL_ATTN_ATTR, model.config._attn_implementation or "sdpa")
     model.set_attn_implementation(KEV_ATTENTION)
     model.eval().requires_grad_(False)
 

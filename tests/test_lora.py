@@ -248,3 +248,24 @@ def test_half_precision_adapter_computes_in_fp32_like_peft(tokenizer, tmp_path) 
     with torch.no_grad():
         expected = peft_solo(base, folder)(input_ids=torch.tensor([engine.encode(QUESTIONS[0])])).logits[0]
     torch.testing.assert_close(packed, expected, atol=ATOL, rtol=0)
+
+
+def test_a_model_left_by_a_dropped_engine_serves_a_new_engines_adapters(tokenizer, tmp_path) -> None:
+    import gc
+
+    base = tiny_model("llama", tokenizer)
+    folder = make_adapter(base, tmp_path / "a", 5)
+    model = reference_copy(base)
+    first = Engine(model, tokenizer)
+    first.load_adapter("old", str(make_adapter(base, tmp_path / "old", 6)))
+    first.generate([QUESTIONS[0]], SamplingParams(max_tokens=2), adapters="old")
+    del first  # never closed: its LoRA wrappers and attention are still on the model
+    gc.collect()
+    second = Engine(model, tokenizer)
+    second.load_adapter("a", str(folder))
+    logits = second.prompt_logits([QUESTIONS[1]], adapters="a")[0]
+    with torch.no_grad():
+        expected = peft_solo(base, folder)(input_ids=torch.tensor([second.encode(QUESTIONS[1])])).logits[0]
+    torch.testing.assert_close(logits, expected, atol=ATOL, rtol=0)
+    second.close()
+    assert model.config._attn_implementation == "sdpa"  # given back as it first came
