@@ -125,13 +125,13 @@ def batched_decode(
         else:
             k, v = keys[g.block_ids], values[g.block_ids]
         nb, width = g.owners.shape
-        qg = q[g.owners.flatten()].view(nb, width, kv_heads, group, head_dim).transpose(1, 2)
+        qg = q[g.owner_ids].view(nb, width, kv_heads, group, head_dim).transpose(1, 2)
         qg = qg.reshape(nb, kv_heads, width * group, head_dim)  # [nb, kvH, M*G, D]
-        s = torch.matmul(qg, k.transpose(-1, -2)).float() * scale  # [nb, kvH, M*G, bs]
-        s.masked_fill_(~g.valid[:, None, None, :], float("-inf"))
+        s = torch.matmul(qg, k.transpose(-1, -2)).float()  # [nb, kvH, M*G, bs]
+        s.mul_(scale).add_(g.bias[:, None, None, :])  # positions the row does not own: -inf
         block_max = s.amax(dim=-1).view(nb, kv_heads, width, group).transpose(1, 2)
         block_max = block_max.reshape(nb * width, kv_heads, group)  # [nb*M, kvH, G]: one entry per (block, reader)
-        index = g.owners.flatten()[:, None, None].expand(-1, kv_heads, group)
+        index = g.owner_ids[:, None, None].expand(-1, kv_heads, group)
         row_max.scatter_reduce_(0, index, block_max, reduce="amax")
         scored.append((g, s, v))
     row_max = torch.nan_to_num(row_max, neginf=0.0)  # the "nobody" row may see no key at all
@@ -139,14 +139,14 @@ def batched_decode(
     total = torch.zeros(num_rows + 1, kv_heads, group, dtype=torch.float32, device=query.device)
     for g, s, v in scored:
         nb, width = g.owners.shape
-        shift = row_max[g.owners.flatten()].view(nb, width, kv_heads, group).transpose(1, 2)
-        p = torch.exp(s - shift.reshape(nb, kv_heads, width * group)[..., None])  # [nb, kvH, M*G, bs]
+        shift = row_max[g.owner_ids].view(nb, width, kv_heads, group).transpose(1, 2)
+        p = s.sub_(shift.reshape(nb, kv_heads, width * group)[..., None]).exp_()  # [nb, kvH, M*G, bs], in place
         sums = p.sum(dim=-1).view(nb, kv_heads, width, group).transpose(1, 2).reshape(nb * width, kv_heads, group)
-        total.index_add_(0, g.owners.flatten(), sums)
+        total.index_add_(0, g.owner_ids, sums)
         pv = torch.matmul(p.to(v.dtype), v).float()  # [nb, kvH, M*G, D]
         pv = pv.view(nb, kv_heads, width, group, head_dim).transpose(1, 2)
         pv = pv.reshape(nb * width, kv_heads, group, head_dim)
-        out.index_add_(0, g.owners.flatten(), pv)
+        out.index_add_(0, g.owner_ids, pv)
     out = out[:num_rows] / total[:num_rows, ..., None]
     return out.reshape(num_rows, num_heads, head_dim).to(query.dtype)
 

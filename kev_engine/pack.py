@@ -41,7 +41,8 @@ class BlockGroup:
     """
 
     owners: torch.Tensor  # [nb, M] long: decode row per (block, reader); B = nobody
-    valid: torch.Tensor  # [nb, block_size] bool: positions of the block that hold the row's tokens
+    owner_ids: torch.Tensor  # [nb * M] long: the same, flat
+    bias: torch.Tensor  # [nb, block_size] fp32: 0 where the block holds the row's tokens, -inf elsewhere
     start: int = 0
     stop: int = 0
     block_ids: torch.Tensor | None = None  # [nb] long, when gathered
@@ -197,8 +198,9 @@ def _group(
             owners[k][m] = row
             counts[k] = valid  # a shared block is a full one: the same count for each reader
     count_t = torch.tensor(counts, dtype=torch.long, device=device)
-    valid_mask = torch.arange(block_size, device=device)[None, :] < count_t[:, None]  # [nb, bs]
+    valid = torch.arange(block_size, device=device)[None, :] < count_t[:, None]  # [nb, bs]
+    bias = torch.zeros(valid.shape, dtype=torch.float32, device=device).masked_fill_(~valid, float("-inf"))
     owners_t = torch.tensor(owners, dtype=torch.long, device=device)
     if in_place:
-        return BlockGroup(owners_t, valid_mask, start=lo, stop=hi)
-    return BlockGroup(owners_t, valid_mask, block_ids=torch.tensor(ids, dtype=torch.long, device=device))
+        return BlockGroup(owners_t, owners_t.flatten(), bias, start=lo, stop=hi)
+    return BlockGroup(owners_t, owners_t.flatten(), bias, block_ids=torch.tensor(ids, dtype=torch.long, device=device))
