@@ -354,3 +354,19 @@ def test_batch_callbacks_start_before_the_pass_and_end_after_it(
     assert log[:first_pass] == ["start"] * len(QUESTIONS)  # every run started before the pass...
     assert log.count("end") == len(QUESTIONS)  # ...and each ends after its answer
     assert all(i > first_pass for i, event in enumerate(log) if event == "end")
+
+
+def test_cache_salt_reaches_the_engine_from_both_integrations(tokenizer) -> None:
+    """Tenants' calls with different salts never share a document's KV; the same tenant does."""
+    from kev_integrations.langchain import ChatKev
+    from kev_integrations.llamaindex import Kev
+
+    engine = Engine(tiny_model("llama", tokenizer), tokenizer, coalesce_ms=0)
+    doc = "The Harbor Museum opened in 1901 and holds 3,000 paintings of the sea. " * 6
+    ChatKev(engine=engine, max_tokens=2, cache_salt="tenant-a").invoke(f"{doc}\nWhen did it open?")
+    before = engine.stats()["prefix_hit_tokens"]
+    ChatKev(engine=engine, max_tokens=2, cache_salt="tenant-b").invoke(f"{doc}\nHow many paintings?")
+    assert engine.stats()["prefix_hit_tokens"] == before  # another tenant: nothing reused
+    Kev(engine=engine, max_tokens=2, cache_salt="tenant-a").complete(f"{doc}\nWho runs it?")
+    assert engine.stats()["prefix_hit_tokens"] > before  # the same tenant: its document reused
+    engine.close()

@@ -19,7 +19,7 @@ from ..init_args import check_sampling, refuse_unknown
 from ..shared import resolve_engine
 from ..tokens import text_token_ids
 
-SETTING_KEYS = ("adapter", "temperature", "top_p", "top_k", "max_tokens", "stop", "seed")
+SETTING_KEYS = ("adapter", "temperature", "top_p", "top_k", "max_tokens", "stop", "seed", "cache_salt")
 # kwargs LangChain itself adds to calls; they carry no sampling meaning
 IGNORED_KWARGS = frozenset({"ls_structured_output_format", "structured_output_format", "stream"})
 
@@ -53,6 +53,8 @@ class KevFields(BaseModel):
     """Strings that end an answer; the text is cut before the first one."""
     seed: int | None = None
     """Seeded sampling: the same tokens whatever the question is packed with."""
+    cache_salt: str | None = None
+    """Calls with different salts never share prefix KV (one per tenant); None = share with all."""
     timeout: float | None = Field(default=None, gt=0)
     """Seconds to wait for an answer before cancelling it (TimeoutError); None = no limit."""
 

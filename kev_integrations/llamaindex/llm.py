@@ -80,7 +80,7 @@ class Kev(FunctionCallingLLM):
 
     Key init args:
         model: local folder, .gguf file or hub id; None = embedded SmolLM2-135M-Instruct.
-        adapter / temperature / top_p / top_k / max_tokens / stop / seed: per-call defaults.
+        adapter / temperature / top_p / top_k / max_tokens / stop / seed / cache_salt: per-call defaults.
         engine: an already-built `kev_engine.Engine` to use instead of the shared one.
         Unknown arguments are a TypeError naming the right one (``max_new_tokens`` → ``max_tokens``);
         ``context_window`` is not an argument: ``metadata`` reports the model's own.
@@ -140,6 +140,9 @@ class Kev(FunctionCallingLLM):
     max_tokens: int = Field(default=256, gt=0, description="Most new tokens per answer.")
     stop: list[str] | None = Field(default=None, description="Strings that end an answer.")
     seed: int | None = Field(default=None, description="Seeded sampling: same tokens whatever the pack.")
+    cache_salt: str | None = Field(
+        default=None, description="Calls with different salts never share prefix KV (one per tenant)."
+    )
     engine: Engine | None = Field(
         default=None, exclude=True, description="An engine to use; None = the shared one (loaded lazily)."
     )

@@ -21,7 +21,7 @@ from contextvars import ContextVar
 from types import MappingProxyType
 from typing import Any
 
-SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_tokens", "stop", "seed")
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_tokens", "stop", "seed", "cache_salt")
 SETTING_KEYS = (*SAMPLING_KEYS, "adapter")
 
 _EMPTY: Mapping[str, Any] = MappingProxyType({})
