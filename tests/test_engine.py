@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import threading
+from concurrent.futures import Future
 
 import pytest
 from conftest import QUESTIONS
@@ -111,24 +112,37 @@ def test_results_come_back_in_caller_order(tiny_engine: Engine) -> None:
 
 
 def test_concurrent_submits_coalesce_and_join_running_decodes(tiny_engine: Engine) -> None:
-    tiny_engine.coalesce_s = 0.05  # a generous window: CI machines may be loaded
-    results: dict[int, object] = {}
-    barrier = threading.Barrier(6)
+    futures: dict[int, Future] = {}
+    before = tiny_engine.stats()
 
     def ask(i: int) -> None:
-        barrier.wait()
-        results[i] = tiny_engine.submit(QUESTIONS[i % 5], SamplingParams(max_tokens=6)).result()
+        futures[i] = tiny_engine.submit(QUESTIONS[i % 5], SamplingParams(max_tokens=6))
 
-    threads = [threading.Thread(target=ask, args=(i,)) for i in range(6)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert len(results) == 6 and tiny_engine.stats()["prefill_passes"] <= 2
-    # a question submitted while others decode joins them: more steps than one question alone
-    long_running = tiny_engine.submit(QUESTIONS[0], SamplingParams(max_tokens=40))
-    late = tiny_engine.submit(QUESTIONS[1], SamplingParams(max_tokens=3)).result()
-    assert late.completion_tokens == 3 and long_running.result().completion_tokens == 40
+    with tiny_engine.hold():  # no pass starts until every thread has submitted: coalescing without a clock
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+            assert not t.is_alive()
+    results = [futures[i].result(timeout=60) for i in range(6)]
+    assert all(r.completion_tokens == 6 for r in results)
+    assert tiny_engine.stats()["prefill_passes"] == before["prefill_passes"] + 1  # all six in one pack
+    # a question submitted while another decodes joins its decode steps (continuous batching)
+    greedy = SamplingParams(temperature=0, max_tokens=3)
+    with tiny_engine.hold():
+        long_running = tiny_engine.submit(QUESTIONS[0], SamplingParams(max_tokens=40))
+        tiny_engine.step()  # its prefill
+        tiny_engine.step()  # a decode step
+        late = tiny_engine.submit(QUESTIONS[1], greedy)
+        before = tiny_engine.stats()
+        tiny_engine.step()  # the late prefill and the running decode share this pass
+        after = tiny_engine.stats()
+        assert after["forward_passes"] == before["forward_passes"] + 1 and after["running"] == 2
+        assert after["prefill_passes"] == before["prefill_passes"] + 1
+        assert after["decode_steps"] == before["decode_steps"] + 1
+    assert late.result(timeout=60).completion_tokens == 3 and long_running.result(timeout=60).completion_tokens == 40
+    assert late.result().token_ids == tiny_engine.generate([QUESTIONS[1]], greedy)[0].token_ids
 
 
 def test_empty_batch_and_one_token_prompt(tiny_engine: Engine) -> None:
