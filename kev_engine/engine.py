@@ -48,6 +48,7 @@ STAT_KEYS = (
     "requests", "prefill_passes", "decode_steps", "forward_passes", "prompt_tokens", "generated_tokens",
     "cancelled", "prefix_hit_tokens", "kv_cache_peak_bytes",
 )
+EXIT_JOIN_S = 10.0  # at interpreter exit, a scheduler thread stuck in a user callback is left behind
 IDLE_RECHECK_S = 0.05  # a pass that could schedule nothing waits this long (or for news) before retrying
 
 
@@ -58,7 +59,7 @@ _live_engines: weakref.WeakSet[Engine] = weakref.WeakSet()
 def _close_live_engines() -> None:
     """Stop scheduler threads before the interpreter tears down torch's thread pools."""
     for engine in list(_live_engines):
-        engine.close()
+        engine.close(timeout=EXIT_JOIN_S)
 
 
 def _wake_if_cancelled(cond: threading.Condition, future: Future) -> None:
@@ -152,6 +153,7 @@ class Engine:
         self._adapters = AdapterPool(model, self.device, max_adapters)
         self._cond = threading.Condition()
         self._step_lock = threading.Lock()  # one step at a time, whoever runs it
+        self._stepping = threading.local()  # .active while this thread runs step(): its callbacks run in a pass
         self._forward_lock = threading.Lock()  # one forward at a time; adapters install between passes
         self._stats = dict.fromkeys(STAT_KEYS, 0)
         self._request_ids = itertools.count()
@@ -353,9 +355,13 @@ class Engine:
     def closed(self) -> bool:
         return self._closed
 
-    def close(self) -> None:
+    def close(self, timeout: float | None = None) -> None:
         """Stop the scheduler thread; requests still queued or running fail with EngineClosedError.
-        The model is given back as it came (its own attention, no LoRA wrappers)."""
+        The model is given back as it came (its own attention, no LoRA wrappers).
+
+        `timeout` bounds the wait for a pass in progress (None: wait for it); if it passes, the
+        thread (stuck in a user callback, say) is left to end on its own and the model is not touched.
+        """
         with self._cond:
             if self._closed and self._thread is None:
                 return
@@ -363,7 +369,9 @@ class Engine:
             self._cond.notify_all()
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
-            thread.join()
+            thread.join(timeout)
+            if thread.is_alive():
+                return
         with self._forward_lock, self._cond:
             self._drain()
             self._adapters.restore_model()
@@ -385,7 +393,11 @@ class Engine:
         stepping by hand (inside `hold()`) waits for the scheduler thread's pass to end.
         """
         with self._step_lock:
-            return self._step()
+            self._stepping.active = True
+            try:
+                return self._step()
+            finally:
+                self._stepping.active = False
 
     def _step(self) -> int:
         self._cancel()
@@ -548,10 +560,11 @@ class Engine:
 
     def _refuse_on_scheduler_thread(self, what: str) -> None:
         """A blocking call from an on_text or done callback would wait for the thread it blocks."""
-        if self._thread is not None and threading.current_thread() is self._thread:
+        on_scheduler = self._thread is not None and threading.current_thread() is self._thread
+        if on_scheduler or getattr(self._stepping, "active", False):
             raise InvalidRequestError(
-                f"Engine.{what}() was called from the engine's scheduler thread (inside an on_text or "
-                "future callback); it would wait for itself forever. Use submit() there, or hand the "
+                f"Engine.{what}() was called from the engine's scheduler thread or inside step() (an on_text "
+                "or future callback); it would wait for itself forever. Use submit() there, or hand the "
                 "work to another thread"
             )
 
