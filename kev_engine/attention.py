@@ -42,11 +42,12 @@ def _no_mask(*args: Any, **kwargs: Any) -> None:
 def _decode_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None
 ) -> torch.Tensor:
-    """One new token over its own cache: query [H, 1, D], key/value [kvH, L, D] → [H, 1, D].
+    """One query token over its keys: query [H, 1, D], key/value [kvH, L, D] → [H, 1, D].
 
-    Two small bmm calls with the query heads grouped per kv head (GQA without repeating
-    keys). CPU SDPA kernels spend far longer on setup than on math for a single query
-    (about 130 µs per call in bf16 here), and decode makes one call per question per layer.
+    Only for a one-token segment of a pack without a KV pool (a one-token prompt in a test or
+    drawing); the engine's decode rows all go through `batched_decode`. Two small bmm calls with
+    the query heads grouped per kv head (GQA without repeating keys): CPU SDPA spends far longer
+    on setup than on math for a single query.
     """
     num_heads, _, head_dim = query.shape
     num_kv_heads = key.shape[0]
