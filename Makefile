@@ -25,4 +25,5 @@ test: setup
 	$(BIN)/python -m pytest -q
 
 bench: setup
-	$(BIN)/python benchmarks/bench_engine.py
+	$(BIN)/python benchmarks/bench_engine.py --repeat 2
+	$(BIN)/python benchmarks/bench_prefix.py --repeat 2
