@@ -56,6 +56,7 @@ class BlockManager:
         self.filling: dict[tuple, int] = {}  # prefix key → block id written by this pass
         self._nodes = itertools.count(1)
         self.evictions = 0  # cached blocks forgotten to make room
+        self.fresh: list[int] = []  # blocks handed out since the last take_fresh(): their memory is stale
 
     # ---- accounting -------------------------------------------------------------------------
 
@@ -85,7 +86,14 @@ class BlockManager:
             self.table.pop(block.key, None)
             block.key, block.node = None, -1
         self.blocks[block_id].ref_count = 1
+        self.fresh.append(block_id)
         return block_id
+
+    def take_fresh(self) -> list[int]:
+        """Blocks handed out since the last call. Their slots past a row's length are read (and
+        masked) by the batched decode, so the engine zeroes them: 0 x NaN from stale memory is NaN."""
+        fresh, self.fresh = self.fresh, []
+        return fresh
 
     def _key(self, parent: int | None, extra: ExtraKey, tokens: Sequence[int]) -> tuple:
         return (parent, tuple(tokens)) if parent is not None else ("root", extra, tuple(tokens))

@@ -114,7 +114,8 @@ class Engine:
             (`hold()` coalesces without a clock).
         max_adapters: LoRA adapters resident on the model's device at once (others wait on the CPU).
         kv_cache_bytes: the KV memory budget (None: half the free GPU memory, or on CPU a fifth
-            of the available memory up to 4 GiB). Admission waits for memory; nothing exceeds it.
+            of the available memory up to 4 GiB — and never more than twice `max_num_seqs` full
+            contexts). Admission waits for memory; nothing exceeds it.
         block_size: tokens per KV block (None: 32 on CPU, 256 with flash-attn). Prefixes are
             shared in whole blocks.
         max_logits_tokens: most `prompt_logits` positions computed in one pass (each is a vocab row).
@@ -147,7 +148,8 @@ class Engine:
         self.coalesce_s = max(0.0, coalesce_ms) / 1000
         self._defaults = Defaults.from_env()
         self._kv = KVPool(model, self.device, parameter.dtype, kv_cache_bytes, block_size,
-                          flash_layout=use_flash(self.device, parameter.dtype))
+                          flash_layout=use_flash(self.device, parameter.dtype),
+                          useful_tokens=2 * max_num_seqs * self.max_context)
         self._blocks = BlockManager(self._kv.num_blocks, self._kv.block_size)
         self._scheduler = Scheduler(max_batch_tokens, max_num_seqs, self._blocks, max_logits_tokens)
         self._adapters = AdapterPool(model, self.device, max_adapters)
@@ -426,8 +428,11 @@ class Engine:
         """This pass's chunks; each admitted request gets its KV blocks and its adapter's slot."""
         with self._cond:
             chunks = self._scheduler.schedule(self._admit, lambda r: self._adapters.release(r.adapter))
+            fresh = self._blocks.take_fresh()
             used = self._blocks.num_used * self._kv.block_bytes
             self._stats["kv_cache_peak_bytes"] = max(self._stats["kv_cache_peak_bytes"], used)
+        with self._forward_lock:  # no forward reads the pool meanwhile
+            self._kv.zero(fresh)
         chunks.sort(key=lambda c: (c.request.adapter is not None, c.request.adapter or ""))  # adapter rows contiguous
         return chunks
 

@@ -57,7 +57,10 @@ class KVPool:
         kv_cache_bytes: int | None = None,
         block_size: int | None = None,
         flash_layout: bool = False,
+        useful_tokens: int | None = None,
     ) -> None:
+        """`useful_tokens`: more KV than this is never useful (every sequence slot at full context,
+        twice over for cached prefixes); a default budget stops there."""
         self.num_layers, self.num_kv_heads, self.head_dim = kv_shape(model)
         self.flash_layout = flash_layout
         self.block_size = block_size or (FLASH_BLOCK_SIZE if flash_layout else CPU_BLOCK_SIZE)
@@ -66,7 +69,11 @@ class KVPool:
         element = torch.empty((), dtype=dtype).element_size()
         # keys + values, every layer, one block
         self.block_bytes = 2 * self.num_layers * self.num_kv_heads * self.block_size * self.head_dim * element
-        budget = default_kv_cache_bytes(device) if kv_cache_bytes is None else kv_cache_bytes
+        budget = kv_cache_bytes
+        if budget is None:
+            budget = default_kv_cache_bytes(device)
+            if useful_tokens is not None:
+                budget = min(budget, -(-useful_tokens // self.block_size) * self.block_bytes)
         self.num_blocks = int(budget) // self.block_bytes
         if self.num_blocks < 1:
             raise ValueError(
@@ -100,6 +107,15 @@ class KVPool:
         else:
             self.keys[layer][block_ids, :, offsets] = key.transpose(0, 1)
             self.values[layer][block_ids, :, offsets] = value.transpose(0, 1)
+
+    def zero(self, block_ids: list[int]) -> None:
+        """Clear blocks just handed out, in every layer (stale memory may hold NaN bit patterns)."""
+        if not block_ids:
+            return
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.keys[0].device)
+        for keys, values in zip(self.keys, self.values):
+            keys.index_fill_(0, index, 0)
+            values.index_fill_(0, index, 0)
 
     def gather(self, layer: int, block_ids: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One question's keys/values over its blocks, positions 0..length: [num_kv_heads, length, head_dim]."""

@@ -211,3 +211,18 @@ def test_a_request_larger_than_the_pool_is_refused_alone(tokenizer) -> None:
     assert isinstance(results[0], InvalidRequestError) and "kv_cache_bytes" in str(results[0])
     assert results[1].completion_tokens == 3
     engine.close()
+
+
+def test_stale_pool_memory_never_reaches_an_answer(tokenizer) -> None:
+    """Slots past a row's length in its last block are read (and masked) by the batched decode:
+    NaN left in recycled memory must not turn into 0 x NaN."""
+    model = tiny_model("llama", tokenizer)
+    reference = reference_copy(model)
+    engine = Engine(model, tokenizer, kv_cache_bytes=64 * TINY_BLOCK_BYTES)
+    for keys, values in zip(engine._kv.keys, engine._kv.values):
+        keys.fill_(float("nan"))
+        values.fill_(float("nan"))
+    results = engine.generate(DOC_QUESTIONS[:2], GREEDY)
+    for prompt, result in zip(DOC_QUESTIONS, results):
+        assert result.token_ids == solo_greedy(reference, engine.encode(prompt), 8, tokenizer.eos_token_id)
+    engine.close()
