@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
+from .blocks import blocks_for
 from .pack import DecodeLayout, PackedBatch
 
 KEV_ATTENTION = "kev_varlen"
@@ -84,8 +85,7 @@ def _segment_keys(batch: PackedBatch, i: int, layer: int, key: torch.Tensor, val
     past, n = batch.past_lens[i], cu[i + 1] - cu[i]
     if past == 0:
         return key[:, cu[i] : cu[i + 1]], value[:, cu[i] : cu[i + 1]]
-    block_size = batch.kv.block_size
-    blocks = torch.tensor(batch.block_tables[i][: -(-(past + n) // block_size)], device=key.device)
+    blocks = torch.tensor(batch.block_tables[i][: blocks_for(past + n, batch.kv.block_size)], device=key.device)
     return batch.kv.gather(layer, blocks, past + n)  # a copy, once per prefill chunk and layer
 
 

@@ -24,6 +24,11 @@ from dataclasses import dataclass, field
 ExtraKey = Hashable
 
 
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    """Blocks that hold `num_tokens` tokens (the last one may be partly filled)."""
+    return -(-num_tokens // block_size)
+
+
 @dataclass
 class Block:
     block_id: int
@@ -70,7 +75,7 @@ class BlockManager:
         return self.num_blocks - self.num_available
 
     def blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return blocks_for(num_tokens, self.block_size)
 
     # ---- allocation -------------------------------------------------------------------------
 
@@ -164,16 +169,14 @@ class BlockManager:
             known = self.table.get(key)
             if known is not None and known != block.block_id:
                 parent = self.blocks[known].node  # the same content is cached elsewhere: chain through it
-            elif into is self.filling:
-                if block.node < 0:
-                    block.node = next(self._nodes)
-                into.setdefault(key, block.block_id)
-                parent = block.node
             else:
                 if block.node < 0:
                     block.node = next(self._nodes)
-                block.key = key
-                self.table[key] = block.block_id
+                if into is self.filling:
+                    into.setdefault(key, block.block_id)
+                else:
+                    block.key = key
+                    self.table[key] = block.block_id
                 parent = block.node
             index += 1
         if into is self.table:  # filling is provisional: the chain position advances only when computed

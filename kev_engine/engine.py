@@ -259,9 +259,7 @@ class Engine:
             self._per_prompt(adapters, len(prompts), "adapters"),
         )
         if not return_exceptions:
-            for item in prepared:
-                if isinstance(item, BaseException):
-                    raise item
+            self._raise_refused(prepared)
         return self._wait(self._enqueue(prepared), return_exceptions)
 
     def prompt_logits(
@@ -280,9 +278,7 @@ class Engine:
             return []
         names = self._per_prompt(adapters, len(prompts), "adapters")
         prepared = self._prepare(prompts, [None] * len(prompts), names)
-        for item in prepared:
-            if isinstance(item, BaseException):
-                raise item
+        self._raise_refused(prepared)
         return self._wait(self._enqueue(prepared, logits_only=True), return_exceptions=False)
 
     def stats(self) -> dict[str, int]:
@@ -431,8 +427,7 @@ class Engine:
             fresh = self._blocks.take_fresh()
             used = self._blocks.num_used * self._kv.block_bytes
             self._stats["kv_cache_peak_bytes"] = max(self._stats["kv_cache_peak_bytes"], used)
-        with self._forward_lock:  # no forward reads the pool meanwhile
-            self._kv.zero(fresh)
+        self._kv.zero(fresh)  # before this pass's forward (steps never overlap)
         chunks.sort(key=lambda c: (c.request.adapter is not None, c.request.adapter or ""))  # adapter rows contiguous
         return chunks
 
@@ -456,7 +451,7 @@ class Engine:
                 request_id=request.request_id,
                 token_ids=request.all_ids[start : start + chunk.num_tokens],
                 past_len=start,
-                needs_logits=chunk.completes_known_tokens and not request.logits_only,
+                needs_logits=chunk.samples,
                 block_ids=request.blocks.block_ids,
                 adapter=request.adapter,
                 all_logits=request.logits_only,
@@ -476,11 +471,10 @@ class Engine:
 
     def _sample(self, chunks: list[Chunk], batch: PackedBatch, logits: torch.Tensor) -> list[int]:
         """One token for every chunk that reached its request's last known token."""
-        rows = [batch.logits_rows[i][0] for i, c in enumerate(chunks)
-                if c.completes_known_tokens and not c.request.logits_only]
+        rows = [batch.logits_rows[i][0] for i, c in enumerate(chunks) if c.samples]
         if not rows:
             return []
-        requests = [c.request for c in chunks if c.completes_known_tokens and not c.request.logits_only]
+        requests = [c.request for c in chunks if c.samples]
         settings = [r.sampling for r in requests]
         device = logits.device
         return sample(
@@ -497,7 +491,6 @@ class Engine:
         """Advance each request by what this pass computed; return those that are done."""
         finished: list[tuple[Request, BaseException | None]] = []
         sampled = iter(tokens)
-        samples = [c.completes_known_tokens and not c.request.logits_only for c in chunks]  # before advancing
         has_prefill = any(c.request.in_prefill for c in chunks)
         has_decode = any(not c.request.in_prefill for c in chunks)
         with self._cond:
@@ -516,7 +509,7 @@ class Engine:
                 request.logits.append(logits[first:last].clone())  # its own memory, not a view of the pass
                 if not request.in_prefill:
                     finished.append((request, None))
-            elif samples[i]:
+            elif chunk.samples:
                 if request.capture_logits:
                     request.logits.append(logits[batch.logits_rows[i][0]].clone())
                 done = append_token(request, next(sampled), self.eos_ids, self.tokenizer)
@@ -602,6 +595,13 @@ class Engine:
             except KevError as exc:
                 prepared.append(exc)
         return prepared
+
+    @staticmethod
+    def _raise_refused(prepared: Sequence[Prepared]) -> None:
+        """Raise the first refused request's error (callers that want all or nothing)."""
+        for item in prepared:
+            if isinstance(item, BaseException):
+                raise item
 
     def _check_fits(self, num_prompt: int, max_tokens: int) -> None:
         """A request that could never fit in the KV pool is refused now, not left waiting forever."""

@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from .blocks import blocks_for
+
 CPU_BLOCK_SIZE = 32  # tokens per block: prefixes are shared in whole blocks
 FLASH_BLOCK_SIZE = 256  # flash-attn's paged KV needs a multiple of 256
 CPU_DEFAULT_MAX_BYTES = 4 << 30
@@ -73,7 +75,7 @@ class KVPool:
         if budget is None:
             budget = default_kv_cache_bytes(device)
             if useful_tokens is not None:
-                budget = min(budget, -(-useful_tokens // self.block_size) * self.block_bytes)
+                budget = min(budget, blocks_for(useful_tokens, self.block_size) * self.block_bytes)
         self.num_blocks = int(budget) // self.block_bytes
         if self.num_blocks < 1:
             raise ValueError(

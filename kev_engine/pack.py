@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from .blocks import blocks_for
+
 GATHER_SLACK = 2  # view a block range in place unless it is this many times larger than needed
 
 
@@ -150,7 +152,7 @@ def pack(segments: Sequence[Segment], device: torch.device | str = "cpu", kv: An
 def flash_tables(segments: Sequence[Segment], block_size: int, device: torch.device | str):
     """flash-attn's paged-KV arguments: cu_seqlens_k [S+1] int32, max_seqlen_k, block_table [S, max_blocks] int32."""
     lengths = [seg.past_len + len(seg.token_ids) for seg in segments]
-    tables = [seg.block_ids[: -(-n // block_size)] for seg, n in zip(segments, lengths)]
+    tables = [seg.block_ids[: blocks_for(n, block_size)] for seg, n in zip(segments, lengths)]
     width = max(map(len, tables))
     cu = [0]
     for n in lengths:
@@ -171,7 +173,7 @@ def decode_layout(
     readers: dict[int, list[tuple[int, int]]] = defaultdict(list)  # block → [(row, valid tokens)]
     for row, i in enumerate(rows):
         length = segments[i].past_len + 1
-        for j, block_id in enumerate(segments[i].block_ids[: -(-length // block_size)]):
+        for j, block_id in enumerate(segments[i].block_ids[: blocks_for(length, block_size)]):
             readers[block_id].append((row, min(block_size, length - j * block_size)))
     private = {b: r[0] for b, r in readers.items() if len(r) == 1}
     shared = {b: r for b, r in readers.items() if len(r) > 1}

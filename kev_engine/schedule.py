@@ -28,17 +28,15 @@ def bucket_of(num_tokens: int) -> int:
     return (num_tokens + BUCKET - 1) // BUCKET
 
 
-@dataclass
+@dataclass(frozen=True)
 class Chunk:
     """`num_tokens` of `request` starting at `request.num_computed`, run this pass."""
 
     request: Request
     num_tokens: int
-
-    @property
-    def completes_known_tokens(self) -> bool:
-        """True when this chunk reaches the request's last known token: sample after it."""
-        return self.request.num_computed + self.num_tokens == self.request.num_tokens
+    samples: bool
+    """It reaches the request's last known token, so a token is sampled after it (never for
+    prompt_logits). Fixed when planned: `num_computed` moves once the pass has run."""
 
 
 class Scheduler:
@@ -130,7 +128,8 @@ class Scheduler:
     def _plan(self, request: Request, take: int) -> Chunk:
         # later chunks of this same pass may start after the full blocks this one writes
         self.blocks.announce(request.blocks, request.all_ids, request.prefix_key, request.num_computed + take)
-        return Chunk(request, take)
+        reaches_end = request.num_computed + take == request.num_tokens
+        return Chunk(request, take, samples=reaches_end and not request.logits_only)
 
     def _preempt(self, request: Request, on_preempt: Callable[[Request], None]) -> None:
         """Free a running request's KV and queue it first again; its tokens so far are kept."""

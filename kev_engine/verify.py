@@ -54,7 +54,5 @@ def verify(engine: Any, prompts: Sequence[Any], adapters: Sequence[str | None], 
 def _run(engine: Any, prompts: list[Any], samplings: list[SamplingParams], adapters: list[str | None]) -> list:
     """(Completion, [tokens, vocab] logits) per prompt, all in one packed call."""
     prepared = engine._prepare(prompts, samplings, adapters)
-    for item in prepared:
-        if isinstance(item, BaseException):
-            raise item
+    engine._raise_refused(prepared)
     return engine._wait(engine._enqueue(prepared, capture_logits=True), return_exceptions=False)

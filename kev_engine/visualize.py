@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
-from .blocks import BlockManager, BlockTable
+from .blocks import BlockManager, BlockTable, blocks_for
 from .errors import InvalidRequestError
 from .pack import PackedBatch, Segment, pack
 
@@ -92,7 +92,7 @@ def layout_pack(
         except InvalidRequestError as exc:
             raise InvalidRequestError(f"question {ids[i]!r}: {exc}") from exc
     block_size = engine.stats()["kv_block_size"]
-    manager = BlockManager(sum(-(-len(t) // block_size) for t in encoded), block_size)  # room for all
+    manager = BlockManager(sum(blocks_for(len(t), block_size) for t in encoded), block_size)  # room for all
     written: dict[int, int] = {}  # block id → packed position of its first token, for blocks computed here
     segments, shared, reads = [], [], []
     cursor = 0
