@@ -141,10 +141,15 @@ def render_prompt(tokenizer: Any, prompt: Any) -> tuple[str, bool]:
     )
 
 
+def prompt_ids(tokenizer: Any, prompt: Any) -> tuple[str, list[int]]:
+    """The rendered text and token ids of one prompt, whatever its length (token counting)."""
+    text, add_special = render_prompt(tokenizer, prompt)
+    return text, list(tokenizer(text, add_special_tokens=add_special)["input_ids"])
+
+
 def encode_prompt(tokenizer: Any, prompt: Any, max_context: int) -> list[int]:
     """Tokenize one prompt; refuse it when it leaves no room for one new token."""
-    text, add_special = render_prompt(tokenizer, prompt)
-    ids: list[int] = tokenizer(text, add_special_tokens=add_special)["input_ids"]
+    text, ids = prompt_ids(tokenizer, prompt)
     if len(ids) == 0:
         raise InvalidRequestError(f"prompt={text[:60]!r} tokenizes to nothing; give some text")
     if len(ids) >= max_context:
@@ -152,4 +157,4 @@ def encode_prompt(tokenizer: Any, prompt: Any, max_context: int) -> list[int]:
             f"prompt is {len(ids)} tokens; the model's context is {max_context} tokens, "
             f"so a prompt may have at most {max_context - 1}"
         )
-    return list(ids)
+    return ids

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from kev_engine import Engine
-from kev_engine.tokenize import render_prompt
+from kev_engine.tokenize import prompt_ids
 
 
 def text_token_ids(engine: Engine, text: str) -> list[int]:
@@ -24,5 +24,4 @@ def prompt_token_count(engine: Engine, prompt: Any) -> int:
     that a conversation is too long. An empty conversation counts 0."""
     if isinstance(prompt, list) and not prompt:
         return 0
-    text, add_special = render_prompt(engine.tokenizer, prompt)
-    return len(engine.tokenizer(text, add_special_tokens=add_special)["input_ids"])
+    return len(prompt_ids(engine.tokenizer, prompt)[1])
