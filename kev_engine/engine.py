@@ -29,8 +29,9 @@ from . import loader
 from .adapters import AdapterPool
 from .attention import use_flash
 from .blocks import BlockManager, BlockTable
-from .errors import EngineClosedError, InvalidRequestError, KevError, PassFailedError
+from .errors import ConstraintError, EngineClosedError, InvalidRequestError, KevError, PassFailedError
 from .forward import run_model
+from .grammar import Grammars, mask_logits
 from .kv_pool import KVPool
 from .model_setup import claim_model, context_length, eos_ids, prepare_model, release_model
 from .pack import PackedBatch, Segment, pack
@@ -43,7 +44,7 @@ from .unpack import append_token, text_delta
 
 SamplingArg = SamplingParams | dict[str, Any] | None
 AdapterArg = str | None
-Prepared = tuple[list[int], SamplingParams, AdapterArg] | BaseException
+Prepared = tuple[list[int], SamplingParams, AdapterArg, Any] | BaseException  # Any: its compiled grammar
 STAT_KEYS = (
     "requests", "prefill_passes", "decode_steps", "forward_passes", "prompt_tokens", "generated_tokens",
     "cancelled", "prefix_hit_tokens", "kv_cache_peak_bytes",
@@ -153,6 +154,7 @@ class Engine:
         self._blocks = BlockManager(self._kv.num_blocks, self._kv.block_size)
         self._scheduler = Scheduler(max_batch_tokens, max_num_seqs, self._blocks, max_logits_tokens)
         self._adapters = AdapterPool(model, self.device, max_adapters)
+        self._grammars = Grammars(tokenizer, _logits_width(model), self.eos_ids)
         self._cond = threading.Condition()
         self._step_lock = threading.Lock()  # one step at a time, whoever runs it
         self._stepping = threading.local()  # .active while this thread runs step(): its callbacks run in a pass
@@ -295,6 +297,8 @@ class Engine:
                 "kv_prefix_evictions": self._blocks.evictions,
                 "kv_cache_budget_bytes": self._kv.budget_bytes,
                 "kv_block_size": self._kv.block_size,
+                "grammar_compiles": self._grammars.compiles,
+                "grammar_cache_hits": self._grammars.cache_hits,
             }
 
     @property
@@ -469,21 +473,37 @@ class Engine:
             finally:
                 self._adapters.router.clear()
 
-    def _sample(self, chunks: list[Chunk], batch: PackedBatch, logits: torch.Tensor) -> list[int]:
-        """One token for every chunk that reached its request's last known token."""
+    def _sample(self, chunks: list[Chunk], batch: PackedBatch, logits: torch.Tensor) -> list[int | BaseException]:
+        """One token for every chunk that reached its request's last known token.
+
+        A constrained request's row is masked to what its grammar allows first, and its matcher
+        accepts the token drawn; a grammar that allows nothing fails its own request only.
+        """
         rows = [batch.logits_rows[i][0] for i, c in enumerate(chunks) if c.samples]
         if not rows:
             return []
         requests = [c.request for c in chunks if c.samples]
         settings = [r.sampling for r in requests]
         device = logits.device
-        return sample(
-            logits[rows],
+        selected = logits[rows]  # [R, vocab], a copy: masking it leaves captured logits raw
+        dead = set(mask_logits(selected, [r.matcher for r in requests], self._grammars.vocab_size))
+        tokens: list[int | BaseException] = sample(
+            selected,
             temperature=torch.tensor([s.temperature for s in settings], dtype=torch.float32, device=device),
             top_p=torch.tensor([s.top_p for s in settings], dtype=torch.float32, device=device),
             top_k=torch.tensor([s.top_k for s in settings], dtype=torch.long, device=device),
             generators=[r.generator for r in requests],
         ).tolist()
+        for row, request in enumerate(requests):
+            if request.matcher is None:
+                continue
+            if row in dead or not request.matcher.accept_token(tokens[row]):
+                kind = request.sampling.constraint[0] if request.sampling.constraint else "constraint"
+                tokens[row] = ConstraintError(
+                    f"the {kind} constraint allows no further token after {len(request.output_ids)} generated "
+                    f"tokens ({request.text[-80:]!r}); it cannot be satisfied from here"
+                )
+        return tokens
 
     def _postprocess(
         self, chunks: list[Chunk], batch: PackedBatch, logits: torch.Tensor, tokens: list[int]
@@ -510,9 +530,13 @@ class Engine:
                 if not request.in_prefill:
                     finished.append((request, None))
             elif chunk.samples:
+                token = next(sampled)
+                if isinstance(token, BaseException):
+                    finished.append((request, token))
+                    continue
                 if request.capture_logits:
                     request.logits.append(logits[batch.logits_rows[i][0]].clone())
-                done = append_token(request, next(sampled), self.eos_ids, self.tokenizer)
+                done = append_token(request, token, self.eos_ids, self.tokenizer)
                 error = self._stream(request)
                 if done or error is not None:
                     finished.append((request, error))
@@ -591,7 +615,9 @@ class Engine:
                 params = coerce_sampling(sampling)
                 ids = self.encode(prompt)
                 self._check_fits(len(ids), params.max_tokens)
-                prepared.append((ids, params, adapter))
+                # compiled here, on the caller's thread: a bad grammar fails this request alone
+                compiled = self._grammars.compile(params.constraint) if params.constraint else None
+                prepared.append((ids, params, adapter, compiled))
             except KevError as exc:
                 prepared.append(exc)
         return prepared
@@ -632,7 +658,7 @@ class Engine:
                 if isinstance(item, BaseException):
                     out.append(failed_future(item))
                     continue
-                ids, params, adapter = item
+                ids, params, adapter, compiled = item
                 try:
                     self._adapters.ref(adapter)  # unloaded since _prepare? then this request fails alone
                 except KevError as exc:
@@ -651,6 +677,7 @@ class Engine:
                     blocks=BlockTable(cacheable=not logits_only),
                     group=group_id,
                     on_text=on_text,
+                    matcher=None if compiled is None or logits_only else self._grammars.matcher(compiled),
                 )
                 request.future.add_done_callback(functools.partial(_wake_if_cancelled, self._cond))
                 group.append(request)
@@ -707,6 +734,13 @@ class Engine:
             error = PassFailedError(f"the forward pass this request was in failed: {type(exc).__name__}: {exc}")
             error.__cause__ = exc
             resolve_future(request.future, exc=error)
+
+
+def _logits_width(model: Any) -> int:
+    """How many logits the model emits per position (its lm_head rows; may exceed the tokenizer)."""
+    head = model.get_output_embeddings()
+    weight = getattr(head, "weight", None)
+    return int(weight.shape[0]) if weight is not None else int(model.config.vocab_size)
 
 
 def _notify(cond: threading.Condition) -> None:

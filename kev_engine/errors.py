@@ -15,6 +15,11 @@ class InvalidRequestError(KevError, ValueError):
     """A prompt or a sampling setting that Kev refuses (empty, too long, out of range...)."""
 
 
+class ConstraintError(InvalidRequestError):
+    """A reply constraint (schema, regex, grammar...) that cannot be compiled, or that leaves no
+    token to generate: fails its own request with what was wrong."""
+
+
 class UnknownAdapterError(KevError, KeyError):
     """A request named an adapter the engine does not know."""
 

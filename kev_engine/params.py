@@ -7,6 +7,7 @@ temperature never splits a pack (each pack keeps the settings version it started
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from collections.abc import Mapping
@@ -39,6 +40,34 @@ def check_temperature(value: Any, where: str = "temperature") -> float:
     return float(value)
 
 
+CONSTRAINT_FIELDS = ("json_schema", "json_object", "regex", "choice", "grammar", "structural_tag")
+
+
+def _pydantic_schema(value: Any) -> dict[str, Any] | None:
+    """A pydantic model class's JSON schema, or None if `value` is not one."""
+    schema = getattr(value, "model_json_schema", None)
+    return schema() if isinstance(value, type) and callable(schema) else None
+
+
+def _schema_text(value: Any, name: str, convert: Any = None) -> str:
+    """A JSON object given as dict, JSON text (or a pydantic class) → compact JSON text."""
+    converted = convert(value) if convert is not None else None
+    if converted is not None:
+        value = converted
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as exc:
+            raise InvalidRequestError(f"{name} is not valid JSON ({exc}): {value[:200]!r}") from None
+    if not isinstance(value, dict):
+        allowed = "a dict, its JSON text or a pydantic model class" if convert else "a dict or its JSON text"
+        raise InvalidRequestError(f"{name}={value!r} is not allowed; use {allowed}")
+    try:
+        return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+    except (TypeError, ValueError) as exc:
+        raise InvalidRequestError(f"{name} cannot be written as JSON: {exc}") from None
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one question is sampled. `temperature=None` takes the engine default at pack time."""
@@ -59,6 +88,22 @@ class SamplingParams:
     cache_salt: str | None = None
     """Requests with different salts never share prefix KV: give each tenant its own, since a
     shared prefix cache is a timing side channel between them (vLLM, CVE-2025-46570)."""
+
+    # ---- a constraint on the reply (at most one; the reply then matches it by construction) ----
+    json_schema: Any = None
+    """A JSON schema the reply must satisfy: a dict, its JSON text, or a pydantic model class.
+    Stored as compact JSON text, properties in the order given (they are generated in it)."""
+    json_object: bool = False
+    """The reply is any JSON object (OpenAI's ``response_format={"type": "json_object"}``)."""
+    regex: str | None = None
+    """A regular expression the whole reply must match."""
+    choice: tuple[str, ...] | None = None
+    """The reply is exactly one of these strings."""
+    grammar: str | None = None
+    """An EBNF grammar (xgrammar's dialect of GBNF, rule ``root``) the reply must match."""
+    structural_tag: Any = None
+    """An xgrammar structural tag (dict or JSON text): free text with constrained tagged regions,
+    e.g. tool calls. Stored as compact JSON text."""
 
     def __post_init__(self) -> None:
         if self.temperature is not None:
@@ -84,6 +129,43 @@ class SamplingParams:
             raise InvalidRequestError(
                 f"cache_salt={self.cache_salt!r} is not allowed; use a non-empty string or None"
             )
+        self._check_constraint()
+
+    def _check_constraint(self) -> None:
+        """At most one constraint, each in its canonical form (the grammar cache's key)."""
+        given = [name for name in CONSTRAINT_FIELDS if getattr(self, name) not in (None, False)]
+        if len(given) > 1:
+            raise InvalidRequestError(f"give at most one of {list(CONSTRAINT_FIELDS)}; got {given}")
+        if self.json_schema is not None:
+            object.__setattr__(self, "json_schema", _schema_text(self.json_schema, "json_schema", _pydantic_schema))
+        if self.structural_tag is not None:
+            object.__setattr__(self, "structural_tag", _schema_text(self.structural_tag, "structural_tag"))
+        if not isinstance(self.json_object, bool):
+            raise InvalidRequestError(f"json_object={self.json_object!r} is not allowed; use True or False")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise InvalidRequestError(f"{name}={value!r} is not allowed; use a non-empty string or None")
+        if self.choice is not None:
+            choice = self.choice
+            if not isinstance(choice, (list, tuple)) or not choice or not all(isinstance(c, str) and c for c in choice):
+                raise InvalidRequestError(
+                    f"choice={choice!r} is not allowed; use a non-empty list of non-empty strings"
+                )
+            object.__setattr__(self, "choice", tuple(choice))
+
+    @property
+    def constraint(self) -> tuple[str, str] | None:
+        """(kind, canonical text) of this request's constraint, or None: the grammar cache key."""
+        for name in CONSTRAINT_FIELDS:
+            value = getattr(self, name)
+            if value is True:
+                return (name, "")
+            if isinstance(value, tuple):
+                return (name, json.dumps(value, ensure_ascii=False))
+            if value not in (None, False):
+                return (name, value)
+        return None
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> SamplingParams:

@@ -68,6 +68,7 @@ class Request:
     finish_reason: FinishReason | None = None
     on_text: Callable[[str], None] | None = None  # streaming: called with each new piece of text
     streamed: int = 0  # characters of `text` already handed to on_text
+    matcher: Any = None  # constrained requests: its own xgrammar GrammarMatcher, advanced per token
 
     @property
     def all_ids(self) -> list[int]:

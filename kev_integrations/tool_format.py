@@ -5,6 +5,10 @@ Templates that know tools (``"tools"`` appears in the template) get the JSON sch
 SmolLM2 one does — get the schemas and the ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
 format described in a system message instead. Replies are parsed for that format either way
 (plus a bare JSON object naming a known tool, which some models emit).
+
+`tool_call_constraint` turns the bound tools and `tool_choice` into an xgrammar structural tag,
+so the engine generates calls in that same format by construction: the name is one of the
+bound tools and the arguments match that tool's schema.
 """
 
 from __future__ import annotations
@@ -35,6 +39,54 @@ def tool_choice_instruction(tool_choice: Any, tools: Sequence[dict[str, Any]]) -
     if tool_choice in ("any", "required", True):
         return "You must call one of the functions."
     raise ValueError(f"tool_choice={tool_choice!r} is not allowed; use 'auto', 'any', 'none' or one of {sorted(names)}")
+
+
+def tool_choice_name(tool_choice: Any, tools: Sequence[dict[str, Any]]) -> str | None:
+    """The tool a named `tool_choice` forces ("name" or OpenAI's {"type": "function", ...}), else None."""
+    if isinstance(tool_choice, dict):
+        tool_choice = tool_choice.get("function", {}).get("name") or tool_choice.get("name")
+    names = {t["function"]["name"] for t in tools}
+    return tool_choice if isinstance(tool_choice, str) and tool_choice in names else None
+
+
+def _call_tag(tool: dict[str, Any], newline: bool) -> dict[str, Any]:
+    """One tool's call: its name fixed in the opening text, its arguments by its JSON schema."""
+    function = tool["function"]
+    gap = "\n" if newline else ""
+    parameters = function.get("parameters") or {"type": "object", "properties": {}}
+    return {
+        "type": "tag",
+        "begin": "<tool_call>" + gap + '{"name": ' + json.dumps(function["name"], ensure_ascii=False) + ', "arguments": ',
+        "content": {"type": "json_schema", "json_schema": parameters},
+        "end": "}" + gap + "</tool_call>",
+    }
+
+
+def tool_call_constraint(
+    tools: Sequence[dict[str, Any]], tool_choice: Any = None, *, parallel: bool = True, newline: bool = False
+) -> dict[str, Any] | None:
+    """The structural tag a reply with these tools bound must match (None: no constraint).
+
+    "auto"/None: free text, and any ``<tool_call>`` it opens is a valid call; "any"/"required"/
+    True: one or more calls and nothing else; a tool's name: exactly one call of that tool;
+    "none"/False: free text that never opens a call. `parallel=False` allows one call at most.
+    `newline` writes the Qwen templates' ``<tool_call>\n{...}\n</tool_call>`` layout.
+    """
+    if not tools:
+        return None
+    if tool_choice in ("none", False):
+        return {"type": "structural_tag", "format": {"type": "any_text", "excludes": ["<tool_call>"]}}
+    tool_choice_instruction(tool_choice, tools)  # an unknown choice raises, naming the allowed ones
+    tags = [_call_tag(tool, newline) for tool in tools]
+    forced = tool_choice_name(tool_choice, tools)
+    if forced is not None:
+        fmt: dict[str, Any] = next(t for t, tool in zip(tags, tools) if tool["function"]["name"] == forced)
+    elif tool_choice in ("any", "required", True):
+        fmt = {"type": "tags_with_separator", "tags": tags, "separator": "\n", "at_least_one": True,
+               "stop_after_first": not parallel}
+    else:
+        fmt = {"type": "triggered_tags", "triggers": ["<tool_call>"], "tags": tags, "stop_after_first": not parallel}
+    return {"type": "structural_tag", "format": fmt}
 
 
 def tool_system_prompt(tools: Sequence[dict[str, Any]], tool_choice: Any = None) -> str:
