@@ -94,8 +94,8 @@ class Grammars:
         try:
             if kind == "json_schema":
                 return compiler.compile_json_schema(text, any_whitespace=False)
-            if kind == "json_object":
-                return compiler.compile_builtin_json_grammar()
+            if kind == "json_object":  # an object, as OpenAI's json_object mode promises (not any JSON value)
+                return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
             if kind == "regex":
                 return compiler.compile_regex(text)
             if kind == "choice":
