@@ -14,6 +14,7 @@ prefill (``generate`` with max_tokens=1) is compared with a 2048^3 fp32 ``torch.
 in the same process right after it (shared/virtual CPUs drift between runs; use --repeat).
 
 Usage: python benchmarks/bench_engine.py [--max-tokens 48] [--repeat 1] [--only NAME] [--skip NAME ...]
+       python benchmarks/bench_engine.py --constrained [--repeat 2]   (JSON-schema overhead, see constrained.py)
 """
 import argparse
 import importlib.util
@@ -273,7 +274,7 @@ def report(res: dict[str, dict], max_tokens: int, stats: dict, dtype: str, title
     return "\n".join(lines) + "\n"
 
 
-def parse_args(doc: str, default_max_tokens: int) -> argparse.Namespace:
+def parse_args(doc: str, default_max_tokens: int, constrained_mode: bool = False) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=doc.split("\n")[0])
     ap.add_argument("--max-tokens", type=int, default=default_max_tokens)
     ap.add_argument("--repeat", type=int, default=1, help="timed runs per system; the best is reported")
@@ -281,6 +282,9 @@ def parse_args(doc: str, default_max_tokens: int) -> argparse.Namespace:
                     help="dtype of kev and the transformers baselines (llama.cpp keeps its GGUF quantisation)")
     ap.add_argument("--only", choices=SYSTEMS)
     ap.add_argument("--skip", action="append", default=[], choices=SYSTEMS)
+    if constrained_mode:
+        ap.add_argument("--constrained", action="store_true",
+                        help="instead: Kev alone, RAG-16 constrained to a JSON answer schema vs unconstrained")
     ap.add_argument("--worker", nargs=3, metavar=("NAME", "IDS_JSON", "OUT_JSON"), help=argparse.SUPPRESS)
     return ap.parse_args()
 
@@ -312,9 +316,13 @@ def compare(messages: list, args: argparse.Namespace, title: str, results_md: Pa
 
 
 def main() -> None:
-    args = parse_args(__doc__, default_max_tokens=48)
+    args = parse_args(__doc__, default_max_tokens=48, constrained_mode=True)
     if args.worker:
         return worker(*args.worker)
+    if args.constrained:
+        from constrained import run_constrained
+        return run_constrained([rag_messages(it) for it in load_rag()], args.max_tokens, args.repeat,
+                               RESULTS_MD.with_name("bench_constrained.md"))
     compare([rag_messages(it) for it in load_rag()], args, "bench_engine (RAG-16)", RESULTS_MD)
 
 
