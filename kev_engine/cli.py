@@ -7,6 +7,7 @@
     kev show-pack "first question" "second question" --out pack.png
     kev show-pack --file examples/data/doc_qa.jsonl --out pack.png   # shared prefixes, ids, adapters
     kev verify --model DIR --file prompts.jsonl [--adapter NAME=PATH]   # packed == solo, exit 1 if not
+    kev serve [--model SOURCE] [--adapter NAME=PATH] [--port 8000] [--api-key KEY]   # OpenAI-compatible
 
 A thin layer: each line becomes chat messages and a `SamplingParams`, then ONE
 `engine.generate(...)` call answers them all. A refused question becomes an error row;
@@ -233,6 +234,13 @@ def build_parser() -> argparse.ArgumentParser:
     show = commands.add_parser("show-pack", parents=[common], help="draw the pack's attention mask as a PNG")
     show.add_argument("--out", required=True, help="PNG file to write")
     show.add_argument("--max-pixels", dest="max_pixels", type=int, default=1024, help="most mask pixels per side")
+    serve = commands.add_parser("serve", help="serve the OpenAI-compatible API (needs kev-llm[server])")
+    try:
+        from kev_integrations.server.run import add_arguments
+    except ImportError:  # kev_integrations is part of the same distribution; only a broken install lands here
+        add_arguments = None
+    if add_arguments is not None:
+        add_arguments(serve)
     for sub in (gen, verify, show):
         sub.add_argument("--adapter", dest="adapter_specs", action="append", metavar="NAME=PATH",
                          help='load a PEFT LoRA folder as NAME (repeatable); a JSONL line uses it with "adapter"')
@@ -247,6 +255,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # --help (0) or a usage error (2): report it as the return value
         return exc.code if isinstance(exc.code, int) else 2
+    if args.command == "serve":
+        from kev_integrations.server.run import serve
+
+        return serve(args)
     try:
         records = read_questions(args)
         if args.command == "generate":

@@ -206,7 +206,28 @@ class Engine:
         quick; an exception it raises fails this request alone). Cancelling the future stops the
         request at the next pass and frees what it holds.
         """
-        return self._enqueue(self._prepare([prompt], [sampling], [adapter]), on_text=on_text)[0]
+        return self._enqueue(self._prepare([prompt], [sampling], [adapter]), on_text=[on_text])[0]
+
+    def submit_many(
+        self,
+        prompts: Sequence[Prompt],
+        sampling: SamplingArg | Sequence[SamplingArg] = None,
+        adapters: AdapterArg | Sequence[AdapterArg] = None,
+        on_text: Sequence[Callable[[str], None] | None] | None = None,
+    ) -> list[Future[Completion]]:
+        """Queue prompts as one group (packed together, like `generate`) without waiting.
+
+        For callers that wait on their own terms (a server, an actor): each prompt gets its own
+        future, a bad one an already-failed future; `on_text[i]` streams prompt i.
+        """
+        prompts = self._check_prompts(prompts)
+        if on_text is not None and len(on_text) != len(prompts):
+            raise InvalidRequestError(f"got {len(on_text)} on_text callbacks for {len(prompts)} prompts")
+        prepared = self._prepare(
+            prompts, self._per_prompt(sampling, len(prompts), "sampling settings"),
+            self._per_prompt(adapters, len(prompts), "adapters"),
+        )
+        return self._enqueue(prepared, on_text=on_text)
 
     def stream(self, prompt: Prompt, sampling: SamplingArg = None, adapter: AdapterArg = None) -> Iterator[str]:
         """Yield the answer's text piece by piece; it shares passes with everything else running."""
@@ -642,7 +663,7 @@ class Engine:
     def _enqueue(
         self,
         prepared: Sequence[Prepared],
-        on_text: Callable[[str], None] | None = None,
+        on_text: Sequence[Callable[[str], None] | None] | None = None,
         logits_only: bool = False,
         capture_logits: bool = False,
     ) -> list[Future[Any]]:
@@ -654,7 +675,7 @@ class Engine:
             defaults = self._defaults  # one snapshot for the whole group: an update never splits it
             group_id = next(self._groups)
             group: list[Request] = []
-            for item in prepared:
+            for i, item in enumerate(prepared):
                 if isinstance(item, BaseException):
                     out.append(failed_future(item))
                     continue
@@ -676,7 +697,7 @@ class Engine:
                     capture_logits=capture_logits,
                     blocks=BlockTable(cacheable=not logits_only),
                     group=group_id,
-                    on_text=on_text,
+                    on_text=on_text[i] if on_text is not None else None,
                     matcher=None if compiled is None or logits_only else self._grammars.matcher(compiled),
                 )
                 request.future.add_done_callback(functools.partial(_wake_if_cancelled, self._cond))

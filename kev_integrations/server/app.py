@@ -1,0 +1,345 @@
+"""The OpenAI-compatible HTTP app over one engine (FastAPI).
+
+Where this sits: every request becomes engine work through `submit_many` — a list of prompts
+in one /v1/completions request is one group, packed together — and concurrent requests from
+any number of clients coalesce in the engine's scheduler like any other callers. The HTTP
+layer adds what exposing a model needs: keys, limits, backpressure, disconnects, metrics.
+
+- /health answers 503 while the model loads (in a thread, so the server is up meanwhile).
+- A client that disconnects — streaming or not — cancels its requests: the engine stops
+  computing them at its next pass and frees their KV.
+- Past `max_queued` questions in flight a request gets 429 with Retry-After, never a queue
+  that grows without bound; a request still running after `request_timeout_s` is cancelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+
+from kev_engine import Completion, Engine, InvalidRequestError, KevError, UnknownAdapterError
+from kev_engine.errors import EngineClosedError
+
+from .config import ServerConfig
+from .errors import APIError, bad_request
+from .limits import BodyLimit
+from .metrics import Metrics
+from .protocol import EngineCall, parse_chat, parse_completion
+from .responses import ChunkWriter, chat_response, completion_response
+
+SHUTDOWN_CLOSE_S = 30.0  # after uvicorn's graceful drain, the engine gets this long to stop
+
+
+class ServerState:
+    """The engine (once loaded) and what the HTTP layer counts."""
+
+    def __init__(self, config: ServerConfig, model_name: str) -> None:
+        self.config = config
+        self.model_name = model_name
+        self.engine: Engine | None = None
+        self.load_error: BaseException | None = None
+        self.metrics = Metrics()
+        self._lock = threading.Lock()
+
+    def load(self, factory: Callable[[], Engine]) -> None:
+        try:
+            self.engine = factory()
+        except BaseException as exc:  # noqa: BLE001 - reported by /health and every request
+            self.load_error = exc
+
+    def ready(self) -> Engine:
+        if self.engine is not None:
+            return self.engine
+        if self.load_error is not None:
+            raise APIError(503, f"the model failed to load: {self.load_error}", type="server_error")
+        raise APIError(503, "the model is still loading; retry shortly", type="server_error",
+                       headers={"Retry-After": "5"})
+
+    def acquire(self, count: int) -> None:
+        """Take `count` queue places for one request, or refuse it with 429 (no unbounded queue)."""
+        with self._lock:
+            if self.metrics.queued + count > self.config.max_queued:
+                raise APIError(429, f"the server has {self.metrics.queued} questions in flight (limit "
+                               f"{self.config.max_queued}); retry later", type="rate_limit_error",
+                               code="queue_full", headers={"Retry-After": str(self.config.retry_after_s)})
+            self.metrics.queued += count
+
+    def release(self, count: int) -> None:
+        with self._lock:
+            self.metrics.queued -= count
+
+
+def _check_key(request: Request, keys: tuple[str, ...], what: str) -> None:
+    if not keys:
+        return
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not any(hmac.compare_digest(token.encode(), k.encode()) for k in keys):
+        raise APIError(401, f"missing or wrong API key for {what}; send 'Authorization: Bearer <key>'",
+                       type="authentication_error", code="invalid_api_key")
+
+
+async def _json_body(request: Request) -> dict[str, Any]:
+    raw = await request.body()
+    try:
+        body = json.loads(raw)
+    except ValueError as exc:
+        raise bad_request(f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    return body
+
+
+def _engine_error(exc: BaseException, index: int | None) -> APIError:
+    """A failed engine request as an HTTP error; the prompt's index is named for lists."""
+    where = f"prompt {index}: " if index is not None else ""
+    if isinstance(exc, (InvalidRequestError, UnknownAdapterError)):
+        return bad_request(where + str(exc))
+    if isinstance(exc, EngineClosedError):
+        return APIError(503, where + str(exc), type="server_error")
+    return APIError(500, f"{where}{type(exc).__name__}: {exc}", type="server_error")
+
+
+def _refused(futures: list[Future[Completion]]) -> None:
+    """Requests the engine refused at submission (bad settings, bad constraint) → 400 before any work."""
+    for i, future in enumerate(futures):
+        if future.done() and not future.cancelled() and future.exception() is not None:
+            for other in futures:
+                other.cancel()
+            raise _engine_error(future.exception(), i if len(futures) > 1 else None)  # type: ignore[arg-type]
+
+
+async def _disconnected(request: Request) -> None:
+    """Return once the client has gone (the ASGI server sends http.disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _answers(request: Request, futures: list[Future[Completion]], timeout: float) -> list[Completion] | None:
+    """Wait for every answer; None if the client left first. Leaving or timing out cancels the work."""
+    gathered = asyncio.gather(*(asyncio.wrap_future(f) for f in futures), return_exceptions=True)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        done, _ = await asyncio.wait({gathered, watcher}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if gathered not in done:
+        for future in futures:
+            future.cancel()
+        gathered.cancel()
+        if watcher in done:
+            return None
+        raise APIError(504, f"the request did not finish within {timeout:g} s and was cancelled",
+                       type="timeout_error", code="timeout")
+    results = gathered.result()
+    for i, result in enumerate(results):
+        if isinstance(result, BaseException):
+            raise _engine_error(result, i if len(results) > 1 else None)
+    return results
+
+
+def _sse(data: Any) -> str:
+    return "data: " + (data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)) + "\n\n"
+
+
+async def _events(state: ServerState, call: EngineCall, chat: bool, engine: Engine,
+                  started: float) -> AsyncIterator[str]:
+    """Server-sent events of one streamed request; closing the stream cancels its requests.
+
+    The caller has taken the request's queue places; the stream gives them back when it ends.
+    """
+    loop = asyncio.get_running_loop()
+    pieces: asyncio.Queue[tuple[int, str | None]] = asyncio.Queue()
+
+    def feeder(i: int) -> Callable[[str], None]:
+        return lambda piece: loop.call_soon_threadsafe(pieces.put_nowait, (i, piece))
+
+    futures = engine.submit_many(call.prompts, call.sampling, call.adapter,
+                                 on_text=[feeder(i) for i in range(len(call.prompts))])
+    _refused(futures)
+    for i, future in enumerate(futures):
+        future.add_done_callback(lambda _, i=i: loop.call_soon_threadsafe(pieces.put_nowait, (i, None)))
+
+    async def stream() -> AsyncIterator[str]:
+        writer = ChunkWriter(chat, call.model)
+        opened = [False] * len(futures)
+        deadline = loop.time() + state.config.request_timeout_s
+        finished: list[Completion] = []
+        try:
+            remaining = len(futures)
+            while remaining:
+                try:
+                    i, piece = await asyncio.wait_for(pieces.get(), timeout=max(0.0, deadline - loop.time()))
+                except asyncio.TimeoutError:
+                    yield _sse(APIError(504, "the request did not finish in time and was cancelled",
+                                        type="timeout_error").body())
+                    return
+                if piece is not None:
+                    if not call.tool_names:  # tool-call markup is parsed at the end, not streamed
+                        yield _sse(writer.text(i, piece, first=not opened[i]))
+                        opened[i] = True
+                    continue
+                remaining -= 1
+                future = futures[i]
+                if future.cancelled():
+                    continue
+                if future.exception() is not None:
+                    yield _sse(_engine_error(future.exception(), i if len(futures) > 1 else None).body())
+                    continue
+                completion = future.result()
+                finished.append(completion)
+                yield _sse(writer.finish(i, completion, call.tool_names))
+            if call.include_usage:
+                yield _sse(writer.usage(finished))
+            yield _sse("[DONE]")
+            state.metrics.observe(call.endpoint, 200, time.perf_counter() - started)
+        finally:  # the client left, or we are done: nothing keeps computing for nobody
+            for future in futures:
+                future.cancel()
+            state.release(len(futures))
+
+    return stream()
+
+
+def build_app(engine: Engine | Callable[[], Engine], config: ServerConfig | None = None,
+              model_name: str | None = None) -> FastAPI:
+    """The app over a ready engine, or over a factory called in a thread at start-up."""
+    config = config or ServerConfig()
+    name = model_name or (engine.name if isinstance(engine, Engine) else "kev")
+    state = ServerState(config, name)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if isinstance(engine, Engine):
+            state.engine = engine
+        else:
+            threading.Thread(target=state.load, args=(engine,), name="kev-load", daemon=True).start()
+        yield
+        if state.engine is not None and not isinstance(engine, Engine):  # we built it, we close it
+            await asyncio.to_thread(state.engine.close, SHUTDOWN_CLOSE_S)
+
+    app = FastAPI(title="Kev", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.kev = state
+    app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        state.metrics.observe(request.url.path, exc.status)
+        return exc.response()
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if state.engine is not None:
+            return JSONResponse({"status": "ok"})
+        if state.load_error is not None:
+            return JSONResponse({"status": "error", "message": str(state.load_error)}, status_code=503)
+        return JSONResponse({"status": "loading"}, status_code=503)
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> PlainTextResponse:
+        _check_key(request, config.api_keys, "/metrics")
+        stats = state.engine.stats() if state.engine is not None else None
+        return PlainTextResponse(state.metrics.render(stats), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> JSONResponse:
+        _check_key(request, config.api_keys, "/v1")
+        engine_now = state.ready()
+        ids = [state.model_name, *engine_now.adapters]
+        return JSONResponse({"object": "list", "data": [
+            {"id": i, "object": "model", "created": 0, "owned_by": "kev", "root": state.model_name,
+             "parent": None if i == state.model_name else state.model_name} for i in ids]})
+
+    async def run(request: Request, chat: bool) -> Response:
+        endpoint = request.url.path
+        _check_key(request, config.api_keys, "/v1")
+        started = time.perf_counter()
+        body = await _json_body(request)
+        engine_now = state.ready()
+        if chat:
+            call = parse_chat(body, config, state.model_name, engine_now.adapters, engine_now.tokenizer)
+        else:
+            call = parse_completion(body, config, state.model_name, engine_now.adapters)
+        call.endpoint = endpoint
+        state.acquire(len(call.prompts))  # 429 now, before any work, rather than mid-stream
+        if call.stream:
+            try:
+                events = await _events(state, call, chat, engine_now, started)
+            except BaseException:
+                state.release(len(call.prompts))
+                raise
+            return StreamingResponse(events, media_type="text/event-stream")
+        try:
+            futures = engine_now.submit_many(call.prompts, call.sampling, call.adapter)
+            _refused(futures)
+            completions = await _answers(request, futures, config.request_timeout_s)
+        finally:
+            state.release(len(call.prompts))
+        if completions is None:  # the client is gone; nobody reads a response
+            state.metrics.observe(endpoint, 499)
+            return Response(status_code=499)
+        state.metrics.observe(endpoint, 200, time.perf_counter() - started)
+        if chat:
+            return JSONResponse(chat_response(completions[0], call.model, call.tool_names))
+        return JSONResponse(completion_response(completions, call.model))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await run(request, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await run(request, chat=False)
+
+    def admin(request: Request) -> Engine:
+        if config.admin_key is None:
+            raise APIError(403, "admin endpoints are disabled; start the server with --admin-key",
+                           type="permission_error")
+        _check_key(request, (config.admin_key,), "admin endpoints")
+        return state.ready()
+
+    @app.post("/admin/adapters")
+    async def load_adapter(request: Request) -> JSONResponse:
+        engine_now = admin(request)
+        body = await _json_body(request)
+        name, path = body.get("name"), body.get("path")
+        if not isinstance(name, str) or not isinstance(path, str):
+            raise bad_request("give {'name': <adapter name>, 'path': <PEFT folder on the server>}")
+        try:
+            await asyncio.to_thread(engine_now.load_adapter, name, path)
+        except (KevError, ValueError, OSError) as exc:
+            raise bad_request(f"could not load adapter {name!r}: {exc}", param="path") from None
+        return JSONResponse({"loaded": name, "adapters": engine_now.adapters})
+
+    @app.delete("/admin/adapters/{name}")
+    async def unload_adapter(name: str, request: Request) -> JSONResponse:
+        engine_now = admin(request)
+        try:
+            engine_now.unload_adapter(name)
+        except KevError as exc:
+            raise APIError(404, str(exc), param="name") from None
+        return JSONResponse({"unloaded": name, "adapters": engine_now.adapters})
+
+    @app.post("/admin/defaults")
+    async def set_defaults(request: Request) -> JSONResponse:
+        engine_now = admin(request)
+        body = await _json_body(request)
+        if set(body) != {"temperature"}:
+            raise bad_request("give {'temperature': <number >= 0>}; it is the only engine default", param="temperature")
+        try:
+            defaults = engine_now.set_defaults(temperature=body["temperature"])
+        except InvalidRequestError as exc:
+            raise bad_request(str(exc), param="temperature") from None
+        return JSONResponse({"temperature": defaults.temperature, "version": defaults.version})
+
+    return app

@@ -1,0 +1,64 @@
+"""What an operator decides about a server: who may call it and how much one caller may ask.
+
+Defaults are safe to expose on loopback and refuse to be exposed beyond it without a key
+(`check_exposure`). Keys compare in constant time; several API keys may be given.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+from dataclasses import dataclass
+
+API_KEY_ENV = "KEV_API_KEY"  # comma-separated: several clients, several keys
+ADMIN_KEY_ENV = "KEV_ADMIN_KEY"
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Limits and keys of one `kev serve`."""
+
+    api_keys: tuple[str, ...] = ()
+    """Bearer keys accepted on /v1 and /metrics; empty = no auth (loopback only, see check_exposure)."""
+    admin_key: str | None = None
+    """Bearer key of the admin endpoints (adapters, default temperature); None = they are disabled."""
+    max_body_bytes: int = 4 * 1024 * 1024
+    """Largest request body accepted (413 past it)."""
+    max_prompts: int = 64
+    """Most prompts in one /v1/completions request."""
+    max_tokens_limit: int = 4096
+    """Largest max_tokens a request may ask for."""
+    max_queued: int = 256
+    """Most questions accepted and not yet answered; past it a 429 with Retry-After."""
+    request_timeout_s: float = 600.0
+    """A request still unanswered after this long is cancelled (504)."""
+    retry_after_s: int = 1
+    """What a 429 tells the client to wait."""
+
+    @classmethod
+    def from_env(cls, **overrides: object) -> ServerConfig:
+        """Keys from ``KEV_API_KEY`` / ``KEV_ADMIN_KEY`` unless given; other fields as passed."""
+        if overrides.get("api_keys") is None:
+            raw = os.environ.get(API_KEY_ENV, "")
+            overrides["api_keys"] = tuple(k.strip() for k in raw.split(",") if k.strip())
+        if overrides.get("admin_key") is None:
+            overrides["admin_key"] = os.environ.get(ADMIN_KEY_ENV) or None
+        return cls(**overrides)  # type: ignore[arg-type]
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_exposure(host: str, config: ServerConfig, allow_no_auth: bool = False) -> None:
+    """Refuse to serve beyond loopback without an API key: anyone on the network could use it."""
+    if not is_loopback(host) and not config.api_keys and not allow_no_auth:
+        raise SystemExit(
+            f"refusing to listen on {host} without an API key: anyone who can reach it could use the model. "
+            f"Pass --api-key (or set {API_KEY_ENV}), or --insecure-no-auth if this network is trusted"
+        )

@@ -1,0 +1,73 @@
+"""Prometheus text for GET /metrics: the server's own counters plus the engine's stats.
+
+Written by hand (the exposition format is a few lines of text) rather than pulling in a client
+library; names follow Prometheus conventions (`_total` counters, `_seconds` histograms).
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from collections import Counter
+from typing import Any
+
+LATENCY_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+ENGINE_COUNTERS = {  # engine stat → (metric, help)
+    "forward_passes": ("kev_forward_passes_total", "Packed forward passes run."),
+    "prefill_passes": ("kev_prefill_passes_total", "Passes that prefilled at least one prompt."),
+    "decode_steps": ("kev_decode_steps_total", "Passes that decoded at least one token."),
+    "prompt_tokens": ("kev_prompt_tokens_total", "Prompt tokens admitted."),
+    "generated_tokens": ("kev_generated_tokens_total", "Tokens generated."),
+    "prefix_hit_tokens": ("kev_prefix_hit_tokens_total", "Prompt tokens whose KV was reused from a shared prefix."),
+    "adapter_evictions": ("kev_adapter_evictions_total", "Adapters evicted from the GPU/CPU slots."),
+    "preemptions": ("kev_preemptions_total", "Requests preempted for KV memory."),
+    "cancelled": ("kev_cancelled_total", "Requests cancelled before finishing (disconnects, timeouts)."),
+    "grammar_cache_hits": ("kev_grammar_cache_hits_total", "Constraints served from the grammar cache."),
+}
+ENGINE_GAUGES = {
+    "running": ("kev_running_requests", "Requests holding KV now."),
+    "waiting": ("kev_waiting_requests", "Requests queued in the engine."),
+    "kv_cache_bytes": ("kev_kv_cache_bytes", "KV memory in use."),
+    "kv_cache_budget_bytes": ("kev_kv_cache_budget_bytes", "KV memory budget."),
+    "kv_cached_prefix_bytes": ("kev_kv_cached_prefix_bytes", "KV kept for reuse (LRU prefix cache)."),
+}
+
+
+class Metrics:
+    """Counters the HTTP layer owns: requests by endpoint and status, latency, queue depth."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.requests: Counter[tuple[str, int]] = Counter()
+        self.latency_counts = [0] * (len(LATENCY_BUCKETS_S) + 1)
+        self.latency_sum = 0.0
+        self.queued = 0  # questions accepted by the server and not answered yet
+
+    def observe(self, endpoint: str, status: int, seconds: float | None = None) -> None:
+        with self._lock:
+            self.requests[(endpoint, status)] += 1
+            if seconds is not None:
+                self.latency_counts[bisect.bisect_left(LATENCY_BUCKETS_S, seconds)] += 1
+                self.latency_sum += seconds
+
+    def render(self, engine_stats: dict[str, Any] | None) -> str:
+        lines = ["# HELP kev_http_requests_total HTTP requests by endpoint and status.",
+                 "# TYPE kev_http_requests_total counter"]
+        with self._lock:
+            for (endpoint, status), count in sorted(self.requests.items()):
+                lines.append(f'kev_http_requests_total{{endpoint="{endpoint}",status="{status}"}} {count}')
+            lines += ["# HELP kev_queued_questions Questions accepted and not yet answered.",
+                      "# TYPE kev_queued_questions gauge", f"kev_queued_questions {self.queued}",
+                      "# HELP kev_request_latency_seconds Time from request to full answer.",
+                      "# TYPE kev_request_latency_seconds histogram"]
+            cumulative = 0
+            for bound, count in zip([*map(str, LATENCY_BUCKETS_S), "+Inf"], self.latency_counts):
+                cumulative += count
+                lines.append(f'kev_request_latency_seconds_bucket{{le="{bound}"}} {cumulative}')
+            lines += [f"kev_request_latency_seconds_sum {self.latency_sum}",
+                      f"kev_request_latency_seconds_count {cumulative}"]
+        if engine_stats is not None:
+            for table, kind in ((ENGINE_COUNTERS, "counter"), (ENGINE_GAUGES, "gauge")):
+                for key, (name, help_text) in table.items():
+                    lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {engine_stats[key]}"]
+        return "\n".join(lines) + "\n"

@@ -1,0 +1,41 @@
+"""Start a Kev app under uvicorn on a loopback port for one test, and always shut it down."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import uvicorn
+
+START_TIMEOUT_S = 30.0
+STOP_TIMEOUT_S = 30.0
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
+    """Poll `predicate` until it is truthy; fail naming `what` after `timeout` seconds (never forever)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+
+
+@contextlib.contextmanager
+def serving(app: Any) -> Iterator[str]:
+    """Run `app` on 127.0.0.1 (a free port) in a thread; yield its base URL; stop it on exit."""
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, name="test-uvicorn", daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: server.started, START_TIMEOUT_S, "uvicorn to start")
+        port = server.servers[0].sockets[0].getsockname()[1]
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(STOP_TIMEOUT_S)
+        assert not thread.is_alive(), "uvicorn did not stop"
