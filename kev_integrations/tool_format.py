@@ -21,10 +21,23 @@ from typing import Any
 TOOL_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 
 
+def _template_text(tokenizer: Any) -> str:
+    template = getattr(tokenizer, "chat_template", None) or ""
+    return template if isinstance(template, str) else json.dumps(template)
+
+
 def template_supports_tools(tokenizer: Any) -> bool:
     """Whether the tokenizer's chat template renders a `tools` argument itself."""
-    template = getattr(tokenizer, "chat_template", None) or ""
-    return "tools" in (template if isinstance(template, str) else json.dumps(template))
+    return "tools" in _template_text(tokenizer)
+
+
+def tool_call_newline(tokenizer: Any) -> bool:
+    """Whether constrained calls use the ``<tool_call>\\n{...}\\n</tool_call>`` layout: only when the
+    model's own template renders the tools and writes calls that way (Qwen, Hermes); Kev's tool
+    prompt teaches the one-line layout, and the constraint must match what the model was shown."""
+    template = _template_text(tokenizer)
+    # a Jinja string literal spells the newline as backslash-n; a raw template block has it as is
+    return template_supports_tools(tokenizer) and ("<tool_call>\\n" in template or "<tool_call>\n" in template)
 
 
 def tool_choice_instruction(tool_choice: Any, tools: Sequence[dict[str, Any]]) -> str:
@@ -56,7 +69,7 @@ def _call_tag(tool: dict[str, Any], newline: bool) -> dict[str, Any]:
     parameters = function.get("parameters") or {"type": "object", "properties": {}}
     return {
         "type": "tag",
-        "begin": "<tool_call>" + gap + '{"name": ' + json.dumps(function["name"], ensure_ascii=False) + ', "arguments": ',
+        "begin": f'<tool_call>{gap}{{"name": {json.dumps(function["name"], ensure_ascii=False)}, "arguments": ',
         "content": {"type": "json_schema", "json_schema": parameters},
         "end": "}" + gap + "</tool_call>",
     }
@@ -127,10 +140,20 @@ def parse_call(raw: str) -> dict[str, Any]:
     return {"name": name, "arguments": args}
 
 
+CUT_BY_MAX_TOKENS = "cut by max_tokens (finish_reason='length') before the call was complete; raise max_tokens"
+
+
 def split_tool_calls(
-    text: str, tool_names: Sequence[str] = ()
+    text: str, tool_names: Sequence[str] = (), *, finish_reason: str | None = None
 ) -> tuple[str, list[dict[str, Any]], list[tuple[str, str]]]:
-    """Split a reply into (remaining text, calls as {"name", "arguments"}, invalid as (raw, error))."""
+    """Split a reply into (remaining text, calls as {"name", "arguments"}, invalid as (raw, error)).
+
+    Exact repeats of a call (same name, same arguments) are kept once: a small model under a
+    "call one or more tools" constraint tends to write the same call again and again until
+    max_tokens, and running a tool twice with the same arguments in one turn never adds an
+    answer. A last call left open by ``finish_reason="length"`` is invalid, its error saying it
+    was cut by max_tokens (never dropped, never half-parsed).
+    """
     matches = list(TOOL_CALL_RE.finditer(text))
     if not matches:
         stripped = text.strip()
@@ -145,8 +168,12 @@ def split_tool_calls(
     calls: list[dict[str, Any]] = []
     invalid: list[tuple[str, str]] = []
     for match in matches:
+        cut = finish_reason == "length" and match is matches[-1] and not match.group(0).endswith("</tool_call>")
         try:
-            calls.append(parse_call(match.group(1)))
+            call = parse_call(match.group(1))
         except (ValueError, KeyError, TypeError) as exc:
-            invalid.append((match.group(1), f"{type(exc).__name__}: {exc}"))
+            invalid.append((match.group(1), CUT_BY_MAX_TOKENS if cut else f"{type(exc).__name__}: {exc}"))
+            continue
+        if call not in calls:
+            calls.append(call)
     return TOOL_CALL_RE.sub("", text).strip(), calls, invalid

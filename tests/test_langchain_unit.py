@@ -323,11 +323,130 @@ def test_structured_output_by_tool_call_and_by_json() -> None:
                                         '</tool_call>' if isinstance(p, list) and "<tools>" in p[0]["content"]
                         else '{"answer": "4", "confidence": 0.5}')
     llm = ChatKev(engine=engine)
-    assert llm.with_structured_output(Answer).invoke("2+2?") == Answer(answer="4", confidence=0.9)
-    assert llm.with_structured_output(Answer, method="json_schema").invoke("2+2?") == Answer(answer="4",
-                                                                                          confidence=0.5)
-    assert "JSON schema" in engine.submit_calls[-1]["prompt"][0]["content"]
+    assert llm.with_structured_output(Answer).invoke("2+2?") == Answer(answer="4", confidence=0.5)  # json_schema
+    sampling = engine.submit_calls[-1]["sampling"]
+    assert sampling.constraint[0] == "json_schema" and '"confidence"' in sampling.json_schema
+    assert "keys: \"answer\" (string)" in engine.submit_calls[-1]["prompt"][0]["content"]
+    assert llm.with_structured_output(Answer, method="function_calling").invoke("2+2?") == Answer(answer="4",
+                                                                                                confidence=0.9)
+    assert '"format":{"type":"tag"' in engine.submit_calls[-1]["sampling"].structural_tag  # exactly that call
     raw = llm.with_structured_output(Answer, method="json_mode", include_raw=True).invoke("2+2?")
     assert raw["parsed"] == Answer(answer="4", confidence=0.5) and raw["parsing_error"] is None
+    assert engine.submit_calls[-1]["sampling"].json_object is True
     with pytest.raises(ValueError, match="tool_choice"):
         llm.bind_tools([get_weather], tool_choice="nope")
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers."""
+    return a + b
+
+
+@pytest.mark.parametrize(("tool_choice", "format_type", "call_names"), [
+    (None, "triggered_tags", ["get_weather", "add"]),           # "auto": text or calls
+    ("auto", "triggered_tags", ["get_weather", "add"]),
+    ("any", "tags_with_separator", ["get_weather", "add"]),     # one call or more, no text
+    ("required", "tags_with_separator", ["get_weather", "add"]),
+    (True, "tags_with_separator", ["get_weather", "add"]),
+    ("add", "tag", ["add"]),                                     # exactly that call
+    ({"type": "function", "function": {"name": "add"}}, "tag", ["add"]),
+])
+def test_bound_tools_constrain_the_reply(tool_choice: Any, format_type: str, call_names: list[str]) -> None:
+    import json
+
+    engine = FakeEngine()
+    ChatKev(engine=engine).bind_tools([get_weather, add], tool_choice=tool_choice).invoke("3 + 4?")
+    tag = json.loads(engine.submit_calls[0]["sampling"].structural_tag)["format"]
+    assert tag["type"] == format_type
+    tags = tag.get("tags", [tag])
+    assert [json.loads(t["begin"].removeprefix("<tool_call>") + "0}")["name"] for t in tags] == call_names
+    if format_type != "tag":
+        assert tag["stop_after_first"] is True  # one call per reply unless parallel_tool_calls=True
+
+
+def test_tool_choice_none_hides_the_tools_and_forbids_calls() -> None:
+    engine = FakeEngine(lambda p, s, a: "<tool_call> is just text here")
+    message = ChatKev(engine=engine).bind_tools([get_weather], tool_choice="none").invoke("Hi")
+    call = engine.submit_calls[0]
+    assert "<tools>" not in str(call["prompt"]) and "excludes" in call["sampling"].structural_tag
+    assert message.tool_calls == [] and message.content == "<tool_call> is just text here"
+
+
+def test_parallel_calls_and_newline_layout_of_tool_templates() -> None:
+    engine = FakeEngine(template=TOOLS_TEMPLATE + "{{ '<tool_call>\\n' }}")
+    ChatKev(engine=engine).bind_tools([get_weather], tool_choice="any", parallel_tool_calls=True).invoke("Hi")
+    tag = engine.submit_calls[0]["sampling"].structural_tag
+    assert '"stop_after_first":false' in tag and '<tool_call>\\n{' in tag
+
+
+def test_a_second_constraint_is_an_error_naming_both() -> None:
+    llm = ChatKev(engine=FakeEngine(), regex="[a-z]+")
+    with pytest.raises(InvalidRequestError, match="bind_tools.*regex"):
+        llm.bind_tools([get_weather]).invoke("Hi")
+    with pytest.raises(InvalidRequestError, match="response_format.*regex"):
+        llm.with_structured_output(Answer).invoke("Hi")
+
+
+@pytest.mark.parametrize(("response_format", "field"), [
+    ({"type": "json_object"}, "json_object"),
+    ({"type": "json_schema", "json_schema": {"name": "Answer", "schema": Answer.model_json_schema()}}, "json_schema"),
+    (Answer, "json_schema"),
+    (Answer.model_json_schema(), "json_schema"),
+    ({"type": "text"}, None),
+])
+def test_response_format_forms(response_format: Any, field: str | None) -> None:
+    engine = FakeEngine(lambda p, s, a: "{}")
+    ChatKev(engine=engine).bind(response_format=response_format).invoke("Hi")
+    constraint = engine.submit_calls[0]["sampling"].constraint
+    assert (constraint[0] if constraint else None) == field
+
+
+def test_constraint_settings_per_call_and_on_kevllm() -> None:
+    engine = FakeEngine(lambda p, s, a: "yes")
+    assert ChatKev(engine=engine).bind(choice=["yes", "no"]).invoke("Ok?").content == "yes"
+    assert engine.submit_calls[-1]["sampling"].choice == ("yes", "no")
+    assert KevLLM(engine=engine).invoke("Ok?", regex="yes|no") == "yes"
+    assert engine.submit_calls[-1]["sampling"].regex == "yes|no"
+
+
+def test_repeated_calls_collapse_and_a_cut_call_is_invalid() -> None:
+    call = '<tool_call>{"name": "add", "arguments": {"a": 3, "b": 4}}</tool_call>'  # 7 words for the fake
+    engine = FakeEngine(lambda p, s, a: call + "\n" + call + "\n" + '<tool_call>{"name": "add", "arguments": {"a": 3,')
+    llm = ChatKev(engine=engine, max_tokens=100).bind_tools([add], tool_choice="any", parallel_tool_calls=True)
+    message = llm.invoke("3 + 4?")
+    assert message.response_metadata["finish_reason"] == "stop"
+    assert [c["args"] for c in message.tool_calls] == [{"a": 3, "b": 4}]  # the repeat collapsed
+    assert "cut by" not in message.invalid_tool_calls[0]["error"]  # an open call at "stop" is a parse error
+    engine.script = lambda p, s, a: call + " " + '<tool_call>{"name": "add", "arguments": {"a": 3,'  # 11 words
+    cut = ChatKev(engine=engine, max_tokens=11).bind_tools([add], tool_choice="any", parallel_tool_calls=True)
+    for message in (cut.invoke("3 + 4?"), _merged(cut.stream("3 + 4?"))):
+        assert message.response_metadata["finish_reason"] == "length"
+        assert [c["args"] for c in message.tool_calls] == [{"a": 3, "b": 4}]
+        (bad,) = message.invalid_tool_calls
+        assert bad["name"] == "add" and "cut by max_tokens" in (bad["error"] or bad["args"])
+
+
+def _merged(chunks: Iterator[Any]) -> Any:
+    full = None
+    for chunk in chunks:
+        full = chunk if full is None else full + chunk
+    return full
+
+
+def test_structured_output_errors_are_real() -> None:
+    from langchain_core.exceptions import OutputParserException
+
+    engine = FakeEngine(lambda p, s, a: '{"answer": "4", "confidence": 0.5, "extra": "padding words here"}')
+    cut = ChatKev(engine=engine, max_tokens=5).with_structured_output(Answer, include_raw=True).invoke("2+2?")
+    assert cut["parsed"] is None and "cut by max_tokens" in str(cut["parsing_error"])
+    assert cut["raw"].response_metadata["finish_reason"] == "length"
+    with pytest.raises(OutputParserException, match="cut by max_tokens"):
+        ChatKev(engine=engine, max_tokens=5).with_structured_output(Answer).invoke("2+2?")
+    engine.script = lambda p, s, a: '{"answer": "4", "confidence": "high"}'
+    bad = ChatKev(engine=engine).with_structured_output(Answer, include_raw=True).invoke("2+2?")
+    assert bad["parsed"] is None and "confidence" in str(bad["parsing_error"])
+    engine.script = lambda p, s, a: "no call at all"
+    with pytest.raises(OutputParserException, match="no valid tool call"):
+        ChatKev(engine=engine).with_structured_output(Answer, method="function_calling").invoke("2+2?")
+    with pytest.raises(ValueError, match="method="):
+        ChatKev(engine=engine).with_structured_output(Answer, method="xml")  # type: ignore[arg-type]

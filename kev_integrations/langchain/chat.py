@@ -2,22 +2,17 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from operator import itemgetter
-from typing import Any, Literal
+from typing import Any
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.language_models import BaseChatModel, LanguageModelInput
 from langchain_core.language_models.base import LangSmithParams
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
-from langchain_core.output_parsers import JsonOutputParser, PydanticOutputParser
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
-from langchain_core.runnables import Runnable, RunnableConfig, RunnableMap, RunnablePassthrough
+from langchain_core.runnables import Runnable, RunnableConfig
 from langchain_core.runnables.config import get_config_list
 from langchain_core.tools import BaseTool
-from langchain_core.utils.function_calling import convert_to_json_schema
-from langchain_core.utils.pydantic import is_basemodel_subclass
 from pydantic import BaseModel
 
 from kev_engine import Completion
@@ -26,12 +21,15 @@ from ..tokens import prompt_token_count
 from ..tool_format import template_supports_tools, tool_choice_instruction
 from . import packing
 from .configurable import KevConfigurableFields
+from .constraints import constrain, format_constraint, response_format_schema, tools_constraint
 from .messages import build_prompt, response_metadata, schema_instruction, usage_of
 from .packing import EngineRequest
 from .settings import KevFields
-from .tools import convert_tools, parse_tool_calls
+from .structured import Method, structured_output
+from .tools import convert_tools, parse_tool_calls, tool_call_chunks
 
-CHAT_KWARGS = ("tools", "tool_choice", "response_format")
+# per-call kwargs that shape the reply (set by bind_tools / with_structured_output / bind)
+CHAT_KWARGS = ("tools", "tool_choice", "parallel_tool_calls", "response_format")
 
 
 class ChatKev(KevFields, BaseChatModel):
@@ -50,7 +48,9 @@ class ChatKev(KevFields, BaseChatModel):
 
     Key init args — per call (also via ``.bind(...)``, ``invoke(..., **kwargs)``,
     ``configurable_fields``):
-        adapter, temperature, top_p, top_k, max_tokens, stop, seed, timeout.
+        adapter, temperature, top_p, top_k, max_tokens, stop, seed, cache_salt, timeout; and at
+        most one constraint on the reply: json_schema, json_object, regex, choice, grammar,
+        structural_tag (the reply matches it by construction).
 
     Unknown arguments are a TypeError naming the right field (``num_predict``/``max_new_tokens``
     → ``max_tokens``), and sampling values are checked at construction (``temperature=-1`` fails
@@ -92,15 +92,22 @@ class ChatKev(KevFields, BaseChatModel):
             await llm.ainvoke("Hello")                        # awaits the engine's future
             async for chunk in llm.astream("Hello"): ...
 
-    Tool calling / structured output:
+    Tool calling / structured output (constrained: every reply parses):
         .. code-block:: python
 
-            llm.bind_tools([get_weather]).invoke("Weather in Paris?").tool_calls
-            llm.with_structured_output(Answer).invoke("...")
+            llm.bind_tools([get_weather, add], tool_choice="any").invoke("Weather in Paris?").tool_calls
+            llm.with_structured_output(Answer).invoke("...")        # method="json_schema" (default)
+            llm.with_structured_output(Answer, method="function_calling", include_raw=True)
+            llm.bind(response_format={"type": "json_object"})       # OpenAI's forms are accepted
+            llm.bind(choice=["positive", "negative"])               # any engine constraint per call
 
-        Tools go through the model's chat template when it supports them, else they are
-        described in a system message (Hermes ``<tool_call>`` format); replies are parsed
-        either way. Small models (the embedded 135M one) rarely call tools correctly.
+        The engine constrains each reply (xgrammar) to the tool-call format — the name one of the
+        bound tools, the arguments valid for its schema — or to the JSON schema, so even the
+        embedded 135M model's calls always parse; whether it picks the right tool and values is
+        still up to the model. Tools are described by the model's chat template when it renders
+        them, else in a system message (Hermes ``<tool_call>`` format). One call per reply unless
+        ``parallel_tool_calls=True``. A reply cut by max_tokens is reported, never half-parsed:
+        an invalid tool call / an ``OutputParserException`` saying so.
 
     Response metadata:
         ``usage_metadata`` (input/output/total tokens); ``response_metadata`` has
@@ -145,19 +152,28 @@ class ChatKev(KevFields, BaseChatModel):
     def _request(self, messages: Sequence[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]) -> tuple[
         EngineRequest, list[str]
     ]:
-        """Build the engine request; returns it with the names of the tools bound to the call."""
+        """Build the engine request; returns it with the names of the tools bound to the call.
+
+        Bound tools constrain the reply to the tool-call format (`tool_call_constraint`), a
+        `response_format` to its JSON schema or to a JSON object; the system message describes
+        them too, since the constraint fixes the reply's shape but not the sense of its values.
+        """
         extra = {k: kwargs.pop(k) for k in CHAT_KWARGS if k in kwargs}
         sampling, adapter = self.resolve(stop, kwargs)
         engine = self.get_engine()
         tools = convert_tools(extra["tools"]) if extra.get("tools") else None
-        if extra.get("tool_choice") == "none":
-            tools = None
-        response_format = extra.get("response_format")
-        system_extra = schema_instruction(response_format.get("schema")) if response_format else ""
+        tool_choice = extra.get("tool_choice")
+        if tools:
+            constraint = tools_constraint(tools, tool_choice, extra.get("parallel_tool_calls"), engine.tokenizer)
+            sampling = constrain(sampling, constraint, "bind_tools(...)")
+        kind, schema = response_format_schema(extra.get("response_format"))
+        sampling = constrain(sampling, format_constraint(kind, schema), "response_format")
+        system_extra = schema_instruction(schema) if kind != "text" else ""
+        prompt_tools = None if tool_choice in ("none", False) else tools  # "none": never shown, never called
         prompt = build_prompt(
-            messages, tools, extra.get("tool_choice"), template_supports_tools(engine.tokenizer), system_extra
+            messages, prompt_tools, tool_choice, template_supports_tools(engine.tokenizer), system_extra
         )
-        names = [t["function"]["name"] for t in tools or ()]
+        names = [t["function"]["name"] for t in prompt_tools or ()]
         return EngineRequest(engine, prompt, sampling, adapter), names
 
     def get_num_tokens_from_messages(self, messages: list[BaseMessage], tools: Sequence[Any] | None = None) -> int:
@@ -169,9 +185,8 @@ class ChatKev(KevFields, BaseChatModel):
         return prompt_token_count(engine, prompt)
 
     def _message(self, completion: Completion, tool_names: list[str]) -> AIMessage:
-        text, tool_calls, invalid = parse_tool_calls(completion.text, tool_names) if tool_names else (
-            completion.text, [], []
-        )
+        text, tool_calls, invalid = parse_tool_calls(completion.text, tool_names, completion.finish_reason) if (
+            tool_names) else (completion.text, [], [])
         return AIMessage(
             content=text,
             tool_calls=tool_calls,
@@ -209,15 +224,11 @@ class ChatKev(KevFields, BaseChatModel):
         if isinstance(piece, str):
             text.append(piece)
             return ChatGenerationChunk(message=AIMessageChunk(content="" if names else piece))
-        content, calls, _ = parse_tool_calls("".join(text), names) if names else ("", [], [])
-        tool_call_chunks = [
-            {"name": c["name"], "args": json.dumps(c["args"]), "id": c["id"], "index": i,
-             "type": "tool_call_chunk"}
-            for i, c in enumerate(calls)
-        ]
+        content, calls, invalid = parse_tool_calls("".join(text), names, piece.finish_reason) if names else (
+            "", [], [])
         message = AIMessageChunk(
-            content=content if names else "",
-            tool_call_chunks=tool_call_chunks,  # type: ignore[arg-type]
+            content=content,
+            tool_call_chunks=tool_call_chunks(calls, invalid),
             usage_metadata=usage_of(piece),
             response_metadata=response_metadata(piece, self.model_name),
             chunk_position="last",
@@ -292,39 +303,45 @@ class ChatKev(KevFields, BaseChatModel):
         tools: Sequence[dict[str, Any] | type | Callable[..., Any] | BaseTool],
         *,
         tool_choice: str | dict[str, Any] | bool | None = None,
+        parallel_tool_calls: bool | None = None,
+        strict: bool | None = None,
         **kwargs: Any,
     ) -> Runnable[LanguageModelInput, AIMessage]:
-        """Bind tools (any LangChain tool form); `tool_choice` "any"/"required"/a name asks for a call."""
+        """Bind tools (any LangChain tool form); every reply is constrained to valid calls of them.
+
+        `tool_choice`: "auto"/None — free text or calls; "any"/"required"/True — at least one
+        call and no text; a tool's name (or ``{"type": "function", "function": {"name": ...}}``)
+        — exactly that call; "none"/False — text only, the tools not shown.
+        `parallel_tool_calls`: None (default) allows ONE call per reply, True several (see
+        `constraints.PARALLEL_TOOL_CALLS_DEFAULT` for why). Calls are always strict: the name is
+        a bound tool and the arguments match its schema by construction, so `strict` changes
+        nothing. A call cut by max_tokens comes back in `invalid_tool_calls`, its error saying so.
+        """
         schemas = convert_tools(tools)
         if tool_choice is not None and tool_choice is not False:
             tool_choice_instruction(tool_choice, schemas)  # an unknown name fails here, not at call time
+        if parallel_tool_calls is not None:
+            kwargs["parallel_tool_calls"] = parallel_tool_calls
         return super().bind(tools=schemas, tool_choice=tool_choice, **kwargs)
 
     def with_structured_output(
         self,
-        schema: dict[str, Any] | type,
+        schema: dict[str, Any] | type | None = None,
         *,
         include_raw: bool = False,
-        method: Literal["function_calling", "json_schema", "json_mode"] = "function_calling",
+        method: Method = "json_schema",
         strict: bool | None = None,
         **kwargs: Any,
     ) -> Runnable[LanguageModelInput, dict[str, Any] | BaseModel]:
-        """Structured output by tool call (default) or by a JSON reply (`json_schema` / `json_mode`)."""
-        if method == "function_calling":
-            return super().with_structured_output(schema, include_raw=include_raw, **kwargs)
-        if method not in ("json_schema", "json_mode"):
-            raise ValueError(f"method={method!r} is not allowed; use 'function_calling', 'json_schema' or 'json_mode'")
+        """A reply constrained to `schema` (pydantic class, TypedDict, JSON schema dict), parsed.
+
+        `method`: "json_schema" (default, as langchain-openai) — the reply is JSON matching the
+        schema; "function_calling" — exactly one call of the schema as a tool, its arguments
+        parsed; "json_mode" — any JSON object (describe the keys in the prompt; `schema` only
+        parses). Every reply parses by construction; a reply cut by max_tokens raises
+        `OutputParserException` saying so. `include_raw=True` returns ``{"raw", "parsed",
+        "parsing_error"}`` instead of raising. `strict` changes nothing: always strict.
+        """
         if kwargs:
             raise ValueError(f"unsupported arguments {sorted(kwargs)}")
-        is_pydantic = isinstance(schema, type) and is_basemodel_subclass(schema)
-        json_schema = convert_to_json_schema(schema) if method == "json_schema" else None
-        llm = self.bind(
-            response_format={"type": method, "schema": json_schema},
-            ls_structured_output_format={"kwargs": {"method": method}, "schema": schema},
-        )
-        parser = PydanticOutputParser(pydantic_object=schema) if is_pydantic else JsonOutputParser()  # type: ignore[arg-type]
-        if not include_raw:
-            return llm | parser
-        parsed = RunnablePassthrough.assign(parsed=itemgetter("raw") | parser, parsing_error=lambda _: None)
-        fallback = RunnablePassthrough.assign(parsed=lambda _: None)
-        return RunnableMap(raw=llm) | parsed.with_fallbacks([fallback], exception_key="parsing_error")
+        return structured_output(self, schema, method, include_raw, strict)

@@ -55,9 +55,18 @@ class KevLLM(KevFields, BaseLLM):
         Construction loads nothing; the engine is shared per (model, device, dtype).
 
     Key init args: same as `ChatKev` — model, device, dtype, adapters, engine (engine side);
-    adapter, temperature, top_p, top_k, max_tokens, stop, seed, timeout (per call; also via
-    ``.bind(...)``, ``invoke(..., **kwargs)`` and ``configurable_fields``); chat_template.
+    adapter, temperature, top_p, top_k, max_tokens, stop, seed, cache_salt, timeout (per call;
+    also via ``.bind(...)``, ``invoke(..., **kwargs)`` and ``configurable_fields``); chat_template.
     Unknown arguments are refused (``num_predict`` → use ``max_tokens``).
+
+    Constrained replies (at most one per call, the same settings as the engine's): json_schema,
+    json_object, regex, choice, grammar, structural_tag — e.g. a classifier over a whole batch in
+    one packed pass, each reply exactly one of the labels:
+
+        .. code-block:: python
+
+            KevLLM(choice=["positive", "negative"]).batch(reviews)
+            llm.invoke("Give the year", regex="[0-9]{4}")
 
     Instantiate / invoke / batch:
         .. code-block:: python

@@ -8,6 +8,7 @@ resolved lazily here too, so constructing (or copying) a model never loads anyth
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import fields
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -19,7 +20,8 @@ from ..init_args import check_sampling, refuse_unknown
 from ..shared import resolve_engine
 from ..tokens import text_token_ids
 
-SETTING_KEYS = ("adapter", "temperature", "top_p", "top_k", "max_tokens", "stop", "seed", "cache_salt")
+# every engine setting is a per-call setting, derived (not listed by hand) so a new one reaches both models
+SETTING_KEYS = ("adapter", *(f.name for f in fields(SamplingParams)))
 # kwargs LangChain itself adds to calls; they carry no sampling meaning
 IGNORED_KWARGS = frozenset({"ls_structured_output_format", "structured_output_format", "stream"})
 
@@ -55,6 +57,19 @@ class KevFields(BaseModel):
     """Seeded sampling: the same tokens whatever the question is packed with."""
     cache_salt: str | None = None
     """Calls with different salts never share prefix KV (one per tenant); None = share with all."""
+    json_schema: dict[str, Any] | str | type | None = None
+    """Constrain every reply to this JSON schema (a dict, its JSON text or a pydantic class)."""
+    json_object: bool = False
+    """Constrain every reply to one JSON object (OpenAI's JSON mode)."""
+    regex: str | None = None
+    """Constrain every reply to match this regular expression."""
+    choice: list[str] | None = None
+    """Constrain every reply to exactly one of these strings (a classifier)."""
+    grammar: str | None = None
+    """Constrain every reply to this EBNF grammar (xgrammar's GBNF dialect, rule ``root``)."""
+    structural_tag: dict[str, Any] | str | None = None
+    """Constrain every reply to this xgrammar structural tag (free text with constrained tagged
+    regions); `bind_tools` sets one for the tool-call format. At most one constraint per call."""
     timeout: float | None = Field(default=None, gt=0)
     """Seconds to wait for an answer before cancelling it (TimeoutError); None = no limit."""
 
