@@ -198,3 +198,55 @@ def test_health_is_503_while_loading(tokenizer: Any) -> None:
         wait_for(lambda: httpx.get(base + "/health").status_code == 200, 60, "the model to load")
         assert httpx.post(base + "/v1/completions", json={"model": "late", "prompt": "x", "max_tokens": 2}).json()[
             "usage"]["completion_tokens"] == 2
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_sigterm_lets_a_running_stream_finish_then_exits() -> None:
+    """`kev serve` on the embedded model: SIGTERM mid-stream → the stream completes, new
+    connections are refused, and the process exits 0."""
+    import signal
+    import subprocess
+    import sys
+
+    port = _free_port()
+    base = f"http://127.0.0.1:{port}"
+    process = subprocess.Popen([sys.executable, "-m", "kev_engine", "serve", "--port", str(port), "--grace", "60"],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        def healthy() -> bool:
+            assert process.poll() is None, process.stderr.read().decode()[-2000:]
+            try:
+                return httpx.get(base + "/health", timeout=5).status_code == 200
+            except httpx.TransportError:
+                return False
+
+        wait_for(healthy, 180, "kev serve to load the embedded model")
+        model = httpx.get(base + "/v1/models").json()["data"][0]["id"]
+        body = {"model": model, "messages": CHAT, "max_tokens": 40, "stream": True,
+                "stream_options": {"include_usage": True}}
+        events: list[str] = []
+        with httpx.stream("POST", base + "/v1/chat/completions", json=body, timeout=120) as response:
+            for line in response.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                if not events:
+                    process.send_signal(signal.SIGTERM)  # mid-stream
+                events.append(line.removeprefix("data: "))
+        assert events[-1] == "[DONE]"
+        usage = json.loads(events[-2])["usage"]
+        finish = [json.loads(e)["choices"][0]["finish_reason"] for e in events[:-2]][-1]
+        assert usage["completion_tokens"] == 40 or finish == "stop"  # answered in full, not cut off
+        assert process.wait(timeout=90) == 0
+        with pytest.raises(httpx.TransportError):
+            httpx.get(base + "/health", timeout=5)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(30)

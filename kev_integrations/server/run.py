@@ -8,8 +8,10 @@ is still queued with a clear error. Nothing here binds beyond loopback without a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
-from collections.abc import Callable
+import signal
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from kev_engine import Engine
@@ -86,5 +88,20 @@ def serve(args: Any) -> int:
     adapters = parse_adapter_specs(args.adapter_specs)
     name = args.served_name or args.model or EMBEDDED_NAME
     app = build_app(engine_factory(args.model, args.device, args.dtype, adapters), config, model_name=name)
-    uvicorn.run(app, host=args.host, port=args.port, timeout_graceful_shutdown=args.grace, log_level="info")
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            """SIGTERM/SIGINT start uvicorn's graceful drain; unlike uvicorn's own handler, the signal
+            is not raised again afterwards, so a drained server exits 0 (not "killed by SIGTERM")."""
+            previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+
+    server = Server(uvicorn.Config(app, host=args.host, port=args.port, timeout_graceful_shutdown=args.grace,
+                                   log_level="info"))
+    server.run()
     return 0

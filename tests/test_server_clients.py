@@ -1,0 +1,86 @@
+"""Stock OpenAI clients against `kev serve` on the embedded model: LangChain's `ChatOpenAI`
+(its `batch()` coalesces into one pack on the server), LlamaIndex's `OpenAILike`, and tool
+calls through the OpenAI `tools` field."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+
+import openai
+import pytest
+from server_util import serving, wait_for
+
+from kev_engine import Engine, SamplingParams
+from kev_integrations.server import ServerConfig, build_app
+
+KEY = "k"
+MODEL = "smollm2"
+QUESTIONS = ["What is the capital of France?", "Name a primary colour.", "What is 2 + 2?"]
+
+
+@pytest.fixture(scope="module")
+def url(embedded_engine: Engine) -> Iterator[str]:
+    with serving(build_app(embedded_engine, ServerConfig(api_keys=(KEY,)), model_name=MODEL)) as base:
+        yield base
+
+
+def test_chat_openai_batch_is_one_pack_on_the_server(url: str, embedded_engine: Engine) -> None:
+    from langchain_openai import ChatOpenAI
+
+    llm = ChatOpenAI(base_url=url + "/v1", api_key=KEY, model=MODEL, max_tokens=12, temperature=0, max_retries=0)
+    before = embedded_engine.stats()["prefill_passes"]
+    replies: list = []
+    with embedded_engine.hold():  # the batch's concurrent requests all arrive before a pass starts
+        worker = threading.Thread(target=lambda: replies.extend(llm.batch(QUESTIONS)))
+        worker.start()
+        wait_for(lambda: embedded_engine.stats()["waiting"] == len(QUESTIONS), 60, "the batch to arrive")
+    worker.join(120)
+    assert embedded_engine.stats()["prefill_passes"] == before + 1
+    direct = embedded_engine.generate([[{"role": "user", "content": q}] for q in QUESTIONS],
+                                      SamplingParams(max_tokens=12, temperature=0))
+    assert [r.content for r in replies] == [d.text for d in direct]
+    assert replies[0].usage_metadata["output_tokens"] == direct[0].completion_tokens
+
+
+def test_llamaindex_openai_like(url: str, embedded_engine: Engine) -> None:
+    from llama_index.core.llms import ChatMessage
+    from llama_index.llms.openai_like import OpenAILike
+
+    llm = OpenAILike(model=MODEL, api_base=url + "/v1", api_key=KEY, is_chat_model=True, max_tokens=12,
+                     temperature=0, max_retries=0, context_window=8192)
+    reply = llm.chat([ChatMessage(role="user", content=QUESTIONS[0])])
+    direct = embedded_engine.generate([[{"role": "user", "content": QUESTIONS[0]}]], SamplingParams(max_tokens=12))
+    assert reply.message.content == direct[0].text
+    streamed = "".join(r.delta or "" for r in llm.stream_chat([ChatMessage(role="user", content=QUESTIONS[0])]))
+    assert streamed == direct[0].text
+
+
+def test_tool_calls_through_the_tools_field(url: str) -> None:
+    client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+    tools = [
+        {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}},
+        {"type": "function", "function": {"name": "add", "description": "Add two numbers",
+         "parameters": {"type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}},
+                        "required": ["a", "b"]}}},
+    ]
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    forced = client.chat.completions.create(model=MODEL, messages=messages, tools=tools, max_tokens=64,
+                                            tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    choice = forced.choices[0]
+    assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
+    call = choice.message.tool_calls[0]
+    assert call.function.name == "get_weather" and set(json.loads(call.function.arguments)) == {"city"}
+    # the call's result goes back in the history, and the next turn may answer in text
+    history = [*messages, choice.message.model_dump(exclude_none=True),
+               {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 24 C"}]
+    after = client.chat.completions.create(model=MODEL, messages=history, tools=tools, tool_choice="none",
+                                           max_tokens=24)
+    assert after.choices[0].message.tool_calls is None and after.choices[0].message.content
+    required = client.chat.completions.create(model=MODEL, messages=messages, tools=tools, tool_choice="required",
+                                              max_tokens=64, parallel_tool_calls=False)
+    calls = required.choices[0].message.tool_calls
+    assert len(calls) == 1 and calls[0].function.name in ("get_weather", "add")
+    json.loads(calls[0].function.arguments)
