@@ -107,7 +107,9 @@ class Grammars:
         except (RuntimeError, ValueError, TypeError) as exc:  # xgrammar's own parse/convert errors
             lines = str(exc).strip().splitlines()
             message = _XGRAMMAR_LOCATION.sub("", lines[-1]) if lines else type(exc).__name__
-            raise ConstraintError(f"{kind} could not be compiled: {message}; the constraint was {text[:300]!r}") from exc
+            raise ConstraintError(
+                f"{kind} could not be compiled: {message}; the constraint was {text[:300]!r}"
+            ) from exc
         raise ConstraintError(f"unknown constraint kind {kind!r}")
 
     def _check_satisfiable(self, compiled: Any, constraint: tuple[str, str]) -> None:

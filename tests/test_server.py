@@ -250,3 +250,11 @@ def test_sigterm_lets_a_running_stream_finish_then_exits() -> None:
         if process.poll() is None:
             process.kill()
             process.wait(30)
+
+
+def test_an_unknown_tool_choice_is_400_naming_the_tools(url: str) -> None:
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {}}}}]
+    response = httpx.post(url + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=60,
+                          json={"model": MODEL, "messages": CHAT, "tools": tools, "tool_choice": "multiply"})
+    assert response.status_code == 400 and "['add']" in response.json()["error"]["message"]
+    assert response.json()["error"]["param"] == "tool_choice"

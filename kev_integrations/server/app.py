@@ -164,8 +164,8 @@ async def _events(state: ServerState, call: EngineCall, chat: bool, engine: Engi
     def feeder(i: int) -> Callable[[str], None]:
         return lambda piece: loop.call_soon_threadsafe(pieces.put_nowait, (i, piece))
 
-    futures = engine.submit_many(call.prompts, call.sampling, call.adapter,
-                                 on_text=[feeder(i) for i in range(len(call.prompts))])
+    futures = await asyncio.to_thread(  # tokenizing and compiling a grammar stay off the event loop
+        engine.submit_many, call.prompts, call.sampling, call.adapter, [feeder(i) for i in range(len(call.prompts))])
     _refused(futures)
     for i, future in enumerate(futures):
         future.add_done_callback(lambda _, i=i: loop.call_soon_threadsafe(pieces.put_nowait, (i, None)))
@@ -280,7 +280,7 @@ def build_app(engine: Engine | Callable[[], Engine], config: ServerConfig | None
                 raise
             return StreamingResponse(events, media_type="text/event-stream")
         try:
-            futures = engine_now.submit_many(call.prompts, call.sampling, call.adapter)
+            futures = await asyncio.to_thread(engine_now.submit_many, call.prompts, call.sampling, call.adapter)
             _refused(futures)
             completions = await _answers(request, futures, config.request_timeout_s)
         finally:

@@ -153,14 +153,14 @@ def parse_chat(body: Mapping[str, Any], config: ServerConfig, base_model: str, a
     extra = _constraint(body.get("response_format"))
     if tools and extra:
         raise bad_request("give tools or response_format, not both", param="response_format")
-    prompt, names = chat_prompt(messages, tools, tool_choice, tokenizer)
-    if names and tool_choice != "none":
-        try:
+    try:  # an unknown tool_choice name is refused by both, naming the bound tools
+        prompt, names = chat_prompt(messages, tools, tool_choice, tokenizer)
+        if names:
             extra = {"structural_tag": tool_call_constraint(
                 tools, tool_choice, parallel=body.get("parallel_tool_calls", True) is not False,
             )}
-        except ValueError as exc:
-            raise bad_request(str(exc), param="tool_choice") from None
+    except ValueError as exc:  # (APIError is not a ValueError: chat_prompt's own 400s pass through)
+        raise bad_request(str(exc), param="tool_choice") from None
     stream, include_usage = _stream_options(body)
     return EngineCall([prompt], _sampling(body, config, extra), adapter, model, stream, include_usage,
                       names if tool_choice != "none" else [])
