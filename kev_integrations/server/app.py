@@ -34,8 +34,9 @@ from .config import ServerConfig
 from .errors import APIError, bad_request
 from .limits import BodyLimit
 from .metrics import Metrics
+from .native import add_native_routes
 from .protocol import EngineCall, parse_chat, parse_completion
-from .responses import ChunkWriter, chat_response, completion_response
+from .responses import ChunkWriter, chat_response, completion_response, sse
 
 SHUTDOWN_CLOSE_S = 30.0  # after uvicorn's graceful drain, the engine gets this long to stop
 
@@ -148,10 +149,6 @@ async def _answers(request: Request, futures: list[Future[Completion]], timeout:
     return results
 
 
-def _sse(data: Any) -> str:
-    return "data: " + (data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)) + "\n\n"
-
-
 async def _events(state: ServerState, call: EngineCall, chat: bool, engine: Engine,
                   started: float) -> AsyncIterator[str]:
     """Server-sent events of one streamed request; closing the stream cancels its requests.
@@ -181,12 +178,12 @@ async def _events(state: ServerState, call: EngineCall, chat: bool, engine: Engi
                 try:
                     i, piece = await asyncio.wait_for(pieces.get(), timeout=max(0.0, deadline - loop.time()))
                 except asyncio.TimeoutError:
-                    yield _sse(APIError(504, "the request did not finish in time and was cancelled",
+                    yield sse(APIError(504, "the request did not finish in time and was cancelled",
                                         type="timeout_error").body())
                     return
                 if piece is not None:
                     if not call.tool_names:  # tool-call markup is parsed at the end, not streamed
-                        yield _sse(writer.text(i, piece, first=not opened[i]))
+                        yield sse(writer.text(i, piece, first=not opened[i]))
                         opened[i] = True
                     continue
                 remaining -= 1
@@ -194,14 +191,14 @@ async def _events(state: ServerState, call: EngineCall, chat: bool, engine: Engi
                 if future.cancelled():
                     continue
                 if future.exception() is not None:
-                    yield _sse(_engine_error(future.exception(), i if len(futures) > 1 else None).body())
+                    yield sse(_engine_error(future.exception(), i if len(futures) > 1 else None).body())
                     continue
                 completion = future.result()
                 finished.append(completion)
-                yield _sse(writer.finish(i, completion, call.tool_names))
+                yield sse(writer.finish(i, completion, call.tool_names))
             if call.include_usage:
-                yield _sse(writer.usage(finished))
-            yield _sse("[DONE]")
+                yield sse(writer.usage(finished))
+            yield sse("[DONE]")
             state.metrics.observe(call.endpoint, 200, time.perf_counter() - started)
         finally:  # the client left, or we are done: nothing keeps computing for nobody
             for future in futures:
@@ -300,6 +297,8 @@ def build_app(engine: Engine | Callable[[], Engine], config: ServerConfig | None
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await run(request, chat=False)
+
+    add_native_routes(app, state, lambda request: _check_key(request, config.api_keys, "/kev/v1"), _json_body)
 
     def admin(request: Request) -> Engine:
         if config.admin_key is None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import Sequence
@@ -10,6 +11,11 @@ from typing import Any
 from kev_engine import Completion
 
 from .chat_prompt import reply_tool_calls
+
+
+def sse(data: Any) -> str:
+    """One server-sent event: a JSON object, or a bare marker such as "[DONE]"."""
+    return "data: " + (data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)) + "\n\n"
 
 
 def new_id(prefix: str) -> str:

@@ -1,0 +1,211 @@
+"""`RemoteEngine`: the part of `Engine` the integrations use, served by a running `kev serve`.
+
+Why a look-alike rather than an OpenAI client: the integrations build engine prompts (chat
+messages, tool prompts) and `SamplingParams` (constraints for tools and structured output,
+adapters, seeds, cache salts); sending those through Kev's own endpoints keeps every one of
+them, and keeps `batch()` = one pack: requests submitted inside `hold()` travel as ONE HTTP
+request (one group on the server), as they form one pack locally.
+
+Every request streams server-sent events, so a cancelled future closes its connection and the
+server stops computing it. Errors come back as the engine's own exception types.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import httpx
+
+from kev_engine import Completion, ConstraintError, EngineClosedError, InvalidRequestError, KevError, SamplingParams
+from kev_engine.errors import PassFailedError, UnknownAdapterError
+from kev_engine.params import coerce_sampling
+from kev_engine.request import resolve_future
+
+ERRORS: dict[str, type[Exception]] = {
+    cls.__name__: cls
+    for cls in (InvalidRequestError, ConstraintError, UnknownAdapterError, EngineClosedError, PassFailedError)
+}
+MAX_CONNECTIONS = 32
+
+
+class RemoteTokenizer:
+    """What the integrations read from a tokenizer locally: its chat template (tool support)."""
+
+    def __init__(self, chat_template: str | None) -> None:
+        self.chat_template = chat_template
+
+
+@dataclasses.dataclass
+class _Pending:
+    prompt: Any
+    sampling: SamplingParams
+    adapter: str | None
+    on_text: Callable[[str], None] | None
+    future: Future[Completion]
+
+
+def _error(body: dict[str, Any]) -> Exception:
+    cls = ERRORS.get(body.get("type", ""), KevError)
+    return cls(body.get("message", "the server reported an error"))
+
+
+def _http_error(response: httpx.Response) -> Exception:
+    try:
+        message = response.json()["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        message = response.text[:500]
+    if response.status_code == 400:
+        return InvalidRequestError(message)
+    return KevError(f"kev serve answered {response.status_code}: {message}")
+
+
+class RemoteEngine:
+    """Submit, stream and hold against `kev serve` at `base_url` (e.g. ``http://127.0.0.1:8000``)."""
+
+    def __init__(self, base_url: str, api_key: str | None = None, timeout: float = 600.0) -> None:
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.base_url = base_url.rstrip("/").removesuffix("/v1")
+        self._http = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout,
+                                  limits=httpx.Limits(max_connections=MAX_CONNECTIONS))
+        info = self._get("/kev/v1/info")
+        self.name: str = info["name"]
+        self.max_context: int = info["max_context"]
+        self.tokenizer = RemoteTokenizer(info["chat_template"])
+        self._pool = ThreadPoolExecutor(MAX_CONNECTIONS, thread_name_prefix="kev-remote")
+        self._lock = threading.Lock()
+        self._holds = 0
+        self._held: list[_Pending] = []
+
+    # ---- what the integrations call -------------------------------------------------------
+
+    @property
+    def adapters(self) -> list[str]:
+        return list(self._get("/kev/v1/info")["adapters"])
+
+    def load_adapter(self, name: str, path: str) -> None:
+        """Adapters live on the server (`kev serve --adapter`, /admin/adapters): only check the name."""
+        if name not in self.adapters:
+            raise UnknownAdapterError(
+                f"adapter {name!r} is not loaded on {self.base_url}; start the server with --adapter "
+                f"{name}={path} or load it through /admin/adapters"
+            )
+
+    def encode(self, prompt: Any) -> list[int]:
+        return list(self._post("/kev/v1/tokenize", {"prompt": prompt})["ids"])
+
+    def text_token_ids(self, text: str) -> list[int]:
+        return list(self._post("/kev/v1/tokenize", {"text": text})["ids"])
+
+    def submit(self, prompt: Any, sampling: Any = None, adapter: str | None = None,
+               on_text: Callable[[str], None] | None = None) -> Future[Completion]:
+        future: Future[Completion] = Future()
+        try:
+            pending = _Pending(prompt, coerce_sampling(sampling), adapter, on_text, future)
+        except KevError as exc:  # as locally: a bad setting fails its own future
+            future.set_exception(exc)
+            return future
+        with self._lock:
+            if self._holds:
+                self._held.append(pending)
+                return future
+        self._pool.submit(self._send, [pending])
+        return future
+
+    def generate(self, prompts: Sequence[Any], sampling: Any = None, return_exceptions: bool = False,
+                 adapters: Any = None) -> list[Any]:
+        samplings = sampling if isinstance(sampling, (list, tuple)) else [sampling] * len(prompts)
+        names = adapters if isinstance(adapters, (list, tuple)) else [adapters] * len(prompts)
+        with self.hold():
+            futures = [self.submit(p, s, a) for p, s, a in zip(prompts, samplings, names)]
+        results: list[Any] = []
+        for future in futures:
+            try:
+                results.append(future.result())
+            except Exception as exc:  # noqa: BLE001 - returned in place, or raised
+                if not return_exceptions:
+                    raise
+                results.append(exc)
+        return results
+
+    @contextlib.contextmanager
+    def hold(self) -> Iterator[None]:
+        """Everything submitted inside travels as one request: one group, one pack on the server."""
+        with self._lock:
+            self._holds += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._holds -= 1
+                batch, self._held = (self._held, []) if self._holds == 0 else ([], self._held)
+            if batch:
+                self._pool.submit(self._send, batch)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._http.close()
+
+    # ---- HTTP -------------------------------------------------------------------------------
+
+    def _get(self, path: str) -> Any:
+        response = self._http.get(path)
+        if response.status_code != 200:
+            raise _http_error(response)
+        return response.json()
+
+    def _post(self, path: str, body: Any) -> Any:
+        response = self._http.post(path, json=body)
+        if response.status_code != 200:
+            raise _http_error(response)
+        return response.json()
+
+    def _send(self, batch: list[_Pending]) -> None:
+        """One HTTP request for the batch; events resolve each future. Runs on the pool."""
+        body = {"requests": [{"prompt": p.prompt, "sampling": _sampling_dict(p.sampling), "adapter": p.adapter,
+                              "stream": p.on_text is not None} for p in batch]}
+        try:
+            with self._http.stream("POST", "/kev/v1/generate", json=body) as response:
+                if response.status_code != 200:
+                    response.read()
+                    raise _http_error(response)
+                for line in response.iter_lines():
+                    if all(p.future.cancelled() for p in batch):
+                        return  # leaving closes the connection: the server cancels the work
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    self._event(batch, json.loads(line.removeprefix("data: ")))
+        except Exception as exc:  # noqa: BLE001 - the transport failed: every unanswered future says so
+            error = exc if isinstance(exc, KevError) else KevError(f"kev serve at {self.base_url}: {exc}")
+            for pending in batch:
+                resolve_future(pending.future, exc=error)
+            return
+        for pending in batch:  # a stream that ended early must not leave a caller waiting forever
+            resolve_future(pending.future, exc=KevError("kev serve closed the stream before answering"))
+
+    @staticmethod
+    def _event(batch: list[_Pending], event: dict[str, Any]) -> None:
+        pending = batch[event["index"]]
+        if "text" in event:
+            if pending.on_text is not None and not pending.future.done():
+                try:
+                    pending.on_text(event["text"])
+                except BaseException as exc:  # noqa: BLE001 - as locally: the callback's error fails its request
+                    resolve_future(pending.future, exc=exc)
+        elif "completion" in event:
+            resolve_future(pending.future, Completion(**event["completion"]))
+        else:
+            resolve_future(pending.future, exc=_error(event["error"]))
+
+
+def _sampling_dict(sampling: SamplingParams) -> dict[str, Any]:
+    """The settings as JSON (constraints are already canonical text; defaults are left out)."""
+    default = SamplingParams()
+    return {f.name: list(v) if isinstance(v, tuple) else v
+            for f in dataclasses.fields(SamplingParams)
+            if (v := getattr(sampling, f.name)) != getattr(default, f.name)}

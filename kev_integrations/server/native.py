@@ -1,0 +1,161 @@
+"""Kev's own endpoints beside the OpenAI ones, for Kev's integrations used as clients.
+
+`ChatKev(base_url=...)`, `KevLLM(base_url=...)` and LlamaIndex `Kev(base_url=...)` build the
+same engine prompts and `SamplingParams` as they do locally (tool prompts, constraints, chat
+templates) and send them here through `RemoteEngine`, so a LangChain `batch()` is still ONE
+request and one pack on the server, and every per-call setting survives the trip.
+
+- ``GET /kev/v1/info``: the model's name, context, adapters and chat template.
+- ``POST /kev/v1/tokenize``: the ids of a prompt (chat template applied) or of a bare text.
+- ``POST /kev/v1/generate``: ``{"requests": [{"prompt", "sampling", "adapter", "stream"}]}`` →
+  server-sent events ``{"index", "text"}`` (streamed requests), then ``{"index", "completion"}``
+  or ``{"index", "error": {"type", "message"}}`` per request, then ``[DONE]``. A bad request
+  fails alone, as in `Engine.generate(..., return_exceptions=True)`; closing the stream
+  cancels whatever is still running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from kev_engine import Completion, Engine, InvalidRequestError, SamplingParams
+from kev_engine.tokenize import prompt_ids
+
+from .errors import bad_request
+from .responses import sse
+
+if TYPE_CHECKING:
+    from .app import ServerState
+
+
+def error_body(exc: BaseException) -> dict[str, str]:
+    return {"type": type(exc).__name__, "message": str(exc)}
+
+
+def _sampling(raw: Any, limit: int) -> SamplingParams:
+    sampling = SamplingParams.from_dict(raw or {})
+    if sampling.max_tokens > limit:
+        raise InvalidRequestError(f"max_tokens={sampling.max_tokens} is over this server's limit of {limit}")
+    return sampling
+
+
+def _requests(body: dict[str, Any], state: ServerState) -> list[dict[str, Any]]:
+    requests = body.get("requests")
+    if set(body) != {"requests"} or not isinstance(requests, list) or not requests:
+        raise bad_request("give {'requests': [{'prompt', 'sampling'?, 'adapter'?, 'stream'?}, ...]}", param="requests")
+    if len(requests) > state.config.max_prompts:
+        raise bad_request(f"{len(requests)} requests in one call; this server takes at most {state.config.max_prompts}",
+                          param="requests")
+    for i, request in enumerate(requests):
+        if not isinstance(request, dict) or "prompt" not in request or set(request) - {
+                "prompt", "sampling", "adapter", "stream"}:
+            raise bad_request(f"requests[{i}] must be {{'prompt', 'sampling'?, 'adapter'?, 'stream'?}}",
+                              param=f"requests[{i}]")
+    return requests
+
+
+async def _generate_events(state: ServerState, engine: Engine, requests: list[dict[str, Any]]) -> AsyncIterator[str]:
+    loop = asyncio.get_running_loop()
+    events: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
+    futures: list[Future[Completion]] = []
+
+    def feeder(i: int) -> Callable[[str], None] | None:
+        if not requests[i].get("stream"):
+            return None
+        return lambda piece: loop.call_soon_threadsafe(events.put_nowait, {"index": i, "text": piece})
+
+    samplings: list[Any] = []
+    for request in requests:
+        try:
+            samplings.append(_sampling(request.get("sampling"), state.config.max_tokens_limit))
+        except InvalidRequestError as exc:
+            samplings.append(exc)
+    valid = [i for i, s in enumerate(samplings) if not isinstance(s, BaseException)]
+    submitted = await asyncio.to_thread(
+        engine.submit_many, [requests[i]["prompt"] for i in valid], [samplings[i] for i in valid],
+        [requests[i].get("adapter") for i in valid], [feeder(i) for i in valid],
+    ) if valid else []
+    by_index: dict[int, Future[Completion]] = dict(zip(valid, submitted))
+    futures.extend(submitted)
+
+    def report(i: int, future: Future[Completion]) -> None:
+        if future.cancelled():
+            event: dict[str, Any] = {"index": i, "error": {"type": "CancelledError", "message": "cancelled"}}
+        elif future.exception() is not None:
+            event = {"index": i, "error": error_body(future.exception())}  # type: ignore[arg-type]
+        else:
+            event = {"index": i, "completion": dataclasses.asdict(future.result())}
+        loop.call_soon_threadsafe(events.put_nowait, event)
+
+    for i, sampling in enumerate(samplings):
+        if isinstance(sampling, BaseException):
+            events.put_nowait({"index": i, "error": error_body(sampling)})
+    for i, future in by_index.items():
+        future.add_done_callback(lambda f, i=i: report(i, f))
+
+    async def stream() -> AsyncIterator[str]:
+        remaining = len(requests)
+        deadline = loop.time() + state.config.request_timeout_s
+        try:
+            while remaining:
+                try:
+                    event = await asyncio.wait_for(events.get(), timeout=max(0.0, deadline - loop.time()))
+                except asyncio.TimeoutError:
+                    for i in range(len(requests)):
+                        yield sse({"index": i, "error": {"type": "TimeoutError", "message": "timed out"}})
+                    return
+                remaining -= "text" not in event  # type: ignore[operator]
+                yield sse(event)
+            yield sse("[DONE]")
+        finally:  # the client left or we are done: nothing keeps computing for nobody
+            for future in futures:
+                future.cancel()
+            state.release(len(requests))
+
+    return stream()
+
+
+def add_native_routes(app: FastAPI, state: ServerState, check_key: Callable[[Request], None],
+                      json_body: Callable[[Request], Any]) -> None:
+    @app.get("/kev/v1/info")
+    async def info(request: Request) -> JSONResponse:
+        check_key(request)
+        engine = state.ready()
+        template = getattr(engine.tokenizer, "chat_template", None)
+        return JSONResponse({"name": state.model_name, "max_context": engine.max_context,
+                             "adapters": engine.adapters, "chat_template": template if isinstance(template, str)
+                             else None})
+
+    @app.post("/kev/v1/tokenize")
+    async def tokenize(request: Request) -> JSONResponse:
+        check_key(request)
+        engine = state.ready()
+        body = await json_body(request)
+        if set(body) == {"text"} and isinstance(body["text"], str):
+            return JSONResponse({"ids": engine.tokenizer(body["text"], add_special_tokens=False)["input_ids"]})
+        if set(body) != {"prompt"}:
+            raise bad_request("give {'prompt': <string or chat messages>} or {'text': <string>}")
+        try:
+            return JSONResponse({"ids": prompt_ids(engine.tokenizer, body["prompt"])[1]})
+        except InvalidRequestError as exc:
+            raise bad_request(str(exc), param="prompt") from None
+
+    @app.post("/kev/v1/generate")
+    async def generate(request: Request) -> StreamingResponse:
+        check_key(request)
+        engine = state.ready()
+        requests = _requests(await json_body(request), state)
+        state.acquire(len(requests))
+        try:
+            events = await _generate_events(state, engine, requests)
+        except BaseException:
+            state.release(len(requests))
+            raise
+        return StreamingResponse(events, media_type="text/event-stream")
