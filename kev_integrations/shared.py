@@ -19,12 +19,15 @@ import torch
 from kev_engine import Engine, loader
 from kev_engine.lora import AdapterError
 
+from .remote import RemoteEngine
+
 EngineKey = tuple[str | None, str, str]
 
 _lock = threading.Lock()
 _adapter_lock = threading.Lock()
 _engines: dict[EngineKey, Engine] = {}
 _settings: dict[EngineKey, dict[str, Any]] = {}
+_remotes: dict[tuple[str, str | None], RemoteEngine] = {}
 
 
 def engine_key(source: str | None, device: str | None, dtype: str | None) -> EngineKey:
@@ -80,15 +83,36 @@ def shared_engine(
     return engine
 
 
+def remote_engine(base_url: str, api_key: str | None) -> RemoteEngine:
+    """One client per (server, key), shared like local engines: copies of an LLM object share it."""
+    key = (base_url.rstrip("/").removesuffix("/v1"), api_key)
+    with _lock:
+        client = _remotes.get(key)
+        if client is None:
+            client = _remotes[key] = RemoteEngine(key[0], api_key)
+    return client
+
+
 def resolve_engine(
     engine: Engine | None,
     source: str | None,
     device: str | None,
     dtype: str | None,
     adapters: Mapping[str, str],
-) -> Engine:
+    base_url: str | None = None,
+    api_key: str | None = None,
+) -> Engine | RemoteEngine:
     """The engine an integration object runs on: the one it was given (its adapters loaded into
-    it), else the shared one for (source, device, dtype)."""
+    it), else a running `kev serve` at `base_url`, else the shared one for (source, device, dtype)."""
+    if engine is not None and base_url is not None:
+        raise ValueError("give engine= or base_url=, not both")
+    if base_url is not None:
+        if source is not None or device is not None or dtype is not None:
+            raise ValueError(f"model/device/dtype are chosen by the server at {base_url}; leave them unset")
+        client = remote_engine(base_url, api_key)
+        for name, path in adapters.items():  # the server holds adapters: only check they are there
+            client.load_adapter(name, path)
+        return client
     if engine is None:
         return shared_engine(source, device, dtype, adapters)
     load_adapters(engine, adapters)
@@ -102,3 +126,6 @@ def clear_shared_engines() -> None:
             engine.close()
         _engines.clear()
         _settings.clear()
+        for client in _remotes.values():
+            client.close()
+        _remotes.clear()
