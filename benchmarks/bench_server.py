@@ -141,11 +141,20 @@ async def disconnects(base: str, model: str, requests: int, clients: int, max_to
     return outcome
 
 
-def batch_seconds(base_url: str, model: str, api_key: str, max_tokens: int) -> tuple[float, list[str]]:
-    from langchain_openai import ChatOpenAI
+def batch_seconds(base_url: str, model: str, api_key: str, max_tokens: int, kev_client: bool = False) -> tuple[
+    float, list[str]
+]:
+    """Wall time of one `batch()` of the 16 RAG chats through ChatOpenAI (concurrent requests that
+    coalesce on a Kev server) or through ChatKev(base_url=...) (the batch in ONE request)."""
+    if kev_client:
+        from kev_integrations.langchain import ChatKev
 
-    llm = ChatOpenAI(base_url=base_url, api_key=api_key, model=model, max_tokens=max_tokens, temperature=0,
-                     max_retries=0, timeout=1200)
+        llm: Any = ChatKev(base_url=base_url, api_key=api_key, max_tokens=max_tokens, temperature=0)
+    else:
+        from langchain_openai import ChatOpenAI
+
+        llm = ChatOpenAI(base_url=base_url, api_key=api_key, model=model, max_tokens=max_tokens, temperature=0,
+                         max_retries=0, timeout=1200)
     messages = [[(m["role"], m["content"]) for m in rag_messages(item)] for item in load_rag()]
     llm.invoke(messages[0])  # warm-up
     t0 = time.perf_counter()
@@ -207,7 +216,12 @@ def main() -> None:
         ]
         print("--- side by side: kev serve", flush=True)
         kev_s, kev_texts = batch_seconds(base + "/v1", model, KEY, args.rag_max_tokens)
-    rows = [f"| kev serve | {kev_s:.2f} | 1.00 |"]
+        print("--- side by side: ChatKev(base_url=...) against kev serve", flush=True)
+        client_s, client_texts = batch_seconds(base, model, KEY, args.rag_max_tokens, kev_client=True)
+    same = sum(a == b for a, b in zip(kev_texts, client_texts))
+    rows = [f"| ChatOpenAI → kev serve (16 concurrent requests, coalesced) | {kev_s:.2f} | 1.00 |",
+            f"| ChatKev(base_url=...) → kev serve (the batch in one request; {same}/16 answers identical to "
+            f"ChatOpenAI's) | {client_s:.2f} | {client_s / kev_s:.2f} |"]
     if not args.skip_llamacpp and importlib.util.find_spec("llama_cpp") and importlib.util.find_spec("sse_starlette"):
         print("--- side by side: llama.cpp server", flush=True)
         lport = free_port()
@@ -215,7 +229,8 @@ def main() -> None:
                     str(lport), "--n_ctx", "8192", "--model_alias", model]
         with server(lcommand, f"http://127.0.0.1:{lport}/v1/models"):
             llama_s, _ = batch_seconds(f"http://127.0.0.1:{lport}/v1", model, "none", args.rag_max_tokens)
-        rows.append(f"| llama.cpp server (llama-cpp-python, same GGUF) | {llama_s:.2f} | {llama_s / kev_s:.2f} |")
+        rows.append(f"| ChatOpenAI → llama.cpp server (llama-cpp-python, same GGUF) | {llama_s:.2f} | "
+                    f"{llama_s / kev_s:.2f} |")
     else:
         rows.append("| llama.cpp server | not installed (pip install 'llama-cpp-python[server]') | |")
     lines += [f"## ChatOpenAI.batch() of the 16 RAG questions (max_tokens={args.rag_max_tokens}, greedy)", "",
