@@ -5,12 +5,16 @@ LlamaIndex has no batch API: query engines fan out with `asyncio.gather` of `apr
 with `asyncio.wrap_future` (any event loop, cancellation included), sync ones block on it. The
 engine coalesces whatever arrives within `engine.coalesce_s` into one pass, and waiting
 questions join running ones between decode steps — so the gather becomes packed passes.
+
+Tool calls and structured output ride on the same calls: bound tools become a structural-tag
+constraint on that one request (`messages.py`), an output class a JSON-schema one
+(`structured.py`), so every reply parses by construction and constrained and free calls pack
+together.
 """
 
 from __future__ import annotations
 
 import asyncio
-import uuid
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any
@@ -27,18 +31,23 @@ from llama_index.core.base.llms.types import (
     MessageRole,
 )
 from llama_index.core.bridge.pydantic import Field, PrivateAttr, model_validator
+from llama_index.core.chat_engine.types import AgentChatResponse
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.function_calling import FunctionCallingLLM
 from llama_index.core.llms.llm import ToolSelection
+from llama_index.core.tools.types import BaseTool
 
 from kev_engine import Completion, Engine, SamplingParams
+from kev_engine.params import CONSTRAINT_FIELDS
 
 from ..init_args import check_sampling, refuse_unknown
 from ..shared import resolve_engine
 from ..streaming import astream_answer, stream_answer
 from ..tokens import text_token_ids
-from ..tool_format import split_tool_calls, template_supports_tools, tool_system_prompt
-from .scoped import SAMPLING_KEYS, check_settings, current_overrides
+from ..tool_format import split_tool_calls, template_supports_tools, tool_call_constraint
+from .messages import assistant_message, bounded_whitespace, chat_prompt, tool_schemas, tool_selections
+from .scoped import CALL_KEYS, SAMPLING_KEYS, check_settings, current_overrides
+from .structured import StructuredOutput
 
 
 def _usage(completion: Completion) -> dict[str, Any]:
@@ -54,25 +63,13 @@ def _usage(completion: Completion) -> dict[str, Any]:
     }
 
 
-def _to_engine_message(message: ChatMessage) -> dict[str, Any]:
-    out: dict[str, Any] = {"role": message.role.value, "content": message.content or ""}
-    for key in ("tool_calls", "tool_call_id", "name"):
-        if message.additional_kwargs.get(key) is not None:
-            out[key] = message.additional_kwargs[key]
-    return out
-
-
 def parse_tool_calls(text: str, tool_names: Sequence[str] = ()) -> list[dict[str, Any]]:
     """Tool calls in a model's answer as `{"name", "arguments"}`: `<tool_call>` blocks, or a bare
     JSON call naming one of `tool_names`. Anything else is plain text: []."""
     return split_tool_calls(text, tool_names)[1]
 
 
-def _tool_names(tools: Sequence[dict[str, Any]] | None) -> list[str]:
-    return [t["function"]["name"] for t in tools or ()]
-
-
-class Kev(FunctionCallingLLM):
+class Kev(StructuredOutput, FunctionCallingLLM):
     """Kev's packed engine as a LlamaIndex LLM: concurrent calls share forward passes.
 
     Setup:
@@ -125,6 +122,22 @@ class Kev(FunctionCallingLLM):
 
             for chunk in llm.stream_complete("Tell me a story"):
                 print(chunk.delta, end="")
+
+    Tool calling (a `FunctionCallingLLM` for any model: each reply is constrained to valid calls):
+        .. code-block:: python
+
+            llm.predict_and_call([add_tool, weather_tool], "What is 17 plus 25?")   # a call is required
+            agent = FunctionAgent(tools=tools, llm=llm, initial_tool_choice="required",
+                                  allow_parallel_tool_calls=False)   # one call per step for small models
+            await asyncio.gather(*(agent.run(q) for q in questions))   # their LLM calls share passes
+
+    Structured output (the reply constrained to the class's JSON schema; cut by max_tokens, it
+    raises `ReplyParseError` saying finish_reason='length'):
+        .. code-block:: python
+
+            city = llm.structured_predict(City, PromptTemplate("Where is {place}?"), place="the Louvre")
+            llm.as_structured_llm(City).chat(messages)
+            llm.complete("Yes or no?", choice=["yes", "no"])   # or json_schema= / regex= / grammar= per call
     """
 
     model: str | None = Field(default=None, description="Model source; None = embedded SmolLM2-135M-Instruct.")
@@ -189,12 +202,12 @@ class Kev(FunctionCallingLLM):
     @property
     def metadata(self) -> LLMMetadata:
         engine = self.get_engine()  # the real context window needs the model's config
-        template = getattr(engine.tokenizer, "chat_template", None) or ""
         return LLMMetadata(
             context_window=engine.max_context,
             num_output=self.max_tokens,
-            is_chat_model=bool(template),
-            is_function_calling_model="tools" in template,
+            is_chat_model=bool(getattr(engine.tokenizer, "chat_template", None)),
+            # any model can call tools: the engine constrains each reply to a valid call
+            is_function_calling_model=True,
             model_name=engine.name,
             system_role=MessageRole.SYSTEM,
         )
@@ -202,8 +215,8 @@ class Kev(FunctionCallingLLM):
     # ---- the one primitive: a prompt and settings → an engine future ---------------------------
 
     def _settings(self, kwargs: Mapping[str, Any]) -> tuple[SamplingParams, str | None]:
-        """Resolve settings: fields < `scoped` block < call kwargs."""
-        check_settings(kwargs, "call argument")
+        """Resolve settings: fields < `scoped` block < call kwargs (a constraint only from the call)."""
+        check_settings(kwargs, "call argument", CALL_KEYS)
         settings = {key: getattr(self, key) for key in (*SAMPLING_KEYS, "adapter")}
         settings.update(current_overrides())
         settings.update(kwargs)
@@ -224,14 +237,28 @@ class Kev(FunctionCallingLLM):
         # wrap_future: awaitable on whatever loop runs us; cancelling the task cancels the request
         return await asyncio.wrap_future(self._submit(prompt, kwargs))
 
-    def _stream(self, prompt: Any, kwargs: Mapping[str, Any]) -> Iterator[str | Completion]:
-        """Text pieces as they come, then the `Completion`."""
-        return stream_answer(self.get_engine(), prompt, *self._settings(kwargs))
+    def _stream(self, prompt: Any, kwargs: Mapping[str, Any]) -> Iterator[tuple[str, str, Completion | None]]:
+        """(text so far, new piece, None) as the answer grows, then (text, "", the `Completion`)."""
+        text = ""
+        for item in stream_answer(self.get_engine(), prompt, *self._settings(kwargs)):
+            if isinstance(item, str):
+                text += item
+                yield text, item, None
+            else:
+                yield text, "", item
 
-    def _astream(self, prompt: Any, kwargs: Mapping[str, Any]) -> AsyncIterator[str | Completion]:
-        return astream_answer(self.get_engine(), prompt, *self._settings(kwargs))
+    async def _astream(
+        self, prompt: Any, kwargs: Mapping[str, Any]
+    ) -> AsyncIterator[tuple[str, str, Completion | None]]:
+        text = ""
+        async for item in astream_answer(self.get_engine(), prompt, *self._settings(kwargs)):
+            if isinstance(item, str):
+                text += item
+                yield text, item, None
+            else:
+                yield text, "", item
 
-    # ---- LlamaIndex's surface -----------------------------------------------------------------
+    # ---- prompts in, responses out ------------------------------------------------------------
 
     def _completion_prompt(self, prompt: str, formatted: bool) -> Any:
         """Formatted text goes as is; plain text to a chat model becomes one user message."""
@@ -239,116 +266,90 @@ class Kev(FunctionCallingLLM):
             return prompt
         return [{"role": "user", "content": prompt}]
 
-    def _chat_prompt(self, messages: Sequence[ChatMessage], tools: Sequence[dict[str, Any]] | None) -> Any:
-        """Tools go to the chat template when it knows them, else into a system message."""
-        converted = [_to_engine_message(m) for m in messages]
-        if not tools:
-            return converted
-        if template_supports_tools(self.get_engine().tokenizer):
-            return {"messages": converted, "tools": list(tools)}
-        described = tool_system_prompt(tools)
-        if converted and converted[0]["role"] == "system":
-            converted[0] = {**converted[0], "content": f"{converted[0]['content']}\n\n{described}"}
-            return converted
-        return [{"role": "system", "content": described}, *converted]
+    def _chat_request(
+        self, messages: Sequence[ChatMessage], kwargs: Mapping[str, Any]
+    ) -> tuple[Any, dict[str, Any], list[str]]:
+        """(prompt, sampling kwargs, tool names) of one chat call. Bound tools go into the prompt
+        and, unless the call brings its own constraint, become the reply's structural tag:
+        `tool_choice` None/"auto" lets the model write text or valid calls, "required" forces
+        calls, a tool's name that call, "none" none; `parallel_tool_calls=False` allows one."""
+        kwargs = dict(kwargs)
+        tools = tool_schemas(kwargs.pop("tools", None))
+        tool_choice = kwargs.pop("tool_choice", None)
+        parallel = kwargs.pop("parallel_tool_calls", True)
+        native = template_supports_tools(self.get_engine().tokenizer)
+        prompt = chat_prompt(messages, tools, tool_choice, native)
+        if tools and not any(kwargs.get(key) for key in CONSTRAINT_FIELDS):
+            # native (Hermes/Qwen) templates teach "<tool_call>\n{...}\n</tool_call>"
+            tag = tool_call_constraint(tools, tool_choice, parallel=parallel, newline=native)
+            kwargs["structural_tag"] = bounded_whitespace(tag)
+        return prompt, kwargs, [t["function"]["name"] for t in tools]
 
     @staticmethod
-    def _assistant(text: str, tools: Sequence[dict[str, Any]] | None = None) -> ChatMessage:
-        calls = parse_tool_calls(text, _tool_names(tools))
-        extra = {"tool_calls": [{"id": f"call_{uuid.uuid4().hex[:12]}", **c} for c in calls]} if calls else {}
-        return ChatMessage(role=MessageRole.ASSISTANT, content=text, additional_kwargs=extra)
+    def _completion_response(text: str, delta: str | None, completion: Completion | None) -> CompletionResponse:
+        return CompletionResponse(text=text, delta=delta, raw=_usage(completion) if completion else None)
+
+    @staticmethod
+    def _chat_response(
+        text: str, delta: str | None, completion: Completion | None, tool_names: Sequence[str]
+    ) -> ChatResponse:
+        """A chunk carries the text so far; the last one (usage in `raw`) the parsed tool calls."""
+        if completion is None:
+            return ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text), delta=delta)
+        message = assistant_message(text, tool_names, completion.finish_reason)
+        return ChatResponse(message=message, delta=delta, raw=_usage(completion))
+
+    # ---- LlamaIndex's surface -----------------------------------------------------------------
 
     @llm_completion_callback()
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
         completion = self._run(self._completion_prompt(prompt, formatted), kwargs)
-        return CompletionResponse(text=completion.text, raw=_usage(completion))
+        return self._completion_response(completion.text, None, completion)
 
     @llm_completion_callback()
     async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
         completion = await self._arun(self._completion_prompt(prompt, formatted), kwargs)
-        return CompletionResponse(text=completion.text, raw=_usage(completion))
+        return self._completion_response(completion.text, None, completion)
 
     @llm_completion_callback()
     def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
         items = self._stream(self._completion_prompt(prompt, formatted), kwargs)
-
-        def gen() -> CompletionResponseGen:
-            text = ""
-            for item in items:
-                if isinstance(item, str):
-                    text += item
-                    yield CompletionResponse(text=text, delta=item)
-                else:  # the last chunk carries the usage
-                    yield CompletionResponse(text=text, delta="", raw=_usage(item))
-
-        return gen()
+        return (self._completion_response(*item) for item in items)
 
     @llm_completion_callback()
     async def astream_complete(
         self, prompt: str, formatted: bool = False, **kwargs: Any
     ) -> CompletionResponseAsyncGen:
         items = self._astream(self._completion_prompt(prompt, formatted), kwargs)
-
-        async def gen() -> CompletionResponseAsyncGen:
-            text = ""
-            async for item in items:
-                if isinstance(item, str):
-                    text += item
-                    yield CompletionResponse(text=text, delta=item)
-                else:
-                    yield CompletionResponse(text=text, delta="", raw=_usage(item))
-
-        return gen()
+        return (self._completion_response(*item) async for item in items)
 
     @llm_chat_callback()
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        tools = kwargs.pop("tools", None)
-        completion = self._run(self._chat_prompt(messages, tools), kwargs)
-        return ChatResponse(message=self._assistant(completion.text, tools), raw=_usage(completion))
+        prompt, settings, names = self._chat_request(messages, kwargs)
+        completion = self._run(prompt, settings)
+        return self._chat_response(completion.text, None, completion, names)
 
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        tools = kwargs.pop("tools", None)
-        completion = await self._arun(self._chat_prompt(messages, tools), kwargs)
-        return ChatResponse(message=self._assistant(completion.text, tools), raw=_usage(completion))
+        prompt, settings, names = self._chat_request(messages, kwargs)
+        completion = await self._arun(prompt, settings)
+        return self._chat_response(completion.text, None, completion, names)
 
     @llm_chat_callback()
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
-        tools = kwargs.pop("tools", None)
-        items = self._stream(self._chat_prompt(messages, tools), kwargs)
-
-        def gen() -> ChatResponseGen:
-            text = ""
-            for item in items:
-                if isinstance(item, str):
-                    text += item
-                    yield ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text), delta=item)
-                else:
-                    yield ChatResponse(message=self._assistant(text, tools), delta="", raw=_usage(item))
-
-        return gen()
+        prompt, settings, names = self._chat_request(messages, kwargs)
+        return (self._chat_response(*item, names) for item in self._stream(prompt, settings))
 
     @llm_chat_callback()
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
-        tools = kwargs.pop("tools", None)
-        items = self._astream(self._chat_prompt(messages, tools), kwargs)
-
-        async def gen() -> ChatResponseAsyncGen:
-            text = ""
-            async for item in items:
-                if isinstance(item, str):
-                    text += item
-                    yield ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text), delta=item)
-                else:
-                    yield ChatResponse(message=self._assistant(text, tools), delta="", raw=_usage(item))
-
-        return gen()
+        prompt, settings, names = self._chat_request(messages, kwargs)
+        return (self._chat_response(*item, names) async for item in self._astream(prompt, settings))
 
     # ---- function calling ---------------------------------------------------------------------
 
     def _prepare_chat_with_tools(
         self,
-        tools: Sequence[Any],
+        tools: Sequence[BaseTool],
         user_msg: str | ChatMessage | None = None,
         chat_history: list[ChatMessage] | None = None,
         verbose: bool = False,
@@ -356,19 +357,44 @@ class Kev(FunctionCallingLLM):
         tool_required: bool = False,
         **kwargs: Any,
     ) -> dict[str, Any]:
-        """Tool schemas go to the model's own chat template (`{"messages", "tools"}` prompt)."""
+        """`chat()` kwargs for a tool call: the tools' schemas, and a `tool_choice` ("required"
+        when `tool_required`, else "auto"; an explicit one — FunctionAgent's
+        `initial_tool_choice`, a tool's name or "required" — wins) that `_chat_request` turns
+        into the reply's constraint."""
         messages = list(chat_history or [])
         if isinstance(user_msg, str):
             user_msg = ChatMessage(role=MessageRole.USER, content=user_msg)
         if user_msg is not None:
             messages.append(user_msg)
-        schemas = [tool.metadata.to_openai_tool(skip_length_check=True) for tool in tools]
-        return {"messages": messages, "tools": schemas or None, **kwargs}
+        tool_choice = kwargs.pop("tool_choice", None) or ("required" if tool_required else "auto")
+        return {"messages": messages, "tools": tool_schemas(tools) or None, "tool_choice": tool_choice,
+                "parallel_tool_calls": allow_parallel_tool_calls, **kwargs}
 
     def get_tool_calls_from_response(
         self, response: ChatResponse, error_on_no_tool_call: bool = True, **kwargs: Any
     ) -> list[ToolSelection]:
-        calls = response.message.additional_kwargs.get("tool_calls") or []
-        if not calls and error_on_no_tool_call:
-            raise ValueError(f"expected a tool call in the answer, got: {response.message.content!r}")
-        return [ToolSelection(tool_id=c["id"], tool_name=c["name"], tool_kwargs=c["arguments"]) for c in calls]
+        """The reply's calls; a call cut short raises `ReplyParseError` naming the finish reason."""
+        return tool_selections(response.message, response.raw, error_on_no_tool_call)
+
+    def predict_and_call(
+        self, tools: Sequence[BaseTool], user_msg: str | ChatMessage | None = None,
+        chat_history: list[ChatMessage] | None = None, verbose: bool = False,
+        allow_parallel_tool_calls: bool = False, error_on_no_tool_call: bool = True,
+        error_on_tool_error: bool = False, **kwargs: Any,
+    ) -> AgentChatResponse:
+        """LlamaIndex's `predict_and_call`, with a call required whenever its absence would be an
+        error (`error_on_no_tool_call`, the default): the reply is then a call by construction."""
+        kwargs.setdefault("tool_required", error_on_no_tool_call)
+        return super().predict_and_call(tools, user_msg, chat_history, verbose, allow_parallel_tool_calls,
+                                        error_on_no_tool_call, error_on_tool_error, **kwargs)
+
+    async def apredict_and_call(
+        self, tools: Sequence[BaseTool], user_msg: str | ChatMessage | None = None,
+        chat_history: list[ChatMessage] | None = None, verbose: bool = False,
+        allow_parallel_tool_calls: bool = False, error_on_no_tool_call: bool = True,
+        error_on_tool_error: bool = False, **kwargs: Any,
+    ) -> AgentChatResponse:
+        """`predict_and_call` on an event loop: gathered calls share packed passes."""
+        kwargs.setdefault("tool_required", error_on_no_tool_call)
+        return await super().apredict_and_call(tools, user_msg, chat_history, verbose, allow_parallel_tool_calls,
+                                               error_on_no_tool_call, error_on_tool_error, **kwargs)

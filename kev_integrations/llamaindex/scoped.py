@@ -21,18 +21,24 @@ from contextvars import ContextVar
 from types import MappingProxyType
 from typing import Any
 
+from kev_engine.params import CONSTRAINT_FIELDS
+
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_tokens", "stop", "seed", "cache_salt")
 SETTING_KEYS = (*SAMPLING_KEYS, "adapter")
+# a reply constraint belongs to one call (its schema, its tools), never to a scope or a field
+CALL_KEYS = (*SETTING_KEYS, *CONSTRAINT_FIELDS)
 
 _EMPTY: Mapping[str, Any] = MappingProxyType({})
 _overrides: ContextVar[Mapping[str, Any]] = ContextVar("kev_llamaindex_overrides", default=_EMPTY)
 
 
-def check_settings(settings: Mapping[str, Any], where: str = "setting") -> None:
+def check_settings(
+    settings: Mapping[str, Any], where: str = "setting", allowed: tuple[str, ...] = SETTING_KEYS
+) -> None:
     """Refuse names Kev does not know, naming them and the allowed ones."""
-    unknown = sorted(set(settings) - set(SETTING_KEYS))
+    unknown = sorted(set(settings) - set(allowed))
     if unknown:
-        raise ValueError(f"unknown Kev {where}(s) {unknown}; allowed: {list(SETTING_KEYS)}")
+        raise ValueError(f"unknown Kev {where}(s) {unknown}; allowed: {list(allowed)}")
 
 
 @contextmanager
