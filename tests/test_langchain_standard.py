@@ -1,18 +1,18 @@
 """LangChain's standard suites for `ChatKev`: unit tests, and integration tests on the embedded
 SmolLM2-135M-Instruct.
 
-The unit suite's flags say what ChatKev implements (tools, structured output, JSON mode through
-the chat template). The integration suite's flags say what the model under test can do: the
-135M model does not follow the tool-call or JSON formats (measured: every tool-calling and
-structured-output standard test fails on its replies), so those flags are off there; the
-plumbing is tested with scripted replies in `test_langchain_unit.py`. Images, audio and PDFs
-are not supported (text models only), so the suite skips those tests by its own flags."""
+Tool calling, tool_choice, structured output and JSON mode are on in both suites: the engine
+constrains every reply to the tool-call format or the schema, so even the 135M model's replies
+parse. What the model picks (values, a joke that ends) is still its own; a test failing for
+that reason alone is marked xfail below with what the model did. Images, audio and PDFs are
+not supported (text models only), so the suite skips those tests by its own flags."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import pytest
+from langchain_core.language_models import BaseChatModel
 from langchain_tests.integration_tests import ChatModelIntegrationTests
 from langchain_tests.unit_tests import ChatModelUnitTests
 
@@ -38,7 +38,7 @@ class KevFlags:
 
     @property
     def has_tool_choice(self) -> bool:
-        return True  # as an instruction in the prompt, not constrained decoding
+        return True  # "any"/"required"/a name force a call by constrained decoding
 
     @property
     def has_structured_output(self) -> bool:
@@ -46,7 +46,7 @@ class KevFlags:
 
     @property
     def supports_json_mode(self) -> bool:
-        return True  # as an instruction in the prompt, not constrained decoding
+        return True  # the reply is constrained to a JSON object
 
     @property
     def returns_usage_metadata(self) -> bool:
@@ -71,12 +71,26 @@ class TestChatKevUnit(KevFlags, ChatModelUnitTests):
 
 
 class TestChatKevIntegration(KevFlags, ChatModelIntegrationTests):
-    # the embedded 135M model cannot produce tool calls or schema-following JSON (see the docstring)
-    has_tool_calling = False
-    has_tool_choice = False
-    has_structured_output = False
-    supports_json_mode = False
-
     @property
     def chat_model_params(self) -> dict[str, Any]:
-        return {"max_tokens": 16}  # short answers keep the suite quick on a CPU
+        return {"max_tokens": 64}  # room for a constrained JSON joke; still quick on a CPU
+
+    # What the 135M model does, greedily, on these three: every reply parses; its content fails.
+    @pytest.mark.xfail(reason="model capability: asked for a joke's setup with no punchline, SmolLM2-135M "
+                              "loops inside the setup string ('The cat was a cat, and it was a cat, ...') "
+                              "until max_tokens, so the reply is cut (finish_reason='length')")
+    def test_structured_output_optional_param(self, model: BaseChatModel) -> None:
+        super().test_structured_output_optional_param(model)
+
+    @pytest.mark.xfail(reason="model capability: json_mode allows any JSON object (as OpenAI's does); asked "
+                              "for 'setup' and 'punchline' keys, SmolLM2-135M closes the object after 'setup' "
+                              "(the json_schema method, which enforces the keys, passes the joke tests)")
+    def test_json_mode(self, model: BaseChatModel) -> None:
+        super().test_json_mode(model)
+
+    @pytest.mark.xfail(reason="model capability: with tool_choice='auto' (the test binds no choice) SmolLM2-135M "
+                              "answers 'What is the weather in San Francisco, CA?' in prose instead of calling "
+                              "get_weather; forced choices ('any', a name) pass test_tool_calling/test_tool_choice")
+    @pytest.mark.parametrize("model", [{}, {"output_version": "v1"}], indirect=True)
+    def test_agent_loop(self, model: BaseChatModel) -> None:
+        super().test_agent_loop(model)
