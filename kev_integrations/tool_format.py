@@ -123,6 +123,33 @@ def format_tool_call(name: str, args: dict[str, Any]) -> str:
     return "<tool_call>" + json.dumps({"name": name, "arguments": args}, ensure_ascii=False) + "</tool_call>"
 
 
+_PROBE = "kev-role-probe-5e1d"
+_renders_role: dict[tuple[str, str], bool] = {}
+
+
+def template_renders_role(tokenizer: Any, role: str) -> bool:
+    """Whether the chat template writes a message of `role` as it is (generic templates such as
+    SmolLM2's ``<|im_start|>{{ role }}``), rather than refusing or dropping it. Rendered once per
+    template and role.
+
+    Why it matters: a template that ignores tools can still show a tool's result in a ``tool``
+    turn, and small models answer from that far better than from a ``<tool_response>`` user
+    turn, which they copy instead (measured on SmolLM2-135M, the four questions of
+    examples/langchain_agent.py: from a ``tool`` turn 2 of 4 answers state the tool's result;
+    from a user turn 0 of 4 do — three echo the ``<tool_response>`` tag).
+    """
+    key = (_template_text(tokenizer), role)
+    if key not in _renders_role:
+        history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"},
+                   {"role": role, "content": _PROBE}]
+        try:
+            text = tokenizer.apply_chat_template(history, tokenize=False)
+            _renders_role[key] = isinstance(text, str) and _PROBE in text and role in text.replace(_PROBE, "")
+        except Exception:  # noqa: BLE001 - a template that raises on the role does not render it
+            _renders_role[key] = False
+    return _renders_role[key]
+
+
 def format_tool_result(name: str | None, content: str) -> str:
     """A tool's result written into a history for templates without a `tool` role."""
     return "<tool_response>" + json.dumps({"name": name, "content": content}, ensure_ascii=False) + "</tool_response>"

@@ -303,6 +303,18 @@ def test_tool_history_is_written_for_the_template() -> None:
     assert native_messages[2] == {"role": "tool", "content": "sunny", "tool_call_id": "c1"}
 
 
+def test_tool_results_go_in_a_tool_turn_when_the_template_writes_any_role(tokenizer: Any) -> None:
+    engine = FakeEngine()
+    engine.tokenizer = tokenizer  # the embedded SmolLM2 one: ``<|im_start|>{{ role }}``, no tools
+    history = [
+        HumanMessage("Weather in Paris?"),
+        AIMessage("", tool_calls=[{"name": "get_weather", "args": {"city": "Paris"}, "id": "c1"}]),
+        ToolMessage("sunny", tool_call_id="c1", name="get_weather"),
+    ]
+    ChatKev(engine=engine).bind_tools([get_weather]).invoke(history)
+    assert engine.submit_calls[0]["prompt"][3] == {"role": "tool", "content": "sunny"}
+
+
 def test_parse_tool_calls_edge_cases() -> None:
     text, calls, invalid = parse_tool_calls('Sure. <tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}</tool_call>'
                                             '<tool_call>{not json}</tool_call>')

@@ -18,7 +18,7 @@ from pydantic import BaseModel
 from kev_engine import Completion
 
 from ..tokens import prompt_token_count
-from ..tool_format import template_supports_tools, tool_choice_instruction
+from ..tool_format import template_renders_role, template_supports_tools, tool_choice_instruction
 from . import packing
 from .configurable import KevConfigurableFields
 from .constraints import constrain, format_constraint, response_format_schema, tools_constraint
@@ -170,9 +170,8 @@ class ChatKev(KevFields, BaseChatModel):
         sampling = constrain(sampling, format_constraint(kind, schema), "response_format")
         system_extra = schema_instruction(schema) if kind != "text" else ""
         prompt_tools = None if tool_choice in ("none", False) else tools  # "none": never shown, never called
-        prompt = build_prompt(
-            messages, prompt_tools, tool_choice, template_supports_tools(engine.tokenizer), system_extra
-        )
+        prompt = build_prompt(messages, prompt_tools, tool_choice, template_supports_tools(engine.tokenizer),
+                              system_extra, template_renders_role(engine.tokenizer, "tool"))
         names = [t["function"]["name"] for t in prompt_tools or ()]
         return EngineRequest(engine, prompt, sampling, adapter), names
 
@@ -181,7 +180,8 @@ class ChatKev(KevFields, BaseChatModel):
         its chat template, system prompt and tool schemas included. Offline, no GPT-2."""
         engine = self.get_engine()
         schemas = convert_tools(tools) if tools else None
-        prompt = build_prompt(messages, schemas, None, template_supports_tools(engine.tokenizer))
+        prompt = build_prompt(messages, schemas, None, template_supports_tools(engine.tokenizer), "",
+                              template_renders_role(engine.tokenizer, "tool"))
         return prompt_token_count(engine, prompt)
 
     def _message(self, completion: Completion, tool_names: list[str]) -> AIMessage:

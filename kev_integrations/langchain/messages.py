@@ -41,11 +41,15 @@ def text_of(content: str | list[Any]) -> str:
     return "".join(parts)
 
 
-def to_engine_messages(messages: Sequence[BaseMessage], native_tools: bool) -> list[dict[str, Any]]:
+def to_engine_messages(
+    messages: Sequence[BaseMessage], native_tools: bool, tool_role: bool = False
+) -> list[dict[str, Any]]:
     """LangChain messages → `{"role", "content"}` dicts for the chat template.
 
     With `native_tools` the template renders tool calls and `tool` messages itself; otherwise
-    they are written as the `<tool_call>` / `<tool_response>` text the system prompt describes.
+    calls are written as the `<tool_call>` text the system prompt describes, and a tool's result
+    as a plain ``tool`` turn when the template writes any role as it is (`tool_role`, see
+    `template_renders_role`), else as a `<tool_response>` user turn.
     """
     out: list[dict[str, Any]] = []
     for message in messages:
@@ -65,6 +69,8 @@ def to_engine_messages(messages: Sequence[BaseMessage], native_tools: bool) -> l
         elif isinstance(message, ToolMessage):
             if native_tools:
                 out.append({"role": "tool", "content": content, "tool_call_id": message.tool_call_id})
+            elif tool_role:
+                out.append({"role": "tool", "content": content})
             else:
                 out.append({"role": "user", "content": format_tool_result(message.name, content)})
         elif isinstance(message, (HumanMessage, SystemMessage, AIMessage)):
@@ -92,9 +98,10 @@ def build_prompt(
     tool_choice: Any,
     native_tools: bool,
     system_extra: str = "",
+    tool_role: bool = False,
 ) -> Any:
     """The engine prompt for one chat call: messages, plus tools natively or described in text."""
-    engine_messages = to_engine_messages(messages, native_tools)
+    engine_messages = to_engine_messages(messages, native_tools, tool_role)
     if tools and not native_tools:
         system_extra = (tool_system_prompt(tools, tool_choice) + "\n\n" + system_extra).strip()
     elif tools:
