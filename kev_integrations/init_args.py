@@ -24,9 +24,7 @@ RENAMED = {
 CONTEXT_WINDOW_NAMES = ("context_window", "num_ctx", "n_ctx", "context_length", "max_context")
 # client settings of hosted models (LangChain's standard parameters): meaningless in-process
 NOT_APPLICABLE = {
-    "max_retries": "Kev runs the model in-process: there is nothing to retry",
-    "api_key": "Kev runs a local model in-process: there is no API key",
-    "base_url": "Kev runs a local model in-process, not a client of a server: use model= for a local folder",
+    "max_retries": "Kev runs the model in-process or on `kev serve` through base_url=: there is nothing to retry",
 }
 
 

@@ -41,6 +41,7 @@ from kev_engine import Completion, Engine, SamplingParams
 from kev_engine.params import CONSTRAINT_FIELDS
 
 from ..init_args import check_sampling, refuse_unknown
+from ..remote import RemoteEngine
 from ..shared import resolve_engine
 from ..streaming import astream_answer, stream_answer
 from ..tokens import text_token_ids
@@ -79,6 +80,8 @@ class Kev(StructuredOutput, FunctionCallingLLM):
         model: local folder, .gguf file or hub id; None = embedded SmolLM2-135M-Instruct.
         adapter / temperature / top_p / top_k / max_tokens / stop / seed / cache_salt: per-call defaults.
         engine: an already-built `kev_engine.Engine` to use instead of the shared one.
+        base_url / api_key: a running ``kev serve`` to use instead (model and adapters are the server's);
+            every setting and constraint travels with each call.
         Unknown arguments are a TypeError naming the right one (``max_new_tokens`` → ``max_tokens``);
         ``context_window`` is not an argument: ``metadata`` reports the model's own.
 
@@ -160,7 +163,12 @@ class Kev(StructuredOutput, FunctionCallingLLM):
         default=None, exclude=True, description="An engine to use; None = the shared one (loaded lazily)."
     )
 
-    _loaded: Engine | None = PrivateAttr(default=None)
+    base_url: str | None = Field(
+        default=None, description="A running `kev serve` (e.g. http://127.0.0.1:8000) to use instead of a local engine."
+    )
+    api_key: str | None = Field(default=None, exclude=True, repr=False, description="The server's API key.")
+
+    _loaded: Engine | RemoteEngine | None = PrivateAttr(default=None)
 
     @model_validator(mode="before")
     @classmethod
@@ -186,10 +194,12 @@ class Kev(StructuredOutput, FunctionCallingLLM):
         engine = self.get_engine()
         return lambda text: text_token_ids(engine, text)
 
-    def get_engine(self) -> Engine:
-        """The engine this LLM runs on: `engine`, else the shared one (loaded on first use)."""
+    def get_engine(self) -> Engine | RemoteEngine:
+        """The engine this LLM runs on: `engine`, else a `kev serve` at `base_url`, else the shared
+        one (loaded on first use)."""
         if self._loaded is None:
-            self._loaded = resolve_engine(self.engine, self.model, self.device, self.dtype, self.adapters)
+            self._loaded = resolve_engine(self.engine, self.model, self.device, self.dtype, self.adapters,
+                                          self.base_url, self.api_key)
         return self._loaded
 
     def with_settings(self, **settings: Any) -> Kev:
