@@ -167,6 +167,14 @@ def parse_call(raw: str) -> dict[str, Any]:
     return {"name": name, "arguments": args}
 
 
+def _without_partial_end(raw: str) -> str:
+    """`raw` without a trailing start of ``</tool_call>`` (a reply cut inside the closing tag)."""
+    for size in range(len("</tool_call>") - 1, 0, -1):
+        if raw.endswith("</tool_call>"[:size]):
+            return raw[:-size].rstrip()
+    return raw
+
+
 CUT_BY_MAX_TOKENS = "cut by max_tokens (finish_reason='length') before the call was complete; raise max_tokens"
 
 
@@ -179,7 +187,8 @@ def split_tool_calls(
     "call one or more tools" constraint tends to write the same call again and again until
     max_tokens, and running a tool twice with the same arguments in one turn never adds an
     answer. A last call left open by ``finish_reason="length"`` is invalid, its error saying it
-    was cut by max_tokens (never dropped, never half-parsed).
+    was cut by max_tokens (never dropped, never half-parsed) — unless only its closing tag was
+    cut, the call itself complete.
     """
     matches = list(TOOL_CALL_RE.finditer(text))
     if not matches:
@@ -195,9 +204,12 @@ def split_tool_calls(
     calls: list[dict[str, Any]] = []
     invalid: list[tuple[str, str]] = []
     for match in matches:
+        raw = match.group(1)
         cut = finish_reason == "length" and match is matches[-1] and not match.group(0).endswith("</tool_call>")
+        if cut:  # cut inside the closing tag, the call itself complete: keep it
+            raw = _without_partial_end(raw)
         try:
-            call = parse_call(match.group(1))
+            call = parse_call(raw)
         except (ValueError, KeyError, TypeError) as exc:
             invalid.append((match.group(1), CUT_BY_MAX_TOKENS if cut else f"{type(exc).__name__}: {exc}"))
             continue

@@ -321,6 +321,9 @@ def test_parse_tool_calls_edge_cases() -> None:
     assert text == "Sure." and calls[0]["args"] == {"x": 1} and len(invalid) == 1
     assert parse_tool_calls("plain answer", ["f"]) == ("plain answer", [], [])
     assert parse_tool_calls('{"name": "other", "arguments": {}}', ["f"])[1] == []  # not a bound tool
+    whole = '<tool_call>{"name": "f", "arguments": {"x": 1}}</tool_'  # cut inside the closing tag only
+    assert parse_tool_calls(whole, ["f"], "length")[1][0]["args"] == {"x": 1}
+    assert parse_tool_calls(whole, ["f"], "stop")[2][0]["error"].startswith("JSONDecodeError")
 
 
 class Answer(BaseModel):
