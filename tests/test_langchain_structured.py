@@ -24,7 +24,7 @@ from langchain_core.tools import tool
 from pydantic import BaseModel, field_validator
 
 from kev_engine import Engine
-from kev_integrations.langchain import ChatKev
+from kev_integrations.langchain import ChatKev, KevLLM
 
 AGENT_EXAMPLE = Path(__file__).parents[1] / "examples" / "langchain_agent.py"
 
@@ -131,6 +131,17 @@ def test_streamed_structured_output_ends_with_the_invoked_object(embedded_engine
     chunks = list(structured.stream(PEOPLE[0]))
     assert chunks and all(isinstance(chunk, Person) for chunk in chunks)
     assert chunks[-1] == structured.invoke(PEOPLE[0])
+
+
+def test_kevllm_classifies_a_batch_in_one_pass(tiny_engine: Engine) -> None:
+    """KevLLM takes the engine's constraints as settings: a choice per batch, a regex per call."""
+    labels = ["positive", "negative", "neutral"]
+    classifier = KevLLM(engine=tiny_engine, choice=labels, max_tokens=8)
+    replies, moved = passes_of(tiny_engine, lambda: classifier.batch(["Great!", "Awful.", "Fine.", "Meh."]))
+    assert moved["prefill_passes"] == 1 and all(reply in labels for reply in replies)
+    year = KevLLM(engine=tiny_engine, max_tokens=8).invoke("Which year?", regex="(19|20)[0-9]{2}")
+    assert len(year) == 4 and year[:2] in ("19", "20")
+    assert "".join(KevLLM(engine=tiny_engine, max_tokens=8).stream("Which year?", regex="(19|20)[0-9]{2}")) == year
 
 
 # ---- what still goes wrong is reported ------------------------------------------------------
