@@ -110,12 +110,15 @@ def main() -> None:
                 print(f"   tool -> {message.content}")
         print(f"   A: {result['messages'][-1].content.strip()[:120]!r}")
     solo = [run(llm, [question]) for question in QUESTIONS]  # the same agent, one question at a time
+    same = sum(r["messages"][-1].content == alone["results"][0]["messages"][-1].content
+               for r, alone in zip(report["results"], solo))
     n = len(QUESTIONS)
     print(
         f"\nvalid tool calls {report['valid']}/{n}, right tool {report['right']}/{n}; "
         f"{report['llm_calls']} LLM calls in {report['passes']} engine passes "
         f"({report['prefill_passes']} with prefill), {report['seconds']:.1f} s; one question at a time: "
-        f"{sum(r['passes'] for r in solo)} passes, {sum(r['seconds'] for r in solo):.1f} s"
+        f"{sum(r['passes'] for r in solo)} passes ({sum(r['prefill_passes'] for r in solo)} with prefill), "
+        f"{sum(r['seconds'] for r in solo):.1f} s; same final answers {same}/{n}"
     )
 
 

@@ -70,11 +70,19 @@ def main() -> None:
             print(f"   tool_call {call['name']}({call['args']}) -> {result}")
         for bad in reply.invalid_tool_calls:
             print(f"   invalid tool call: {bad['args']!r} ({bad['error']})")
+    start = time.perf_counter()
+    solo = [llm.invoke(question) for question, _ in QUESTIONS]  # one at a time, for comparison
+    solo_elapsed, solo_after = time.perf_counter() - start, engine.stats()
+    same = sum([(c["name"], c["args"]) for c in a.tool_calls] == [(c["name"], c["args"]) for c in b.tool_calls]
+               for a, b in zip(replies, solo))
     n = len(QUESTIONS)
     print(
         f"\nvalid tool calls {valid}/{n}, right tool {right}/{n}, "
         f"passes {after['forward_passes'] - before['forward_passes']} "
-        f"({after['prefill_passes'] - before['prefill_passes']} prefill), {elapsed:.1f} s"
+        f"({after['prefill_passes'] - before['prefill_passes']} prefill), {elapsed:.1f} s; one at a time: "
+        f"{solo_after['forward_passes'] - after['forward_passes']} passes "
+        f"({solo_after['prefill_passes'] - after['prefill_passes']} prefill), {solo_elapsed:.1f} s; "
+        f"same calls {same}/{n}"
     )
 
 
