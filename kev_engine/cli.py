@@ -235,12 +235,9 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("--out", required=True, help="PNG file to write")
     show.add_argument("--max-pixels", dest="max_pixels", type=int, default=1024, help="most mask pixels per side")
     serve = commands.add_parser("serve", help="serve the OpenAI-compatible API (needs kev-llm[server])")
-    try:
-        from kev_integrations.server.run import add_arguments
-    except ImportError:  # kev_integrations is part of the same distribution; only a broken install lands here
-        add_arguments = None
-    if add_arguments is not None:
-        add_arguments(serve)
+    from kev_integrations.server.run import add_arguments  # needs no fastapi: `serve` says what to install
+
+    add_arguments(serve)
     for sub in (gen, verify, show):
         sub.add_argument("--adapter", dest="adapter_specs", action="append", metavar="NAME=PATH",
                          help='load a PEFT LoRA folder as NAME (repeatable); a JSONL line uses it with "adapter"')

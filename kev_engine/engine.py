@@ -527,7 +527,7 @@ class Engine:
         return tokens
 
     def _postprocess(
-        self, chunks: list[Chunk], batch: PackedBatch, logits: torch.Tensor, tokens: list[int]
+        self, chunks: list[Chunk], batch: PackedBatch, logits: torch.Tensor, tokens: list[int | BaseException]
     ) -> list[tuple[Request, BaseException | None]]:
         """Advance each request by what this pass computed; return those that are done."""
         finished: list[tuple[Request, BaseException | None]] = []

@@ -22,7 +22,15 @@ from typing import Any
 
 import httpx
 
-from kev_engine import Completion, ConstraintError, EngineClosedError, InvalidRequestError, KevError, SamplingParams
+from kev_engine import (
+    Completion,
+    ConstraintError,
+    Engine,
+    EngineClosedError,
+    InvalidRequestError,
+    KevError,
+    SamplingParams,
+)
 from kev_engine.errors import PassFailedError, UnknownAdapterError
 from kev_engine.params import coerce_sampling
 from kev_engine.request import resolve_future
@@ -209,3 +217,7 @@ def _sampling_dict(sampling: SamplingParams) -> dict[str, Any]:
     return {f.name: list(v) if isinstance(v, tuple) else v
             for f in dataclasses.fields(SamplingParams)
             if (v := getattr(sampling, f.name)) != getattr(default, f.name)}
+
+
+AnyEngine = Engine | RemoteEngine
+"""What an integration object runs on: a local engine, or a `kev serve` through `RemoteEngine`."""

@@ -19,7 +19,7 @@ import torch
 from kev_engine import Engine, loader
 from kev_engine.lora import AdapterError
 
-from .remote import RemoteEngine
+from .remote import AnyEngine, RemoteEngine
 
 EngineKey = tuple[str | None, str, str]
 
@@ -101,7 +101,7 @@ def resolve_engine(
     adapters: Mapping[str, str],
     base_url: str | None = None,
     api_key: str | None = None,
-) -> Engine | RemoteEngine:
+) -> AnyEngine:
     """The engine an integration object runs on: the one it was given (its adapters loaded into
     it), else a running `kev serve` at `base_url`, else the shared one for (source, device, dtype)."""
     if engine is not None and base_url is not None:

@@ -70,7 +70,8 @@ def _call_tag(tool: dict[str, Any], newline: bool) -> dict[str, Any]:
     return {
         "type": "tag",
         "begin": f'<tool_call>{gap}{{"name": {json.dumps(function["name"], ensure_ascii=False)}, "arguments": ',
-        "content": {"type": "json_schema", "json_schema": parameters},
+        # at most one whitespace between JSON tokens: unbounded, small models write "\n \t\r\n..." until max_tokens
+        "content": {"type": "json_schema", "json_schema": parameters, "max_whitespace_cnt": 1},
         "end": "}" + gap + "</tool_call>",
     }
 

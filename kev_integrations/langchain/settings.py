@@ -17,6 +17,7 @@ from kev_engine import Engine, SamplingParams
 from kev_engine.loader import EMBEDDED_NAME
 
 from ..init_args import check_sampling, refuse_unknown
+from ..remote import AnyEngine
 from ..shared import resolve_engine
 from ..tokens import text_token_ids
 
@@ -41,6 +42,12 @@ class KevFields(BaseModel):
     """LoRA adapters to load on first use, name → PEFT folder; requests pick one with `adapter`."""
     engine: Engine | None = Field(default=None, exclude=True)
     """An already built `kev_engine.Engine` to use instead of the shared one (not serialized)."""
+    base_url: str | None = None
+    """A running ``kev serve`` (e.g. http://127.0.0.1:8000) to answer on instead of a local engine:
+    the server's model and adapters; every setting and constraint travels with each call, and a
+    `batch()` is one request (one pack on the server)."""
+    api_key: str | None = Field(default=None, exclude=True, repr=False)
+    """The server's API key (with `base_url`)."""
     adapter: str | None = None
     """LoRA adapter name for this call; None = the base model."""
     temperature: float | None = None
@@ -86,15 +93,19 @@ class KevFields(BaseModel):
         check_sampling({key: getattr(self, key) for key in SETTING_KEYS if key != "adapter"})
         return self
 
-    def get_engine(self) -> Engine:
-        """The engine to run on: the one passed in, else the shared one (loaded on first use)."""
-        return resolve_engine(self.engine, self.model, self.device, self.dtype, self.adapters)
+    def get_engine(self) -> AnyEngine:
+        """The engine to run on: the one passed in, else a `kev serve` at `base_url`, else the shared
+        one (loaded on first use)."""
+        return resolve_engine(self.engine, self.model, self.device, self.dtype, self.adapters,
+                              self.base_url, self.api_key)
 
     @property
     def model_name(self) -> str:
         """A name for tracing that never loads the model."""
         if self.engine is not None:
             return self.engine.name
+        if self.base_url is not None:
+            return f"kev serve at {self.base_url}"
         return self.model or EMBEDDED_NAME
 
     def get_token_ids(self, text: str) -> list[int]:

@@ -41,12 +41,12 @@ from kev_engine import Completion, Engine, SamplingParams
 from kev_engine.params import CONSTRAINT_FIELDS
 
 from ..init_args import check_sampling, refuse_unknown
-from ..remote import RemoteEngine
+from ..remote import AnyEngine
 from ..shared import resolve_engine
 from ..streaming import astream_answer, stream_answer
 from ..tokens import text_token_ids
 from ..tool_format import split_tool_calls, template_supports_tools, tool_call_constraint
-from .messages import assistant_message, bounded_whitespace, chat_prompt, tool_schemas, tool_selections
+from .messages import assistant_message, chat_prompt, tool_schemas, tool_selections
 from .scoped import CALL_KEYS, SAMPLING_KEYS, check_settings, current_overrides
 from .structured import StructuredOutput
 
@@ -168,7 +168,7 @@ class Kev(StructuredOutput, FunctionCallingLLM):
     )
     api_key: str | None = Field(default=None, exclude=True, repr=False, description="The server's API key.")
 
-    _loaded: Engine | RemoteEngine | None = PrivateAttr(default=None)
+    _loaded: AnyEngine | None = PrivateAttr(default=None)
 
     @model_validator(mode="before")
     @classmethod
@@ -194,7 +194,7 @@ class Kev(StructuredOutput, FunctionCallingLLM):
         engine = self.get_engine()
         return lambda text: text_token_ids(engine, text)
 
-    def get_engine(self) -> Engine | RemoteEngine:
+    def get_engine(self) -> AnyEngine:
         """The engine this LLM runs on: `engine`, else a `kev serve` at `base_url`, else the shared
         one (loaded on first use)."""
         if self._loaded is None:
@@ -292,7 +292,7 @@ class Kev(StructuredOutput, FunctionCallingLLM):
         if tools and not any(kwargs.get(key) for key in CONSTRAINT_FIELDS):
             # native (Hermes/Qwen) templates teach "<tool_call>\n{...}\n</tool_call>"
             tag = tool_call_constraint(tools, tool_choice, parallel=parallel, newline=native)
-            kwargs["structural_tag"] = bounded_whitespace(tag)
+            kwargs["structural_tag"] = tag
         return prompt, kwargs, [t["function"]["name"] for t in tools]
 
     @staticmethod

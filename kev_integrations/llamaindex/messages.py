@@ -50,24 +50,6 @@ def cut_reason(finish_reason: str | None, completion_tokens: int | None) -> str:
     return f"the reply ended with finish_reason={finish_reason!r}"
 
 
-def bounded_whitespace(node: Any, limit: int = 1) -> Any:
-    """The tool-call tag with at most `limit` whitespace characters in a row inside arguments.
-
-    xgrammar's JSON content in a structural tag allows unbounded whitespace by default, and a
-    weak model can spend all of max_tokens on it (`{"on":\n  \t\r\n ...`); the engine's own
-    json_schema constraint is compact the same way. Returns `node`, changed in place.
-    """
-    if isinstance(node, dict):
-        if node.get("type") == "json_schema":
-            node.setdefault("max_whitespace_cnt", limit)
-        for value in node.values():
-            bounded_whitespace(value, limit)
-    elif isinstance(node, list):
-        for value in node:
-            bounded_whitespace(value, limit)
-    return node
-
-
 def tool_schemas(tools: Sequence[Any] | None) -> list[dict[str, Any]]:
     """OpenAI-style function schemas of LlamaIndex tools (schemas given as dicts pass through)."""
     return [t if isinstance(t, dict) else t.metadata.to_openai_tool(skip_length_check=True) for t in tools or ()]

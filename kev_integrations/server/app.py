@@ -128,10 +128,12 @@ async def _disconnected(request: Request) -> None:
 
 async def _answers(request: Request, futures: list[Future[Completion]], timeout: float) -> list[Completion] | None:
     """Wait for every answer; None if the client left first. Leaving or timing out cancels the work."""
-    gathered = asyncio.gather(*(asyncio.wrap_future(f) for f in futures), return_exceptions=True)
-    watcher = asyncio.ensure_future(_disconnected(request))
+    gathered: asyncio.Future[list[Any]] = asyncio.gather(
+        *(asyncio.wrap_future(f) for f in futures), return_exceptions=True)
+    watcher: asyncio.Future[Any] = asyncio.ensure_future(_disconnected(request))
     try:
-        done, _ = await asyncio.wait({gathered, watcher}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        waiters: set[asyncio.Future[Any]] = {gathered, watcher}
+        done, _ = await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
     finally:
         watcher.cancel()
     if gathered not in done:
@@ -159,13 +161,20 @@ async def _events(state: ServerState, call: EngineCall, chat: bool, engine: Engi
     pieces: asyncio.Queue[tuple[int, str | None]] = asyncio.Queue()
 
     def feeder(i: int) -> Callable[[str], None]:
-        return lambda piece: loop.call_soon_threadsafe(pieces.put_nowait, (i, piece))
+        def feed(piece: str) -> None:  # on the scheduler thread: hand the piece to the event loop
+            loop.call_soon_threadsafe(pieces.put_nowait, (i, piece))
+        return feed
+
+    def closer(i: int) -> Callable[[Future[Completion]], None]:
+        def close(_: Future[Completion]) -> None:
+            loop.call_soon_threadsafe(pieces.put_nowait, (i, None))
+        return close
 
     futures = await asyncio.to_thread(  # tokenizing and compiling a grammar stay off the event loop
         engine.submit_many, call.prompts, call.sampling, call.adapter, [feeder(i) for i in range(len(call.prompts))])
     _refused(futures)
     for i, future in enumerate(futures):
-        future.add_done_callback(lambda _, i=i: loop.call_soon_threadsafe(pieces.put_nowait, (i, None)))
+        future.add_done_callback(closer(i))
 
     async def stream() -> AsyncIterator[str]:
         writer = ChunkWriter(chat, call.model)
@@ -190,8 +199,9 @@ async def _events(state: ServerState, call: EngineCall, chat: bool, engine: Engi
                 future = futures[i]
                 if future.cancelled():
                     continue
-                if future.exception() is not None:
-                    yield sse(_engine_error(future.exception(), i if len(futures) > 1 else None).body())
+                error = future.exception()
+                if error is not None:
+                    yield sse(_engine_error(error, i if len(futures) > 1 else None).body())
                     continue
                 completion = future.result()
                 finished.append(completion)

@@ -94,7 +94,7 @@ def chat_prompt(messages: Sequence[Any], tools: Sequence[Mapping[str, Any]], too
         return converted, []
     if native:
         return {"messages": converted, "tools": [dict(t) for t in offered]}, tool_names
-    system = tool_system_prompt(offered, tool_choice)
+    system = tool_system_prompt([dict(t) for t in offered], tool_choice)
     if converted and converted[0]["role"] == "system":
         converted[0] = {**converted[0], "content": converted[0]["content"] + "\n\n" + system}
     else:

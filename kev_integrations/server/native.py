@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
@@ -69,7 +70,9 @@ async def _generate_events(state: ServerState, engine: Engine, requests: list[di
     def feeder(i: int) -> Callable[[str], None] | None:
         if not requests[i].get("stream"):
             return None
-        return lambda piece: loop.call_soon_threadsafe(events.put_nowait, {"index": i, "text": piece})
+        def feed(piece: str) -> None:  # on the scheduler thread: hand the piece to the event loop
+            loop.call_soon_threadsafe(events.put_nowait, {"index": i, "text": piece})
+        return feed
 
     samplings: list[Any] = []
     for request in requests:
@@ -98,7 +101,7 @@ async def _generate_events(state: ServerState, engine: Engine, requests: list[di
         if isinstance(sampling, BaseException):
             events.put_nowait({"index": i, "error": error_body(sampling)})
     for i, future in by_index.items():
-        future.add_done_callback(lambda f, i=i: report(i, f))
+        future.add_done_callback(functools.partial(report, i))
 
     async def stream() -> AsyncIterator[str]:
         remaining = len(requests)

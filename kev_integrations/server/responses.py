@@ -37,7 +37,7 @@ def chat_message(completion: Completion, tool_names: Sequence[str]) -> tuple[dic
     """The assistant message and its finish_reason ("tool_calls" when it called tools)."""
     text, calls = reply_tool_calls(completion.text, tool_names) if tool_names else (completion.text, [])
     message: dict[str, Any] = {"role": "assistant", "content": text if text or not calls else None}
-    finish = completion.finish_reason
+    finish: str = completion.finish_reason
     if calls:
         message["tool_calls"] = calls
         finish = "tool_calls" if finish == "stop" else finish
