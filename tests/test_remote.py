@@ -11,9 +11,10 @@ import pytest
 from conftest import QUESTIONS, tiny_model
 from server_util import serving, wait_for
 
-from kev_engine import ConstraintError, Engine, InvalidRequestError, SamplingParams
+from kev_engine import ConstraintError, Engine, InvalidRequestError, KevError, SamplingParams
 from kev_integrations.remote import RemoteEngine
 from kev_integrations.server import ServerConfig, build_app
+from kev_integrations.shared import clear_shared_engines
 from kev_integrations.tokens import prompt_token_count, text_token_ids
 
 KEY = "remote-key"
@@ -27,11 +28,17 @@ def engine(tokenizer: Any) -> Iterator[Engine]:
 
 
 @pytest.fixture(scope="module")
-def remote(engine: Engine) -> Iterator[RemoteEngine]:
+def url(engine: Engine) -> Iterator[str]:
     with serving(build_app(engine, ServerConfig(api_keys=(KEY,)), model_name="tiny-qwen2")) as base:
-        client = RemoteEngine(base, api_key=KEY, timeout=120)
-        yield client
-        client.close()
+        yield base
+    clear_shared_engines()  # the integrations' shared RemoteEngine for this server
+
+
+@pytest.fixture(scope="module")
+def remote(url: str) -> Iterator[RemoteEngine]:
+    client = RemoteEngine(url, api_key=KEY, timeout=120)
+    yield client
+    client.close()
 
 
 def test_generate_equals_the_engine_in_one_pack(remote: RemoteEngine, engine: Engine) -> None:
@@ -80,3 +87,40 @@ def test_adapters_live_on_the_server(remote: RemoteEngine) -> None:
     assert remote.adapters == []
     with pytest.raises(KeyError, match="--adapter sql=/x"):
         remote.load_adapter("sql", "/x")
+
+
+def test_chatkev_on_a_server_batches_in_one_request_and_keeps_constraints(url: str, engine: Engine) -> None:
+    from langchain_core.messages import AIMessage
+    from pydantic import BaseModel, Field
+
+    from kev_integrations.langchain import ChatKev
+
+    class Pick(BaseModel):
+        colour: str = Field(max_length=8)
+
+    remote_llm = ChatKev(base_url=url + "/v1", api_key=KEY, max_tokens=6)
+    local_llm = ChatKev(engine=engine, max_tokens=6)
+    questions = ["Name a colour.", "Name a fruit.", "Name a city."]
+    before = engine.stats()["prefill_passes"]
+    remote_replies = remote_llm.batch(questions)
+    assert engine.stats()["prefill_passes"] == before + 1  # the batch travelled as one request
+    assert [r.content for r in remote_replies] == [r.content for r in local_llm.batch(questions)]
+    assert all(isinstance(r, AIMessage) and r.usage_metadata["output_tokens"] > 0 for r in remote_replies)
+    structured = ChatKev(base_url=url, api_key=KEY, max_tokens=24).with_structured_output(Pick, include_raw=True)
+    result = structured.invoke("Pick a colour.")
+    assert isinstance(result["parsed"], Pick) or "max_tokens" in str(result["parsing_error"])
+    assert result["raw"].content.startswith('{"colour": "')  # the schema constrained the reply on the server
+    with pytest.raises(ValueError, match="chosen by the server"):
+        ChatKev(base_url=url, api_key=KEY, model="/some/folder").invoke("x")
+
+
+def test_llamaindex_kev_on_a_server(url: str, engine: Engine) -> None:
+    from kev_integrations.llamaindex import Kev
+
+    remote_llm = Kev(base_url=url, api_key=KEY, max_tokens=6)
+    local_llm = Kev(engine=engine, max_tokens=6)
+    assert remote_llm.complete("Name a colour.").text == local_llm.complete("Name a colour.").text
+    assert remote_llm.metadata.context_window == engine.max_context
+    wrong_key = Kev(base_url=url, api_key="wrong", max_tokens=6)
+    with pytest.raises(KevError, match="401"):
+        wrong_key.complete("x")
