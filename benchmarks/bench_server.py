@@ -3,8 +3,9 @@
 1. ``load``: N chat requests (greedy, short answers) from C concurrent clients. Reported: none
    lost (every request answered 200 with a finish reason), none mismatched (every 20th prompt,
    asked again alone afterwards, gets the same text), p50/p99 latency, requests/s, tokens/s.
-2. ``disconnect``: streamed requests, a fifth of whose clients hang up after the first chunk.
-   Reported: the server's RSS and KV in use before, and once idle again after.
+2. ``disconnect``: streamed requests, a fifth of whose clients hang up after the first chunk,
+   three times. Reported per run: requests cancelled, the server's RSS before and once idle
+   again, KV in use (back to 0) and KV kept in the LRU prefix cache (bounded by the budget).
 3. ``side_by_side``: the 16 RAG questions through LangChain's ``ChatOpenAI.batch()`` against
    ``kev serve`` and against llama-cpp-python's server on the same GGUF (when installed).
 
@@ -201,19 +202,22 @@ def main() -> None:
         ]
         print("--- disconnect", flush=True)
         wait_idle(base)
-        rss_before, kv_before = rss_mib(process.pid), metric(base, "kev_kv_cache_bytes")
-        outcome = asyncio.run(disconnects(base, model, args.stream_requests, args.clients, 48))
-        wait_idle(base)
-        rss_after, kv_after = rss_mib(process.pid), metric(base, "kev_kv_cache_bytes")
-        cancelled = metric(base, "kev_cancelled_total")
         lines += [
             f"## Disconnects: {args.stream_requests} streamed requests (max_tokens=48), every fifth client hangs up "
-            "after its first chunk",
-            "", "| completed | hung up | engine requests cancelled | RSS before MiB | RSS after MiB | KV in use before "
-            "| KV in use after |", "|---|---|---|---|---|---|---|",
-            f"| {outcome['completed']} | {outcome['hung_up']} | {cancelled:.0f} | {rss_before:.0f} | {rss_after:.0f} | "
-            f"{kv_before:.0f} | {kv_after:.0f} |", "",
+            "after its first chunk; the same run three times",
+            "", "| run | completed | hung up | engine requests cancelled | RSS before MiB | RSS after (idle) MiB | "
+            "KV in use after | KV kept for reuse after (LRU prefix cache) |", "|---|---|---|---|---|---|---|---|",
         ]
+        for run in range(3):
+            rss_before, cancelled_before = rss_mib(process.pid), metric(base, "kev_cancelled_total")
+            outcome = asyncio.run(disconnects(base, model, args.stream_requests, args.clients, 48))
+            wait_idle(base)
+            cancelled = metric(base, "kev_cancelled_total") - cancelled_before
+            lines.append(
+                f"| {run + 1} | {outcome['completed']} | {outcome['hung_up']} | {cancelled:.0f} | {rss_before:.0f} | "
+                f"{rss_mib(process.pid):.0f} | {metric(base, 'kev_kv_cache_bytes'):.0f} | "
+                f"{metric(base, 'kev_kv_cached_prefix_bytes') / 2**20:.0f} MiB |")
+        lines.append("")
         print("--- side by side: kev serve", flush=True)
         kev_s, kev_texts = batch_seconds(base + "/v1", model, KEY, args.rag_max_tokens)
         print("--- side by side: ChatKev(base_url=...) against kev serve", flush=True)

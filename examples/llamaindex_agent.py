@@ -24,6 +24,7 @@ import time
 
 from llama_index.core.agent.workflow import FunctionAgent
 from llama_index.core.tools import FunctionTool
+from pass_counts import passes  # examples/ is on sys.path when a script in it runs
 
 from kev_integrations.llamaindex import Kev
 
@@ -46,13 +47,6 @@ QUESTIONS = {  # question → the tool a right answer calls
     "Will I need an umbrella in Tokyo today?": "get_weather",
     "What is 100 plus 250?": "add",
 }
-
-
-def passes(engine, before: dict[str, int]) -> str:
-    after = engine.stats()
-    used = {k: after[k] - before[k] for k in ("requests", "prefill_passes", "decode_steps", "forward_passes")}
-    return (f"{used['requests']} LLM calls in {used['prefill_passes']} prefill pass(es) + "
-            f"{used['decode_steps']} decode steps = {used['forward_passes']} forward passes")
 
 
 def main() -> None:

@@ -27,19 +27,13 @@ from llama_index.core.question_gen import LLMQuestionGenerator
 from llama_index.core.schema import TextNode
 from llama_index.core.tools import QueryEngineTool
 from llama_index.retrievers.bm25 import BM25Retriever
+from pass_counts import passes  # examples/ is on sys.path when a script in it runs
 
 from kev_integrations.llamaindex import Kev, scoped
 
 DATA = Path(__file__).parent / "data" / "rag.jsonl"
 NUM_QUESTIONS = 4
 TOP_K = 3  # accumulate: one LLM call per retrieved passage → 4 questions × 3 = 12 calls
-
-
-def passes(engine, before: dict[str, int]) -> str:
-    after = engine.stats()
-    used = {k: after[k] - before[k] for k in ("requests", "prefill_passes", "decode_steps", "forward_passes")}
-    return (f"{used['requests']} LLM calls in {used['prefill_passes']} prefill pass(es) + "
-            f"{used['decode_steps']} decode steps = {used['forward_passes']} forward passes")
 
 
 def main() -> None:

@@ -129,3 +129,17 @@ QUESTIONS = [
     chat("Name a prime number."),
     chat("Why is the sky blue?", "Rayleigh scattering makes shorter wavelengths scatter more " * 4),
 ]
+
+
+@pytest.fixture
+def record_submits(engine, monkeypatch):
+    """Every request the test module's `engine` fixture receives: (prompt, SamplingParams, adapter)."""
+    calls: list[tuple] = []
+    submit = engine.submit
+
+    def spy(prompt, sampling=None, adapter=None, on_text=None):
+        calls.append((prompt, sampling, adapter))
+        return submit(prompt, sampling, adapter, on_text=on_text)
+
+    monkeypatch.setattr(engine, "submit", spy)
+    return calls

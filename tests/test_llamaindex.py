@@ -106,18 +106,6 @@ def wait_idle(engine: Engine) -> None:
         threading.Event().wait(0.01)
 
 
-@pytest.fixture
-def record_submits(engine, monkeypatch):
-    """Every request the engine receives: (prompt, SamplingParams, adapter)."""
-    calls: list[tuple] = []
-    submit = engine.submit
-
-    def spy(prompt, sampling=None, adapter=None, on_text=None):
-        calls.append((prompt, sampling, adapter))
-        return submit(prompt, sampling, adapter, on_text=on_text)
-
-    monkeypatch.setattr(engine, "submit", spy)
-    return calls
 
 
 # ---- coalescing ---------------------------------------------------------------------------------

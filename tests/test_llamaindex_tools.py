@@ -256,17 +256,3 @@ def test_function_agent_feeds_the_tool_result_back_and_finishes(engine, llm, rec
     assert second[-1] == {"role": "user", "content": "<tool_response>" + json.dumps(
         {"name": call.tool_name, "content": str(call.tool_output)}) + "</tool_response>"}
     assert str(result)  # the agent ended on the second step's reply
-
-
-@pytest.fixture
-def record_submits(engine, monkeypatch):
-    """Every request the tiny engine receives: (prompt, SamplingParams, adapter)."""
-    calls: list[tuple] = []
-    submit = engine.submit
-
-    def spy(prompt, sampling=None, adapter=None, on_text=None):
-        calls.append((prompt, sampling, adapter))
-        return submit(prompt, sampling, adapter, on_text=on_text)
-
-    monkeypatch.setattr(engine, "submit", spy)
-    return calls

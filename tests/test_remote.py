@@ -124,3 +124,13 @@ def test_llamaindex_kev_on_a_server(url: str, engine: Engine) -> None:
     wrong_key = Kev(base_url=url, api_key="wrong", max_tokens=6)
     with pytest.raises(KevError, match="401"):
         wrong_key.complete("x")
+
+
+def test_kevllm_on_a_server_batches_in_one_request(url: str, engine: Engine) -> None:
+    from kev_integrations.langchain import KevLLM
+
+    prompts = ["Once upon a time", "The capital of France is"]
+    before = engine.stats()["prefill_passes"]
+    remote_texts = KevLLM(base_url=url, api_key=KEY, max_tokens=5, chat_template=False).batch(prompts)
+    assert engine.stats()["prefill_passes"] == before + 1
+    assert remote_texts == KevLLM(engine=engine, max_tokens=5, chat_template=False).batch(prompts)
