@@ -41,6 +41,8 @@ def check_temperature(value: Any, where: str = "temperature") -> float:
 
 
 CONSTRAINT_FIELDS = ("json_schema", "json_object", "regex", "choice", "grammar", "structural_tag")
+MAX_CONSTRAINT_CHARS = 100_000  # compile time grows with size and nesting: bound what one request may ask
+MAX_SCHEMA_DEPTH = 32
 
 
 def _pydantic_schema(value: Any) -> dict[str, Any] | None:
@@ -62,10 +64,24 @@ def _schema_text(value: Any, name: str, convert: Any = None) -> str:
     if not isinstance(value, dict):
         allowed = "a dict, its JSON text or a pydantic model class" if convert else "a dict or its JSON text"
         raise InvalidRequestError(f"{name}={value!r} is not allowed; use {allowed}")
+    if _depth(value) > MAX_SCHEMA_DEPTH:
+        raise InvalidRequestError(f"{name} nests deeper than {MAX_SCHEMA_DEPTH} levels; flatten it")
     try:
         return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
     except (TypeError, ValueError) as exc:
         raise InvalidRequestError(f"{name} cannot be written as JSON: {exc}") from None
+
+
+def _depth(value: Any) -> int:
+    """How deeply dicts and lists nest in `value` (iterative: a hostile schema cannot overflow the stack)."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        node, level = todo.pop()
+        if isinstance(node, (dict, list)):
+            deepest = max(deepest, level)
+            if level <= MAX_SCHEMA_DEPTH:
+                todo.extend((child, level + 1) for child in (node.values() if isinstance(node, dict) else node))
+    return deepest
 
 
 @dataclass(frozen=True)
@@ -153,6 +169,11 @@ class SamplingParams:
                     f"choice={choice!r} is not allowed; use a non-empty list of non-empty strings"
                 )
             object.__setattr__(self, "choice", tuple(choice))
+        constraint = self.constraint
+        if constraint is not None and len(constraint[1]) > MAX_CONSTRAINT_CHARS:
+            raise InvalidRequestError(
+                f"the {constraint[0]} constraint is {len(constraint[1])} characters; at most {MAX_CONSTRAINT_CHARS}"
+            )
 
     @property
     def constraint(self) -> tuple[str, str] | None:

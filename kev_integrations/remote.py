@@ -6,8 +6,9 @@ adapters, seeds, cache salts); sending those through Kev's own endpoints keeps e
 them, and keeps `batch()` = one pack: requests submitted inside `hold()` travel as ONE HTTP
 request (one group on the server), as they form one pack locally.
 
-Every request streams server-sent events, so a cancelled future closes its connection and the
-server stops computing it. Errors come back as the engine's own exception types.
+Every request streams server-sent events (one per token, read or not), so once every future of
+a request is cancelled the next event closes its connection and the server stops computing it.
+Errors come back as the engine's own exception types.
 """
 
 from __future__ import annotations
@@ -85,6 +86,7 @@ class RemoteEngine:
         self.name: str = info["name"]
         self.max_context: int = info["max_context"]
         self.tokenizer = RemoteTokenizer(info["chat_template"])
+        self.max_prompts: int = info["max_prompts"]  # a larger held batch travels as several requests
         self._pool = ThreadPoolExecutor(MAX_CONNECTIONS, thread_name_prefix="kev-remote")
         self._lock = threading.Lock()
         self._holds = 0
@@ -152,8 +154,8 @@ class RemoteEngine:
             with self._lock:
                 self._holds -= 1
                 batch, self._held = (self._held, []) if self._holds == 0 else ([], self._held)
-            if batch:
-                self._pool.submit(self._send, batch)
+            for start in range(0, len(batch), self.max_prompts):
+                self._pool.submit(self._send, batch[start : start + self.max_prompts])
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -175,8 +177,10 @@ class RemoteEngine:
 
     def _send(self, batch: list[_Pending]) -> None:
         """One HTTP request for the batch; events resolve each future. Runs on the pool."""
+        # every request streams its text, even when nobody reads it: an event per token is what lets
+        # this loop notice a cancelled batch promptly and hang up (closing from another thread can't)
         body = {"requests": [{"prompt": p.prompt, "sampling": _sampling_dict(p.sampling), "adapter": p.adapter,
-                              "stream": p.on_text is not None} for p in batch]}
+                              "stream": True} for p in batch]}
         try:
             with self._http.stream("POST", "/kev/v1/generate", json=body) as response:
                 if response.status_code != 200:

@@ -134,3 +134,23 @@ def test_kevllm_on_a_server_batches_in_one_request(url: str, engine: Engine) -> 
     remote_texts = KevLLM(base_url=url, api_key=KEY, max_tokens=5, chat_template=False).batch(prompts)
     assert engine.stats()["prefill_passes"] == before + 1
     assert remote_texts == KevLLM(engine=engine, max_tokens=5, chat_template=False).batch(prompts)
+
+
+def test_a_cancelled_non_streamed_request_hangs_up(remote: RemoteEngine, engine: Engine) -> None:
+    before = engine.stats()
+    future = remote.submit(QUESTIONS[2], SamplingParams(max_tokens=300))  # no on_text: no event until it ends
+    wait_for(lambda: engine.stats()["running"] == 1, 60, "the server to start the request")
+    future.cancel()
+    wait_for(lambda: engine.stats()["cancelled"] > before["cancelled"], 60, "the server to cancel the request")
+    assert engine.stats()["generated_tokens"] - before["generated_tokens"] < 300
+
+
+def test_a_held_batch_larger_than_the_server_takes_is_split(engine: Engine) -> None:
+    with serving(build_app(engine, ServerConfig(max_prompts=2), model_name="tiny-qwen2")) as base:
+        client = RemoteEngine(base, timeout=120)
+        try:
+            replies = client.generate(QUESTIONS[:5], SamplingParams(max_tokens=3))
+        finally:
+            client.close()
+    assert [r.token_ids for r in replies] == [r.token_ids for r in engine.generate(QUESTIONS[:5],
+                                                                                   SamplingParams(max_tokens=3))]

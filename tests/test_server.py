@@ -119,8 +119,15 @@ def test_wrong_or_missing_key_is_401_in_openai_shape(url: str) -> None:
         ({"messages": CHAT, "max_tokens": 10_000}, "max_tokens", "over this server's limit"),
         ({"messages": [], "max_tokens": 4}, "messages", "non-empty list"),
         ({"messages": CHAT, "model": "gpt-4"}, "model", "not served here"),
-        ({"messages": CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
-            "type": "bogus"}}}}, None, 'Unsupported type "bogus"'),
+        ({"messages": CHAT, "max_tokens": 8, "response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "schema": {"type": "bogus"}}}}, None, 'Unsupported type "bogus"'),
+        ({"messages": CHAT}, "max_tokens", "max_tokens=256 is over"),  # the default counts against the limit too
+        ({"messages": [{"role": "assistant", "content": None, "tool_calls": "abc"}], "max_tokens": 4}, "messages",
+         "unexpected shape"),
+        ({"messages": [{"role": "tool", "tool_call_id": [1], "content": "x"}], "max_tokens": 4}, "messages",
+         "unexpected shape"),
+        ({"messages": CHAT, "max_tokens": 4, "tools": [{"type": "function", "function": {"name": "f"}}],
+          "tool_choice": {"type": "function", "function": "f"}}, "messages", "unexpected shape"),
     ],
 )
 def test_bad_values_are_400_naming_the_field(url: str, body: dict, param: str | None, words: str) -> None:
@@ -258,3 +265,39 @@ def test_an_unknown_tool_choice_is_400_naming_the_tools(url: str) -> None:
                           json={"model": MODEL, "messages": CHAT, "tools": tools, "tool_choice": "multiply"})
     assert response.status_code == 400 and "['add']" in response.json()["error"]["message"]
     assert response.json()["error"]["param"] == "tool_choice"
+
+
+def test_deeply_nested_bodies_and_schemas_are_400(url: str) -> None:
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    deep = httpx.post(url + "/v1/completions", content=b"[" * 50_000, headers=headers, timeout=60)
+    assert deep.status_code == 400 and "RecursionError" in deep.json()["error"]["message"]
+    schema: dict = {"type": "string"}
+    for _ in range(40):
+        schema = {"type": "array", "items": schema}
+    nested = httpx.post(url + "/v1/chat/completions", headers=headers, timeout=60, json={
+        "model": MODEL, "messages": CHAT, "max_tokens": 4,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}})
+    assert nested.status_code == 400 and "nests deeper than 32" in nested.json()["error"]["message"]
+
+
+def test_streamed_replies_with_tools_bound_keep_their_text(client: openai.OpenAI) -> None:
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}}]
+    settings: dict[str, Any] = dict(model=MODEL, messages=CHAT, max_tokens=8, tools=tools, tool_choice="auto")
+    whole = client.chat.completions.create(**settings).choices[0].message
+    chunks = list(client.chat.completions.create(**settings, stream=True))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == (whole.content or "")
+    streamed_calls = [t for c in chunks if c.choices for t in c.choices[0].delta.tool_calls or []]
+    assert len(streamed_calls) == len(whole.tool_calls or [])
+
+
+def test_empty_keys_are_refused_and_metrics_labels_are_route_templates(url: str) -> None:
+    with pytest.raises(SystemExit, match="empty"):
+        ServerConfig(api_keys=("",))
+    with pytest.raises(SystemExit, match="empty"):
+        ServerConfig(admin_key=" ")
+    assert httpx.get(url + "/v1/models", headers={"Authorization": "Bearer"}).status_code == 401  # no token
+    httpx.delete(url + '/admin/adapters/x%22%7D%20evil', headers={"Authorization": "Bearer wrong"})
+    text = httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+    assert 'endpoint="/admin/adapters/{name}",status="401"' in text and "evil" not in text

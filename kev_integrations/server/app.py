@@ -27,11 +27,10 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-from kev_engine import Completion, Engine, InvalidRequestError, KevError, UnknownAdapterError
-from kev_engine.errors import EngineClosedError
+from kev_engine import Completion, Engine, InvalidRequestError, KevError
 
 from .config import ServerConfig
-from .errors import APIError, bad_request
+from .errors import APIError, bad_request, engine_error
 from .limits import BodyLimit
 from .metrics import Metrics
 from .native import add_native_routes
@@ -68,6 +67,9 @@ class ServerState:
 
     def acquire(self, count: int) -> None:
         """Take `count` queue places for one request, or refuse it with 429 (no unbounded queue)."""
+        if count > self.config.max_queued:  # would never fit: retrying cannot help
+            raise bad_request(f"{count} prompts in one request; this server holds at most {self.config.max_queued} "
+                              "questions in flight", param="prompt")
         with self._lock:
             if self.metrics.queued + count > self.config.max_queued:
                 raise APIError(429, f"the server has {self.metrics.queued} questions in flight (limit "
@@ -80,12 +82,20 @@ class ServerState:
             self.metrics.queued -= count
 
 
+def _route(request: Request) -> str:
+    """The metrics label of a request: its route's template (``/admin/adapters/{name}``), never the
+    raw path, which a caller could vary without end or fill with quotes."""
+    route = request.scope.get("route")
+    return getattr(route, "path", None) or "unmatched"
+
+
 def _check_key(request: Request, keys: tuple[str, ...], what: str) -> None:
     if not keys:
         return
     header = request.headers.get("authorization", "")
     scheme, _, token = header.partition(" ")
-    if scheme.lower() != "bearer" or not any(hmac.compare_digest(token.encode(), k.encode()) for k in keys):
+    if scheme.lower() != "bearer" or not token or not any(
+            hmac.compare_digest(token.encode(), k.encode()) for k in keys):
         raise APIError(401, f"missing or wrong API key for {what}; send 'Authorization: Bearer <key>'",
                        type="authentication_error", code="invalid_api_key")
 
@@ -94,21 +104,11 @@ async def _json_body(request: Request) -> dict[str, Any]:
     raw = await request.body()
     try:
         body = json.loads(raw)
-    except ValueError as exc:
-        raise bad_request(f"the request body is not valid JSON: {exc}") from None
+    except (ValueError, RecursionError) as exc:  # RecursionError: "[[[[..." nested past Python's limit
+        raise bad_request(f"the request body is not valid JSON: {type(exc).__name__}: {exc}") from None
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
     return body
-
-
-def _engine_error(exc: BaseException, index: int | None) -> APIError:
-    """A failed engine request as an HTTP error; the prompt's index is named for lists."""
-    where = f"prompt {index}: " if index is not None else ""
-    if isinstance(exc, (InvalidRequestError, UnknownAdapterError)):
-        return bad_request(where + str(exc))
-    if isinstance(exc, EngineClosedError):
-        return APIError(503, where + str(exc), type="server_error")
-    return APIError(500, f"{where}{type(exc).__name__}: {exc}", type="server_error")
 
 
 def _refused(futures: list[Future[Completion]]) -> None:
@@ -117,7 +117,7 @@ def _refused(futures: list[Future[Completion]]) -> None:
         if future.done() and not future.cancelled() and future.exception() is not None:
             for other in futures:
                 other.cancel()
-            raise _engine_error(future.exception(), i if len(futures) > 1 else None)  # type: ignore[arg-type]
+            raise engine_error(future.exception(), i if len(futures) > 1 else None)  # type: ignore[arg-type]
 
 
 async def _disconnected(request: Request) -> None:
@@ -147,7 +147,7 @@ async def _answers(request: Request, futures: list[Future[Completion]], timeout:
     results = gathered.result()
     for i, result in enumerate(results):
         if isinstance(result, BaseException):
-            raise _engine_error(result, i if len(results) > 1 else None)
+            raise engine_error(result, i if len(results) > 1 else None)
     return results
 
 
@@ -170,8 +170,11 @@ async def _events(state: ServerState, call: EngineCall, chat: bool, engine: Engi
             loop.call_soon_threadsafe(pieces.put_nowait, (i, None))
         return close
 
-    futures = await asyncio.to_thread(  # tokenizing and compiling a grammar stay off the event loop
-        engine.submit_many, call.prompts, call.sampling, call.adapter, [feeder(i) for i in range(len(call.prompts))])
+    try:  # tokenizing and compiling a grammar stay off the event loop
+        futures = await asyncio.to_thread(engine.submit_many, call.prompts, call.sampling, call.adapter,
+                                          [feeder(i) for i in range(len(call.prompts))])
+    except KevError as exc:  # refused as a whole (the engine closed meanwhile)
+        raise engine_error(exc, None) from None
     _refused(futures)
     for i, future in enumerate(futures):
         future.add_done_callback(closer(i))
@@ -201,7 +204,7 @@ async def _events(state: ServerState, call: EngineCall, chat: bool, engine: Engi
                     continue
                 error = future.exception()
                 if error is not None:
-                    yield sse(_engine_error(error, i if len(futures) > 1 else None).body())
+                    yield sse(engine_error(error, i if len(futures) > 1 else None).body())
                     continue
                 completion = future.result()
                 finished.append(completion)
@@ -241,7 +244,7 @@ def build_app(engine: Engine | Callable[[], Engine], config: ServerConfig | None
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
-        state.metrics.observe(request.url.path, exc.status)
+        state.metrics.observe(_route(request), exc.status)
         return exc.response()
 
     @app.get("/health")
@@ -268,7 +271,7 @@ def build_app(engine: Engine | Callable[[], Engine], config: ServerConfig | None
              "parent": None if i == state.model_name else state.model_name} for i in ids]})
 
     async def run(request: Request, chat: bool) -> Response:
-        endpoint = request.url.path
+        endpoint = _route(request)
         _check_key(request, config.api_keys, "/v1")
         started = time.perf_counter()
         body = await _json_body(request)
@@ -287,7 +290,10 @@ def build_app(engine: Engine | Callable[[], Engine], config: ServerConfig | None
                 raise
             return StreamingResponse(events, media_type="text/event-stream")
         try:
-            futures = await asyncio.to_thread(engine_now.submit_many, call.prompts, call.sampling, call.adapter)
+            try:
+                futures = await asyncio.to_thread(engine_now.submit_many, call.prompts, call.sampling, call.adapter)
+            except KevError as exc:
+                raise engine_error(exc, None) from None
             _refused(futures)
             completions = await _answers(request, futures, config.request_timeout_s)
         finally:

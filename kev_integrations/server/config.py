@@ -35,6 +35,13 @@ class ServerConfig:
     retry_after_s: int = 1
     """What a 429 tells the client to wait."""
 
+    def __post_init__(self) -> None:
+        """An empty key would let anyone in (``--api-key "$UNSET_VAR"``): refuse it by name."""
+        if any(not isinstance(k, str) or not k.strip() for k in self.api_keys):
+            raise SystemExit("an API key is empty; give a non-empty --api-key (or KEV_API_KEY), or none at all")
+        if self.admin_key is not None and not self.admin_key.strip():
+            raise SystemExit("the admin key is empty; give a non-empty --admin-key (or KEV_ADMIN_KEY), or none")
+
     @classmethod
     def from_env(cls, **overrides: object) -> ServerConfig:
         """Keys from ``KEV_API_KEY`` / ``KEV_ADMIN_KEY`` unless given; other fields as passed."""

@@ -10,6 +10,9 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
+from kev_engine import InvalidRequestError, UnknownAdapterError
+from kev_engine.errors import EngineClosedError
+
 
 class APIError(Exception):
     """A request the server refuses; `param` names the offending field when there is one."""
@@ -37,3 +40,13 @@ class APIError(Exception):
 
 def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param=param)
+
+
+def engine_error(exc: BaseException, index: int | None) -> APIError:
+    """A failed engine request as an HTTP error; the prompt's index is named for lists."""
+    where = f"prompt {index}: " if index is not None else ""
+    if isinstance(exc, (InvalidRequestError, UnknownAdapterError)):
+        return bad_request(where + str(exc))
+    if isinstance(exc, EngineClosedError):
+        return APIError(503, where + str(exc), type="server_error")
+    return APIError(500, f"{where}{type(exc).__name__}: {exc}", type="server_error")

@@ -26,10 +26,11 @@ from typing import TYPE_CHECKING, Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from kev_engine import Completion, Engine, InvalidRequestError, SamplingParams
+from kev_engine import Completion, Engine, InvalidRequestError, KevError, SamplingParams
+from kev_engine.params import coerce_sampling
 from kev_engine.tokenize import prompt_ids
 
-from .errors import bad_request
+from .errors import bad_request, engine_error
 from .responses import sse
 
 if TYPE_CHECKING:
@@ -41,7 +42,7 @@ def error_body(exc: BaseException) -> dict[str, str]:
 
 
 def _sampling(raw: Any, limit: int) -> SamplingParams:
-    sampling = SamplingParams.from_dict(raw or {})
+    sampling = coerce_sampling(raw)  # a dict of settings, or None; anything else is an InvalidRequestError
     if sampling.max_tokens > limit:
         raise InvalidRequestError(f"max_tokens={sampling.max_tokens} is over this server's limit of {limit}")
     return sampling
@@ -81,10 +82,13 @@ async def _generate_events(state: ServerState, engine: Engine, requests: list[di
         except InvalidRequestError as exc:
             samplings.append(exc)
     valid = [i for i, s in enumerate(samplings) if not isinstance(s, BaseException)]
-    submitted = await asyncio.to_thread(
-        engine.submit_many, [requests[i]["prompt"] for i in valid], [samplings[i] for i in valid],
-        [requests[i].get("adapter") for i in valid], [feeder(i) for i in valid],
-    ) if valid else []
+    try:
+        submitted = await asyncio.to_thread(
+            engine.submit_many, [requests[i]["prompt"] for i in valid], [samplings[i] for i in valid],
+            [requests[i].get("adapter") for i in valid], [feeder(i) for i in valid],
+        ) if valid else []
+    except KevError as exc:  # refused as a whole: the prompt list itself (or a closed engine)
+        raise engine_error(exc, None) from None
     by_index: dict[int, Future[Completion]] = dict(zip(valid, submitted))
     futures.extend(submitted)
 
@@ -133,6 +137,7 @@ def add_native_routes(app: FastAPI, state: ServerState, check_key: Callable[[Req
         engine = state.ready()
         template = getattr(engine.tokenizer, "chat_template", None)
         return JSONResponse({"name": state.model_name, "max_context": engine.max_context,
+                             "max_prompts": state.config.max_prompts,
                              "adapters": engine.adapters, "chat_template": template if isinstance(template, str)
                              else None})
 

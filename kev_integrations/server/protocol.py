@@ -111,18 +111,21 @@ def _constraint(response_format: Any) -> dict[str, Any]:
 
 
 def _sampling(body: Mapping[str, Any], config: ServerConfig, extra: Mapping[str, Any]) -> SamplingParams:
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    if max_tokens is not None and isinstance(max_tokens, int) and max_tokens > config.max_tokens_limit:
-        raise bad_request(f"max_tokens={max_tokens} is over this server's limit of {config.max_tokens_limit}",
-                          param="max_tokens")
+    max_tokens = body.get("max_completion_tokens")
+    if max_tokens is None:
+        max_tokens = body.get("max_tokens")
     values = {key: body.get(key) for key in ("temperature", "top_p", "top_k", "seed", "stop", "cache_salt")}
     values["max_tokens"] = max_tokens
     values.update(extra)
     try:
-        return SamplingParams.from_dict(values)
+        sampling = SamplingParams.from_dict(values)
     except InvalidRequestError as exc:
         param = next((key for key in values if f"{key}=" in str(exc)), None)
         raise bad_request(str(exc), param=param) from None
+    if sampling.max_tokens > config.max_tokens_limit:  # also when left out: the default may exceed the limit
+        raise bad_request(f"max_tokens={sampling.max_tokens} is over this server's limit of "
+                          f"{config.max_tokens_limit}", param="max_tokens")
+    return sampling
 
 
 def _stream_options(body: Mapping[str, Any]) -> tuple[bool, bool]:
@@ -161,6 +164,9 @@ def parse_chat(body: Mapping[str, Any], config: ServerConfig, base_model: str, a
             )}
     except ValueError as exc:  # (APIError is not a ValueError: chat_prompt's own 400s pass through)
         raise bad_request(str(exc), param="tool_choice") from None
+    except (AttributeError, TypeError, KeyError) as exc:  # a field of the wrong JSON type somewhere inside
+        raise bad_request(f"messages, tools or tool_choice have an unexpected shape ({type(exc).__name__}: {exc}); "
+                          "see the OpenAI chat completions format", param="messages") from None
     stream, include_usage = _stream_options(body)
     return EngineCall([prompt], _sampling(body, config, extra), adapter, model, stream, include_usage,
                       names if tool_choice != "none" else [])

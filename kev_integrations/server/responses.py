@@ -90,6 +90,10 @@ class ChunkWriter:
                                  "logprobs": None}])
         message, finish = chat_message(completion, tool_names)
         delta: dict[str, Any] = {}
+        if tool_names:  # with tools bound nothing was streamed: the text (if any) comes whole, here
+            delta["role"] = "assistant"
+            if message["content"]:
+                delta["content"] = message["content"]
         if message.get("tool_calls"):
             delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]
         return self._chunk([{"index": index, "delta": delta, "finish_reason": finish, "logprobs": None}])
