@@ -77,20 +77,22 @@ def _call_tag(tool: dict[str, Any], newline: bool) -> dict[str, Any]:
 
 
 def tool_call_constraint(
-    tools: Sequence[dict[str, Any]], tool_choice: Any = None, *, parallel: bool = True, newline: bool = False
+    tools: Sequence[dict[str, Any]], tool_choice: Any, tokenizer: Any, *, parallel: bool = True
 ) -> dict[str, Any] | None:
     """The structural tag a reply with these tools bound must match (None: no constraint).
 
     "auto"/None: free text, and any ``<tool_call>`` it opens is a valid call; "any"/"required"/
     True: one or more calls and nothing else; a tool's name: exactly one call of that tool;
     "none"/False: free text that never opens a call. `parallel=False` allows one call at most.
-    `newline` writes the Qwen templates' ``<tool_call>\n{...}\n</tool_call>`` layout.
+    The layout follows the model's template (`tool_call_newline`), decided here once for every
+    front end, so the constraint always matches what the model was shown.
     """
     if not tools:
         return None
     if tool_choice in ("none", False):
         return {"type": "structural_tag", "format": {"type": "any_text", "excludes": ["<tool_call>"]}}
     tool_choice_instruction(tool_choice, tools)  # an unknown choice raises, naming the allowed ones
+    newline = tool_call_newline(tokenizer)
     tags = [_call_tag(tool, newline) for tool in tools]
     forced = tool_choice_name(tool_choice, tools)
     if forced is not None:

@@ -370,3 +370,20 @@ def test_cache_salt_reaches_the_engine_from_both_integrations(tokenizer) -> None
     Kev(engine=engine, max_tokens=2, cache_salt="tenant-a").complete(f"{doc}\nWho runs it?")
     assert engine.stats()["prefix_hit_tokens"] > before  # the same tenant: its document reused
     engine.close()
+
+
+def test_every_front_end_gets_the_tool_call_layout_of_the_models_template() -> None:
+    """One decision, in tool_call_constraint: a template that renders tools and writes
+    "<tool_call>\\n" gets that layout; any other gets Kev's one-line prompt layout."""
+    from types import SimpleNamespace
+
+    from kev_integrations.tool_format import tool_call_constraint
+
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {}}}}]
+    qwen = SimpleNamespace(chat_template="{% for tool in tools %}...{% endfor %}<tool_call>\\n{...}\\n</tool_call>")
+    plain = SimpleNamespace(chat_template="{% for m in messages %}{{ m.content }}{% endfor %}")
+    mentions_tools = SimpleNamespace(chat_template="{% if tools %}<|python_tag|>{% endif %}")
+    begin = {name: tool_call_constraint(tools, "add", tok)["format"]["begin"]
+             for name, tok in (("qwen", qwen), ("plain", plain), ("mentions_tools", mentions_tools))}
+    assert begin["qwen"].startswith("<tool_call>\n{")
+    assert begin["plain"].startswith("<tool_call>{") and begin["mentions_tools"].startswith("<tool_call>{")

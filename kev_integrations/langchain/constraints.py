@@ -16,7 +16,7 @@ from langchain_core.utils.function_calling import convert_to_json_schema
 
 from kev_engine import InvalidRequestError, SamplingParams
 
-from ..tool_format import tool_call_constraint, tool_call_newline
+from ..tool_format import tool_call_constraint
 
 PARALLEL_TOOL_CALLS_DEFAULT = False
 """`parallel_tool_calls` when the caller says nothing: one call per turn.
@@ -69,8 +69,7 @@ def tools_constraint(
 ) -> dict[str, Any]:
     """The constraint fields for a reply with `tools` bound (empty when nothing is bound)."""
     tag = tool_call_constraint(
-        tools, tool_choice, parallel=PARALLEL_TOOL_CALLS_DEFAULT if parallel is None else parallel,
-        newline=tool_call_newline(tokenizer),
+        tools, tool_choice, tokenizer, parallel=PARALLEL_TOOL_CALLS_DEFAULT if parallel is None else parallel
     )
     return {"structural_tag": tag} if tag is not None else {}
 

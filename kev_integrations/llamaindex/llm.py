@@ -287,12 +287,10 @@ class Kev(StructuredOutput, FunctionCallingLLM):
         tools = tool_schemas(kwargs.pop("tools", None))
         tool_choice = kwargs.pop("tool_choice", None)
         parallel = kwargs.pop("parallel_tool_calls", True)
-        native = template_supports_tools(self.get_engine().tokenizer)
-        prompt = chat_prompt(messages, tools, tool_choice, native)
+        tokenizer = self.get_engine().tokenizer
+        prompt = chat_prompt(messages, tools, tool_choice, template_supports_tools(tokenizer))
         if tools and not any(kwargs.get(key) for key in CONSTRAINT_FIELDS):
-            # native (Hermes/Qwen) templates teach "<tool_call>\n{...}\n</tool_call>"
-            tag = tool_call_constraint(tools, tool_choice, parallel=parallel, newline=native)
-            kwargs["structural_tag"] = tag
+            kwargs["structural_tag"] = tool_call_constraint(tools, tool_choice, tokenizer, parallel=parallel)
         return prompt, kwargs, [t["function"]["name"] for t in tools]
 
     @staticmethod
