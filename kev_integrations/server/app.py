@@ -34,6 +34,7 @@ from .errors import APIError, bad_request, engine_error
 from .limits import BodyLimit
 from .metrics import Metrics
 from .native import add_native_routes
+from .pieces import Pieces
 from .protocol import EngineCall, parse_chat, parse_completion
 from .responses import ChunkWriter, chat_response, completion_response, sse
 
@@ -157,49 +158,36 @@ async def _events(state: ServerState, call: EngineCall, chat: bool, engine: Engi
 
     The caller has taken the request's queue places; the stream gives them back when it ends.
     """
-    loop = asyncio.get_running_loop()
-    pieces: asyncio.Queue[tuple[int, str | None]] = asyncio.Queue()
-
-    def feeder(i: int) -> Callable[[str], None]:
-        def feed(piece: str) -> None:  # on the scheduler thread: hand the piece to the event loop
-            loop.call_soon_threadsafe(pieces.put_nowait, (i, piece))
-        return feed
-
-    def closer(i: int) -> Callable[[Future[Completion]], None]:
-        def close(_: Future[Completion]) -> None:
-            loop.call_soon_threadsafe(pieces.put_nowait, (i, None))
-        return close
-
+    pieces = Pieces(state.config.request_timeout_s)
     try:  # tokenizing and compiling a grammar stay off the event loop
         futures = await asyncio.to_thread(engine.submit_many, call.prompts, call.sampling, call.adapter,
-                                          [feeder(i) for i in range(len(call.prompts))])
+                                          [pieces.feeder(i) for i in range(len(call.prompts))])
     except KevError as exc:  # refused as a whole (the engine closed meanwhile)
         raise engine_error(exc, None) from None
     _refused(futures)
     for i, future in enumerate(futures):
-        future.add_done_callback(closer(i))
+        pieces.watch(i, future)
 
     async def stream() -> AsyncIterator[str]:
         writer = ChunkWriter(chat, call.model)
         opened = [False] * len(futures)
-        deadline = loop.time() + state.config.request_timeout_s
         finished: list[Completion] = []
         try:
             remaining = len(futures)
             while remaining:
                 try:
-                    i, piece = await asyncio.wait_for(pieces.get(), timeout=max(0.0, deadline - loop.time()))
+                    i, piece = await pieces.next()
                 except asyncio.TimeoutError:
                     yield sse(APIError(504, "the request did not finish in time and was cancelled",
                                         type="timeout_error").body())
                     return
-                if piece is not None:
+                if isinstance(piece, str):
                     if not call.tool_names:  # tool-call markup is parsed at the end, not streamed
                         yield sse(writer.text(i, piece, first=not opened[i]))
                         opened[i] = True
                     continue
                 remaining -= 1
-                future = futures[i]
+                future = piece
                 if future.cancelled():
                     continue
                 error = future.exception()

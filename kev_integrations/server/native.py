@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import functools
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
@@ -28,9 +27,11 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from kev_engine import Completion, Engine, InvalidRequestError, KevError, SamplingParams
 from kev_engine.params import coerce_sampling
+from kev_engine.request import failed_future
 from kev_engine.tokenize import prompt_ids
 
 from .errors import bad_request, engine_error
+from .pieces import Pieces
 from .responses import sse
 
 if TYPE_CHECKING:
@@ -64,17 +65,7 @@ def _requests(body: dict[str, Any], state: ServerState) -> list[dict[str, Any]]:
 
 
 async def _generate_events(state: ServerState, engine: Engine, requests: list[dict[str, Any]]) -> AsyncIterator[str]:
-    loop = asyncio.get_running_loop()
-    events: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
-    futures: list[Future[Completion]] = []
-
-    def feeder(i: int) -> Callable[[str], None] | None:
-        if not requests[i].get("stream"):
-            return None
-        def feed(piece: str) -> None:  # on the scheduler thread: hand the piece to the event loop
-            loop.call_soon_threadsafe(events.put_nowait, {"index": i, "text": piece})
-        return feed
-
+    pieces = Pieces(state.config.request_timeout_s)
     samplings: list[Any] = []
     for request in requests:
         try:
@@ -85,48 +76,49 @@ async def _generate_events(state: ServerState, engine: Engine, requests: list[di
     try:
         submitted = await asyncio.to_thread(
             engine.submit_many, [requests[i]["prompt"] for i in valid], [samplings[i] for i in valid],
-            [requests[i].get("adapter") for i in valid], [feeder(i) for i in valid],
+            [requests[i].get("adapter") for i in valid],
+            [pieces.feeder(i) if requests[i].get("stream") else None for i in valid],
         ) if valid else []
     except KevError as exc:  # refused as a whole: the prompt list itself (or a closed engine)
         raise engine_error(exc, None) from None
-    by_index: dict[int, Future[Completion]] = dict(zip(valid, submitted))
-    futures.extend(submitted)
-
-    def report(i: int, future: Future[Completion]) -> None:
-        if future.cancelled():
-            event: dict[str, Any] = {"index": i, "error": {"type": "CancelledError", "message": "cancelled"}}
-        elif future.exception() is not None:
-            event = {"index": i, "error": error_body(future.exception())}  # type: ignore[arg-type]
-        else:
-            event = {"index": i, "completion": dataclasses.asdict(future.result())}
-        loop.call_soon_threadsafe(events.put_nowait, event)
-
+    futures = dict(zip(valid, submitted))
     for i, sampling in enumerate(samplings):
-        if isinstance(sampling, BaseException):
-            events.put_nowait({"index": i, "error": error_body(sampling)})
-    for i, future in by_index.items():
-        future.add_done_callback(functools.partial(report, i))
+        if isinstance(sampling, BaseException):  # a refused setting: a request that has already failed
+            futures[i] = failed_future(sampling)
+        pieces.watch(i, futures[i])
 
     async def stream() -> AsyncIterator[str]:
         remaining = len(requests)
-        deadline = loop.time() + state.config.request_timeout_s
         try:
             while remaining:
                 try:
-                    event = await asyncio.wait_for(events.get(), timeout=max(0.0, deadline - loop.time()))
+                    i, piece = await pieces.next()
                 except asyncio.TimeoutError:
                     for i in range(len(requests)):
                         yield sse({"index": i, "error": {"type": "TimeoutError", "message": "timed out"}})
                     return
-                remaining -= "text" not in event  # type: ignore[operator]
-                yield sse(event)
+                if isinstance(piece, str):
+                    yield sse({"index": i, "text": piece})
+                    continue
+                remaining -= 1
+                yield sse({"index": i, **_outcome(piece)})
             yield sse("[DONE]")
         finally:  # the client left or we are done: nothing keeps computing for nobody
-            for future in futures:
+            for future in futures.values():
                 future.cancel()
             state.release(len(requests))
 
     return stream()
+
+
+def _outcome(future: Future[Completion]) -> dict[str, Any]:
+    """A finished request's event body: its completion, or its error."""
+    if future.cancelled():
+        return {"error": {"type": "CancelledError", "message": "cancelled"}}
+    error = future.exception()
+    if error is not None:
+        return {"error": error_body(error)}
+    return {"completion": dataclasses.asdict(future.result())}
 
 
 def add_native_routes(app: FastAPI, state: ServerState, check_key: Callable[[Request], None],
