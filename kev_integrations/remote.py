@@ -91,6 +91,7 @@ class RemoteEngine:
         self._lock = threading.Lock()
         self._holds = 0
         self._held: list[_Pending] = []
+        self._checked_adapters: set[str] = set()
 
     # ---- what the integrations call -------------------------------------------------------
 
@@ -99,12 +100,16 @@ class RemoteEngine:
         return list(self._get("/kev/v1/info")["adapters"])
 
     def load_adapter(self, name: str, path: str) -> None:
-        """Adapters live on the server (`kev serve --adapter`, /admin/adapters): only check the name."""
+        """Adapters live on the server (`kev serve --adapter`, /admin/adapters): only check the name,
+        once per name (integrations ask on every call; one unloaded later fails its requests by name)."""
+        if name in self._checked_adapters:
+            return
         if name not in self.adapters:
             raise UnknownAdapterError(
                 f"adapter {name!r} is not loaded on {self.base_url}; start the server with --adapter "
                 f"{name}={path} or load it through /admin/adapters"
             )
+        self._checked_adapters.add(name)
 
     def encode(self, prompt: Any) -> list[int]:
         return list(self._post("/kev/v1/tokenize", {"prompt": prompt})["ids"])
