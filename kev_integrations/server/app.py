@@ -44,10 +44,12 @@ SHUTDOWN_CLOSE_S = 30.0  # after uvicorn's graceful drain, the engine gets this 
 class ServerState:
     """The engine (once loaded) and what the HTTP layer counts."""
 
-    def __init__(self, config: ServerConfig, model_name: str) -> None:
+    def __init__(self, config: ServerConfig, model_name: str,
+                 adapter_names: Callable[[], list[str]] | None = None) -> None:
         self.config = config
         self.model_name = model_name
         self.engine: Engine | None = None
+        self._adapter_names = adapter_names
         self.load_error: BaseException | None = None
         self.metrics = Metrics()
         self._lock = threading.Lock()
@@ -65,6 +67,12 @@ class ServerState:
             raise APIError(503, f"the model failed to load: {self.load_error}", type="server_error")
         raise APIError(503, "the model is still loading; retry shortly", type="server_error",
                        headers={"Retry-After": "5"})
+
+    def adapter_names(self) -> list[str]:
+        """The adapters clients may name: the engine's, or a catalog loaded on demand (Ray replicas)."""
+        if self._adapter_names is not None:
+            return self._adapter_names()
+        return self.ready().adapters
 
     def acquire(self, count: int) -> None:
         """Take `count` queue places for one request, or refuse it with 429 (no unbounded queue)."""
@@ -90,7 +98,7 @@ def _route(request: Request) -> str:
     return getattr(route, "path", None) or "unmatched"
 
 
-def _check_key(request: Request, keys: tuple[str, ...], what: str) -> None:
+def check_key(request: Request, keys: tuple[str, ...], what: str) -> None:
     if not keys:
         return
     header = request.headers.get("authorization", "")
@@ -135,6 +143,10 @@ async def _answers(request: Request, futures: list[Future[Completion]], timeout:
     try:
         waiters: set[asyncio.Future[Any]] = {gathered, watcher}
         done, _ = await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:  # the handler itself was cancelled (a proxy in front gave up on it)
+        for future in futures:
+            future.cancel()
+        raise
     finally:
         watcher.cancel()
     if gathered not in done:
@@ -210,17 +222,21 @@ async def _events(state: ServerState, call: EngineCall, chat: bool, engine: Engi
 
 
 def build_app(engine: Engine | Callable[[], Engine], config: ServerConfig | None = None,
-              model_name: str | None = None) -> FastAPI:
-    """The app over a ready engine, or over a factory called in a thread at start-up."""
+              model_name: str | None = None, adapter_names: Callable[[], list[str]] | None = None) -> FastAPI:
+    """The app over a ready engine, or over a factory called in a thread at start-up.
+
+    `adapter_names` lists the adapters clients may name when the engine loads them on demand
+    (a Ray replica loads one just before the request that names it); by default the engine's own.
+    """
     config = config or ServerConfig()
     name = model_name or (engine.name if isinstance(engine, Engine) else "kev")
-    state = ServerState(config, name)
+    state = ServerState(config, name, adapter_names)
+    if isinstance(engine, Engine):  # ready now: also when the app is called without a lifespan (in a Ray replica)
+        state.engine = engine
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        if isinstance(engine, Engine):
-            state.engine = engine
-        else:
+        if not isinstance(engine, Engine):
             threading.Thread(target=state.load, args=(engine,), name="kev-load", daemon=True).start()
         yield
         if state.engine is not None and not isinstance(engine, Engine):  # we built it, we close it
@@ -245,29 +261,28 @@ def build_app(engine: Engine | Callable[[], Engine], config: ServerConfig | None
 
     @app.get("/metrics")
     async def metrics(request: Request) -> PlainTextResponse:
-        _check_key(request, config.api_keys, "/metrics")
+        check_key(request, config.api_keys, "/metrics")
         stats = state.engine.stats() if state.engine is not None else None
         return PlainTextResponse(state.metrics.render(stats), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
     async def models(request: Request) -> JSONResponse:
-        _check_key(request, config.api_keys, "/v1")
-        engine_now = state.ready()
-        ids = [state.model_name, *engine_now.adapters]
+        check_key(request, config.api_keys, "/v1")
+        ids = [state.model_name, *state.adapter_names()]
         return JSONResponse({"object": "list", "data": [
             {"id": i, "object": "model", "created": 0, "owned_by": "kev", "root": state.model_name,
              "parent": None if i == state.model_name else state.model_name} for i in ids]})
 
     async def run(request: Request, chat: bool) -> Response:
         endpoint = _route(request)
-        _check_key(request, config.api_keys, "/v1")
+        check_key(request, config.api_keys, "/v1")
         started = time.perf_counter()
         body = await _json_body(request)
         engine_now = state.ready()
         if chat:
-            call = parse_chat(body, config, state.model_name, engine_now.adapters, engine_now.tokenizer)
+            call = parse_chat(body, config, state.model_name, state.adapter_names(), engine_now.tokenizer)
         else:
-            call = parse_completion(body, config, state.model_name, engine_now.adapters)
+            call = parse_completion(body, config, state.model_name, state.adapter_names())
         call.endpoint = endpoint
         state.acquire(len(call.prompts))  # 429 now, before any work, rather than mid-stream
         if call.stream:
@@ -302,13 +317,13 @@ def build_app(engine: Engine | Callable[[], Engine], config: ServerConfig | None
     async def completions(request: Request) -> Response:
         return await run(request, chat=False)
 
-    add_native_routes(app, state, lambda request: _check_key(request, config.api_keys, "/kev/v1"), _json_body)
+    add_native_routes(app, state, lambda request: check_key(request, config.api_keys, "/kev/v1"), _json_body)
 
     def admin(request: Request) -> Engine:
         if config.admin_key is None:
             raise APIError(403, "admin endpoints are disabled; start the server with --admin-key",
                            type="permission_error")
-        _check_key(request, (config.admin_key,), "admin endpoints")
+        check_key(request, (config.admin_key,), "admin endpoints")
         return state.ready()
 
     @app.post("/admin/adapters")

@@ -50,6 +50,24 @@ class Metrics:
                 self.latency_counts[bisect.bisect_left(LATENCY_BUCKETS_S, seconds)] += 1
                 self.latency_sum += seconds
 
+    def snapshot(self) -> dict[str, Any]:
+        """The counts as plain data, to add up several servers' (Ray replicas) in one /metrics."""
+        with self._lock:
+            return {"requests": list(self.requests.items()), "latency_counts": list(self.latency_counts),
+                    "latency_sum": self.latency_sum, "queued": self.queued}
+
+    @classmethod
+    def merged(cls, snapshots: list[dict[str, Any]]) -> Metrics:
+        """One Metrics holding the sum of `snapshot()`s: what a fleet of replicas has served."""
+        total = cls()
+        for snap in snapshots:
+            for key, count in snap["requests"]:
+                total.requests[tuple(key)] += count  # type: ignore[index]
+            total.latency_counts = [a + b for a, b in zip(total.latency_counts, snap["latency_counts"])]
+            total.latency_sum += snap["latency_sum"]
+            total.queued += snap["queued"]
+        return total
+
     def render(self, engine_stats: dict[str, Any] | None) -> str:
         lines = ["# HELP kev_http_requests_total HTTP requests by endpoint and status.",
                  "# TYPE kev_http_requests_total counter"]

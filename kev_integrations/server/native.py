@@ -130,7 +130,7 @@ def add_native_routes(app: FastAPI, state: ServerState, check_key: Callable[[Req
         template = getattr(engine.tokenizer, "chat_template", None)
         return JSONResponse({"name": state.model_name, "max_context": engine.max_context,
                              "max_prompts": state.config.max_prompts,
-                             "adapters": engine.adapters, "chat_template": template if isinstance(template, str)
+                             "adapters": state.adapter_names(), "chat_template": template if isinstance(template, str)
                              else None})
 
     @app.post("/kev/v1/tokenize")
