@@ -143,3 +143,24 @@ def record_submits(engine, monkeypatch):
 
     monkeypatch.setattr(engine, "submit", spy)
     return calls
+
+
+@pytest.fixture(scope="session")
+def ray_cluster() -> Any:
+    """One local Ray for the whole session (2 CPUs, no dashboard, no usage reporting), shut down at the end."""
+    import os
+
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # it would try to reach the internet
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+def save_tiny_model(folder: Path, tokenizer: Any, family: str = "llama", seed: int = 0) -> Path:
+    """A tiny random model and the embedded tokenizer saved as a local folder, as Ray workers load it."""
+    model = tiny_model(family, tokenizer, seed=seed)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
