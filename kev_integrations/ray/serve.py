@@ -1,0 +1,314 @@
+"""Kev on Ray Serve: N engine replicas behind one OpenAI-compatible endpoint, routed by adapter.
+
+Data flow: client → Serve's HTTP proxy → `KevIngress` (one light actor) → a `KevReplica`,
+which runs one `Engine` behind the very app `kev serve` runs (`kev_integrations.server`), so
+the API, its keys, limits, constraints, tool calls, streaming and Kev's own endpoints are the
+same by construction. The ingress only reads which adapters a body names and relays bytes.
+
+Adapter affinity: OpenAI clients pick an adapter by the body's `model` (or `adapter`), which
+Serve's proxy never reads, so the ingress does, and calls the replicas with
+``multiplexed_model_id=<adapter>``. Serve then prefers a replica that already holds it; each
+replica loads adapters on demand through ``@serve.multiplexed`` (an LRU of
+`max_adapters_per_replica`), so an adapter lives on the replicas its traffic needs, not on all.
+Mixed-adapter packing stays inside each replica's engine (Serve's own batcher splits by id).
+
+Failure: a replica that dies before the ingress has relayed any byte of its answer is retried
+on another replica (`retries` times); a stream that dies midway ends with an error event that
+says so — never a silently truncated answer.
+"""
+
+# No `from __future__ import annotations`: Serve's class-based FastAPI views must see `Request` itself.
+import asyncio
+import json
+import threading
+from collections import Counter
+from collections.abc import AsyncIterator, Collection
+from typing import Any
+
+import ray
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from ray import serve
+from ray.exceptions import RayActorError
+from ray.serve.exceptions import ReplicaUnavailableError
+from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
+
+from kev_integrations.server.app import check_key
+from kev_integrations.server.config import ServerConfig
+from kev_integrations.server.errors import APIError
+from kev_integrations.server.metrics import Metrics
+from kev_integrations.server.responses import sse
+
+from .asgi import HTTPRequest, ResponseStart, run_asgi
+
+REPLICA_GONE = (RayActorError, ReplicaUnavailableError)  # the replica died or left: another may answer
+EVICT_DRAIN_S = 5.0  # an evicted adapter waits this long for requests between lease and submission
+ROUTED_PATHS = ("/v1/chat/completions", "/v1/completions", "/kev/v1/generate")
+
+
+def requested_adapters(path: str, body: bytes, catalog: Collection[str]) -> list[str]:
+    """The catalog adapters a request names, the one to route by first. Reads, never refuses:
+    a malformed body goes on to a replica, whose app answers it with the usual 400."""
+    if path not in ROUTED_PATHS:
+        return []
+    try:
+        data = json.loads(body)
+    except (ValueError, RecursionError):
+        return []
+    if not isinstance(data, dict):
+        return []
+    if path == "/kev/v1/generate":
+        requests = data.get("requests")
+        names = [r.get("adapter") for r in requests if isinstance(r, dict)] if isinstance(requests, list) else []
+    else:
+        names = [data.get("adapter"), data.get("model")]
+    found: list[str] = []
+    for name in names:
+        if isinstance(name, str) and name in catalog and name not in found:
+            found.append(name)
+    return found
+
+
+class _HeldAdapter:
+    """What Serve's multiplexing caches per adapter; Serve calls `__del__` when the LRU evicts it."""
+
+    def __init__(self, replica: "KevReplica", name: str) -> None:
+        self.replica, self.name, self.unloaded = replica, name, False
+
+    def __del__(self) -> None:
+        if not self.unloaded:  # Serve calls this on eviction, the garbage collector once more later
+            self.unloaded = True
+            self.replica.unload(self.name)
+
+
+class KevReplica:
+    """One engine behind the `kev serve` app; adapters from a catalog, loaded on demand."""
+
+    def __init__(self, model: str | None, adapters: dict[str, str], config: ServerConfig, model_name: str,
+                 max_adapters: int, engine_kwargs: dict[str, Any]) -> None:
+        from kev_engine import Engine
+        from kev_integrations.server.app import build_app as build_server_app
+
+        self.catalog = dict(adapters)
+        self.engine = Engine.from_pretrained(model, **engine_kwargs)
+        self.app = build_server_app(self.engine, config, model_name, adapter_names=lambda: list(self.catalog))
+        replica_id = serve.get_replica_context().replica_id
+        self.replica, self.actor_name = replica_id.unique_id, replica_id.to_full_id_str()
+        self.loads: Counter[str] = Counter()  # adapter → times this replica loaded it
+        self._in_use: Counter[str] = Counter()
+        self._idle = threading.Condition()  # `unload` runs on Serve's executor thread
+
+        async def hold(name: str) -> _HeldAdapter:
+            await asyncio.to_thread(self.engine.load_adapter, name, self.catalog[name])
+            self.loads[name] += 1
+            return _HeldAdapter(self, name)
+
+        self.max_adapters = max_adapters
+        self._hold = serve.multiplexed(max_num_models_per_replica=max_adapters)(hold)
+
+    def unload(self, name: str) -> None:
+        """Evicted by the LRU: let requests that hold it reach the engine, then unload (the engine
+        lets requests already using it finish)."""
+        with self._idle:
+            self._idle.wait_for(lambda: self._in_use[name] == 0, timeout=EVICT_DRAIN_S)
+        self.engine.unload_adapter(name)
+
+    async def forward(self, request: HTTPRequest, adapters: list[str]) -> AsyncIterator[ResponseStart | bytes]:
+        """The app's response to `request`, after loading the adapters it names (routed here by the first)."""
+        if len(adapters) > self.max_adapters:
+            error = APIError(400, f"this request names {len(adapters)} adapters {adapters}; a replica holds at most "
+                             f"{self.max_adapters} at once (max_adapters_per_replica)", param="adapter")
+            body = json.dumps(error.body()).encode()
+            yield ResponseStart(400, [(b"content-type", b"application/json")], self.replica)
+            yield body
+            return
+        held: list[str] = []
+        try:
+            for name in adapters:
+                await self._hold(name)
+                with self._idle:
+                    self._in_use[name] += 1
+                held.append(name)
+            async for piece in run_asgi(self.app, request, self.replica):
+                yield piece
+        finally:
+            with self._idle:
+                self._in_use.subtract(held)
+                self._idle.notify_all()
+
+    def info(self) -> dict[str, Any]:
+        """This replica as operators (and tests) see it: who it is, what it loaded, what it has served."""
+        return {"replica": self.replica, "actor_name": self.actor_name, "loads": dict(self.loads),
+                "adapters": self.engine.adapters, "stats": self.engine.stats(),
+                "metrics": self.app.state.kev.metrics.snapshot()}
+
+    def check_health(self) -> None:
+        """Serve restarts a replica whose engine has stopped."""
+        if self.engine.closed:
+            raise RuntimeError("the engine is closed")
+
+    def __del__(self) -> None:  # Serve calls this when it stops the replica
+        engine = getattr(self, "engine", None)
+        if engine is not None and not engine.closed:
+            engine.close(timeout=30)
+
+
+api = FastAPI(title="Kev on Ray", docs_url=None, redoc_url=None, openapi_url=None)
+
+
+@api.exception_handler(APIError)
+async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+    return exc.response()
+
+
+def _response_headers(start: ResponseStart) -> list[tuple[bytes, bytes]]:
+    return [*start.headers, (b"x-kev-replica", start.replica.encode())]
+
+
+async def _rest(call: DeploymentResponseGenerator, first: bytes, replica: str) -> AsyncIterator[bytes]:
+    """The rest of a relayed stream; a replica lost midway ends it with an error event, not silence."""
+    try:
+        if first:
+            yield first
+        try:
+            async for chunk in call:
+                yield bytes(chunk)
+        except REPLICA_GONE as exc:
+            error = APIError(502, f"the replica answering this stream ({replica}) died midway "
+                             f"({type(exc).__name__}); the answer is incomplete, retry the request",
+                             type="server_error", code="replica_died")
+            yield sse(error.body()).encode()
+    finally:  # the client left, or we are done: the replica stops computing for nobody
+        call.cancel()
+
+
+# Everything KevIngress uses is defined above it: `serve.ingress` captures the class with the
+# module globals that exist when it runs.
+@serve.ingress(api)
+class KevIngress:
+    """Reads which adapter a request names, routes it to a replica holding it, relays the answer."""
+
+    def __init__(self, replicas: DeploymentHandle, catalog: list[str], config: ServerConfig, retries: int) -> None:
+        self.replicas, self.catalog, self.config, self.retries = replicas, frozenset(catalog), config, retries
+
+    @api.get("/metrics")
+    async def metrics(self, request: Request) -> PlainTextResponse:
+        """The fleet's counters and engine stats, summed over every replica running now."""
+        check_key(request, self.config.api_keys, "/metrics")
+        infos = await self._replica_infos()
+        stats = {key: sum(i["stats"][key] for i in infos) for key in infos[0]["stats"]} if infos else None
+        text = Metrics.merged([i["metrics"] for i in infos]).render(stats)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+    @api.get("/kev/ray/replicas")
+    async def replicas_view(self, request: Request) -> JSONResponse:
+        """Each replica's id, the adapters it holds and has loaded, and its engine's stats."""
+        check_key(request, self.config.api_keys, "/kev/ray")
+        infos = await self._replica_infos()
+        return JSONResponse({"replicas": [{k: v for k, v in i.items() if k != "metrics"} for i in infos],
+                             "routing": self._routing()})
+
+    def _routing(self) -> dict[str, list[str]] | None:
+        """Which replicas this ingress's router believes hold each adapter — where it sends that
+        adapter's requests. Read from Ray's internals (no public API has it): None if they moved."""
+        try:
+            router = self.replicas._router._asyncio_router.request_router  # type: ignore[union-attr]
+            held = router._multiplexed_model_id_to_replica_ids
+            return {name: sorted(r.unique_id for r in ids) for name, ids in held.items() if ids}
+        except AttributeError:
+            return None
+
+    @api.api_route("/admin/{rest:path}", methods=["GET", "POST", "PUT", "DELETE"])
+    async def admin(self, rest: str) -> JSONResponse:
+        raise APIError(501, "admin endpoints are not served on Ray: a change made on one replica would not reach "
+                       "the others or replicas started later. Declare adapters in build_app(adapters=...) "
+                       "(or --adapter) and the default temperature with KEV_TEMPERATURE, then redeploy",
+                       type="not_implemented")
+
+    @api.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
+    async def proxy(self, path: str, request: Request) -> Response:
+        declared = request.headers.get("content-length", "")
+        limit = self.config.max_body_bytes
+        if declared.isdigit() and int(declared) > limit:
+            raise APIError(413, f"the request body is over this server's limit of {limit} bytes",
+                           code="body_too_large")
+        body = await request.body()
+        if len(body) > limit:
+            raise APIError(413, f"the request body is over this server's limit of {limit} bytes",
+                           code="body_too_large")
+        forwarded = HTTPRequest(request.method, "/" + path, request.url.query.encode(), list(request.headers.raw),
+                                body, (request.client.host, request.client.port) if request.client else None)
+        return await self._relay(forwarded, requested_adapters(forwarded.path, body, self.catalog))
+
+    async def _replica_infos(self) -> list[dict[str, Any]]:
+        return list(await self.replicas.broadcast("info").results_async())
+
+    async def _relay(self, request: HTTPRequest, adapters: list[str]) -> Response:
+        """Send to a replica (by adapter), retrying on another if it dies before anything was relayed."""
+        failures: list[str] = []
+        for _ in range(self.retries + 1):
+            call: DeploymentResponseGenerator = self.replicas.options(  # type: ignore[assignment]
+                stream=True, multiplexed_model_id=adapters[0] if adapters else "").forward.remote(request, adapters)
+            try:
+                start = await call.__anext__()
+                assert isinstance(start, ResponseStart)
+                if (start.header("content-type") or "").startswith("text/event-stream"):
+                    first = await anext(call, b"")  # a death before the first event is still retried
+                    response: Response = StreamingResponse(_rest(call, first, start.replica),
+                                                           status_code=start.status)
+                else:
+                    response = Response(b"".join([bytes(chunk) async for chunk in call]), status_code=start.status)
+                response.raw_headers = _response_headers(start)
+                return response
+            except REPLICA_GONE as exc:
+                call.cancel()
+                failures.append(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+            except BaseException:  # the client left (Serve cancels this handler) or a bug: stop the replica's work
+                call.cancel()
+                raise
+        raise APIError(503, f"the replica answering this request died, {len(failures)} time(s): {failures}; "
+                       "retry once the deployment has replaced it", type="server_error", code="replica_unavailable",
+                       headers={"Retry-After": "5"})
+
+
+def _cluster_gpus() -> float:
+    if not ray.is_initialized():
+        ray.init()  # what serve.run would do: RAY_ADDRESS's cluster, or a local one
+    return float(ray.cluster_resources().get("GPU", 0))
+
+
+def build_app(model: str | None = None, adapters: dict[str, str] | None = None, num_replicas: int = 1, *,
+              served_model_name: str | None = None, config: ServerConfig | None = None,
+              max_adapters_per_replica: int = 4, ray_actor_options: dict[str, Any] | None = None,
+              autoscaling_config: dict[str, Any] | None = None, max_ongoing_requests: int | None = None,
+              retries: int = 2, **engine_kwargs: Any) -> serve.Application:
+    """A Serve application: `num_replicas` engines (or `autoscaling_config`) behind one ingress.
+
+    `adapters` maps names to PEFT folders readable on every node. Each replica asks for one GPU
+    when the cluster has any (else one CPU) unless `ray_actor_options` says otherwise.
+    `max_ongoing_requests` (default: the config's `max_queued`) is how many requests Serve
+    sends one replica at once: high, because the engine packs what arrives together — Serve's
+    default of 5 would starve the packing. `engine_kwargs` go to `Engine.from_pretrained`.
+    """
+    from kev_engine.loader import EMBEDDED_NAME
+
+    adapters = dict(adapters or {})
+    config = config or ServerConfig()
+    name = served_model_name or model or EMBEDDED_NAME
+    if name in adapters:
+        raise ValueError(f"adapter name {name!r} is the served model's name; give the adapter another name")
+    if max_adapters_per_replica < 1:
+        raise ValueError(f"max_adapters_per_replica={max_adapters_per_replica}; give at least 1")
+    if retries < 0:
+        raise ValueError(f"retries={retries}; give 0 or more")
+    if ray_actor_options is None:
+        ray_actor_options = {"num_gpus": 1} if _cluster_gpus() > 0 else {"num_cpus": 1}
+    scaling: dict[str, Any] = ({"autoscaling_config": autoscaling_config} if autoscaling_config is not None
+                               else {"num_replicas": num_replicas})
+    replica = serve.deployment(name="KevReplica", ray_actor_options=ray_actor_options,
+                               max_ongoing_requests=max_ongoing_requests or config.max_queued, **scaling)(KevReplica)
+    ingress = serve.deployment(name="KevIngress", ray_actor_options={"num_cpus": 0},
+                               max_ongoing_requests=4 * config.max_queued)(KevIngress)
+    return ingress.bind(replica.bind(model, adapters, config, name, max_adapters_per_replica, engine_kwargs),
+                        sorted(adapters), config, retries)
+
