@@ -9,6 +9,8 @@ predictor batches exactly as Ray's Arrow → numpy / pandas conversion makes the
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -132,6 +134,15 @@ def bounded(run: Callable[[], Any], timeout: float) -> Any:
 # ---- through Ray Data: 2 actors ---------------------------------------------------------------
 
 
+class WhichActor(KevPredictor):
+    """KevPredictor plus the answering actor's process id: both actors must have served batches."""
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        out = super().__call__(batch)
+        out["actor_pid"] = np.full(len(out["text"]), os.getpid())
+        return out
+
+
 @pytest.fixture(scope="module")
 def ray_job(ray_cluster: Any, model_dir: Path, adapter_dir: Path) -> Any:
     """The 16 rows through 2 KevPredictor actors, materialized (every batch's block concatenated)."""
@@ -140,17 +151,19 @@ def ray_job(ray_cluster: Any, model_dir: Path, adapter_dir: Path) -> Any:
     context = ray.data.DataContext.get_current()
     saved = context.wait_for_min_actors_s
     context.wait_for_min_actors_s = JOB_TIMEOUT_S  # an actor that cannot start fails the job, not hangs it
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import this test module
     try:
         ds = ray.data.from_items(ROWS, override_num_blocks=4)  # 4 blocks of 4 rows: one batch each
         answered = ds.map_batches(
-            KevPredictor,
+            WhichActor,
             fn_constructor_kwargs={"model": str(model_dir), "adapters": {"a1": str(adapter_dir)}, "sampling": DEFAULTS},
             batch_size=4,
-            concurrency=2,
+            compute=ray.data.ActorPoolStrategy(size=2),  # `concurrency=2` is deprecated since Ray 2.51
             num_cpus=0.5,  # 2 actors in the cluster's 2 CPUs, with room left for Ray Data's own tasks
         )
         return bounded(answered.materialize, JOB_TIMEOUT_S)
     finally:
+        ray.cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
         context.wait_for_min_actors_s = saved
 
 
@@ -161,6 +174,7 @@ def test_ray_data_two_actors_answer_every_row_as_generate_does(ray_job: Any, ref
     by_id = {int(row["id"]): row for row in rows}
     assert by_id[2]["finish_reason"] == "stop" and by_id[0]["finish_reason"] == "length"  # both kinds seen
     assert list(by_id[1]["messages"]) == ROWS[1]["messages"]  # input columns kept
+    assert len({row["actor_pid"] for row in rows}) == 2  # the pool waits for both actors, then shares the batches
 
 
 @pytest.mark.ray

@@ -1,9 +1,9 @@
 """Ray Data: `KevPredictor`, where every batch of rows is one packed `Engine.generate` call.
 
-Where this sits: ``ds.map_batches(KevPredictor, batch_size=B, concurrency=N)`` starts N actors,
-each loading one `Engine`; Ray hands each actor batches of B rows, and this file only turns the
-rows into requests and the completions back into columns. The packing is the engine's: the rows
-of a batch share passes exactly as ``engine.generate(prompts)`` would.
+Where this sits: ``ds.map_batches(KevPredictor, batch_size=B, compute=ActorPoolStrategy(size=N))``
+starts N actors, each loading one `Engine`; Ray hands each actor batches of B rows, and this file
+only turns the rows into requests and the completions back into columns. The packing is the
+engine's: the rows of a batch share passes exactly as ``engine.generate(prompts)`` would.
 """
 
 from __future__ import annotations
@@ -32,6 +32,9 @@ Row = tuple[Prompt, SamplingParams, str | None]
 
 class KevPredictor:
     """A callable class for Ray Data: each batch of rows is ONE ``Engine.generate`` call (one pack).
+
+    Ray runs it as a pool of actors, ``compute=ray.data.ActorPoolStrategy(size=N)`` (Ray 2.51+
+    still takes ``concurrency=N``, with a deprecation warning).
 
     Setup:
         ``pip install 'kev-llm[ray]'``
@@ -65,7 +68,7 @@ class KevPredictor:
             ds = ray.data.read_json("questions.jsonl")  # a `prompt` or `messages` column
             answers = ds.map_batches(
                 KevPredictor, fn_constructor_kwargs={"sampling": {"max_tokens": 64}},
-                batch_size=32, concurrency=2, num_cpus=1,
+                batch_size=32, compute=ray.data.ActorPoolStrategy(size=2), num_cpus=1,
             )
 
     A batch is one pack when it fits one pass: at most ``max_num_seqs`` rows (64) and
