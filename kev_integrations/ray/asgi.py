@@ -21,6 +21,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 DISCONNECT_GRACE_S = 5.0
+# 2.3, not 2.4: under 2.4 Starlette's StreamingResponse stops only when `send` fails, and ours
+# never does; under 2.3 it also listens for ``http.disconnect``, which `receive` reports.
+SPEC_VERSION = "2.3"
 
 Message = dict[str, Any]
 
@@ -38,7 +41,7 @@ class HTTPRequest:
 
     def scope(self) -> dict[str, Any]:
         return {
-            "type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"}, "http_version": "1.1",
+            "type": "http", "asgi": {"version": "3.0", "spec_version": SPEC_VERSION}, "http_version": "1.1",
             "method": self.method, "scheme": "http", "path": self.path, "raw_path": self.path.encode(),
             "query_string": self.query, "root_path": "", "headers": list(self.headers),
             "client": self.client, "server": ("127.0.0.1", 80), "state": {},
@@ -73,7 +76,8 @@ async def run_asgi(app: Any, request: HTTPRequest, replica: str = "") -> AsyncIt
         return {"type": "http.disconnect"}
 
     async def send(message: Message) -> None:
-        await sent.put(message)
+        if not gone.is_set():  # like a server whose client left: what is sent after that goes nowhere
+            await sent.put(message)
 
     task = asyncio.create_task(app(request.scope(), receive, send), name=f"kev-asgi {request.path}")
     try:
@@ -92,7 +96,7 @@ async def run_asgi(app: Any, request: HTTPRequest, replica: str = "") -> AsyncIt
     finally:
         gone.set()  # a consumer that left early is a client that disconnected: the app cancels its work
         if not task.done():
-            with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
+            with contextlib.suppress(Exception, asyncio.CancelledError):  # its answer has no reader now
                 await asyncio.wait_for(asyncio.shield(task), DISCONNECT_GRACE_S)
         if not task.done():
             task.cancel()

@@ -43,6 +43,7 @@ from .asgi import HTTPRequest, ResponseStart, run_asgi
 
 REPLICA_GONE = (RayActorError, ReplicaUnavailableError)  # the replica died or left: another may answer
 EVICT_DRAIN_S = 5.0  # an evicted adapter waits this long for requests between lease and submission
+BROADCAST_TIMEOUT_S = 30.0  # /metrics and /kev/ray/replicas ask every replica
 ROUTED_PATHS = ("/v1/chat/completions", "/v1/completions", "/kev/v1/generate")
 
 
@@ -241,7 +242,10 @@ class KevIngress:
         return await self._relay(forwarded, requested_adapters(forwarded.path, body, self.catalog))
 
     async def _replica_infos(self) -> list[dict[str, Any]]:
-        return list(await self.replicas.broadcast("info").results_async())
+        """`info()` of every replica that answers; one that just died is left out, not an error."""
+        results = await self.replicas.broadcast("info").results_async(timeout_s=BROADCAST_TIMEOUT_S,
+                                                                       return_exceptions=True)
+        return [r for r in results if isinstance(r, dict)]
 
     async def _relay(self, request: HTTPRequest, adapters: list[str]) -> Response:
         """Send to a replica (by adapter), retrying on another if it dies before anything was relayed."""

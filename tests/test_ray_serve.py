@@ -1,0 +1,226 @@
+"""Kev on Ray Serve, on a local Ray: 2 engine replicas behind one ingress, tiny models from disk.
+
+What must hold: the `openai` client gets the same answers as the engine run here; requests for
+an adapter land on the replica holding it (loads counted per replica); a disconnect reaches the
+replica's engine; a replica killed mid-run loses nothing silently (retried, or an error event),
+and Serve's replacement serves. Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from conftest import make_adapter, save_tiny_model, tiny_model
+from server_util import wait_for
+
+from kev_engine import Engine, SamplingParams
+from kev_integrations.server.config import ServerConfig
+
+pytestmark = pytest.mark.ray
+
+KEY = "test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+LONG = 600  # tokens: seconds of decoding on the tiny model, time to act while a request runs
+
+
+@dataclass
+class Fleet:
+    url: str
+    model: str
+    reference: Engine
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+
+    def replicas(self) -> dict[str, Any]:
+        response = httpx.get(self.url + "/kev/ray/replicas", headers=AUTH, timeout=60)
+        response.raise_for_status()
+        return response.json()
+
+    def chat(self, model: str, content: str, max_tokens: int = 8) -> httpx.Response:
+        body = {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
+                "temperature": 0}
+        return httpx.post(self.url + "/v1/chat/completions", json=body, headers=AUTH, timeout=120)
+
+    def expected(self, content: str, adapter: str | None, max_tokens: int = 8) -> str:
+        prompt = [{"role": "user", "content": content}]
+        return self.reference.generate([prompt], SamplingParams(temperature=0, max_tokens=max_tokens),
+                                       adapters=adapter)[0].text
+
+    def holder(self, adapter: str) -> str:
+        """The replica the ingress routes `adapter` to, once its router has learnt it (bounded wait)."""
+        def known() -> str | None:
+            held = (self.replicas()["routing"] or {}).get(adapter, [])
+            return held[0] if len(held) == 1 else None
+        return wait_for(known, 60, f"the ingress's router to learn which replica holds {adapter}")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def fleet(ray_cluster: Any, tmp_path_factory: pytest.TempPathFactory, tokenizer: Any) -> Fleet:
+    from ray import serve
+
+    from kev_integrations.ray import build_app
+
+    folder = tmp_path_factory.mktemp("ray-serve")
+    model_dir = str(save_tiny_model(folder / "model", tokenizer))
+    base = tiny_model("llama", tokenizer)
+    adapters = {name: str(make_adapter(base, folder / name, seed=seed)) for name, seed in (("A", 1), ("B", 2))}
+    port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    try:
+        app = build_app(model_dir, adapters, num_replicas=2, max_adapters_per_replica=1,
+                        ray_actor_options={"num_cpus": 1}, config=ServerConfig(api_keys=(KEY,)))
+        serve.run(app, name="kev", route_prefix="/")
+        reference = Engine.from_pretrained(model_dir)
+        for name, path in adapters.items():
+            reference.load_adapter(name, path)
+        yield Fleet(f"http://127.0.0.1:{port}", model_dir, reference)
+        reference.close()
+    finally:
+        serve.shutdown()
+
+
+def test_requests_for_an_adapter_land_on_the_replica_holding_it(fleet: Fleet) -> None:
+    """One adapter per replica (max_adapters_per_replica=1): without affinity, alternating A and B
+    would reload them over and over; with it, each is loaded once and always served where it is."""
+    assert fleet.chat("A", "warm up").status_code == 200
+    holder_a = fleet.holder("A")
+    assert fleet.chat("B", "warm up").status_code == 200
+    holder_b = fleet.holder("B")
+    assert holder_a != holder_b  # B went to the replica with fewer adapters
+    before = {r["replica"]: r["loads"] for r in fleet.replicas()["replicas"]}
+
+    for i in range(4):
+        for adapter, holder in (("A", holder_a), ("B", holder_b)):
+            response = fleet.chat(adapter, f"question {i}")
+            assert response.status_code == 200, response.text
+            assert response.headers["x-kev-replica"] == holder
+            assert response.json()["choices"][0]["message"]["content"] == fleet.expected(f"question {i}", adapter)
+    with ThreadPoolExecutor(6) as pool:  # concurrent ones too
+        responses = list(pool.map(lambda a: (a, fleet.chat(a, "together")), ["A", "B"] * 3))
+    assert all(r.headers["x-kev-replica"] == (holder_a if a == "A" else holder_b) for a, r in responses)
+
+    after = {r["replica"]: r["loads"] for r in fleet.replicas()["replicas"]}
+    assert after == before  # no adapter was loaded again anywhere
+    assert after[holder_a].get("A") == 1 and "A" not in after[holder_b]
+    assert after[holder_b].get("B") == 1 and "B" not in after[holder_a]
+
+
+def test_the_openai_client_gets_the_engines_answers(fleet: Fleet) -> None:
+    client = fleet.client()
+    assert {m.id for m in client.models.list().data} == {fleet.model, "A", "B"}
+    for model, adapter in ((fleet.model, None), ("A", "A"), ("B", "B")):
+        reply = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hello there"}],
+                                               max_tokens=8, temperature=0)
+        assert reply.choices[0].message.content == fleet.expected("Hello there", adapter)
+        stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hello there"}],
+                                                max_tokens=8, temperature=0, stream=True)
+        streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+        assert streamed == reply.choices[0].message.content
+
+    prompts = ["One", "Two", "Three"]  # a list of prompts is one request, one pack on one replica
+    completions = client.completions.create(model="A", prompt=prompts, max_tokens=6, temperature=0)
+    expected = fleet.reference.generate(prompts, SamplingParams(temperature=0, max_tokens=6), adapters="A")
+    assert [c.text for c in sorted(completions.choices, key=lambda c: c.index)] == [e.text for e in expected]
+
+    with pytest.raises(openai.BadRequestError, match="'nope' is not served here"):
+        client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=fleet.url + "/v1", api_key="wrong", max_retries=0).models.list()
+    metrics = httpx.get(fleet.url + "/metrics", headers=AUTH, timeout=60).text
+    assert 'kev_http_requests_total{endpoint="/v1/chat/completions",status="200"}' in metrics
+    assert httpx.post(fleet.url + "/admin/defaults", json={"temperature": 1}, timeout=60).status_code == 501
+
+
+def test_a_client_that_leaves_cancels_the_replicas_work(fleet: Fleet) -> None:
+    def cancelled_total() -> int:
+        return sum(r["stats"]["cancelled"] for r in fleet.replicas()["replicas"])
+
+    def running() -> int:
+        return sum(r["stats"]["running"] for r in fleet.replicas()["replicas"])
+
+    before = cancelled_total()
+    body = {"model": fleet.model, "messages": [{"role": "user", "content": "a long one"}], "max_tokens": LONG,
+            "temperature": 0}
+
+    async def leave_mid_request() -> None:  # non-streamed: the client hangs up while the replica works
+        async with httpx.AsyncClient(timeout=120) as client:
+            task = asyncio.ensure_future(client.post(fleet.url + "/v1/chat/completions", json=body, headers=AUTH))
+            await asyncio.to_thread(wait_for, lambda: running() >= 1, 60, "the request to run on a replica")
+            task.cancel()
+
+    asyncio.run(leave_mid_request())
+    wait_for(lambda: cancelled_total() > before and running() == 0, 60, "the replica to cancel the request")
+
+    with httpx.stream("POST", fleet.url + "/v1/chat/completions", json={**body, "stream": True}, headers=AUTH,
+                      timeout=120) as response:  # streamed: hang up after the first event
+        next(line for line in response.iter_lines() if line.startswith("data:"))
+    wait_for(lambda: cancelled_total() > before + 1 and running() == 0, 60, "the replica to cancel the stream")
+
+
+def test_a_killed_replica_loses_nothing_silently_and_is_replaced(fleet: Fleet) -> None:
+    import ray
+
+    assert fleet.chat("A", "warm up").status_code == 200
+    victim = fleet.holder("A")
+    replicas = fleet.replicas()["replicas"]
+    old_ids = {r["replica"] for r in replicas}
+    actor_name = next(r["actor_name"] for r in replicas if r["replica"] == victim)
+    expected_long = fleet.expected("keep going", "A", LONG)
+
+    with ThreadPoolExecutor(1) as pool:
+        with httpx.stream("POST", fleet.url + "/v1/chat/completions", headers=AUTH, timeout=120, json={
+                "model": "A", "messages": [{"role": "user", "content": "a stream"}], "max_tokens": LONG,
+                "temperature": 0, "stream": True}) as stream:
+            assert stream.headers["x-kev-replica"] == victim
+            lines = stream.iter_lines()
+            next(line for line in lines if line.startswith("data:"))  # the stream is under way
+            pending = pool.submit(fleet.chat, "A", "keep going", LONG)  # and a non-streamed one, also on the victim
+            wait_for(lambda: next(r["stats"]["running"] for r in fleet.replicas()["replicas"]
+                                  if r["replica"] == victim) >= 2, 60, "both requests to run on the victim")
+            ray.kill(ray.get_actor(actor_name, namespace="serve"), no_restart=True)
+            events = [line[len("data: "):] for line in lines if line.startswith("data: ")]
+        response = pending.result(timeout=180)
+
+    # the stream had already sent tokens: it ends with an error that says so, not a silent cut
+    error = json.loads(events[-1])["error"]
+    assert error["code"] == "replica_died" and victim in error["message"]
+    # the non-streamed request had sent nothing yet: it was retried on the other replica
+    assert response.status_code == 200, response.text
+    assert response.headers["x-kev-replica"] != victim
+    assert response.json()["choices"][0]["message"]["content"] == expected_long
+
+    def replaced() -> set[str] | None:
+        ids = {r["replica"] for r in fleet.replicas()["replicas"]}
+        return ids - old_ids if len(ids) == 2 and victim not in ids and ids - old_ids else None
+
+    new_id = next(iter(wait_for(replaced, 180, "Serve to start a replacement replica")))
+    served_by: set[str] = set()
+    lock = threading.Lock()
+
+    def ask(i: int) -> None:
+        response = fleet.chat(fleet.model, f"after {i}")
+        assert response.json()["choices"][0]["message"]["content"] == fleet.expected(f"after {i}", None)
+        with lock:
+            served_by.add(response.headers["x-kev-replica"])
+
+    for i in range(40):  # base-model requests spread over both replicas
+        ask(i)
+        if new_id in served_by:
+            break
+    assert new_id in served_by, f"the replacement {new_id} answered none of {i + 1} requests ({served_by})"
