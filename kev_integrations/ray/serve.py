@@ -285,14 +285,16 @@ def build_app(model: str | None = None, adapters: dict[str, str] | None = None, 
               served_model_name: str | None = None, config: ServerConfig | None = None,
               max_adapters_per_replica: int = 4, ray_actor_options: dict[str, Any] | None = None,
               autoscaling_config: dict[str, Any] | None = None, max_ongoing_requests: int | None = None,
-              retries: int = 2, **engine_kwargs: Any) -> serve.Application:
+              retries: int = 2, graceful_shutdown_timeout_s: float | None = None,
+              **engine_kwargs: Any) -> serve.Application:
     """A Serve application: `num_replicas` engines (or `autoscaling_config`) behind one ingress.
 
     `adapters` maps names to PEFT folders readable on every node. Each replica asks for one GPU
     when the cluster has any (else one CPU) unless `ray_actor_options` says otherwise.
     `max_ongoing_requests` (default: the config's `max_queued`) is how many requests Serve
     sends one replica at once: high, because the engine packs what arrives together — Serve's
-    default of 5 would starve the packing. `engine_kwargs` go to `Engine.from_pretrained`.
+    default of 5 would starve the packing. `graceful_shutdown_timeout_s` is how long a stopping
+    replica lets running requests finish. `engine_kwargs` go to `Engine.from_pretrained`.
     """
     from kev_engine.loader import EMBEDDED_NAME
 
@@ -307,10 +309,12 @@ def build_app(model: str | None = None, adapters: dict[str, str] | None = None, 
         raise ValueError(f"retries={retries}; give 0 or more")
     if ray_actor_options is None:
         ray_actor_options = {"num_gpus": 1} if _cluster_gpus() > 0 else {"num_cpus": 1}
-    scaling: dict[str, Any] = ({"autoscaling_config": autoscaling_config} if autoscaling_config is not None
+    options: dict[str, Any] = ({"autoscaling_config": autoscaling_config} if autoscaling_config is not None
                                else {"num_replicas": num_replicas})
+    if graceful_shutdown_timeout_s is not None:
+        options["graceful_shutdown_timeout_s"] = graceful_shutdown_timeout_s
     replica = serve.deployment(name="KevReplica", ray_actor_options=ray_actor_options,
-                               max_ongoing_requests=max_ongoing_requests or config.max_queued, **scaling)(KevReplica)
+                               max_ongoing_requests=max_ongoing_requests or config.max_queued, **options)(KevReplica)
     ingress = serve.deployment(name="KevIngress", ray_actor_options={"num_cpus": 0},
                                max_ongoing_requests=4 * config.max_queued)(KevIngress)
     return ingress.bind(replica.bind(model, adapters, config, name, max_adapters_per_replica, engine_kwargs),

@@ -48,6 +48,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds before an unfinished request is cancelled (default 600)")
     parser.add_argument("--grace", type=float, default=30.0,
                         help="seconds running requests get to finish on SIGTERM (default 30)")
+    ray = parser.add_argument_group("Ray (needs kev-llm[ray])")
+    ray.add_argument("--ray", action="store_true", help="serve from Ray Serve replicas, routed by adapter")
+    ray.add_argument("--replicas", type=int, default=1, help="engine replicas, one GPU each where the cluster has "
+                     "GPUs (default 1)")
+    ray.add_argument("--ray-address", dest="ray_address", help="cluster to join (default: $RAY_ADDRESS, else a "
+                     "new local Ray)")
+    ray.add_argument("--max-adapters-per-replica", dest="max_adapters", type=int, default=4,
+                     help="adapters one replica holds at once, least recently used evicted (default 4)")
 
 
 def parse_adapter_specs(specs: list[str]) -> dict[str, str]:
@@ -87,6 +95,12 @@ def serve(args: Any) -> int:
     check_exposure(args.host, config, allow_no_auth=args.no_auth)
     adapters = parse_adapter_specs(args.adapter_specs)
     name = args.served_name or args.model or EMBEDDED_NAME
+    if args.ray:
+        from kev_integrations.ray.run import serve_on_ray
+
+        return serve_on_ray(args, config, adapters, name)
+    if args.replicas != 1:
+        raise SystemExit(f"--replicas {args.replicas} needs --ray (one process serves one engine)")
     app = build_app(engine_factory(args.model, args.device, args.dtype, adapters), config, model_name=name)
 
     class Server(uvicorn.Server):
