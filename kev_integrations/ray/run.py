@@ -30,7 +30,9 @@ def serve_on_ray(args: Any, config: ServerConfig, adapters: dict[str, str], name
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
+        options = {"num_cpus": args.cpus_per_replica} if args.cpus_per_replica else None
         app = build_app(args.model, adapters, args.replicas, served_model_name=name, config=config,
+                        ray_actor_options=options,
                         max_adapters_per_replica=args.max_adapters, graceful_shutdown_timeout_s=args.grace,
                         **engine_kwargs)
         serve.run(app, name="kev", route_prefix="/")

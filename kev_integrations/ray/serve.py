@@ -139,9 +139,11 @@ class KevReplica:
 
     def info(self) -> dict[str, Any]:
         """This replica as operators (and tests) see it: who it is, what it loaded, what it has served."""
+        import torch
+
         return {"replica": self.replica, "actor_name": self.actor_name, "loads": dict(self.loads),
-                "adapters": self.engine.adapters, "stats": self.engine.stats(),
-                "metrics": self.app.state.kev.metrics.snapshot()}
+                "adapters": self.engine.adapters, "torch_threads": torch.get_num_threads(),
+                "stats": self.engine.stats(), "metrics": self.app.state.kev.metrics.snapshot()}
 
     def check_health(self) -> None:
         """Serve restarts a replica whose engine has stopped."""
@@ -275,10 +277,15 @@ class KevIngress:
                        headers={"Retry-After": "5"})
 
 
-def _cluster_gpus() -> float:
+def default_actor_options(replicas: int) -> dict[str, float]:
+    """One GPU per replica where the cluster has GPUs; else the cluster's CPUs shared out between
+    the replicas — Ray sets a CPU replica's torch threads to its `num_cpus`, so 1 would mean 1 thread."""
     if not ray.is_initialized():
         ray.init()  # what serve.run would do: RAY_ADDRESS's cluster, or a local one
-    return float(ray.cluster_resources().get("GPU", 0))
+    resources = ray.cluster_resources()
+    if resources.get("GPU", 0) > 0:
+        return {"num_gpus": 1}
+    return {"num_cpus": max(1, int(resources.get("CPU", 1)) // replicas)}
 
 
 def build_app(model: str | None = None, adapters: dict[str, str] | None = None, num_replicas: int = 1, *,
@@ -290,7 +297,8 @@ def build_app(model: str | None = None, adapters: dict[str, str] | None = None, 
     """A Serve application: `num_replicas` engines (or `autoscaling_config`) behind one ingress.
 
     `adapters` maps names to PEFT folders readable on every node. Each replica asks for one GPU
-    when the cluster has any (else one CPU) unless `ray_actor_options` says otherwise.
+    when the cluster has any, else an equal share of its CPUs (`default_actor_options`), unless
+    `ray_actor_options` says otherwise.
     `max_ongoing_requests` (default: the config's `max_queued`) is how many requests Serve
     sends one replica at once: high, because the engine packs what arrives together — Serve's
     default of 5 would starve the packing. `graceful_shutdown_timeout_s` is how long a stopping
@@ -308,7 +316,8 @@ def build_app(model: str | None = None, adapters: dict[str, str] | None = None, 
     if retries < 0:
         raise ValueError(f"retries={retries}; give 0 or more")
     if ray_actor_options is None:
-        ray_actor_options = {"num_gpus": 1} if _cluster_gpus() > 0 else {"num_cpus": 1}
+        most = autoscaling_config.get("max_replicas", 1) if autoscaling_config is not None else num_replicas
+        ray_actor_options = default_actor_options(most)
     options: dict[str, Any] = ({"autoscaling_config": autoscaling_config} if autoscaling_config is not None
                                else {"num_replicas": num_replicas})
     if graceful_shutdown_timeout_s is not None:

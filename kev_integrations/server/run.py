@@ -54,6 +54,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      "GPUs (default 1)")
     ray.add_argument("--ray-address", dest="ray_address", help="cluster to join (default: $RAY_ADDRESS, else a "
                      "new local Ray)")
+    ray.add_argument("--cpus-per-replica", dest="cpus_per_replica", type=float,
+                     help="CPUs (and torch threads) per replica (default: one GPU each where the cluster has "
+                     "GPUs, else its CPUs shared out)")
     ray.add_argument("--max-adapters-per-replica", dest="max_adapters", type=int, default=4,
                      help="adapters one replica holds at once, least recently used evicted (default 4)")
 
