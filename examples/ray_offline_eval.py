@@ -63,7 +63,8 @@ def main() -> None:
             KevPredictor,
             fn_constructor_kwargs={"dtype": "float32", "sampling": {"temperature": 0, "max_tokens": args.max_tokens}},
             batch_size=args.batch_size,
-            compute=ray.data.ActorPoolStrategy(size=args.actors),
+            # one batch at a time per actor: a batch queued behind a busy actor would wait while another idles
+            compute=ray.data.ActorPoolStrategy(size=args.actors, max_tasks_in_flight_per_actor=1),
             num_cpus=args.cpus / args.actors,  # the CPUs shared out: torch in each actor uses its share
         )
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -158,7 +158,8 @@ def ray_job(ray_cluster: Any, model_dir: Path, adapter_dir: Path) -> Any:
             WhichActor,
             fn_constructor_kwargs={"model": str(model_dir), "adapters": {"a1": str(adapter_dir)}, "sampling": DEFAULTS},
             batch_size=4,
-            compute=ray.data.ActorPoolStrategy(size=2),  # `concurrency=2` is deprecated since Ray 2.51
+            # as KevPredictor's docs advise; `concurrency=2` is deprecated since Ray 2.51
+            compute=ray.data.ActorPoolStrategy(size=2, max_tasks_in_flight_per_actor=1),
             num_cpus=0.5,  # 2 actors in the cluster's 2 CPUs, with room left for Ray Data's own tasks
         )
         return bounded(answered.materialize, JOB_TIMEOUT_S)

@@ -67,9 +67,12 @@ class KevPredictor:
 
             ds = ray.data.read_json("questions.jsonl")  # a `prompt` or `messages` column
             answers = ds.map_batches(
-                KevPredictor, fn_constructor_kwargs={"sampling": {"max_tokens": 64}},
-                batch_size=32, compute=ray.data.ActorPoolStrategy(size=2), num_cpus=1,
+                KevPredictor, fn_constructor_kwargs={"sampling": {"max_tokens": 64}}, batch_size=32,
+                compute=ray.data.ActorPoolStrategy(size=2, max_tasks_in_flight_per_actor=1), num_cpus=1,
             )
+
+    ``max_tasks_in_flight_per_actor=1``: a batch is seconds of work, and by default Ray queues
+    several batches on the first actor that is up, where they wait while the others sit idle.
 
     A batch is one pack when it fits one pass: at most ``max_num_seqs`` rows (64) and
     ``max_batch_tokens`` prompt tokens (8192); a bigger batch is still one call, which the engine
