@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import socket
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -80,6 +82,11 @@ def fleet(ray_cluster: Any, tmp_path_factory: pytest.TempPathFactory, tokenizer:
     model_dir = str(save_tiny_model(folder / "model", tokenizer))
     base = tiny_model("llama", tokenizer)
     adapters = {name: str(make_adapter(base, folder / name, seed=seed)) for name, seed in (("A", 1), ("B", 2))}
+    broken = folder / "broken"  # a damaged folder: it deploys (the config is there), its load fails
+    broken.mkdir()
+    shutil.copy(Path(adapters["A"]) / "adapter_config.json", broken)
+    (broken / "adapter_model.safetensors").write_bytes(b"not safetensors")
+    adapters["broken"] = str(broken)
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:
@@ -87,8 +94,8 @@ def fleet(ray_cluster: Any, tmp_path_factory: pytest.TempPathFactory, tokenizer:
                         ray_actor_options={"num_cpus": 1}, config=ServerConfig(api_keys=(KEY,)))
         serve.run(app, name="kev", route_prefix="/")
         reference = Engine.from_pretrained(model_dir)
-        for name, path in adapters.items():
-            reference.load_adapter(name, path)
+        for name in ("A", "B"):
+            reference.load_adapter(name, adapters[name])
         yield Fleet(f"http://127.0.0.1:{port}", model_dir, reference)
         reference.close()
     finally:
@@ -123,7 +130,7 @@ def test_requests_for_an_adapter_land_on_the_replica_holding_it(fleet: Fleet) ->
 
 def test_the_openai_client_gets_the_engines_answers(fleet: Fleet) -> None:
     client = fleet.client()
-    assert {m.id for m in client.models.list().data} == {fleet.model, "A", "B"}
+    assert {m.id for m in client.models.list().data} == {fleet.model, "A", "B", "broken"}
     for model, adapter in ((fleet.model, None), ("A", "A"), ("B", "B")):
         reply = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hello there"}],
                                                max_tokens=8, temperature=0)
@@ -145,6 +152,12 @@ def test_the_openai_client_gets_the_engines_answers(fleet: Fleet) -> None:
     metrics = httpx.get(fleet.url + "/metrics", headers=AUTH, timeout=60).text
     assert 'kev_http_requests_total{endpoint="/v1/chat/completions",status="200"}' in metrics
     assert httpx.post(fleet.url + "/admin/defaults", json={"temperature": 1}, timeout=60).status_code == 501
+
+    # an adapter that fails to load fails its own request, named, and the replica serves on
+    with pytest.raises(openai.InternalServerError, match="could not load adapter 'broken'"):
+        client.chat.completions.create(model="broken", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+    assert fleet.chat("A", "after the broken one").json()["choices"][0]["message"]["content"] == fleet.expected(
+        "after the broken one", "A")
 
 
 def test_a_client_that_leaves_cancels_the_replicas_work(fleet: Fleet) -> None:

@@ -23,6 +23,7 @@ import json
 import threading
 from collections import Counter
 from collections.abc import AsyncIterator, Collection
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -90,6 +91,10 @@ class KevReplica:
         from kev_engine import Engine
         from kev_integrations.server.app import build_app as build_server_app
 
+        for name, path in adapters.items():  # a wrong path fails the deployment now, not a request later
+            if not (Path(path) / "adapter_config.json").is_file():
+                raise FileNotFoundError(f"adapter {name!r}: no {path}/adapter_config.json on this node; every node "
+                                        "needs each adapter folder at the same path")
         self.catalog = dict(adapters)
         self.engine = Engine.from_pretrained(model, **engine_kwargs)
         self.app = build_server_app(self.engine, config, model_name, adapter_names=lambda: list(self.catalog))
@@ -119,14 +124,20 @@ class KevReplica:
         if len(adapters) > self.max_adapters:
             error = APIError(400, f"this request names {len(adapters)} adapters {adapters}; a replica holds at most "
                              f"{self.max_adapters} at once (max_adapters_per_replica)", param="adapter")
-            body = json.dumps(error.body()).encode()
-            yield ResponseStart(400, [(b"content-type", b"application/json")], self.replica)
-            yield body
+            for piece in self._error_response(error):
+                yield piece
             return
         held: list[str] = []
         try:
             for name in adapters:
-                await self._hold(name)
+                try:
+                    await self._hold(name)
+                except Exception as exc:  # a damaged folder: this request fails, the replica serves on
+                    error = APIError(500, f"could not load adapter {name!r} from {self.catalog[name]}: "
+                                     f"{type(exc).__name__}: {exc}", type="server_error", param="model")
+                    for piece in self._error_response(error):
+                        yield piece
+                    return
                 with self._idle:
                     self._in_use[name] += 1
                 held.append(name)
@@ -136,6 +147,10 @@ class KevReplica:
             with self._idle:
                 self._in_use.subtract(held)
                 self._idle.notify_all()
+
+    def _error_response(self, error: APIError) -> list[ResponseStart | bytes]:
+        return [ResponseStart(error.status, [(b"content-type", b"application/json")], self.replica),
+                json.dumps(error.body()).encode()]
 
     def info(self) -> dict[str, Any]:
         """This replica as operators (and tests) see it: who it is, what it loaded, what it has served."""
@@ -164,6 +179,10 @@ async def _api_error(_: Request, exc: APIError) -> JSONResponse:
     return exc.response()
 
 
+def _first_line(exc: BaseException) -> str:
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+
+
 def _response_headers(start: ResponseStart) -> list[tuple[bytes, bytes]]:
     return [*start.headers, (b"x-kev-replica", start.replica.encode())]
 
@@ -180,6 +199,11 @@ async def _rest(call: DeploymentResponseGenerator, first: bytes, replica: str) -
             error = APIError(502, f"the replica answering this stream ({replica}) died midway "
                              f"({type(exc).__name__}); the answer is incomplete, retry the request",
                              type="server_error", code="replica_died")
+            yield sse(error.body()).encode()
+        except Exception as exc:
+            error = APIError(500, f"the replica answering this stream ({replica}) failed midway "
+                             f"({type(exc).__name__}: {_first_line(exc)}); the answer is incomplete",
+                             type="server_error")
             yield sse(error.body()).encode()
     finally:  # the client left, or we are done: the replica stops computing for nobody
         call.cancel()
@@ -268,8 +292,12 @@ class KevIngress:
                 return response
             except REPLICA_GONE as exc:
                 call.cancel()
-                failures.append(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
-            except BaseException:  # the client left (Serve cancels this handler) or a bug: stop the replica's work
+                failures.append(f"{type(exc).__name__}: {_first_line(exc)}")
+            except Exception as exc:  # the replica's code failed: a 500 in OpenAI's shape, not a bare one
+                call.cancel()
+                raise APIError(500, f"the replica failed: {type(exc).__name__}: {_first_line(exc)}",
+                               type="server_error") from None
+            except BaseException:  # the client left (Serve cancels this handler): stop the replica's work
                 call.cancel()
                 raise
         raise APIError(503, f"the replica answering this request died, {len(failures)} time(s): {failures}; "

@@ -139,6 +139,7 @@ async def _answers(request: Request, futures: list[Future[Completion]], timeout:
     """Wait for every answer; None if the client left first. Leaving or timing out cancels the work."""
     gathered: asyncio.Future[list[Any]] = asyncio.gather(
         *(asyncio.wrap_future(f) for f in futures), return_exceptions=True)
+    gathered.add_done_callback(lambda f: f.cancelled() or f.exception())  # cancelled: no "never retrieved" log
     watcher: asyncio.Future[Any] = asyncio.ensure_future(_disconnected(request))
     try:
         waiters: set[asyncio.Future[Any]] = {gathered, watcher}
