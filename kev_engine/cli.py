@@ -8,6 +8,7 @@
     kev show-pack --file examples/data/doc_qa.jsonl --out pack.png   # shared prefixes, ids, adapters
     kev verify --model DIR --file prompts.jsonl [--adapter NAME=PATH]   # packed == solo, exit 1 if not
     kev serve [--model SOURCE] [--adapter NAME=PATH] [--port 8000] [--api-key KEY]   # OpenAI-compatible
+    kev serve --ray --replicas 4 [--ray-address ADDR]     # the same API from Ray Serve replicas
 
 A thin layer: each line becomes chat messages and a `SamplingParams`, then ONE
 `engine.generate(...)` call answers them all. A refused question becomes an error row;
