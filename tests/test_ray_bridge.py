@@ -65,10 +65,12 @@ def test_leaving_the_bridge_early_cancels_the_engine_request(tiny_engine: Engine
             with pytest.raises(asyncio.CancelledError):
                 await getter
         await pieces.aclose()
+        # the engine drops a cancelled request at its next pass; the loop lives on meanwhile, as a
+        # replica's does (a closed loop would fail the request's text callback instead)
+        await asyncio.to_thread(wait_for, lambda: tiny_engine.stats()["running"] == 0, 30,
+                                "the engine to drop the request")
 
     asyncio.run(asyncio.wait_for(leave(), 60))
-    # the engine drops a cancelled request at its next pass
-    wait_for(lambda: tiny_engine.stats()["running"] == 0, 30, "the engine to drop the request")
     stats = tiny_engine.stats()
     assert stats["cancelled"] == 1 and stats["generated_tokens"] < 900
 
@@ -92,3 +94,57 @@ def test_the_ingress_routes_by_the_adapter_a_body_names() -> None:
     generate = json.dumps({"requests": [{"prompt": "a", "adapter": "law"}, {"prompt": "b"},
                                         {"prompt": "c", "adapter": "sql"}, {"prompt": "d", "adapter": "law"}]})
     assert requested_adapters("/kev/v1/generate", generate.encode(), catalog) == ["law", "sql"]
+
+
+def test_an_adapter_the_lru_drops_stays_for_the_requests_using_it(tiny_engine: Engine, tokenizer: Any,
+                                                                   tmp_path: Any) -> None:
+    """Serve's LRU may drop an adapter a request still uses: the engine keeps it until that request
+    ends, and asking for it meanwhile takes it back without a reload (a reload would be refused)."""
+    from conftest import make_adapter, tiny_model
+
+    from kev_integrations.ray.leases import AdapterLeases
+
+    path = str(make_adapter(tiny_model("llama", tokenizer), tmp_path / "a", seed=1))
+    leases = AdapterLeases(tiny_engine, {"a": path})
+    cached = [asyncio.run(leases.hold("a"))]  # what Serve's LRU keeps (a dropped one is garbage: evicted)
+    assert tiny_engine.adapters == ["a"] and leases.loads["a"] == 1
+
+    leases.acquire("a")  # a request uses it ...
+    cached.pop().__del__()  # ... when the LRU drops it (what Serve calls on eviction)
+    assert tiny_engine.adapters == ["a"]  # still served
+    cached.append(asyncio.run(leases.hold("a")))  # an LRU miss meanwhile: taken back, not read again
+    assert leases.loads["a"] == 1
+    leases.release(["a"])
+    assert tiny_engine.adapters == ["a"]  # taken back: it stays
+
+    leases.acquire("a")
+    cached.pop().__del__()
+    assert tiny_engine.adapters == ["a"]
+    leases.release(["a"])  # dropped while in use: the last request out unloads it
+    assert tiny_engine.adapters == []
+    cached.append(asyncio.run(leases.hold("a")))  # and a later miss loads it afresh
+    assert tiny_engine.adapters == ["a"] and leases.loads["a"] == 2
+
+    leases.acquire("a")
+    leases.release(["a"])
+    cached.pop().__del__()  # dropped while idle: unloaded at once
+    assert tiny_engine.adapters == []
+
+
+def test_a_stream_that_fails_as_a_whole_fails_every_unanswered_request() -> None:
+    """A Ray stream cut mid-way ends with one error event without an index (the ingress cannot know
+    which requests it carried): RemoteEngine fails each unanswered future with its message."""
+    from concurrent.futures import Future
+    from types import SimpleNamespace
+
+    from kev_engine import KevError
+    from kev_integrations.remote import RemoteEngine, _Pending
+
+    batch = [_Pending("a", SamplingParams(), None, None, Future()), _Pending("b", SamplingParams(), None, None,
+                                                                            Future())]
+    batch[0].future.set_result("answered")
+    event = {"error": {"message": "the replica answering this stream (r1) died midway", "code": "replica_died"}}
+    RemoteEngine._event(SimpleNamespace(base_url="http://x"), batch, event)  # type: ignore[arg-type]
+    assert batch[0].future.result() == "answered"
+    with pytest.raises(KevError, match="r1\\) died midway"):
+        batch[1].future.result(timeout=1)

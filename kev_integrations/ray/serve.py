@@ -20,8 +20,6 @@ says so — never a silently truncated answer.
 # No `from __future__ import annotations`: Serve's class-based FastAPI views must see `Request` itself.
 import asyncio
 import json
-import threading
-from collections import Counter
 from collections.abc import AsyncIterator, Collection
 from pathlib import Path
 from typing import Any
@@ -31,7 +29,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from ray import serve
 from ray.exceptions import RayActorError
-from ray.serve.exceptions import ReplicaUnavailableError
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from kev_integrations.server.app import check_key
@@ -41,9 +39,9 @@ from kev_integrations.server.metrics import Metrics
 from kev_integrations.server.responses import sse
 
 from .asgi import HTTPRequest, ResponseStart, run_asgi
+from .leases import AdapterLeases
 
 REPLICA_GONE = (RayActorError, ReplicaUnavailableError)  # the replica died or left: another may answer
-EVICT_DRAIN_S = 5.0  # an evicted adapter waits this long for requests between lease and submission
 BROADCAST_TIMEOUT_S = 30.0  # /metrics and /kev/ray/replicas ask every replica
 ROUTED_PATHS = ("/v1/chat/completions", "/v1/completions", "/kev/v1/generate")
 
@@ -71,18 +69,6 @@ def requested_adapters(path: str, body: bytes, catalog: Collection[str]) -> list
     return found
 
 
-class _HeldAdapter:
-    """What Serve's multiplexing caches per adapter; Serve calls `__del__` when the LRU evicts it."""
-
-    def __init__(self, replica: "KevReplica", name: str) -> None:
-        self.replica, self.name, self.unloaded = replica, name, False
-
-    def __del__(self) -> None:
-        if not self.unloaded:  # Serve calls this on eviction, the garbage collector once more later
-            self.unloaded = True
-            self.replica.unload(self.name)
-
-
 class KevReplica:
     """One engine behind the `kev serve` app; adapters from a catalog, loaded on demand."""
 
@@ -100,24 +86,13 @@ class KevReplica:
         self.app = build_server_app(self.engine, config, model_name, adapter_names=lambda: list(self.catalog))
         replica_id = serve.get_replica_context().replica_id
         self.replica, self.actor_name = replica_id.unique_id, replica_id.to_full_id_str()
-        self.loads: Counter[str] = Counter()  # adapter → times this replica loaded it
-        self._in_use: Counter[str] = Counter()
-        self._idle = threading.Condition()  # `unload` runs on Serve's executor thread
+        self.leases = AdapterLeases(self.engine, self.catalog)
 
-        async def hold(name: str) -> _HeldAdapter:
-            await asyncio.to_thread(self.engine.load_adapter, name, self.catalog[name])
-            self.loads[name] += 1
-            return _HeldAdapter(self, name)
+        async def hold(name: str) -> Any:  # a plain function: Serve keeps its LRU on the function object
+            return await self.leases.hold(name)
 
         self.max_adapters = max_adapters
         self._hold = serve.multiplexed(max_num_models_per_replica=max_adapters)(hold)
-
-    def unload(self, name: str) -> None:
-        """Evicted by the LRU: let requests that hold it reach the engine, then unload (the engine
-        lets requests already using it finish)."""
-        with self._idle:
-            self._idle.wait_for(lambda: self._in_use[name] == 0, timeout=EVICT_DRAIN_S)
-        self.engine.unload_adapter(name)
 
     async def forward(self, request: HTTPRequest, adapters: list[str]) -> AsyncIterator[ResponseStart | bytes]:
         """The app's response to `request`, after loading the adapters it names (routed here by the first)."""
@@ -130,23 +105,20 @@ class KevReplica:
         held: list[str] = []
         try:
             for name in adapters:
-                try:
-                    await self._hold(name)
+                self.leases.acquire(name)  # before the load: an eviction meanwhile waits for this request
+                held.append(name)
+                try:  # shielded: a client leaving mid-load must not leave Serve's LRU and the engine disagreeing
+                    await asyncio.shield(self._hold(name))
                 except Exception as exc:  # a damaged folder: this request fails, the replica serves on
                     error = APIError(500, f"could not load adapter {name!r} from {self.catalog[name]}: "
                                      f"{type(exc).__name__}: {exc}", type="server_error", param="model")
                     for piece in self._error_response(error):
                         yield piece
                     return
-                with self._idle:
-                    self._in_use[name] += 1
-                held.append(name)
             async for piece in run_asgi(self.app, request, self.replica):
                 yield piece
         finally:
-            with self._idle:
-                self._in_use.subtract(held)
-                self._idle.notify_all()
+            self.leases.release(held)
 
     def _error_response(self, error: APIError) -> list[ResponseStart | bytes]:
         return [ResponseStart(error.status, [(b"content-type", b"application/json")], self.replica),
@@ -156,7 +128,7 @@ class KevReplica:
         """This replica as operators (and tests) see it: who it is, what it loaded, what it has served."""
         import torch
 
-        return {"replica": self.replica, "actor_name": self.actor_name, "loads": dict(self.loads),
+        return {"replica": self.replica, "actor_name": self.actor_name, "loads": dict(self.leases.loads),
                 "adapters": self.engine.adapters, "torch_threads": torch.get_num_threads(),
                 "stats": self.engine.stats(), "metrics": self.app.state.kev.metrics.snapshot()}
 
@@ -254,23 +226,36 @@ class KevIngress:
 
     @api.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
     async def proxy(self, path: str, request: Request) -> Response:
-        declared = request.headers.get("content-length", "")
-        limit = self.config.max_body_bytes
-        if declared.isdigit() and int(declared) > limit:
-            raise APIError(413, f"the request body is over this server's limit of {limit} bytes",
-                           code="body_too_large")
-        body = await request.body()
-        if len(body) > limit:
-            raise APIError(413, f"the request body is over this server's limit of {limit} bytes",
-                           code="body_too_large")
+        if path.startswith(("v1/", "kev/v1/")):  # the key first: no adapter is loaded for a stranger
+            check_key(request, self.config.api_keys, "/kev/v1" if path.startswith("kev/") else "/v1")
+        body = await self._body(request)
         forwarded = HTTPRequest(request.method, "/" + path, request.url.query.encode(), list(request.headers.raw),
                                 body, (request.client.host, request.client.port) if request.client else None)
         return await self._relay(forwarded, requested_adapters(forwarded.path, body, self.catalog))
 
+    async def _body(self, request: Request) -> bytes:
+        """The body, refused (413) the moment it passes the limit: chunked bodies declare no length."""
+        limit = self.config.max_body_bytes
+        too_large = APIError(413, f"the request body is over this server's limit of {limit} bytes",
+                             code="body_too_large")
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise too_large
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise too_large
+        return bytes(body)
+
     async def _replica_infos(self) -> list[dict[str, Any]]:
         """`info()` of every replica that answers; one that just died is left out, not an error."""
-        results = await self.replicas.broadcast("info").results_async(timeout_s=BROADCAST_TIMEOUT_S,
-                                                                       return_exceptions=True)
+        try:
+            results = await self.replicas.broadcast("info").results_async(timeout_s=BROADCAST_TIMEOUT_S,
+                                                                           return_exceptions=True)
+        except TimeoutError:
+            raise APIError(504, f"a replica did not answer within {BROADCAST_TIMEOUT_S:g} s (busy or stopping); "
+                           "retry", type="timeout_error") from None
         return [r for r in results if isinstance(r, dict)]
 
     async def _relay(self, request: HTTPRequest, adapters: list[str]) -> Response:
@@ -293,6 +278,14 @@ class KevIngress:
             except REPLICA_GONE as exc:
                 call.cancel()
                 failures.append(f"{type(exc).__name__}: {_first_line(exc)}")
+            except BackPressureError:
+                call.cancel()
+                raise APIError(429, "every replica's queue is full; retry later", type="rate_limit_error",
+                               code="queue_full", headers={"Retry-After": str(self.config.retry_after_s)}) from None
+            except DeploymentUnavailableError as exc:
+                call.cancel()
+                raise APIError(503, f"no replica is available: {_first_line(exc)}", type="server_error",
+                               code="replica_unavailable", headers={"Retry-After": "5"}) from None
             except Exception as exc:  # the replica's code failed: a 500 in OpenAI's shape, not a bare one
                 call.cancel()
                 raise APIError(500, f"the replica failed: {type(exc).__name__}: {_first_line(exc)}",
@@ -306,21 +299,27 @@ class KevIngress:
 
 
 def default_actor_options(replicas: int) -> dict[str, float]:
-    """One GPU per replica where the cluster has GPUs; else the cluster's CPUs shared out between
-    the replicas — Ray sets a CPU replica's torch threads to its `num_cpus`, so 1 would mean 1 thread."""
+    """One GPU per replica where the cluster has GPUs; else each node's CPUs shared out between
+    the replicas it will hold — Ray sets a CPU replica's torch threads to its `num_cpus`, so 1
+    would mean 1 thread. Refuses what cannot be placed (Serve would wait for it for ever)."""
     if not ray.is_initialized():
         ray.init()  # what serve.run would do: RAY_ADDRESS's cluster, or a local one
-    resources = ray.cluster_resources()
-    if resources.get("GPU", 0) > 0:
+    if ray.cluster_resources().get("GPU", 0) > 0:
         return {"num_gpus": 1}
-    return {"num_cpus": max(1, int(resources.get("CPU", 1)) // replicas)}
+    cpus = [int(node["Resources"].get("CPU", 0)) for node in ray.nodes() if node.get("Alive")]
+    per_node = -(-replicas // max(1, len(cpus)))  # replicas per node, rounded up
+    share = max(1, min(cpus, default=1) // per_node)
+    if sum(c // share for c in cpus) < replicas:
+        raise ValueError(f"{replicas} replicas of {share} CPU(s) do not fit this cluster's nodes (CPUs {cpus}); "
+                         "use fewer replicas or give ray_actor_options (--cpus-per-replica) with a fraction")
+    return {"num_cpus": share}
 
 
 def build_app(model: str | None = None, adapters: dict[str, str] | None = None, num_replicas: int = 1, *,
               served_model_name: str | None = None, config: ServerConfig | None = None,
               max_adapters_per_replica: int = 4, ray_actor_options: dict[str, Any] | None = None,
               autoscaling_config: dict[str, Any] | None = None, max_ongoing_requests: int | None = None,
-              retries: int = 2, graceful_shutdown_timeout_s: float | None = None,
+              retries: int = 1, graceful_shutdown_timeout_s: float | None = None,
               **engine_kwargs: Any) -> serve.Application:
     """A Serve application: `num_replicas` engines (or `autoscaling_config`) behind one ingress.
 
@@ -329,8 +328,11 @@ def build_app(model: str | None = None, adapters: dict[str, str] | None = None, 
     `ray_actor_options` says otherwise.
     `max_ongoing_requests` (default: the config's `max_queued`) is how many requests Serve
     sends one replica at once: high, because the engine packs what arrives together — Serve's
-    default of 5 would starve the packing. `graceful_shutdown_timeout_s` is how long a stopping
-    replica lets running requests finish. `engine_kwargs` go to `Engine.from_pretrained`.
+    default of 5 would starve the packing; past it, up to `max_queued` more wait in Serve's queue,
+    and the rest get a 429. `retries`: how many other replicas a request is sent to when its
+    replica dies before anything was relayed (a request that itself kills replicas could take
+    down that many more, hence 1). `graceful_shutdown_timeout_s` is how long a stopping replica
+    lets running requests finish. `engine_kwargs` go to `Engine.from_pretrained`.
     """
     from kev_engine.loader import EMBEDDED_NAME
 
@@ -343,17 +345,21 @@ def build_app(model: str | None = None, adapters: dict[str, str] | None = None, 
         raise ValueError(f"max_adapters_per_replica={max_adapters_per_replica}; give at least 1")
     if retries < 0:
         raise ValueError(f"retries={retries}; give 0 or more")
+    most = autoscaling_config.get("max_replicas", 1) if autoscaling_config is not None else num_replicas
     if ray_actor_options is None:
-        most = autoscaling_config.get("max_replicas", 1) if autoscaling_config is not None else num_replicas
         ray_actor_options = default_actor_options(most)
     options: dict[str, Any] = ({"autoscaling_config": autoscaling_config} if autoscaling_config is not None
                                else {"num_replicas": num_replicas})
-    if graceful_shutdown_timeout_s is not None:
+    ingress_options: dict[str, Any] = {}
+    if graceful_shutdown_timeout_s is not None:  # the ingress relays the replicas' last streams: it stops after them
         options["graceful_shutdown_timeout_s"] = graceful_shutdown_timeout_s
-    replica = serve.deployment(name="KevReplica", ray_actor_options=ray_actor_options,
-                               max_ongoing_requests=max_ongoing_requests or config.max_queued, **options)(KevReplica)
+        ingress_options["graceful_shutdown_timeout_s"] = graceful_shutdown_timeout_s + 5
+    per_replica = max_ongoing_requests or config.max_queued
+    replica = serve.deployment(name="KevReplica", ray_actor_options=ray_actor_options, max_ongoing_requests=per_replica,
+                               max_queued_requests=config.max_queued, **options)(KevReplica)
     ingress = serve.deployment(name="KevIngress", ray_actor_options={"num_cpus": 0},
-                               max_ongoing_requests=4 * config.max_queued)(KevIngress)
+                               max_ongoing_requests=(per_replica + config.max_queued) * most,
+                               max_queued_requests=config.max_queued, **ingress_options)(KevIngress)
     return ingress.bind(replica.bind(model, adapters, config, name, max_adapters_per_replica, engine_kwargs),
                         sorted(adapters), config, retries)
 
