@@ -34,6 +34,8 @@ def _healthy(url: str) -> bool:
 
 @pytest.mark.ray
 def test_kev_serve_ray_serves_and_stops_on_sigterm(ray_cluster: Any, tmp_path: Any, tokenizer: Any) -> None:
+    from ray import serve
+
     model_dir = str(save_tiny_model(tmp_path / "model", tokenizer))
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
@@ -55,11 +57,13 @@ def test_kev_serve_ray_serves_and_stops_on_sigterm(ray_cluster: Any, tmp_path: A
         process.send_signal(signal.SIGTERM)
         output, _ = process.communicate(timeout=120)
         assert process.returncode == 0, output[-3000:]
-        assert not _healthy(url)  # the application is gone with it
+        assert not _healthy(url)  # its application is gone with it ...
+        assert "kev" not in serve.status().applications  # ... while Serve stays up on a cluster it joined
     finally:
         if process.poll() is None:
             process.kill()
             process.communicate(timeout=30)
+        serve.shutdown()  # this session's cluster: the next tests start their own Serve
 
 
 def test_replicas_without_ray_is_refused() -> None:
