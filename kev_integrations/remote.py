@@ -205,8 +205,13 @@ class RemoteEngine:
         for pending in batch:  # a stream that ended early must not leave a caller waiting forever
             resolve_future(pending.future, exc=KevError("kev serve closed the stream before answering"))
 
-    @staticmethod
-    def _event(batch: list[_Pending], event: dict[str, Any]) -> None:
+    def _event(self, batch: list[_Pending], event: dict[str, Any]) -> None:
+        if "index" not in event:  # the whole stream failed (a Ray replica died mid-way): every unanswered one
+            error = event.get("error") or {}
+            failure = KevError(f"kev serve at {self.base_url}: {error.get('message', event)}")
+            for pending in batch:
+                resolve_future(pending.future, exc=failure)
+            return
         pending = batch[event["index"]]
         if "text" in event:
             if pending.on_text is not None and not pending.future.done():

@@ -31,6 +31,7 @@ pytestmark = pytest.mark.ray
 
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
+DEPLOY_TIMEOUT_S = 240
 LONG = 600  # tokens: seconds of decoding on the tiny model, time to act while a request runs
 
 
@@ -92,7 +93,11 @@ def fleet(ray_cluster: Any, tmp_path_factory: pytest.TempPathFactory, tokenizer:
     try:
         app = build_app(model_dir, adapters, num_replicas=2, max_adapters_per_replica=1,
                         ray_actor_options={"num_cpus": 1}, config=ServerConfig(api_keys=(KEY,)))
-        serve.run(app, name="kev", route_prefix="/")
+        deploying = threading.Thread(target=serve.run, args=(app,), kwargs={"name": "kev", "route_prefix": "/"},
+                                     daemon=True)
+        deploying.start()  # serve.run waits without limit (e.g. for resources that never free up)
+        deploying.join(DEPLOY_TIMEOUT_S)
+        assert not deploying.is_alive(), f"the application did not deploy within {DEPLOY_TIMEOUT_S} s"
         reference = Engine.from_pretrained(model_dir)
         for name in ("A", "B"):
             reference.load_adapter(name, adapters[name])
@@ -147,8 +152,13 @@ def test_the_openai_client_gets_the_engines_answers(fleet: Fleet) -> None:
 
     with pytest.raises(openai.BadRequestError, match="'nope' is not served here"):
         client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+    stranger = openai.OpenAI(base_url=fleet.url + "/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
-        openai.OpenAI(base_url=fleet.url + "/v1", api_key="wrong", max_retries=0).models.list()
+        stranger.models.list()
+    loads = {r["replica"]: r["loads"] for r in fleet.replicas()["replicas"]}
+    with pytest.raises(openai.AuthenticationError):  # refused before any adapter is loaded for it
+        stranger.chat.completions.create(model="B", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+    assert {r["replica"]: r["loads"] for r in fleet.replicas()["replicas"]} == loads
     metrics = httpx.get(fleet.url + "/metrics", headers=AUTH, timeout=60).text
     assert 'kev_http_requests_total{endpoint="/v1/chat/completions",status="200"}' in metrics
     assert httpx.post(fleet.url + "/admin/defaults", json={"temperature": 1}, timeout=60).status_code == 501
