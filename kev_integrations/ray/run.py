@@ -4,7 +4,8 @@ Joins the cluster at ``--ray-address`` (or ``$RAY_ADDRESS``), else starts a loca
 HTTP proxy binds ``--host:--port``. On SIGTERM / Ctrl-C our application is deleted: replicas get
 ``--grace`` seconds to finish running requests, engines close, and the process exits 0. On a
 cluster it joined, it deletes only its own application and leaves Serve (and other applications)
-running; a local Ray it started, it shuts down. A signal while deploying stops at once (exit 130).
+running; a local Ray it started, it shuts down. A signal while deploying stops at once, with the
+same clean-up (exit 0 for SIGTERM, 130 for Ctrl-C).
 """
 
 from __future__ import annotations
@@ -35,9 +36,11 @@ def serve_on_ray(args: Any, config: ServerConfig, adapters: dict[str, str], name
     ray.init(address=args.ray_address)
     stop = threading.Event()
     serving = False
+    interrupted_by: list[int] = []
 
-    def on_signal(*_: Any) -> None:
-        if not serving or stop.is_set():  # while deploying, or a second signal: stop now
+    def on_signal(signum: int, _: Any) -> None:
+        if not serving or stop.is_set():  # while deploying (serve.run can wait long), or a second signal
+            interrupted_by.append(signum)
             raise KeyboardInterrupt
         stop.set()
 
@@ -63,8 +66,8 @@ def serve_on_ray(args: Any, config: ServerConfig, adapters: dict[str, str], name
               "(if Serve was already running on this cluster, its own HTTP address applies)", flush=True)
         stop.wait()
         return 0
-    except KeyboardInterrupt:
-        return 130
+    except KeyboardInterrupt:  # a signal during deploy: the same clean-up, then the signal's usual status
+        return 130 if not interrupted_by or interrupted_by[0] == signal.SIGINT else 0
     finally:  # a second signal interrupts this clean-up; Ray is still disconnected
         try:
             if deployed:

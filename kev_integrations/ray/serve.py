@@ -325,7 +325,8 @@ def build_app(model: str | None = None, adapters: dict[str, str] | None = None, 
 
     `adapters` maps names to PEFT folders readable on every node. Each replica asks for one GPU
     when the cluster has any, else an equal share of its CPUs (`default_actor_options`), unless
-    `ray_actor_options` says otherwise.
+    `ray_actor_options` names `num_cpus` or `num_gpus` (its other keys, e.g. a `runtime_env`, are
+    added to the default).
     `max_ongoing_requests` (default: the config's `max_queued`) is how many requests Serve
     sends one replica at once: high, because the engine packs what arrives together — Serve's
     default of 5 would starve the packing; past it, up to `max_queued` more wait in Serve's queue,
@@ -346,8 +347,8 @@ def build_app(model: str | None = None, adapters: dict[str, str] | None = None, 
     if retries < 0:
         raise ValueError(f"retries={retries}; give 0 or more")
     most = autoscaling_config.get("max_replicas", 1) if autoscaling_config is not None else num_replicas
-    if ray_actor_options is None:
-        ray_actor_options = default_actor_options(most)
+    if ray_actor_options is None or not {"num_cpus", "num_gpus"} & set(ray_actor_options):
+        ray_actor_options = {**default_actor_options(most), **(ray_actor_options or {})}
     options: dict[str, Any] = ({"autoscaling_config": autoscaling_config} if autoscaling_config is not None
                                else {"num_replicas": num_replicas})
     ingress_options: dict[str, Any] = {}
