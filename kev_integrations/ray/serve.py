@@ -35,6 +35,7 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from kev_integrations.server.app import check_key
 from kev_integrations.server.config import ServerConfig
 from kev_integrations.server.errors import APIError
+from kev_integrations.server.limits import body_too_large
 from kev_integrations.server.metrics import Metrics
 from kev_integrations.server.responses import sse
 
@@ -236,8 +237,7 @@ class KevIngress:
     async def _body(self, request: Request) -> bytes:
         """The body, refused (413) the moment it passes the limit: chunked bodies declare no length."""
         limit = self.config.max_body_bytes
-        too_large = APIError(413, f"the request body is over this server's limit of {limit} bytes",
-                             code="body_too_large")
+        too_large = body_too_large(limit)
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > limit:
             raise too_large
@@ -275,27 +275,26 @@ class KevIngress:
                     response = Response(b"".join([bytes(chunk) async for chunk in call]), status_code=start.status)
                 response.raw_headers = _response_headers(start)
                 return response
-            except REPLICA_GONE as exc:
-                call.cancel()
+            except BaseException as exc:
+                call.cancel()  # whatever happened, the replica stops working on this call
+                if not isinstance(exc, Exception):  # the client left: Serve cancels this handler
+                    raise
+                if not isinstance(exc, REPLICA_GONE):
+                    raise self._refusal(exc) from None
                 failures.append(f"{type(exc).__name__}: {_first_line(exc)}")
-            except BackPressureError:
-                call.cancel()
-                raise APIError(429, "every replica's queue is full; retry later", type="rate_limit_error",
-                               code="queue_full", headers={"Retry-After": str(self.config.retry_after_s)}) from None
-            except DeploymentUnavailableError as exc:
-                call.cancel()
-                raise APIError(503, f"no replica is available: {_first_line(exc)}", type="server_error",
-                               code="replica_unavailable", headers={"Retry-After": "5"}) from None
-            except Exception as exc:  # the replica's code failed: a 500 in OpenAI's shape, not a bare one
-                call.cancel()
-                raise APIError(500, f"the replica failed: {type(exc).__name__}: {_first_line(exc)}",
-                               type="server_error") from None
-            except BaseException:  # the client left (Serve cancels this handler): stop the replica's work
-                call.cancel()
-                raise
         raise APIError(503, f"the replica answering this request died, {len(failures)} time(s): {failures}; "
                        "retry once the deployment has replaced it", type="server_error", code="replica_unavailable",
                        headers={"Retry-After": "5"})
+
+    def _refusal(self, exc: Exception) -> APIError:
+        """A failed call other than a lost replica, in OpenAI's shape (never a bare 500)."""
+        if isinstance(exc, BackPressureError):
+            return APIError(429, "every replica's queue is full; retry later", type="rate_limit_error",
+                            code="queue_full", headers={"Retry-After": str(self.config.retry_after_s)})
+        if isinstance(exc, DeploymentUnavailableError):
+            return APIError(503, f"no replica is available: {_first_line(exc)}", type="server_error",
+                            code="replica_unavailable", headers={"Retry-After": "5"})
+        return APIError(500, f"the replica failed: {type(exc).__name__}: {_first_line(exc)}", type="server_error")
 
 
 def default_actor_options(replicas: int) -> dict[str, float]:

@@ -19,13 +19,17 @@ class _TooLarge(Exception):
     pass
 
 
+def body_too_large(max_bytes: int) -> APIError:
+    """The 413 of a body over the cap (here, and at the Ray ingress, which reads bodies itself)."""
+    return APIError(413, f"the request body is over this server's limit of {max_bytes} bytes", code="body_too_large")
+
+
 class BodyLimit:
     def __init__(self, app: Any, max_bytes: int) -> None:
         self.app, self.max_bytes = app, max_bytes
 
     def _error(self) -> APIError:
-        return APIError(413, f"the request body is over this server's limit of {self.max_bytes} bytes",
-                        code="body_too_large")
+        return body_too_large(self.max_bytes)
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
