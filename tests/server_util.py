@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -23,6 +24,13 @@ def wait_for(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
             return value
         time.sleep(0.02)
     raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+
+
+def free_port() -> int:
+    """A loopback port free right now, for servers that must be told their port (Ray Serve, subprocesses)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 @contextlib.contextmanager

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 from typing import Any
@@ -14,15 +13,9 @@ from typing import Any
 import httpx
 import pytest
 from conftest import save_tiny_model
-from server_util import wait_for
+from server_util import free_port, wait_for
 
 from kev_engine import Engine, SamplingParams
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _healthy(url: str) -> bool:
@@ -37,7 +30,7 @@ def test_kev_serve_ray_serves_and_stops_on_sigterm(ray_cluster: Any, tmp_path: A
     from ray import serve
 
     model_dir = str(save_tiny_model(tmp_path / "model", tokenizer))
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     command = [sys.executable, "-m", "kev_engine", "serve", "--ray", "--replicas", "1", "--model", model_dir,
                "--port", str(port), "--ray-address", ray_cluster.get_runtime_context().gcs_address]

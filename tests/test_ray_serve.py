@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
-import socket
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -22,7 +21,7 @@ import httpx
 import openai
 import pytest
 from conftest import make_adapter, save_tiny_model, tiny_model
-from server_util import wait_for
+from server_util import free_port, wait_for
 
 from kev_engine import Engine, SamplingParams
 from kev_integrations.server.config import ServerConfig
@@ -67,12 +66,6 @@ class Fleet:
         return wait_for(known, 60, f"the ingress's router to learn which replica holds {adapter}")
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def fleet(ray_cluster: Any, tmp_path_factory: pytest.TempPathFactory, tokenizer: Any) -> Fleet:
     from ray import serve
@@ -88,7 +81,7 @@ def fleet(ray_cluster: Any, tmp_path_factory: pytest.TempPathFactory, tokenizer:
     shutil.copy(Path(adapters["A"]) / "adapter_config.json", broken)
     (broken / "adapter_model.safetensors").write_bytes(b"not safetensors")
     adapters["broken"] = str(broken)
-    port = _free_port()
+    port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:
         app = build_app(model_dir, adapters, num_replicas=2, max_adapters_per_replica=1,

@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 from conftest import make_adapter, tiny_model
-from server_util import serving, wait_for
+from server_util import free_port, serving, wait_for
 
 from kev_engine import Engine, SamplingParams
 from kev_integrations.server import ServerConfig, build_app
@@ -207,14 +207,6 @@ def test_health_is_503_while_loading(tokenizer: Any) -> None:
             "usage"]["completion_tokens"] == 2
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_sigterm_lets_a_running_stream_finish_then_exits() -> None:
     """`kev serve` on the embedded model: SIGTERM mid-stream → the stream completes, new
     connections are refused, and the process exits 0."""
@@ -222,7 +214,7 @@ def test_sigterm_lets_a_running_stream_finish_then_exits() -> None:
     import subprocess
     import sys
 
-    port = _free_port()
+    port = free_port()
     base = f"http://127.0.0.1:{port}"
     process = subprocess.Popen([sys.executable, "-m", "kev_engine", "serve", "--port", str(port), "--grace", "60"],
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
