@@ -15,13 +15,14 @@ a block nobody uses but whose key is known stays cached (LRU) until its memory i
 
 from __future__ import annotations
 
-import heapq
+import bisect
 import itertools
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 ExtraKey = Hashable
+MIN_RUN = 8  # free blocks are handed out from runs of at least this many consecutive ids first
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -55,7 +56,7 @@ class BlockManager:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.blocks = [Block(i) for i in range(num_blocks)]
-        self.free_ids = list(range(num_blocks))  # a min-heap: low ids first keep the used range compact
+        self.free_ids = list(range(num_blocks))  # sorted: see _take for the order they are handed out
         self.cached: OrderedDict[int, None] = OrderedDict()  # unused but findable, oldest first
         self.table: dict[tuple, int] = {}  # prefix key → block id (KV computed)
         self.filling: dict[tuple, int] = {}  # prefix key → block id written by this pass
@@ -79,20 +80,32 @@ class BlockManager:
 
     # ---- allocation -------------------------------------------------------------------------
 
-    def _take(self) -> int:
-        """A block nobody uses: a free one, else the least recently used cached one (forgotten)."""
-        if self.free_ids:
-            block_id = heapq.heappop(self.free_ids)
-        else:
+    def _take(self, count: int) -> list[int]:
+        """`count` blocks nobody uses (the caller checked there are enough).
+
+        Free blocks come first, from the lowest runs of at least MIN_RUN consecutive ids: the
+        batched decode reads a pass's blocks as a few dense ranges of the pool, and lone free
+        blocks — a finished request's tail between its cached prefix blocks — would scatter them
+        over the pool (each then gathered, or a range read with holes). Lone free blocks go next,
+        lowest first; then the least recently used cached blocks, forgotten.
+        """
+        picked = _runs_first(self.free_ids, count)
+        taken = [self.free_ids[k] for k in picked]
+        if picked:
+            drop = set(picked)
+            self.free_ids = [b for k, b in enumerate(self.free_ids) if k not in drop]
+        while len(taken) < count:
             block_id, _ = self.cached.popitem(last=False)
             self.evictions += 1
             block = self.blocks[block_id]
             assert block.key is not None and block.ref_count == 0
             self.table.pop(block.key, None)
             block.key, block.node = None, -1
-        self.blocks[block_id].ref_count = 1
-        self.fresh.append(block_id)
-        return block_id
+            taken.append(block_id)
+        for block_id in taken:
+            self.blocks[block_id].ref_count = 1
+        self.fresh.extend(taken)
+        return taken
 
     def take_fresh(self) -> list[int]:
         """Blocks handed out since the last call. Their slots past a row's length are read (and
@@ -133,7 +146,7 @@ class BlockManager:
             block = self.blocks[block_id]
             block.ref_count += 1
             self.cached.pop(block_id, None)
-        table.block_ids = hits + [self._take() for _ in range(new)]
+        table.block_ids = hits + self._take(new)
         table.num_keyed = len(hits)
         table.parent_node = self.blocks[hits[-1]].node if hits else None
         return len(hits) * self.block_size
@@ -143,7 +156,7 @@ class BlockManager:
         need = self.blocks_for(num_tokens) - len(table.block_ids)
         if need > self.num_available:
             return False
-        table.block_ids.extend(self._take() for _ in range(need))
+        table.block_ids.extend(self._take(need))
         return True
 
     def announce(self, table: BlockTable, token_ids: Sequence[int], extra: ExtraKey, computed_after: int) -> None:
@@ -193,6 +206,24 @@ class BlockManager:
                     self.cached[block_id] = None
                 else:
                     block.node = -1
-                    heapq.heappush(self.free_ids, block_id)
+                    bisect.insort(self.free_ids, block_id)
         table.block_ids = []
         table.num_keyed, table.parent_node = 0, None
+
+
+def _runs_first(free_ids: list[int], count: int) -> list[int]:
+    """Indices into sorted `free_ids` of the `count` blocks to hand out: those in runs of at least
+    MIN_RUN consecutive ids, lowest first, then the lowest of the rest."""
+    picked: list[int] = []
+    start, total = 0, len(free_ids)
+    while start < total and len(picked) < count:
+        end = start + 1
+        while end < total and free_ids[end] == free_ids[end - 1] + 1:
+            end += 1
+        if end - start >= MIN_RUN:
+            picked.extend(range(start, min(end, start + count - len(picked))))
+        start = end
+    if len(picked) < count:
+        chosen = set(picked)
+        picked.extend(itertools.islice((k for k in range(total) if k not in chosen), count - len(picked)))
+    return picked

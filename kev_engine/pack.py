@@ -19,7 +19,8 @@ import torch
 
 from .blocks import blocks_for
 
-GATHER_SLACK = 2  # view a block range in place unless it is this many times larger than needed
+GROUP_COST_BLOCKS = 24  # a block group's fixed kernels per layer cost about as much as reading this many blocks
+GATHER_COST = 3  # a gathered block is read, copied and read again: 3 block reads against 1 in place
 
 
 @dataclass
@@ -175,34 +176,58 @@ def decode_layout(
         length = segments[i].past_len + 1
         for j, block_id in enumerate(segments[i].block_ids[: blocks_for(length, block_size)]):
             readers[block_id].append((row, min(block_size, length - j * block_size)))
-    private = {b: r[0] for b, r in readers.items() if len(r) == 1}
-    shared = {b: r for b, r in readers.items() if len(r) > 1}
-    groups = [_group(private, num_rows, block_size, device)] if private else []
-    if shared:
-        groups.append(_group(shared, num_rows, block_size, device))
+    groups: list[BlockGroup] = []
+    for shared in (False, True):  # private blocks (one reader) and shared ones: different widths
+        part = {b: r for b, r in readers.items() if (len(r) > 1) == shared}
+        ranges, scattered = _clusters(sorted(part))
+        groups.extend(_group(part, range(lo, hi), num_rows, block_size, device, True) for lo, hi in ranges)
+        if scattered:
+            groups.append(_group(part, scattered, num_rows, block_size, device, False))
     row_tokens = torch.tensor([cu_seqlens[i] for i in rows], dtype=torch.long, device=device)
     return DecodeLayout(row_tokens, rows, groups)
 
 
+def _clusters(ids: list[int]) -> tuple[list[tuple[int, int]], list[int]]:
+    """Split sorted block ids into ranges read in place and the scattered rest, to be gathered.
+
+    Cost in block reads per layer: a range reads its whole span, holes included, plus a group's
+    fixed kernels; a gathered block is read, copied and read again. Blocks of long-running engines
+    are fragmented (cached prefixes and freed tails sit between a pass's blocks), so one range over
+    everything, or one gather of everything, can each cost far more than this split.
+    """
+    ranges: list[tuple[int, int]] = []
+    scattered: list[int] = []
+    start = 0
+    for k in range(1, len(ids) + 1):
+        if k < len(ids) and ids[k] - ids[k - 1] <= GROUP_COST_BLOCKS:
+            continue
+        run = ids[start:k]
+        if run[-1] - run[0] + 1 + GROUP_COST_BLOCKS <= GATHER_COST * len(run):
+            ranges.append((run[0], run[-1] + 1))
+        else:
+            scattered.extend(run)
+        start = k
+    return ranges, scattered
+
+
 def _group(
-    readers: dict[int, Any], num_rows: int, block_size: int, device: torch.device | str
+    readers: dict[int, list[tuple[int, int]]], ids: Sequence[int], num_rows: int, block_size: int,
+    device: torch.device | str, in_place: bool,
 ) -> BlockGroup:
-    """One BlockGroup: a range viewed in place when it is dense enough, else gathered blocks."""
-    by_block = {b: (r if isinstance(r, list) else [r]) for b, r in readers.items()}
-    width = max(len(r) for r in by_block.values())
-    lo, hi = min(by_block), max(by_block) + 1
-    in_place = width == 1 and hi - lo <= GATHER_SLACK * len(by_block) + 8
-    ids = list(range(lo, hi)) if in_place else sorted(by_block)
+    """One BlockGroup over `ids`: a range of the pool viewed in place (blocks nobody here reads are
+    masked out), or gathered blocks. Each block has up to M readers, its `owners`."""
+    width = max(len(readers.get(b, ())) for b in ids)
     owners = [[num_rows] * width for _ in ids]
     counts = [0] * len(ids)
     for k, block_id in enumerate(ids):
-        for m, (row, valid) in enumerate(by_block.get(block_id, [])):
+        for m, (row, num_valid) in enumerate(readers.get(block_id, [])):
             owners[k][m] = row
-            counts[k] = valid  # a shared block is a full one: the same count for each reader
+            counts[k] = num_valid  # a shared block is a full one: the same count for each reader
     count_t = torch.tensor(counts, dtype=torch.long, device=device)
     valid = torch.arange(block_size, device=device)[None, :] < count_t[:, None]  # [nb, bs]
     bias = torch.zeros(valid.shape, dtype=torch.float32, device=device).masked_fill_(~valid, float("-inf"))
     owners_t = torch.tensor(owners, dtype=torch.long, device=device)
     if in_place:
-        return BlockGroup(owners_t, owners_t.flatten(), bias, start=lo, stop=hi)
-    return BlockGroup(owners_t, owners_t.flatten(), bias, block_ids=torch.tensor(ids, dtype=torch.long, device=device))
+        return BlockGroup(owners_t, owners_t.flatten(), bias, start=ids[0], stop=ids[-1] + 1)
+    block_ids = torch.tensor(list(ids), dtype=torch.long, device=device)
+    return BlockGroup(owners_t, owners_t.flatten(), bias, block_ids=block_ids)

@@ -12,7 +12,8 @@ from conftest import FAMILIES, chat, make_adapter, reference_copy, tiny_model
 from peft import PeftModel
 
 from kev_engine import Engine, InvalidRequestError, SamplingParams
-from kev_engine.blocks import BlockManager, BlockTable
+from kev_engine import pack as pack_module
+from kev_engine.blocks import MIN_RUN, BlockManager, BlockTable
 from kev_engine.forward import run_model
 from kev_engine.kv_pool import KVPool
 from kev_engine.pack import Segment, pack
@@ -226,3 +227,49 @@ def test_stale_pool_memory_never_reaches_an_answer(tokenizer) -> None:
     for prompt, result in zip(DOC_QUESTIONS, results):
         assert result.token_ids == solo_greedy(reference, engine.encode(prompt), 8, tokenizer.eos_token_id)
     engine.close()
+
+
+def test_new_blocks_come_from_free_runs_not_from_lone_holes() -> None:
+    """Lone free blocks between cached ones would scatter a pass's blocks over the pool."""
+    manager = BlockManager(num_blocks=40, block_size=4)
+    tables = [BlockTable() for _ in range(10)]
+    for i, table in enumerate(tables):  # ids 0..19, two per request
+        manager.allocate(table, list(range(100 * i, 100 * i + 8)), extra=None)
+    for table in tables[::2]:  # never committed, so nothing is cached: ids 0-1, 4-5, ... are free again
+        manager.free(table)
+    new = BlockTable()
+    manager.allocate(new, list(range(1000, 1012)), extra=None)
+    assert new.block_ids == [20, 21, 22]  # the run 20..39, not the holes 0, 1, 4
+    assert manager.grow(new, 16) and new.block_ids[-1] == 23
+    rest = BlockTable()
+    manager.allocate(rest, list(range(2000, 2000 + 4 * (40 - 24 - MIN_RUN + 1))), extra=None)
+    assert rest.block_ids == list(range(24, 24 + 40 - 24 - MIN_RUN + 1))  # what is left above 32 is too short
+    last = BlockTable()
+    manager.allocate(last, list(range(3000, 3008)), extra=None)
+    assert last.block_ids == [0, 1]  # no run is left: the lowest lone blocks
+
+
+def test_a_fragmented_pool_is_still_read_in_place(tiny_engine: Engine) -> None:
+    """After calls whose cached prefixes sit between freed tails, the next batch's decode reads
+    its blocks as dense ranges of the pool, with no copy."""
+    prompts = [chat(f"Question {i}: " + "tell me about the harbor museum and its lighthouse lens. " * (1 + i % 4))
+               for i in range(12)]
+    for salt in ("a", "b", "c"):
+        tiny_engine.generate(prompts, SamplingParams(temperature=0, max_tokens=5, cache_salt=salt))
+    layouts = []
+    original = pack_module.decode_layout
+
+    def recorded(segments, *args):
+        layout = original(segments, *args)
+        layouts.append((segments, layout))
+        return layout
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(pack_module, "decode_layout", recorded)
+        tiny_engine.generate(prompts, SamplingParams(temperature=0, max_tokens=5, cache_salt="d"))
+    decodes = [(segments, layout) for segments, layout in layouts if layout is not None]
+    assert decodes
+    for segments, layout in decodes:
+        read = {b for seg in segments if len(seg.token_ids) == 1 for b in seg.block_ids}
+        assert all(g.block_ids is None for g in layout.groups)
+        assert sum(g.stop - g.start for g in layout.groups) <= len(read) + 2
