@@ -18,6 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from kev_engine import Engine, SamplingParams, attention
 from kev_engine import engine as engine_module
+from kev_engine import pack as pack_module
 from kev_engine.pack import Segment, pack
 
 
@@ -123,15 +124,32 @@ def test_pack_round_trip() -> None:
         pack([Segment(1, [9], 4, True)])
 
 
-def test_batched_decode_equals_attention_per_row() -> None:
-    """Rows over private blocks and over a shared prefix block, in one call, against SDPA per row."""
+# (GROUP_COST_BLOCKS, GATHER_COST) → how the private and the shared blocks are read
+GROUPINGS = {
+    "gathered": ((24, 3), [False, False]),  # few blocks far apart: copied
+    "ranges with holes": ((4, 3), [True, True]),  # private 2..9 and shared 0..1, each one view
+    "one range per block": ((0, 3), [True] * 6),  # private 2, 5, 7, 9 and shared 0, 1: six views
+}
+
+
+@pytest.mark.parametrize("grouping", list(GROUPINGS))
+def test_batched_decode_equals_attention_per_row(grouping: str, monkeypatch) -> None:
+    """Rows over private blocks and over a shared prefix block, in one call, against SDPA per row,
+    for each way the blocks can be grouped. Blocks no row reads are NaN: a range viewed in place
+    reads them, and they must stay masked out."""
+    (cost, gather), in_place = GROUPINGS[grouping]
+    monkeypatch.setattr(pack_module, "GROUP_COST_BLOCKS", cost)
+    monkeypatch.setattr(pack_module, "GATHER_COST", gather)
     torch.manual_seed(0)
     kv_heads, heads, dim, block = 2, 4, 8, 4
     keys, values = torch.randn(12, kv_heads, block, dim), torch.randn(12, kv_heads, block, dim)
     tables = [[0, 1, 5], [0, 1, 7], [9], [0, 2]]  # rows 0, 1 and 3 share blocks 0 (and 0, 1 rows 0-1)
     past = [9, 10, 2, 5]
+    for hole in (3, 4, 6, 8, 10, 11):
+        keys[hole], values[hole] = float("nan"), float("nan")
     segments = [Segment(i, [1], p, True, block_ids=t) for i, (t, p) in enumerate(zip(tables, past))]
     batch = pack(segments, kv=SimpleNamespace(block_size=block, flash_layout=False))
+    assert [g.block_ids is None for g in batch.decode.groups] == in_place
     query = torch.randn(len(tables), heads, dim)
     out = attention.batched_decode(query, batch.decode, keys, values, scaling=None)
     for i, (table, p) in enumerate(zip(tables, past)):
@@ -139,7 +157,6 @@ def test_batched_decode_equals_attention_per_row() -> None:
         v = values[table].transpose(0, 1).reshape(kv_heads, -1, dim)[:, : p + 1]
         expected = F.scaled_dot_product_attention(query[i][None, :, None], k[None], v[None], enable_gqa=True)
         torch.testing.assert_close(out[i], expected[0, :, 0], atol=1e-5, rtol=1e-5)
-    assert len(batch.decode.groups) == 2  # private blocks, and the shared prefix read once for its rows
 
 
 def count_attention_kernels(engine: Engine, num_questions: int) -> int:
