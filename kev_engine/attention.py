@@ -10,7 +10,9 @@ its slot in the engine's KV pool first (so a question starting after a prefix th
 segment of the same pass computes reads it, layer by layer), then queries see that question's
 blocks — its own, or a shared prefix's — plus its own new tokens, causally.
 CPU (and CUDA without flash-attn): prefill chunks take one SDPA call each (ΣLᵢ² work, large
-calls); all decode rows take ONE batched call per layer over their blocks, read in place.
+calls); all decode rows take ONE batched computation per layer: a fixed set of kernels per block
+group (`pack.decode_layout`: dense ranges of the pool read in place, the scattered rest gathered),
+however many rows there are.
 CUDA with flash-attn: one `flash_attn_varlen_func` call per layer over the whole pack, with
 `cu_seqlens` and the block table (paged KV): nothing is concatenated or copied per step.
 """
@@ -111,7 +113,9 @@ def batched_decode(
     against the query of the row(s) that read it — a batched matmul over blocks, reading the pool
     in place — then a softmax segmented by row (row max, exp, row sum via scatter/index_add) and
     one more batched matmul for the values. A shared prefix block is read once for all its rows
-    (its group has M rows per block). A fixed number of kernels per layer, whatever B is.
+    (its group has M rows per block). A fixed number of kernels per group and layer, whatever B
+    is; a range viewed in place may hold blocks no row here reads (holes): they go to the
+    "nobody" row B, whose result is dropped, so stale memory there never reaches an answer.
     """
     num_rows, num_heads, head_dim = query.shape
     kv_heads = keys.shape[1]
