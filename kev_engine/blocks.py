@@ -89,11 +89,15 @@ class BlockManager:
         over the pool (each then gathered, or a range read with holes). Lone free blocks go next,
         lowest first; then the least recently used cached blocks, forgotten.
         """
-        picked = _runs_first(self.free_ids, count)
+        picked = sorted(_runs_first(self.free_ids, count))
         taken = [self.free_ids[k] for k in picked]
-        if picked:
-            drop = set(picked)
-            self.free_ids = [b for k, b in enumerate(self.free_ids) if k not in drop]
+        end = len(picked)
+        while end > 0:  # delete contiguous index spans, last first (a run is one slice)
+            start = end - 1
+            while start > 0 and picked[start - 1] == picked[start] - 1:
+                start -= 1
+            del self.free_ids[picked[start] : picked[end - 1] + 1]
+            end = start
         while len(taken) < count:
             block_id, _ = self.cached.popitem(last=False)
             self.evictions += 1
@@ -217,9 +221,7 @@ def _runs_first(free_ids: list[int], count: int) -> list[int]:
     picked: list[int] = []
     start, total = 0, len(free_ids)
     while start < total and len(picked) < count:
-        end = start + 1
-        while end < total and free_ids[end] == free_ids[end - 1] + 1:
-            end += 1
+        end = _run_end(free_ids, start)
         if end - start >= MIN_RUN:
             picked.extend(range(start, min(end, start + count - len(picked))))
         start = end
@@ -227,3 +229,17 @@ def _runs_first(free_ids: list[int], count: int) -> list[int]:
         chosen = set(picked)
         picked.extend(itertools.islice((k for k in range(total) if k not in chosen), count - len(picked)))
     return picked
+
+
+def _run_end(ids: list[int], start: int) -> int:
+    """End (exclusive) of the run of consecutive ids at `start`. The ids are sorted and distinct,
+    so ids[k] - k never decreases and stays constant exactly along a run: bisection, not a scan
+    (a fresh pool is one run of every block)."""
+    key, low, high = ids[start] - start, start + 1, len(ids)
+    while low < high:
+        mid = (low + high) // 2
+        if ids[mid] - mid == key:
+            low = mid + 1
+        else:
+            high = mid
+    return low

@@ -6,6 +6,8 @@ Every "equal" here is against a plain transformers model (or PEFT) running the q
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 from conftest import FAMILIES, chat, make_adapter, reference_copy, tiny_model
@@ -13,7 +15,7 @@ from peft import PeftModel
 
 from kev_engine import Engine, InvalidRequestError, SamplingParams
 from kev_engine import pack as pack_module
-from kev_engine.blocks import MIN_RUN, BlockManager, BlockTable
+from kev_engine.blocks import MIN_RUN, BlockManager, BlockTable, _runs_first
 from kev_engine.forward import run_model
 from kev_engine.kv_pool import KVPool
 from kev_engine.pack import Segment, pack
@@ -247,6 +249,26 @@ def test_new_blocks_come_from_free_runs_not_from_lone_holes() -> None:
     last = BlockTable()
     manager.allocate(last, list(range(3000, 3008)), extra=None)
     assert last.block_ids == [0, 1]  # no run is left: the lowest lone blocks
+
+
+def test_free_run_search_equals_a_plain_scan() -> None:
+    """The allocator finds runs by bisection; a plain scan over random free lists must agree."""
+    def scan(free: list[int], count: int) -> list[int]:
+        picked, start = [], 0
+        while start < len(free):
+            end = start + 1
+            while end < len(free) and free[end] == free[end - 1] + 1:
+                end += 1
+            if end - start >= MIN_RUN and len(picked) < count:
+                picked.extend(range(start, min(end, start + count - len(picked))))
+            start = end
+        return picked + [k for k in range(len(free)) if k not in set(picked)][: count - len(picked)]
+
+    rng = random.Random(0)
+    for _ in range(500):
+        free = sorted(rng.sample(range(120), rng.randint(1, 80)))
+        count = rng.randint(1, len(free))
+        assert _runs_first(free, count) == scan(free, count), (free, count)
 
 
 def test_a_fragmented_pool_is_still_read_in_place(tiny_engine: Engine) -> None:
