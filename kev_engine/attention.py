@@ -10,9 +10,10 @@ its slot in the engine's KV pool first (so a question starting after a prefix th
 segment of the same pass computes reads it, layer by layer), then queries see that question's
 blocks — its own, or a shared prefix's — plus its own new tokens, causally.
 CPU (and CUDA without flash-attn): prefill chunks take one SDPA call each (ΣLᵢ² work, large
-calls); all decode rows take ONE batched computation per layer: a fixed set of kernels per block
-group (`pack.decode_layout`: dense ranges of the pool read in place, the scattered rest gathered),
-however many rows there are.
+calls); all decode rows take ONE computation per layer, however many rows there are: on CPU the
+compiled kernel (`decode_kernel`, one call over every row's block table), else `batched_decode`,
+a fixed set of torch kernels per block group (`pack.decode_layout`: dense ranges of the pool read
+in place, the scattered rest gathered).
 CUDA with flash-attn: one `flash_attn_varlen_func` call per layer over the whole pack, with
 `cu_seqlens` and the block table (paged KV): nothing is concatenated or copied per step.
 """
@@ -48,7 +49,7 @@ def _decode_attention(
     """One query token over its keys: query [H, 1, D], key/value [kvH, L, D] → [H, 1, D].
 
     Only for a one-token segment of a pack without a KV pool (a one-token prompt in a test or
-    drawing); the engine's decode rows all go through `batched_decode`. Two small bmm calls with
+    drawing); the engine's decode rows all go through `decode_rows`. Two small bmm calls with
     the query heads grouped per kv head (GQA without repeating keys): CPU SDPA spends far longer
     on setup than on math for a single query.
     """
@@ -207,8 +208,17 @@ def kev_attention(
     out = _per_segment(batch, layer, q, k, v, scaling, skip)
     if decode is not None:
         rows = q[:, decode.row_tokens].transpose(0, 1)  # [B, H, D]
-        out[decode.row_tokens] = batched_decode(rows, decode, kv.keys[layer], kv.values[layer], scaling)
+        out[decode.row_tokens] = decode_rows(rows, decode, kv, layer, scaling)
     return out[None], None
+
+
+def decode_rows(rows: torch.Tensor, decode: DecodeLayout, kv: Any, layer: int, scaling: float | None) -> torch.Tensor:
+    """All decode rows of one layer in one call: the compiled kernel when the pool has it."""
+    if decode.tables is None:
+        return batched_decode(rows, decode, kv.keys[layer], kv.values[layer], scaling)
+    assert decode.lengths is not None and kv.paged_decode is not None
+    scale = scaling if scaling is not None else rows.shape[-1] ** -0.5
+    return kv.paged_decode(rows, kv.keys[layer], kv.values[layer], decode.tables, decode.lengths, scale)
 
 
 def register() -> None:

@@ -29,6 +29,7 @@ from . import loader
 from .adapters import AdapterPool
 from .attention import use_flash
 from .blocks import BlockManager, BlockTable
+from .decode_kernel import choose as choose_decode_kernel
 from .errors import ConstraintError, EngineClosedError, InvalidRequestError, KevError, PassFailedError
 from .forward import run_model
 from .grammar import Grammars, mask_logits
@@ -120,6 +121,9 @@ class Engine:
         block_size: tokens per KV block (None: 32 on CPU, 256 with flash-attn). Prefixes are
             shared in whole blocks.
         max_logits_tokens: most `prompt_logits` positions computed in one pass (each is a vocab row).
+        decode_kernel: how decode rows attend on a CPU pool: "auto" (the compiled kernel, built
+            once per machine; if it cannot be built, a warning and the torch path), "compiled"
+            (the kernel or an error), "torch" (never build it). None: `KEV_DECODE_KERNEL`, else "auto".
     """
 
     def __init__(
@@ -135,22 +139,26 @@ class Engine:
         kv_cache_bytes: int | None = None,
         block_size: int | None = None,
         max_logits_tokens: int = 1024,
+        decode_kernel: str | None = None,
     ) -> None:
         self.name = name or getattr(model.config, "_name_or_path", "") or type(model).__name__
         self._closed = False
+        parameter = next(model.parameters())
+        flash_layout = use_flash(parameter.device, parameter.dtype)
+        # before claiming the model: a bad mode or a failed "compiled" build leaves it as it came
+        paged_decode = choose_decode_kernel(decode_kernel, parameter.device, flash_layout)
         claim_model(model, self)
         prepare_model(model)
         self.model = model
         self.tokenizer = tokenizer
-        parameter = next(model.parameters())
         self.device = parameter.device
         self.max_context = context_length(model, tokenizer)
         self.eos_ids = eos_ids(model, tokenizer)
         self.coalesce_s = max(0.0, coalesce_ms) / 1000
         self._defaults = Defaults.from_env()
         self._kv = KVPool(model, self.device, parameter.dtype, kv_cache_bytes, block_size,
-                          flash_layout=use_flash(self.device, parameter.dtype),
-                          useful_tokens=2 * max_num_seqs * self.max_context)
+                          flash_layout=flash_layout, useful_tokens=2 * max_num_seqs * self.max_context,
+                          paged_decode=paged_decode)
         self._blocks = BlockManager(self._kv.num_blocks, self._kv.block_size)
         self._scheduler = Scheduler(max_batch_tokens, max_num_seqs, self._blocks, max_logits_tokens)
         self._adapters = AdapterPool(model, self.device, max_adapters)
@@ -321,6 +329,13 @@ class Engine:
                 "grammar_compiles": self._grammars.compiles,
                 "grammar_cache_hits": self._grammars.cache_hits,
             }
+
+    @property
+    def decode_attention(self) -> str:
+        """Which attention serves decode rows: "flash-attn", "compiled" (the CPU kernel) or "torch"."""
+        if self._kv.flash_layout:
+            return "flash-attn"
+        return "compiled" if self._kv.paged_decode is not None else "torch"
 
     @property
     def adapters(self) -> list[str]:

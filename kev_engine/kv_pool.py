@@ -5,8 +5,9 @@ question owns (or shares) which block, `attention` writes each new token's keys/
 slot and reads them back. Nothing outside the pool ever holds KV, so the budget is the bound.
 
 Layout per layer: keys and values of shape [num_blocks, num_kv_heads, block_size, head_dim] on
-CPU, so one block of one head is a contiguous [block_size, head_dim] matrix that a batched matmul
-reads in place; flash-attn's paged kernels want [num_blocks, block_size, num_kv_heads, head_dim].
+CPU, so one block of one head is a contiguous [block_size, head_dim] matrix that the compiled
+decode kernel streams (or a batched matmul reads in place); flash-attn's paged kernels want
+[num_blocks, block_size, num_kv_heads, head_dim].
 On CPU the tensors come from `torch.empty`: pages the engine never touches are never resident.
 """
 
@@ -18,6 +19,7 @@ from typing import Any
 import torch
 
 from .blocks import blocks_for
+from .decode_kernel import PagedDecode
 
 CPU_BLOCK_SIZE = 32  # tokens per block: prefixes are shared in whole blocks
 FLASH_BLOCK_SIZE = 256  # flash-attn's paged KV needs a multiple of 256
@@ -60,11 +62,14 @@ class KVPool:
         block_size: int | None = None,
         flash_layout: bool = False,
         useful_tokens: int | None = None,
+        paged_decode: PagedDecode | None = None,
     ) -> None:
         """`useful_tokens`: more KV than this is never useful (every sequence slot at full context,
-        twice over for cached prefixes); a default budget stops there."""
+        twice over for cached prefixes); a default budget stops there. `paged_decode`: how decode
+        rows read this (CPU-layout) pool — the compiled kernel, or None for the torch path."""
         self.num_layers, self.num_kv_heads, self.head_dim = kv_shape(model)
         self.flash_layout = flash_layout
+        self.paged_decode = paged_decode
         self.block_size = block_size or (FLASH_BLOCK_SIZE if flash_layout else CPU_BLOCK_SIZE)
         if self.block_size < 1:
             raise ValueError(f"block_size={self.block_size} is not allowed; use an integer >= 1")

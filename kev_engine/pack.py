@@ -4,8 +4,9 @@ Each segment is one question's new tokens this pass; `position_ids` continue tha
 own count (restarting at 0 for a fresh prompt), `cu_seqlens` marks where segments start and
 end, `past_lens` says how much of each question is already in KV blocks, and the slot mapping
 says where each new token's keys/values go. Decode rows (one new token) also get a
-`DecodeLayout`: their blocks grouped so that ONE batched attention per layer serves them all,
-whatever their number. Plain Python list-building, then one host→device copy per tensor.
+`DecodeLayout`: padded block tables for the compiled CPU kernel, or their blocks grouped for
+the torch path, so that ONE attention computation per layer serves them all, whatever their
+number. Plain Python list-building, then one host→device copy per tensor.
 """
 
 from __future__ import annotations
@@ -57,7 +58,9 @@ class DecodeLayout:
 
     row_tokens: torch.Tensor  # [B] long: flat index of each decode row's token
     row_segments: list[int]  # [B] the segment each row is
-    groups: list[BlockGroup]
+    groups: list[BlockGroup] = field(default_factory=list)  # the torch path's block groups
+    tables: torch.Tensor | None = None  # the kernel's: [B, max_blocks] int32 block ids, zero-padded
+    lengths: torch.Tensor | None = None  # the kernel's: [B] int32 tokens each row reads (its own included)
 
 
 @dataclass
@@ -145,7 +148,8 @@ def pack(segments: Sequence[Segment], device: torch.device | str = "cpu", kv: An
         kv=kv,
         slot_blocks=tensor(slot_blocks) if kv is not None else None,
         slot_offsets=tensor(slot_offsets) if kv is not None else None,
-        decode=decode_layout(segments, cu_seqlens, block_size, device) if paged and not kv.flash_layout else None,
+        decode=(decode_layout(segments, cu_seqlens, block_size, device, kernel=kv.paged_decode is not None)
+                if paged and not kv.flash_layout else None),
         flash=flash_tables(segments, block_size, device) if paged and kv.flash_layout else None,
     )
 
@@ -163,17 +167,26 @@ def flash_tables(segments: Sequence[Segment], block_size: int, device: torch.dev
 
 
 def decode_layout(
-    segments: Sequence[Segment], cu_seqlens: list[int], block_size: int, device: torch.device | str
+    segments: Sequence[Segment], cu_seqlens: list[int], block_size: int, device: torch.device | str,
+    kernel: bool = False,
 ) -> DecodeLayout | None:
-    """Group the blocks of every one-token segment: blocks one row reads (its own suffix) and
-    blocks several rows read (a shared prefix: read once for all of them, cascade-style)."""
+    """The one-token segments' blocks: a padded block table per row for the compiled kernel
+    (`kernel`), else grouped for the torch path — blocks one row reads (its own suffix) and blocks
+    several rows read (a shared prefix: read once for all of them, cascade-style)."""
     rows = [i for i, seg in enumerate(segments) if len(seg.token_ids) == 1]
     if not rows:
         return None
+    row_tokens = torch.tensor([cu_seqlens[i] for i in rows], dtype=torch.long, device=device)
+    lengths = [segments[i].past_len + 1 for i in rows]
+    if kernel:
+        tables = [segments[i].block_ids[: blocks_for(n, block_size)] for i, n in zip(rows, lengths)]
+        width = max(map(len, tables))
+        padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device)
+        return DecodeLayout(row_tokens, rows, tables=padded,
+                            lengths=torch.tensor(lengths, dtype=torch.int32, device=device))
     num_rows = len(rows)
     readers: dict[int, list[tuple[int, int]]] = defaultdict(list)  # block → [(row, valid tokens)]
-    for row, i in enumerate(rows):
-        length = segments[i].past_len + 1
+    for row, (i, length) in enumerate(zip(rows, lengths)):
         for j, block_id in enumerate(segments[i].block_ids[: blocks_for(length, block_size)]):
             readers[block_id].append((row, min(block_size, length - j * block_size)))
     groups: list[BlockGroup] = []
@@ -183,7 +196,6 @@ def decode_layout(
         groups.extend(_group(part, range(lo, hi), num_rows, block_size, device, True) for lo, hi in ranges)
         if scattered:
             groups.append(_group(part, scattered, num_rows, block_size, device, False))
-    row_tokens = torch.tensor([cu_seqlens[i] for i in rows], dtype=torch.long, device=device)
     return DecodeLayout(row_tokens, rows, groups)
 
 

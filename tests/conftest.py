@@ -90,12 +90,17 @@ def reference_copy(model: torch.nn.Module) -> torch.nn.Module:
     return ref
 
 
-@pytest.fixture(params=list(FAMILIES))
+# every family through the compiled CPU decode kernel, two through the torch decode path as well
+FAMILY_PATHS = [(family, "compiled") for family in FAMILIES] + [("llama", "torch"), ("qwen3", "torch")]
+
+
+@pytest.fixture(params=FAMILY_PATHS, ids=[f"{family}-{path}" for family, path in FAMILY_PATHS])
 def family_pair(request: pytest.FixtureRequest, tokenizer: Any) -> tuple[Engine, torch.nn.Module]:
-    """(Kev engine, reference model) of one family, same weights."""
-    model = tiny_model(request.param, tokenizer)
+    """(Kev engine, reference model) of one family, same weights, decoding through one path."""
+    family, path = request.param
+    model = tiny_model(family, tokenizer)
     reference = reference_copy(model)
-    return Engine(model, tokenizer, name=request.param), reference
+    return Engine(model, tokenizer, name=family, decode_kernel=path), reference
 
 
 @pytest.fixture

@@ -1,5 +1,6 @@
-"""The attention paths themselves: per-segment SDPA for prefill, one batched call for all decode
-rows, and the flash-attn paged varlen plumbing.
+"""The attention paths themselves: per-segment SDPA for prefill, one call for all decode rows
+(the compiled CPU kernel, or the torch path's batched computation), and the flash-attn paged
+varlen plumbing.
 
 flash-attn needs CUDA, which CI does not have; its call is checked here against a pure-torch
 implementation of `flash_attn_varlen_func`'s paged contract (cu_seqlens, block_table, bottom-right
@@ -16,9 +17,10 @@ import torch.nn.functional as F
 from conftest import QUESTIONS, chat, reference_copy, tiny_model
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from kev_engine import Engine, SamplingParams, attention
+from kev_engine import Engine, SamplingParams, attention, decode_kernel
 from kev_engine import engine as engine_module
 from kev_engine import pack as pack_module
+from kev_engine.decode_kernel import load_kernel
 from kev_engine.pack import Segment, pack
 
 
@@ -108,7 +110,7 @@ def test_model_used_outside_the_engine_fails_loudly(tokenizer) -> None:
 
 
 def test_pack_round_trip() -> None:
-    kv = SimpleNamespace(block_size=4, flash_layout=False)
+    kv = SimpleNamespace(block_size=4, flash_layout=False, paged_decode=None)
     segments = [Segment(0, [5, 6, 7], 0, True, block_ids=[3]), Segment(1, [9], 4, True, block_ids=[0, 1]),
                 Segment(2, [1, 2], 0, False, block_ids=[2])]
     batch = pack(segments, kv=kv)
@@ -148,7 +150,7 @@ def test_batched_decode_equals_attention_per_row(grouping: str, monkeypatch) -> 
     for hole in (3, 4, 6, 8, 10, 11):
         keys[hole], values[hole] = float("nan"), float("nan")
     segments = [Segment(i, [1], p, True, block_ids=t) for i, (t, p) in enumerate(zip(tables, past))]
-    batch = pack(segments, kv=SimpleNamespace(block_size=block, flash_layout=False))
+    batch = pack(segments, kv=SimpleNamespace(block_size=block, flash_layout=False, paged_decode=None))
     assert [g.block_ids is None for g in batch.decode.groups] == in_place
     query = torch.randn(len(tables), heads, dim)
     out = attention.batched_decode(query, batch.decode, keys, values, scaling=None)
@@ -159,24 +161,36 @@ def test_batched_decode_equals_attention_per_row(grouping: str, monkeypatch) -> 
         torch.testing.assert_close(out[i], expected[0, :, 0], atol=1e-5, rtol=1e-5)
 
 
-def count_attention_kernels(engine: Engine, num_questions: int) -> int:
-    """Matmul-class kernels the attention runs in one decode step of `num_questions` questions."""
+def count_attention_kernels(engine: Engine, num_questions: int) -> tuple[int, int]:
+    """(matmul-class torch kernels, compiled-kernel calls) that one layer's decode attention runs
+    in a decode step of `num_questions` questions — the same in every layer and step."""
     prompts = [chat(f"Question number {i}: tell me something about the number {i * 7}.") for i in range(num_questions)]
-    kernels = []
-    original = attention.batched_decode
+    calls = []
+    original = attention.decode_rows
 
-    def counted(*args, **kwargs):
-        with KernelCounter() as counter:
-            out = original(*args, **kwargs)
-        kernels.append(counter.count)
+    def counted(rows, decode, kv, layer, scaling):
+        compiled = [0]
+        kernel = kv.paged_decode
+
+        def counting_kernel(*args):
+            compiled[0] += 1
+            return kernel(*args)
+
+        kv.paged_decode = counting_kernel if kernel is not None else None
+        try:
+            with KernelCounter() as counter:
+                out = original(rows, decode, kv, layer, scaling)
+        finally:
+            kv.paged_decode = kernel
+        calls.append((counter.count, compiled[0]))
         return out
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(attention, "batched_decode", counted)
+        patch.setattr(attention, "decode_rows", counted)
         engine.generate(prompts, SamplingParams(temperature=0, max_tokens=3))  # prefill, then 2 decode steps
-    per_layer = set(kernels)
-    assert len(per_layer) == 1, per_layer
-    return kernels[0]
+    per_layer = set(calls)
+    assert len(calls) == 2 * engine.model.config.num_hidden_layers and len(per_layer) == 1, calls
+    return calls[0]
 
 
 class KernelCounter(TorchDispatchMode):
@@ -193,5 +207,88 @@ class KernelCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_one_attention_call_per_layer_for_any_number_of_decode_rows(tiny_engine: Engine) -> None:
-    assert count_attention_kernels(tiny_engine, 2) == count_attention_kernels(tiny_engine, 16) > 0
+@pytest.mark.parametrize("path", ["compiled", "torch"])
+def test_one_attention_call_per_layer_for_any_number_of_decode_rows(tokenizer, path: str) -> None:
+    """The compiled kernel: one call per layer and no torch matmul; the torch path: a fixed set."""
+    engine = Engine(tiny_model("llama", tokenizer), tokenizer, decode_kernel=path)
+    assert engine.decode_attention == path
+    two, sixteen = count_attention_kernels(engine, 2), count_attention_kernels(engine, 16)
+    engine.close()
+    assert two == sixteen
+    assert two == (0, 1) if path == "compiled" else two[0] > 0 and two[1] == 0
+
+
+# (kv heads, query heads, head dim): the unrolled head sizes (64, 128) and the generic loop (8)
+KERNEL_SHAPES = [(2, 4, 8), (3, 9, 64), (1, 1, 128), (2, 2, 64)]
+
+
+@pytest.mark.parametrize("shape", KERNEL_SHAPES, ids=[f"kv{a}-h{b}-d{c}" for a, b, c in KERNEL_SHAPES])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_decode_kernel_equals_attention_per_row(shape, dtype) -> None:
+    """The CPU kernel against SDPA per row: shared and private blocks, partial last blocks, and NaN
+    everywhere no row may read (unlisted blocks and the slots past a row's length)."""
+    kv_heads, heads, dim = shape
+    block = 4
+    torch.manual_seed(0)
+    keys = torch.full((12, kv_heads, block, dim), float("nan"))
+    values = torch.full((12, kv_heads, block, dim), float("nan"))
+    tables = [[0, 1, 5], [0, 1, 7], [9], [0, 2], [11, 3, 6, 8, 10]]
+    lengths = [10, 11, 3, 6, 17]
+    for table, length in zip(tables, lengths):
+        for j, block_id in enumerate(table):
+            n = min(block, length - j * block)
+            keys[block_id, :, :n] = torch.randn(kv_heads, n, dim)
+            values[block_id, :, :n] = torch.randn(kv_heads, n, dim)
+    keys, values = keys.to(dtype), values.to(dtype)
+    kv = SimpleNamespace(block_size=block, flash_layout=False, paged_decode=load_kernel(),
+                         keys=[keys], values=[values])
+    segments = [Segment(i, [1], n - 1, True, block_ids=t) for i, (t, n) in enumerate(zip(tables, lengths))]
+    batch = pack(segments, kv=kv)
+    assert batch.decode.tables is not None and not batch.decode.groups
+    query = torch.randn(len(tables), heads, dim).to(dtype)
+    out = attention.decode_rows(query, batch.decode, kv, 0, scaling=None)
+    assert out.dtype == dtype and out.shape == query.shape
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    for i, (table, n) in enumerate(zip(tables, lengths)):
+        k = keys[table].float().transpose(0, 1).reshape(kv_heads, -1, dim)[:, :n]
+        v = values[table].float().transpose(0, 1).reshape(kv_heads, -1, dim)[:, :n]
+        expected = F.scaled_dot_product_attention(query[i].float()[None, :, None], k[None], v[None], enable_gqa=True)
+        torch.testing.assert_close(out[i].float(), expected[0, :, 0], atol=tolerance, rtol=tolerance)
+
+
+def test_compiled_decode_kernel_refuses_tables_outside_the_pool() -> None:
+    """A block id past the pool or a length past the table is an error naming it, never a stray read."""
+    kernel = load_kernel()
+    keys = torch.zeros(4, 1, 4, 8)
+    query = torch.zeros(1, 1, 8)
+    table = torch.tensor([[1, 9]], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="names block 9 of 4"):
+        kernel(query, keys, keys, table, torch.tensor([6], dtype=torch.int32), 1.0)
+    with pytest.raises(RuntimeError, match="reads 9 tokens; its block table holds 8"):
+        kernel(query, keys, keys, table, torch.tensor([9], dtype=torch.int32), 1.0)
+
+
+def test_decode_kernel_mode_is_checked_and_a_failed_build_is_said(tokenizer, monkeypatch, caplog) -> None:
+    """A bad mode names itself; "auto" says why it decodes with torch; "compiled" fails with the reason."""
+    with pytest.raises(ValueError, match="decode_kernel='fast' is not allowed; use one of auto, compiled, torch"):
+        Engine(tiny_model("llama", tokenizer), tokenizer, decode_kernel="fast")
+    monkeypatch.setenv("KEV_DECODE_KERNEL", "gpu")
+    with pytest.raises(ValueError, match="KEV_DECODE_KERNEL='gpu' is not allowed"):
+        Engine(tiny_model("llama", tokenizer), tokenizer)
+    monkeypatch.delenv("KEV_DECODE_KERNEL")
+
+    def no_compiler():
+        raise OSError("no C++ compiler on PATH")
+
+    monkeypatch.setattr(decode_kernel, "_module", None)
+    monkeypatch.setattr(decode_kernel, "_failure", None)
+    monkeypatch.setattr(decode_kernel, "_build", no_compiler)
+    model = tiny_model("llama", tokenizer)
+    with pytest.raises(RuntimeError, match="no C\\+\\+ compiler on PATH"):
+        Engine(model, tokenizer, decode_kernel="compiled")
+    with caplog.at_level("WARNING", logger="kev"):
+        engine = Engine(model, tokenizer)  # the failed "compiled" left the model unclaimed
+    assert engine.decode_attention == "torch"
+    assert "no C++ compiler on PATH" in caplog.text and "torch path" in caplog.text
+    assert engine.generate([chat("Hi")], SamplingParams(temperature=0, max_tokens=3))[0].text is not None
+    engine.close()

@@ -271,24 +271,27 @@ def test_free_run_search_equals_a_plain_scan() -> None:
         assert _runs_first(free, count) == scan(free, count), (free, count)
 
 
-def test_a_fragmented_pool_is_still_read_in_place(tiny_engine: Engine) -> None:
+def test_a_fragmented_pool_is_still_read_in_place(tokenizer) -> None:
     """After calls whose cached prefixes sit between freed tails, the next batch's decode reads
-    its blocks as dense ranges of the pool, with no copy."""
+    its blocks as dense ranges of the pool, with no copy (the torch decode path's grouping; the
+    compiled kernel follows block tables and never copies)."""
+    engine = Engine(tiny_model("llama", tokenizer), tokenizer, decode_kernel="torch")
     prompts = [chat(f"Question {i}: " + "tell me about the harbor museum and its lighthouse lens. " * (1 + i % 4))
                for i in range(12)]
     for salt in ("a", "b", "c"):
-        tiny_engine.generate(prompts, SamplingParams(temperature=0, max_tokens=5, cache_salt=salt))
+        engine.generate(prompts, SamplingParams(temperature=0, max_tokens=5, cache_salt=salt))
     layouts = []
     original = pack_module.decode_layout
 
-    def recorded(segments, *args):
-        layout = original(segments, *args)
+    def recorded(segments, *args, **kwargs):
+        layout = original(segments, *args, **kwargs)
         layouts.append((segments, layout))
         return layout
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(pack_module, "decode_layout", recorded)
-        tiny_engine.generate(prompts, SamplingParams(temperature=0, max_tokens=5, cache_salt="d"))
+        engine.generate(prompts, SamplingParams(temperature=0, max_tokens=5, cache_salt="d"))
+    engine.close()
     decodes = [(segments, layout) for segments, layout in layouts if layout is not None]
     assert decodes
     for segments, layout in decodes:

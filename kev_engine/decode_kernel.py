@@ -1,0 +1,130 @@
+"""The compiled CPU decode-attention kernel (`csrc/paged_decode.cpp`): built once per machine, then loaded.
+
+Why compiled: on CPU, torch's batched decode path (`attention.batched_decode`) spends most of
+its time in one tiny GEMM per (block, kv head); the kernel streams each row's blocks once with
+an online softmax, in one call per layer, on torch's own thread pool. Results equal the torch
+path to fp32 rounding (tests compare both against SDPA).
+
+How: `torch.utils.cpp_extension.load` (a C++ compiler and ninja; `make setup` builds it) with
+`-march=native`, cached under torch's extensions folder by a name that hashes the source, the
+torch version and this CPU's flags, so a cache shared between different machines never loads
+code built for another CPU. The first build takes about a minute; later engines load it in
+well under a second.
+
+Modes (`Engine(decode_kernel=...)`, else `KEV_DECODE_KERNEL`, else "auto"):
+  "auto"      use the kernel on CPU pools; if it cannot be built, say why (a warning on the
+              "kev" logger) and use the torch path — same results, slower decode;
+  "compiled"  use the kernel or fail with the build's reason;
+  "torch"     never build it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger("kev")
+
+MODES = ("auto", "compiled", "torch")
+ENV_VAR = "KEV_DECODE_KERNEL"
+SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_decode.cpp"
+CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]  # the source avoids infinities: fast-math is safe
+LDFLAGS = ["-fopenmp"]  # resolves to the libgomp torch already loaded (same soname): one thread pool
+
+PagedDecode = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+
+_lock = threading.Lock()
+_module: Any = None
+_failure: str | None = None  # a failed build is not retried by every engine of the process
+
+
+def resolve_mode(mode: str | None) -> str:
+    """The mode asked for (argument, then environment, then "auto"), checked."""
+    value = mode if mode is not None else os.environ.get(ENV_VAR, "auto")
+    if value not in MODES:
+        source = "decode_kernel" if mode is not None else ENV_VAR
+        raise ValueError(f"{source}={value!r} is not allowed; use one of {', '.join(MODES)}")
+    return value
+
+
+def _cpu_fingerprint() -> str:
+    """What -march=native depends on: the machine and its CPU flags."""
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            flags = next((line for line in cpuinfo if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        pass
+    return f"{platform.machine()} {platform.processor()} {flags}"
+
+
+def build_name() -> str:
+    """The extension's cache name: a new source, torch or CPU gets a new build."""
+    digest = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), torch.__version__, _cpu_fingerprint(), " ".join(CFLAGS)):
+        digest.update(part if isinstance(part, bytes) else part.encode())
+    return f"kev_paged_decode_{digest.hexdigest()[:16]}"
+
+
+def _build() -> Any:
+    from torch.utils.cpp_extension import _get_build_directory, load
+
+    if shutil.which("ninja") is None:  # the `ninja` wheel (a dependency) puts its binary beside itself
+        import ninja
+
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+    name = build_name()
+    built = Path(_get_build_directory(name, verbose=False)) / f"{name}.so"
+    if not built.exists():
+        log.warning("building Kev's CPU decode-attention kernel for this machine (once; about a minute)")
+    return load(name, [str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS, verbose=False)
+
+
+def load_kernel() -> PagedDecode:
+    """The kernel's `paged_decode(query, keys, values, tables, lens, scale)`; builds it if needed.
+
+    Raises RuntimeError with the build's reason when it cannot be built here.
+    """
+    global _module, _failure
+    with _lock:
+        if _module is None:
+            if _failure is not None:
+                raise RuntimeError(_failure)
+            try:
+                _module = _build()
+            except Exception as exc:  # noqa: BLE001 - compiler missing, headers missing, build error: all say why
+                _failure = (f"Kev's CPU decode kernel could not be built ({type(exc).__name__}: "
+                            f"{str(exc).strip()[-2000:]}); it needs a C++ compiler and ninja")
+                raise RuntimeError(_failure) from exc
+        return _module.paged_decode
+
+
+def choose(mode: str | None, device: torch.device, flash_layout: bool) -> PagedDecode | None:
+    """The kernel for an engine's pool, or None for the torch path (non-CPU pools, "torch", or an
+    "auto" build that failed — with a warning saying why)."""
+    mode = resolve_mode(mode)
+    if mode == "torch" or flash_layout or device.type != "cpu":
+        if mode == "compiled" and (flash_layout or device.type != "cpu"):
+            raise ValueError(f"decode_kernel='compiled' is the CPU kernel; this engine's KV pool is on {device}")
+        return None
+    try:
+        return load_kernel()
+    except RuntimeError as exc:
+        if mode == "compiled":
+            raise
+        log.warning("%s; decoding with the torch path instead (same results, slower)", exc)
+        return None
+
+
+if __name__ == "__main__":  # `python -m kev_engine.decode_kernel`: build now (make setup does)
+    load_kernel()
+    print(f"Kev's CPU decode kernel is built: {build_name()}")
