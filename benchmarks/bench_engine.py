@@ -132,7 +132,7 @@ def decode_step_vs_floor(engine: Engine, msgs: list, dtype: str, steps: int = 24
     full = sorted(d for d, ran, running in durations if ran == running == rows)
     step_ms, floor_ms = 1000 * full[len(full) // 2], 1000 * sorted(floors)[len(floors) // 2]
     return {"decode_step_ms": step_ms, "decode_floor_ms": floor_ms, "decode_steps_measured": len(full),
-            "decode_rows": rows}
+            "decode_rows": rows, "decode_attention": engine.decode_attention}
 
 
 def prefill_flops(cfg: Any, lengths: list[int], logit_rows: int) -> float:
@@ -261,7 +261,8 @@ def report(res: dict[str, dict], max_tokens: int, stats: dict, dtype: str, title
             lines.append(f"kev prefill GFLOP/s, % of peak: {rate:.1f} GFLOP/s, {100 * rate / peak:.1f}% "
                          f"({gflop:.1f} GFLOP in {sec:.3f} s: best of 3 generate(max_tokens=1) calls of "
                          f"{kev['prefill_passes_per_call']:g} prefill pass(es) each; formula in prefill_flops())")
-        lines.append(f"kev decode step with {kev['decode_rows']} questions running: {kev['decode_step_ms']:.1f} ms "
+        lines.append(f"kev decode step with {kev['decode_rows']} questions running "
+                     f"({kev['decode_attention']} decode attention): {kev['decode_step_ms']:.1f} ms "
                      f"(median of {kev['decode_steps_measured']}); plain transformers forward over "
                      f"{kev['decode_rows']} single tokens: "
                      f"{kev['decode_floor_ms']:.1f} ms; ratio {kev['decode_step_ms'] / kev['decode_floor_ms']:.2f}x")

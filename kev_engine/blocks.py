@@ -84,7 +84,7 @@ class BlockManager:
         """`count` blocks nobody uses (the caller checked there are enough).
 
         Free blocks come first, from the lowest runs of at least MIN_RUN consecutive ids: the
-        batched decode reads a pass's blocks as a few dense ranges of the pool, and lone free
+        torch decode path reads a pass's blocks as a few dense ranges of the pool, and lone free
         blocks — a finished request's tail between its cached prefix blocks — would scatter them
         over the pool (each then gathered, or a range read with holes). Lone free blocks go next,
         lowest first; then the least recently used cached blocks, forgotten.
@@ -113,7 +113,7 @@ class BlockManager:
 
     def take_fresh(self) -> list[int]:
         """Blocks handed out since the last call. Their slots past a row's length are read (and
-        masked) by the batched decode, so the engine zeroes them: 0 x NaN from stale memory is NaN."""
+        masked) by the torch decode path, so the engine zeroes them: 0 x NaN from stale memory is NaN."""
         fresh, self.fresh = self.fresh, []
         return fresh
 

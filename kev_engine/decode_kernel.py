@@ -5,9 +5,9 @@ its time in one tiny GEMM per (block, kv head); the kernel streams each row's bl
 an online softmax, in one call per layer, on torch's own thread pool. Results equal the torch
 path to fp32 rounding (tests compare both against SDPA).
 
-How: `torch.utils.cpp_extension.load` (a C++ compiler and ninja; `make setup` builds it) with
-`-march=native`, cached under torch's extensions folder by a name that hashes the source, the
-torch version and this CPU's flags, so a cache shared between different machines never loads
+How: `torch.utils.cpp_extension.load` (a C++ compiler and ninja; `make setup` builds it with
+`kev build-kernel`) with `-march=native`, cached under torch's extensions folder by a name that
+hashes the source, the torch version and this CPU's flags, so a cache shared between different machines never loads
 code built for another CPU. The first build takes about a minute; later engines load it in
 well under a second.
 
@@ -124,7 +124,3 @@ def choose(mode: str | None, device: torch.device, flash_layout: bool) -> PagedD
         log.warning("%s; decoding with the torch path instead (same results, slower)", exc)
         return None
 
-
-if __name__ == "__main__":  # `python -m kev_engine.decode_kernel`: build now (make setup does)
-    load_kernel()
-    print(f"Kev's CPU decode kernel is built: {build_name()}")

@@ -12,7 +12,7 @@ from conftest import chat, make_adapter, tiny_model
 from PIL import Image
 from test_visualize import find_mask
 
-from kev_engine import Engine, SamplingParams, cli
+from kev_engine import Engine, SamplingParams, cli, decode_kernel
 from kev_engine import visualize as vis
 
 
@@ -258,3 +258,13 @@ def test_verify_reports_packed_equals_solo_with_shared_prefixes(tmp_path, capsys
     rows = [json.loads(line) for line in out.splitlines()]
     assert [r["id"] for r in rows] == ["q0", "q1", "q2"] and all(r["ok"] and r["tokens_match"] for r in rows)
     assert rows[1]["shared_prefix_tokens"] > 0 and "3/3 prompts packed == solo" in err
+
+
+def test_build_kernel_builds_or_says_why(capsys, monkeypatch) -> None:
+    """`kev build-kernel` reports the built kernel (0), or the build's reason (1)."""
+    assert cli.main(["build-kernel"]) == 0
+    assert "the CPU decode kernel is built (kev_paged_decode_" in capsys.readouterr().err
+    monkeypatch.setattr(decode_kernel, "_module", None)
+    monkeypatch.setattr(decode_kernel, "_failure", "Kev's CPU decode kernel could not be built (no g++)")
+    assert cli.main(["build-kernel"]) == 1
+    assert "kev: error: Kev's CPU decode kernel could not be built (no g++)" in capsys.readouterr().err

@@ -216,12 +216,13 @@ def test_a_request_larger_than_the_pool_is_refused_alone(tokenizer) -> None:
     engine.close()
 
 
-def test_stale_pool_memory_never_reaches_an_answer(tokenizer) -> None:
-    """Slots past a row's length in its last block are read (and masked) by the batched decode:
-    NaN left in recycled memory must not turn into 0 x NaN."""
+@pytest.mark.parametrize("path", ["compiled", "torch"])
+def test_stale_pool_memory_never_reaches_an_answer(tokenizer, path: str) -> None:
+    """Slots past a row's length in its last block are read (and masked) by the torch decode path,
+    and must never be read by the kernel: NaN left in recycled memory must not turn into 0 x NaN."""
     model = tiny_model("llama", tokenizer)
     reference = reference_copy(model)
-    engine = Engine(model, tokenizer, kv_cache_bytes=64 * TINY_BLOCK_BYTES)
+    engine = Engine(model, tokenizer, kv_cache_bytes=64 * TINY_BLOCK_BYTES, decode_kernel=path)
     for keys, values in zip(engine._kv.keys, engine._kv.values):
         keys.fill_(float("nan"))
         values.fill_(float("nan"))
