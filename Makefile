@@ -29,3 +29,4 @@ test: setup
 bench: setup
 	$(BIN)/python benchmarks/bench_engine.py --repeat 2
 	$(BIN)/python benchmarks/bench_prefix.py --repeat 2
+	$(BIN)/python benchmarks/bench_decode_attention.py
