@@ -7,9 +7,9 @@ path to fp32 rounding (tests compare both against SDPA).
 
 How: `torch.utils.cpp_extension.load` (a C++ compiler and ninja; `make setup` builds it with
 `kev build-kernel`) with `-march=native`, cached under torch's extensions folder by a name that
-hashes the source, the torch version and this CPU's flags, so a cache shared between different machines never loads
-code built for another CPU. The first build takes about a minute; later engines load it in
-well under a second.
+hashes the source, the torch version and this CPU's flags, so a cache shared between different
+machines never loads code built for another CPU. The first build takes about a minute; later
+engines load it in well under a second.
 
 Modes (`Engine(decode_kernel=...)`, else `KEV_DECODE_KERNEL`, else "auto"):
   "auto"      use the kernel on CPU pools; if it cannot be built, say why (a warning on the
