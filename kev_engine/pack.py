@@ -157,13 +157,21 @@ def pack(segments: Sequence[Segment], device: torch.device | str = "cpu", kv: An
 def flash_tables(segments: Sequence[Segment], block_size: int, device: torch.device | str):
     """flash-attn's paged-KV arguments: cu_seqlens_k [S+1] int32, max_seqlen_k, block_table [S, max_blocks] int32."""
     lengths = [seg.past_len + len(seg.token_ids) for seg in segments]
-    tables = [seg.block_ids[: blocks_for(n, block_size)] for seg, n in zip(segments, lengths)]
-    width = max(map(len, tables))
     cu = [0]
     for n in lengths:
         cu.append(cu[-1] + n)
-    block_table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device)
+    block_table = padded_block_table(segments, lengths, block_size, device)
     return torch.tensor(cu, dtype=torch.int32, device=device), max(lengths), block_table
+
+
+def padded_block_table(
+    segments: Sequence[Segment], lengths: list[int], block_size: int, device: torch.device | str
+) -> torch.Tensor:
+    """[S, max_blocks] int32: the blocks covering each segment's `lengths` tokens, zero-padded
+    (flash-attn's block_table and the CPU decode kernel's tables; both read only `lengths`)."""
+    tables = [seg.block_ids[: blocks_for(n, block_size)] for seg, n in zip(segments, lengths)]
+    width = max(map(len, tables))
+    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device)
 
 
 def decode_layout(
@@ -179,10 +187,8 @@ def decode_layout(
     row_tokens = torch.tensor([cu_seqlens[i] for i in rows], dtype=torch.long, device=device)
     lengths = [segments[i].past_len + 1 for i in rows]
     if kernel:
-        tables = [segments[i].block_ids[: blocks_for(n, block_size)] for i, n in zip(rows, lengths)]
-        width = max(map(len, tables))
-        padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device)
-        return DecodeLayout(row_tokens, rows, tables=padded,
+        tables = padded_block_table([segments[i] for i in rows], lengths, block_size, device)
+        return DecodeLayout(row_tokens, rows, tables=tables,
                             lengths=torch.tensor(lengths, dtype=torch.int32, device=device))
     num_rows = len(rows)
     readers: dict[int, list[tuple[int, int]]] = defaultdict(list)  # block → [(row, valid tokens)]
