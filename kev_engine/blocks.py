@@ -113,7 +113,8 @@ class BlockManager:
 
     def take_fresh(self) -> list[int]:
         """Blocks handed out since the last call. Their slots past a row's length are read (and
-        masked) by the torch decode path, so the engine zeroes them: 0 x NaN from stale memory is NaN."""
+        masked) by the torch decode path, so the engine zeroes them (`KVPool.zero`): 0 x NaN from
+        stale memory is NaN."""
         fresh, self.fresh = self.fresh, []
         return fresh
 

@@ -116,8 +116,13 @@ class KVPool:
             self.values[layer][block_ids, :, offsets] = value.transpose(0, 1)
 
     def zero(self, block_ids: list[int]) -> None:
-        """Clear blocks just handed out, in every layer (stale memory may hold NaN bit patterns)."""
-        if not block_ids:
+        """Clear blocks just handed out, in every layer (stale memory may hold NaN bit patterns).
+
+        The torch decode path and flash-attn read whole blocks and mask the slots past a row's
+        length, and 0 x NaN is NaN; the compiled kernel reads only each row's own tokens, so a
+        pool it serves skips this work on the steps that take new blocks.
+        """
+        if not block_ids or self.paged_decode is not None:
             return
         index = torch.tensor(block_ids, dtype=torch.long, device=self.keys[0].device)
         for keys, values in zip(self.keys, self.values):

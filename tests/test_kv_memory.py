@@ -219,7 +219,8 @@ def test_a_request_larger_than_the_pool_is_refused_alone(tokenizer) -> None:
 @pytest.mark.parametrize("path", ["compiled", "torch"])
 def test_stale_pool_memory_never_reaches_an_answer(tokenizer, path: str) -> None:
     """Slots past a row's length in its last block are read (and masked) by the torch decode path,
-    and must never be read by the kernel: NaN left in recycled memory must not turn into 0 x NaN."""
+    so its pool zeroes new blocks; the kernel's pool does not, so there the NaN stays in memory
+    and the kernel must never read it: NaN left in recycled memory must not turn into 0 x NaN."""
     model = tiny_model("llama", tokenizer)
     reference = reference_copy(model)
     engine = Engine(model, tokenizer, kv_cache_bytes=64 * TINY_BLOCK_BYTES, decode_kernel=path)
