@@ -8,6 +8,7 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
+from . import cpu_linear
 from .attention import KEV_ATTENTION
 
 OWNER_ATTR = "_kev_owner"  # weakref to the live Engine serving this model
@@ -27,13 +28,17 @@ def claim_model(model: Any, engine: Any) -> None:
 
 
 def release_model(model: Any) -> None:
-    """Give the model back as it came: its own attention, no owner (LoRA layers are unwrapped by the pool)."""
+    """Give the model back as it came: its own attention and Linear forwards, no owner.
+
+    (LoRA layers are unwrapped by the adapter pool.)
+    """
     original = getattr(model, ORIGINAL_ATTN_ATTR, None)
     if original is not None and original != KEV_ATTENTION:
         model.set_attn_implementation(original)
     for attr in (OWNER_ATTR, ORIGINAL_ATTN_ATTR):
         if attr in model.__dict__:
             object.__delattr__(model, attr)
+    cpu_linear.uninstall(model)
 
 
 def prepare_model(model: Any) -> None:
@@ -50,6 +55,7 @@ def prepare_model(model: Any) -> None:
         object.__setattr__(model, ORIGINAL_ATTN_ATTR, model.config._attn_implementation or "sdpa")
     model.set_attn_implementation(KEV_ATTENTION)
     model.eval().requires_grad_(False)
+    cpu_linear.install(model)  # float32 on CPU: few-row products as W @ x.T (see cpu_linear)
 
 
 def context_length(model: Any, tokenizer: Any) -> int:
