@@ -30,10 +30,11 @@ MAX_ROWS = 32  # rows per call up to which hidden layers use W @ x.T (see the mo
 
 def install(model: nn.Module) -> int:
     """Give the model's eligible Linear layers the few-rows product; returns how many were changed."""
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
     changed = 0
     for module in model.modules():
-        if _eligible(module):
+        if isinstance(module, nn.Linear) and _eligible(module):
             max_rows = None if module is head else MAX_ROWS
             module.forward = functools.partial(_forward, module, max_rows)
             changed += 1
@@ -47,7 +48,7 @@ def uninstall(model: nn.Module) -> None:
             del module.forward
 
 
-def _eligible(module: nn.Module) -> bool:
+def _eligible(module: nn.Linear) -> bool:
     return (
         type(module) is nn.Linear
         and "forward" not in module.__dict__
