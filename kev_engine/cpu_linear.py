@@ -36,7 +36,7 @@ def install(model: nn.Module) -> int:
     for module in model.modules():
         if isinstance(module, nn.Linear) and _eligible(module):
             max_rows = None if module is head else MAX_ROWS
-            module.forward = functools.partial(_forward, module, max_rows)
+            module.forward = functools.partial(_forward, module, max_rows)  # type: ignore[method-assign]
             changed += 1
     return changed
 
