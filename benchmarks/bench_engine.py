@@ -21,6 +21,7 @@ import importlib.util
 import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -32,7 +33,7 @@ from typing import Any
 
 import torch
 
-from kev_engine import Engine, SamplingParams
+from kev_engine import Engine, SamplingParams, cpu_linear
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from workload import load_rag, rag_messages
@@ -105,10 +106,16 @@ def run_kev(data: dict) -> Runner:
 def decode_step_vs_floor(engine: Engine, msgs: list, dtype: str, steps: int = 24) -> dict:
     """Median wall time of Kev's pure decode steps against a plain transformers forward over the
     same number of single tokens (the same matmuls, no attention context), both timed on the
-    engine's scheduler thread: torch's OpenMP workers belong to the thread that calls them."""
+    engine's scheduler thread: torch's OpenMP workers belong to the thread that calls them.
+
+    A second floor runs that plain forward with Kev's few-rows Linear products installed
+    (cpu_linear, what the engine's own layers use on float32 CPU), alternating with the first:
+    the step against it is Kev's per-question overhead alone, against the plain one what a user
+    sees next to transformers."""
     model, _ = load_hf(1, dtype)
     durations: list[tuple[float, int, int]] = []
-    floors: list[float] = []
+    floors: dict[str, list[float]] = {"plain": [], "same_products": []}
+    shape: list[int] = []
     step = engine.step
 
     def timed_step() -> int:
@@ -119,8 +126,14 @@ def decode_step_vs_floor(engine: Engine, msgs: list, dtype: str, steps: int = 24
         if len(durations) == 6 and ran == running:  # mid-run, on this thread: the floor for `running` rows
             x = torch.randint(0, model.config.vocab_size, (running, 1))
             with torch.inference_mode():
-                floors.extend(timeit.repeat(lambda: model(input_ids=x, use_cache=False), number=1, repeat=12)[2:])
-            floors.append(running)
+                for _ in range(6):
+                    for kind in floors:
+                        if kind == "same_products":
+                            cpu_linear.install(model)
+                        floors[kind].extend(timeit.repeat(lambda: model(input_ids=x, use_cache=False),
+                                                          number=1, repeat=3)[1:])
+                        cpu_linear.uninstall(model)
+            shape.append(running)
         return ran
 
     engine.step = timed_step  # the scheduler thread calls engine.step() for every pass
@@ -128,10 +141,12 @@ def decode_step_vs_floor(engine: Engine, msgs: list, dtype: str, steps: int = 24
         engine.generate(msgs, sampling=SamplingParams(temperature=0, max_tokens=steps, cache_salt="decode"))
     finally:
         del engine.step
-    rows = int(floors.pop())
+    rows = shape[0]
     full = sorted(d for d, ran, running in durations if ran == running == rows)
-    step_ms, floor_ms = 1000 * full[len(full) // 2], 1000 * sorted(floors)[len(floors) // 2]
-    return {"decode_step_ms": step_ms, "decode_floor_ms": floor_ms, "decode_steps_measured": len(full),
+    step_ms = 1000 * full[len(full) // 2]
+    floor_ms, same_ms = (1000 * statistics.median(floors[kind]) for kind in ("plain", "same_products"))
+    return {"decode_step_ms": step_ms, "decode_floor_ms": floor_ms, "decode_floor_same_products_ms": same_ms,
+            "decode_steps_measured": len(full),
             "decode_rows": rows, "decode_attention": engine.decode_attention}
 
 
@@ -265,7 +280,10 @@ def report(res: dict[str, dict], max_tokens: int, stats: dict, dtype: str, title
                      f"({kev['decode_attention']} decode attention): {kev['decode_step_ms']:.1f} ms "
                      f"(median of {kev['decode_steps_measured']}); plain transformers forward over "
                      f"{kev['decode_rows']} single tokens: "
-                     f"{kev['decode_floor_ms']:.1f} ms; ratio {kev['decode_step_ms'] / kev['decode_floor_ms']:.2f}x")
+                     f"{kev['decode_floor_ms']:.1f} ms; ratio {kev['decode_step_ms'] / kev['decode_floor_ms']:.2f}x; "
+                     f"the same forward with Kev's few-rows Linear products (cpu_linear): "
+                     f"{kev['decode_floor_same_products_ms']:.1f} ms; ratio "
+                     f"{kev['decode_step_ms'] / kev['decode_floor_same_products_ms']:.2f}x")
         lines.append(f"kev engine stats for the timed run: {kev['stats']}; prompt_tokens match encode: "
                      f"{kev['prompt_tokens_match']}; finish reasons: {' '.join(kev['finish_reasons'])}")
     ref = res.get("hf_serial", {}).get("token_ids")
