@@ -6,6 +6,7 @@ transformers forward / generate of that question alone (independent model, same 
 
 from __future__ import annotations
 
+import pytest
 import torch
 from conftest import QUESTIONS, chat, reference_copy, tiny_model
 
@@ -133,3 +134,31 @@ def test_bfloat16_packed_equals_solo_within_dtype_tolerance(tokenizer) -> None:
     for prompt, logits in zip(QUESTIONS, packed):
         torch.testing.assert_close(logits, engine.prompt_logits([prompt])[0], atol=4 * eps * logits.abs().max().item(),
                                    rtol=0)
+
+
+@pytest.mark.parametrize("path", ["compiled", "torch"])
+def test_decode_row_sharing_a_pass_with_a_prefill_equals_solo(tokenizer, path: str) -> None:
+    """A pass of decode rows alone and a pass where a prefill joins them take different code
+    (no gather/scatter of rows in the first): both give each question its solo greedy tokens."""
+    model = tiny_model("llama", tokenizer)
+    reference = reference_copy(model)
+    engine = Engine(model, tokenizer, decode_kernel=path)
+    greedy = SamplingParams(temperature=0, max_tokens=8)
+    try:
+        with engine.hold():
+            first = engine.submit(QUESTIONS[0], greedy)
+            engine.step()  # its prefill
+            engine.step()  # a pass of decode rows alone
+            late = engine.submit(QUESTIONS[1], greedy)
+            before = engine.stats()
+            engine.step()  # the late prefill and the running decode row in one pass
+            after = engine.stats()
+            assert after["forward_passes"] == before["forward_passes"] + 1
+            assert after["prefill_passes"] == before["prefill_passes"] + 1
+            assert after["decode_steps"] == before["decode_steps"] + 1
+        for future, prompt in ((first, QUESTIONS[0]), (late, QUESTIONS[1])):
+            ids = engine.encode(prompt)
+            expected = reference_greedy(reference, ids, 8, tokenizer.eos_token_id)
+            assert future.result(timeout=60).token_ids == expected
+    finally:
+        engine.close()
