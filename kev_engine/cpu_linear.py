@@ -4,12 +4,14 @@ Where this sits: installed on the model's plain `nn.Linear` layers when an `Engi
 float32 model on CPU (`model_setup.prepare_model`), removed when it closes.
 
 Why: a decode pass multiplies each weight by a handful of rows (one per running question), and
-MKL's float32 `x @ W.T` for 2-32 rows runs far below what the same dot products cost as the
-tall, thin product `W @ x.T` (measured on the embedded model's shapes, 2-core AMD EPYC, MKL
-2024.2, torch 2.13, per layer of q/k/v/o/gate/up/down: 2 rows 1.64 -> 0.73 ms, 4 rows
-1.72 -> 0.77, 16 rows 1.81 -> 1.55, 64 rows 3.76 -> 3.61, 512 rows 24.2 -> 27.2). So layers
-switch at `MAX_ROWS`; the output head (49152 x 576 there, the widest product of a step) gains at
-every row count measured (16 rows 23.5 -> 16.3 ms, 512 rows 278 -> 233 ms), so it always does.
+for some row counts MKL's float32 `x @ W.T` runs far slower than the same dot products as the
+tall, thin product `W @ x.T`. Measured on the embedded model's shapes (2-core AMD EPYC, MKL
+2024.2, torch 2.13), both forms alternating, one step's q/k/v/o/gate/up/down over 30 layers:
+2 rows 61.7 -> 37.7 ms, 4 rows 62.6 -> 37.4, 5 rows 1.14x faster, 6-8 rows even, 10 rows 0.85x,
+16 rows 1.33x, 20 rows even, 24-28 rows 0.82-0.92x. Only 2-5 rows gain reliably, so hidden layers
+switch up to `MAX_ROWS` (4). The output head (49152 x 576 there, the widest product of a step) was
+never slower and mostly much faster (2 rows 21.3 -> 8.0 ms, 16 rows 26.1 -> 17.9, 20 rows
+31.2 -> 25.5, 48 rows 56.7 -> 40.2, 512 rows 278 -> 233; 1 and 28 rows even), so it always does.
 The values are the same dot products, equal to `F.linear` up to float32 summation order.
 
 Only a plain `nn.Linear` whose `forward` nobody else replaced (accelerate's offload hooks do) is
@@ -25,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-MAX_ROWS = 32  # rows per call up to which hidden layers use W @ x.T (see the module docstring)
+MAX_ROWS = 4  # rows per call up to which hidden layers use W @ x.T (see the module docstring)
 
 
 def install(model: nn.Module) -> int:
