@@ -204,7 +204,7 @@ def kev_attention(
         if kv.flash_layout:
             return _flash_paged(batch, layer, q, scaling)[None], None
     decode = batch.decode
-    if decode is not None and decode.whole_pass:  # a pure decode pass: no gather, no scatter
+    if decode is not None and len(decode.row_segments) == batch.num_segments:  # rows alone: no gather/scatter
         return decode_rows(q.transpose(0, 1), decode, kv, layer, scaling)[None], None
     skip = set() if decode is None else set(decode.row_segments)
     out = _per_segment(batch, layer, q, k, v, scaling, skip)

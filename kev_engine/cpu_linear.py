@@ -30,17 +30,14 @@ from torch import nn
 MAX_ROWS = 4  # rows per call up to which hidden layers use W @ x.T (see the module docstring)
 
 
-def install(model: nn.Module) -> int:
-    """Give the model's eligible Linear layers the few-rows product; returns how many were changed."""
+def install(model: nn.Module) -> None:
+    """Give the model's eligible Linear layers the few-rows product."""
     get_head = getattr(model, "get_output_embeddings", None)
     head = get_head() if callable(get_head) else None
-    changed = 0
     for module in model.modules():
         if isinstance(module, nn.Linear) and _eligible(module):
             max_rows = None if module is head else MAX_ROWS
             module.forward = functools.partial(_forward, module, max_rows)  # type: ignore[method-assign]
-            changed += 1
-    return changed
 
 
 def uninstall(model: nn.Module) -> None:

@@ -61,7 +61,6 @@ class DecodeLayout:
     groups: list[BlockGroup] = field(default_factory=list)  # the torch path's block groups
     tables: torch.Tensor | None = None  # the kernel's: [B, max_blocks] int32 block ids, zero-padded
     lengths: torch.Tensor | None = None  # the kernel's: [B] int32 tokens each row reads (its own included)
-    whole_pass: bool = False  # every segment is a decode row: the rows are the pass's tokens, in order
 
 
 @dataclass
@@ -187,10 +186,9 @@ def decode_layout(
         return None
     row_tokens = torch.tensor([cu_seqlens[i] for i in rows], dtype=torch.long, device=device)
     lengths = [segments[i].past_len + 1 for i in rows]
-    whole_pass = len(rows) == len(segments)
     if kernel:
         tables = padded_block_table([segments[i] for i in rows], lengths, block_size, device)
-        return DecodeLayout(row_tokens, rows, tables=tables, whole_pass=whole_pass,
+        return DecodeLayout(row_tokens, rows, tables=tables,
                             lengths=torch.tensor(lengths, dtype=torch.int32, device=device))
     num_rows = len(rows)
     readers: dict[int, list[tuple[int, int]]] = defaultdict(list)  # block → [(row, valid tokens)]
@@ -204,7 +202,7 @@ def decode_layout(
         groups.extend(_group(part, range(lo, hi), num_rows, block_size, device, True) for lo, hi in ranges)
         if scattered:
             groups.append(_group(part, scattered, num_rows, block_size, device, False))
-    return DecodeLayout(row_tokens, rows, groups, whole_pass=whole_pass)
+    return DecodeLayout(row_tokens, rows, groups)
 
 
 def _clusters(ids: list[int]) -> tuple[list[tuple[int, int]], list[int]]:
