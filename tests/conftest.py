@@ -90,6 +90,16 @@ def reference_copy(model: torch.nn.Module) -> torch.nn.Module:
     return ref
 
 
+def reference_greedy(model: torch.nn.Module, ids: list[int], max_new_tokens: int, eos: int) -> list[int]:
+    """Greedy tokens of a plain transformers `generate` on one question alone."""
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=eos,
+        )
+    return out[0, len(ids):].tolist()
+
+
 # every family through the compiled CPU decode kernel, two through the torch decode path as well
 FAMILY_PATHS = [(family, "compiled") for family in FAMILIES] + [("llama", "torch"), ("qwen3", "torch")]
 

@@ -11,7 +11,7 @@ import functools
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import QUESTIONS, reference_copy, tiny_model
+from conftest import QUESTIONS, reference_copy, reference_greedy, tiny_model
 
 from kev_engine import Engine, SamplingParams, cpu_linear
 
@@ -71,13 +71,6 @@ def test_decode_with_few_rows_matches_plain_model(tokenizer) -> None:
         prompts = QUESTIONS[:2]
         outs = engine.generate(prompts, sampling=SamplingParams(temperature=0, max_tokens=6))
         for prompt, out in zip(prompts, outs):
-            ids = engine.encode(prompt)
-            with torch.no_grad():
-                expected = reference.generate(
-                    torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                    max_new_tokens=6, do_sample=False, eos_token_id=tokenizer.eos_token_id,
-                    pad_token_id=tokenizer.eos_token_id,
-                )[0, len(ids):].tolist()
-            assert out.token_ids == expected
+            assert out.token_ids == reference_greedy(reference, engine.encode(prompt), 6, tokenizer.eos_token_id)
     finally:
         engine.close()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import QUESTIONS, chat, reference_copy, tiny_model
+from conftest import QUESTIONS, chat, reference_copy, reference_greedy, tiny_model
 
 from kev_engine import Engine, SamplingParams
 
@@ -18,15 +18,6 @@ ATOL = 1e-4
 def reference_logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
     with torch.no_grad():
         return model(input_ids=torch.tensor([ids])).logits[0].float()
-
-
-def reference_greedy(model: torch.nn.Module, ids: list[int], max_new_tokens: int, eos: int) -> list[int]:
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-            max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=eos,
-        )
-    return out[0, len(ids):].tolist()
 
 
 def test_packed_logits_equal_solo_forward(family_pair) -> None:
