@@ -40,6 +40,7 @@ from .params import Defaults, SamplingParams, check_temperature, coerce_sampling
 from .request import Completion, Request, Status, failed_future, resolve_future
 from .sample import sample
 from .schedule import Chunk, Scheduler
+from .threads import run_on_passing_thread
 from .tokenize import Prompt, check_prompt_list, encode_prompt
 from .unpack import append_token, text_delta
 
@@ -188,12 +189,17 @@ class Engine:
         """Load from a local folder, a .gguf file or a hub id; None is the embedded SmolLM2-135M-Instruct.
 
         `adapters` maps names to PEFT LoRA folders, loaded before the engine serves.
+
+        The loading runs on a thread that ends when it is done, so the caller's thread keeps no
+        OpenMP team beside the scheduler thread's (see `threads`: that slows every pass).
         """
-        model, tokenizer, name = loader.load(source, device, dtype, trust_remote_code)
-        engine = cls(model, tokenizer, name=name, **engine_kwargs)
-        for adapter_name, path in (adapters or {}).items():
-            engine.load_adapter(adapter_name, path)
-        return engine
+        def build() -> Engine:
+            model, tokenizer, name = loader.load(source, device, dtype, trust_remote_code)
+            engine = cls(model, tokenizer, name=name, **engine_kwargs)
+            for adapter_name, path in (adapters or {}).items():
+                engine.load_adapter(adapter_name, path)
+            return engine
+        return run_on_passing_thread(build, "kev-load")
 
     # ---- public API -------------------------------------------------------------------------
 
@@ -353,7 +359,8 @@ class Engine:
         with self._cond:
             if self._adapters.loaded_from(name, path):
                 return
-        adapter = self._adapters.read(name, path)  # disk + validation, outside every lock
+        # disk + validation, outside every lock, on a thread that ends (no OpenMP team left here)
+        adapter = run_on_passing_thread(lambda: self._adapters.read(name, path), "kev-load-adapter")
         with self._forward_lock, self._cond:
             self._adapters.install(adapter)
 

@@ -1,0 +1,51 @@
+"""Torch work that must not leave an OpenMP team on the caller's thread: run it on a thread that ends.
+
+Where it sits: `Engine.from_pretrained` and `load_adapter` run their loading here; every pass
+then runs on the engine's scheduler thread.
+
+Why: libgomp (torch's OpenMP on Linux) gives each thread that runs a parallel op its own team
+of worker threads and keeps that team until the thread exits. Once the teams together hold
+more threads than there are cores, libgomp stops spinning between parallel regions, so every
+later region wakes its workers through the kernel. A decode pass runs hundreds of regions:
+measured on this project's 2-core VM (RAG-16, 16 running questions), a decode step took
+126–136 ms with the model loaded on a thread that had ended and 152–187 ms with it loaded on
+the caller's (main) thread, whose team then lived on beside the scheduler thread's. A thread
+that ends takes its team with it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import TypeVar
+
+import torch
+
+T = TypeVar("T")
+
+
+def run_on_passing_thread(fn: Callable[[], T], name: str) -> T:
+    """`fn()` on a new thread that ends when it returns; its result or its exception, here.
+
+    The caller's CUDA device (thread-local in torch) goes with it, so `device=None` resolves
+    as it would have on the caller's thread.
+    """
+    device = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    box: dict[str, T] = {}
+    errors: list[BaseException] = []
+
+    def body() -> None:
+        try:
+            if device is not None:
+                torch.cuda.set_device(device)
+            box["result"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed back to the caller, whatever it is
+            errors.append(exc)
+
+    # daemon: a caller interrupted while waiting (Ctrl-C during a load) does not keep the process alive
+    thread = threading.Thread(target=body, name=name, daemon=True)
+    thread.start()
+    thread.join()
+    if errors:
+        raise errors[0]
+    return box["result"]
