@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from kev_engine import Engine, SamplingParams, cpu_linear
+from kev_engine.threads import run_on_passing_thread
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from workload import load_rag, rag_messages
@@ -88,8 +89,8 @@ def run_kev(data: dict) -> Runner:
         return [list(c.token_ids) for c in comps]
 
     def after() -> dict:  # decode and prefill timing, outside the memory measurement
-        # the decode step first: once this (main) thread has run an MKL matmul (the peak below), the
-        # scheduler thread's many small kernels ran up to 2x slower for the rest of the process
+        # the peak matmul last: it leaves an OpenMP team on this (main) thread, which slows every
+        # pass of the scheduler thread's for the rest of the process (kev_engine/threads.py)
         decode = decode_step_vs_floor(engine, msgs[:16], dtype)
         # generate(max_tokens=1): packed prefill, lm_head on last tokens (prompt_logits returns ALL positions')
         salts = (f"prefill-{i}" for i in range(1000))
@@ -103,37 +104,46 @@ def run_kev(data: dict) -> Runner:
     return timed, after
 
 
-def decode_step_vs_floor(engine: Engine, msgs: list, dtype: str, steps: int = 24) -> dict:
-    """Median wall time of Kev's pure decode steps against a plain transformers forward over the
-    same number of single tokens (the same matmuls, no attention context), both timed on the
-    engine's scheduler thread: torch's OpenMP workers belong to the thread that calls them.
+def decode_step_vs_floor(engine: Engine, msgs: list, dtype: str, steps: int = 32) -> dict:
+    """Median wall time of Kev's pure decode steps with every question running, against a plain
+    transformers forward over the same number of single tokens (the same matmuls, no attention
+    context), timed on the engine's scheduler thread (torch's OpenMP workers belong to the
+    thread that calls them), one floor forward right after each step so the VM's drift hits
+    both alike.
 
     A second floor runs that plain forward with Kev's few-rows Linear products installed
-    (cpu_linear, what the engine's own layers use on float32 CPU), alternating with the first:
-    the step against it is Kev's per-question overhead alone, against the plain one what a user
-    sees next to transformers."""
-    model, _ = load_hf(1, dtype)
-    durations: list[tuple[float, int, int]] = []
+    (cpu_linear, what the engine's own layers use on float32 CPU), its order alternating with the
+    first: the step against it is Kev's per-question overhead alone, against the plain one what a
+    user sees next to transformers."""
+    # loaded on a thread that ends, as Engine.from_pretrained does: no second OpenMP team stays behind
+    model, _ = run_on_passing_thread(lambda: load_hf(1, dtype), "bench-load")
+    rows = len(msgs)
+    x = torch.randint(0, model.config.vocab_size, (rows, 1))
+    durations: list[float] = []
     floors: dict[str, list[float]] = {"plain": [], "same_products": []}
-    shape: list[int] = []
     step = engine.step
+
+    def floor(kind: str) -> float:
+        if kind == "same_products":
+            cpu_linear.install(model)
+        try:
+            with torch.inference_mode():
+                t0 = time.perf_counter()
+                model(input_ids=x, use_cache=False)
+                return time.perf_counter() - t0
+        finally:
+            cpu_linear.uninstall(model)
 
     def timed_step() -> int:
         t0 = time.perf_counter()
         ran = step()
-        running = engine.stats()["running"]
-        durations.append((time.perf_counter() - t0, ran, running))
-        if len(durations) == 6 and ran == running:  # mid-run, on this thread: the floor for `running` rows
-            x = torch.randint(0, model.config.vocab_size, (running, 1))
-            with torch.inference_mode():
-                for _ in range(6):
-                    for kind in floors:
-                        if kind == "same_products":
-                            cpu_linear.install(model)
-                        floors[kind].extend(timeit.repeat(lambda: model(input_ids=x, use_cache=False),
-                                                          number=1, repeat=3)[1:])
-                        cpu_linear.uninstall(model)
-            shape.append(running)
+        elapsed = time.perf_counter() - t0
+        if ran == engine.stats()["running"] == rows:  # a pure decode step, every question running
+            if not durations:  # the floors' first calls, untimed
+                floor("plain"), floor("same_products")
+            durations.append(elapsed)
+            for kind in sorted(floors, reverse=len(durations) % 2 == 0):
+                floors[kind].append(floor(kind))
         return ran
 
     engine.step = timed_step  # the scheduler thread calls engine.step() for every pass
@@ -141,13 +151,9 @@ def decode_step_vs_floor(engine: Engine, msgs: list, dtype: str, steps: int = 24
         engine.generate(msgs, sampling=SamplingParams(temperature=0, max_tokens=steps, cache_salt="decode"))
     finally:
         del engine.step
-    rows = shape[0]
-    full = sorted(d for d, ran, running in durations if ran == running == rows)
-    step_ms = 1000 * full[len(full) // 2]
-    floor_ms, same_ms = (1000 * statistics.median(floors[kind]) for kind in ("plain", "same_products"))
+    step_ms, floor_ms, same_ms = (1000 * statistics.median(v) for v in (durations, *floors.values()))
     return {"decode_step_ms": step_ms, "decode_floor_ms": floor_ms, "decode_floor_same_products_ms": same_ms,
-            "decode_steps_measured": len(full),
-            "decode_rows": rows, "decode_attention": engine.decode_attention}
+            "decode_steps_measured": len(durations), "decode_rows": rows, "decode_attention": engine.decode_attention}
 
 
 def prefill_flops(cfg: Any, lengths: list[int], logit_rows: int) -> float:
@@ -278,7 +284,8 @@ def report(res: dict[str, dict], max_tokens: int, stats: dict, dtype: str, title
                          f"{kev['prefill_passes_per_call']:g} prefill pass(es) each; formula in prefill_flops())")
         lines.append(f"kev decode step with {kev['decode_rows']} questions running "
                      f"({kev['decode_attention']} decode attention): {kev['decode_step_ms']:.1f} ms "
-                     f"(median of {kev['decode_steps_measured']}); plain transformers forward over "
+                     f"(median of {kev['decode_steps_measured']}, each followed on the same thread by one forward of each "
+                     f"floor); plain transformers forward over "
                      f"{kev['decode_rows']} single tokens: "
                      f"{kev['decode_floor_ms']:.1f} ms; ratio {kev['decode_step_ms'] / kev['decode_floor_ms']:.2f}x; "
                      f"the same forward with Kev's few-rows Linear products (cpu_linear): "
