@@ -1,5 +1,8 @@
 """The compiled CPU decode-attention kernel (`csrc/paged_decode.cpp`): built once per machine, then loaded.
 
+The same build also stores each pass's new keys/values in the pool (`paged_write`), one row
+copy per token and kv head where torch's index_put spends ~50 us a call setting up.
+
 Why compiled: on CPU, torch's batched decode path (`attention.batched_decode`) spends most of
 its time in one tiny GEMM per (block, kv head); the kernel streams each row's blocks once with
 an online softmax, in one call per layer, on torch's own thread pool. Results equal the torch
@@ -41,6 +44,7 @@ CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]  # the source avoid
 LDFLAGS = ["-fopenmp"]  # resolves to the libgomp torch already loaded (same soname): one thread pool
 
 PagedDecode = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+PagedWrite = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 _lock = threading.Lock()
 _module: Any = None
@@ -89,11 +93,8 @@ def _build() -> Any:
     return load(name, [str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS, verbose=False)
 
 
-def load_kernel() -> PagedDecode:
-    """The kernel's `paged_decode(query, keys, values, tables, lens, scale)`; builds it if needed.
-
-    Raises RuntimeError with the build's reason when it cannot be built here.
-    """
+def _load_module() -> Any:
+    """The built extension (building it if needed); RuntimeError with the build's reason if it cannot be."""
     global _module, _failure
     with _lock:
         if _module is None:
@@ -105,7 +106,21 @@ def load_kernel() -> PagedDecode:
                 _failure = (f"Kev's CPU decode kernel could not be built ({type(exc).__name__}: "
                             f"{str(exc).strip()[-2000:]}); it needs a C++ compiler and ninja")
                 raise RuntimeError(_failure) from exc
-        return _module.paged_decode
+        return _module
+
+
+def load_kernel() -> PagedDecode:
+    """The kernel's `paged_decode(query, keys, values, tables, lens, scale)`; builds it if needed.
+
+    Raises RuntimeError with the build's reason when it cannot be built here.
+    """
+    return _load_module().paged_decode
+
+
+def load_writer() -> PagedWrite:
+    """The same build's `paged_write(keys, values, key, value, block_ids, offsets)`: a pass's new
+    keys/values [kv_heads, T, dim] stored at their (block, offset) slots, one row copy each."""
+    return _load_module().paged_write
 
 
 def choose(mode: str | None, device: torch.device, flash_layout: bool) -> PagedDecode | None:

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from .blocks import blocks_for
-from .decode_kernel import PagedDecode
+from .decode_kernel import PagedDecode, load_writer
 
 CPU_BLOCK_SIZE = 32  # tokens per block: prefixes are shared in whole blocks
 FLASH_BLOCK_SIZE = 256  # flash-attn's paged KV needs a multiple of 256
@@ -70,6 +70,8 @@ class KVPool:
         self.num_layers, self.num_kv_heads, self.head_dim = kv_shape(model)
         self.flash_layout = flash_layout
         self.paged_decode = paged_decode
+        # the same build stores new keys/values: a row copy each, not two index_put calls a layer
+        self._paged_write = load_writer() if paged_decode is not None else None
         self.block_size = block_size or (FLASH_BLOCK_SIZE if flash_layout else CPU_BLOCK_SIZE)
         if self.block_size < 1:
             raise ValueError(f"block_size={self.block_size} is not allowed; use an integer >= 1")
@@ -111,6 +113,8 @@ class KVPool:
         if self.flash_layout:
             self.keys[layer][block_ids, offsets] = key.transpose(0, 1)  # [T, kvH, D]
             self.values[layer][block_ids, offsets] = value.transpose(0, 1)
+        elif self._paged_write is not None:
+            self._paged_write(self.keys[layer], self.values[layer], key, value, block_ids, offsets)
         else:
             self.keys[layer][block_ids, :, offsets] = key.transpose(0, 1)
             self.values[layer][block_ids, :, offsets] = value.transpose(0, 1)

@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from kev_engine import Engine, SamplingParams, attention, decode_kernel
 from kev_engine import engine as engine_module
 from kev_engine import pack as pack_module
-from kev_engine.decode_kernel import load_kernel
+from kev_engine.decode_kernel import load_kernel, load_writer
 from kev_engine.pack import Segment, pack
 
 
@@ -266,6 +266,34 @@ def test_compiled_decode_kernel_refuses_tables_outside_the_pool() -> None:
         kernel(query, keys, keys, table, torch.tensor([6], dtype=torch.int32), 1.0)
     with pytest.raises(RuntimeError, match="reads 9 tokens; its block table holds 8"):
         kernel(query, keys, keys, table, torch.tensor([9], dtype=torch.int32), 1.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_kv_write_equals_index_put(dtype) -> None:
+    """The kernel's row-copy store against torch's index_put: strided keys (a transposed view),
+    several tokens into one block, and every slot not written left exactly as it was (NaN)."""
+    write = load_writer()
+    torch.manual_seed(0)
+    pools = [torch.full((10, 3, 4, 8), float("nan"), dtype=dtype) for _ in range(4)]
+    key = torch.randn(5, 3, 8).to(dtype).transpose(0, 1)  # [kvH, T, D], not contiguous
+    value = torch.randn(3, 5, 8).to(dtype)
+    block_ids, offsets = torch.tensor([2, 2, 7, 0, 9]), torch.tensor([0, 3, 1, 2, 3])
+    write(pools[0], pools[1], key, value, block_ids, offsets)
+    pools[2][block_ids, :, offsets] = key.transpose(0, 1)
+    pools[3][block_ids, :, offsets] = value.transpose(0, 1)
+    assert torch.equal(pools[0].nan_to_num(7.0), pools[2].nan_to_num(7.0))
+    assert torch.equal(pools[1].nan_to_num(7.0), pools[3].nan_to_num(7.0))
+
+
+def test_compiled_kv_write_refuses_slots_outside_the_pool_and_writes_nothing() -> None:
+    write = load_writer()
+    keys, values = torch.zeros(4, 1, 4, 8), torch.zeros(4, 1, 4, 8)
+    new = torch.ones(1, 2, 8)
+    with pytest.raises(RuntimeError, match="token 1 goes to block 4 offset 0; the pool has 4 blocks of 4"):
+        write(keys, values, new, new, torch.tensor([0, 4]), torch.tensor([0, 0]))
+    with pytest.raises(RuntimeError, match="token 0 goes to block 1 offset 4"):
+        write(keys, values, new, new, torch.tensor([1, 1]), torch.tensor([4, 0]))
+    assert not keys.any() and not values.any()
 
 
 def test_decode_kernel_mode_is_checked_and_a_failed_build_is_said(tokenizer, monkeypatch, caplog) -> None:

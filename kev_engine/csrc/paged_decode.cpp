@@ -214,6 +214,48 @@ at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& keys, const a
   return out;
 }
 
+// Store a pass's new keys and values at their slots: key/value [kv_heads, T, dim] (any strides
+// over kv_heads and T), token t to block block_ids[t], offset offsets[t], of pools [num_blocks,
+// kv_heads, block_size, dim]. Why: torch's index_put costs ~50 us a call in set-up alone, and a
+// decode pass makes two per layer for a few hundred bytes per question; this is a row copy each.
+void paged_write(at::Tensor& keys, at::Tensor& values, const at::Tensor& key, const at::Tensor& value,
+                 const at::Tensor& block_ids, const at::Tensor& offsets) {
+  TORCH_CHECK(keys.device().is_cpu() && key.device().is_cpu(), "paged_write runs on CPU tensors");
+  TORCH_CHECK(keys.dim() == 4 && values.sizes() == keys.sizes() && keys.is_contiguous() && values.is_contiguous(),
+              "paged_write: pools must be contiguous [num_blocks, kv_heads, block_size, dim]");
+  TORCH_CHECK(key.dim() == 3 && value.sizes() == key.sizes() && key.size(0) == keys.size(1) &&
+              key.size(2) == keys.size(3), "paged_write: keys/values must be [kv_heads, T, dim] of the pool's shape");
+  TORCH_CHECK(key.scalar_type() == keys.scalar_type() && value.scalar_type() == keys.scalar_type() &&
+              values.scalar_type() == keys.scalar_type(), "paged_write: one dtype for pools, keys and values");
+  TORCH_CHECK(block_ids.scalar_type() == at::kLong && offsets.scalar_type() == at::kLong &&
+              block_ids.numel() == key.size(1) && offsets.numel() == key.size(1),
+              "paged_write: one int64 block id and offset per token");
+  const auto k = key.stride(2) == 1 ? key : key.contiguous();
+  const auto v = value.stride(2) == 1 ? value : value.contiguous();
+  const auto ids = block_ids.contiguous();
+  const auto offs = offsets.contiguous();
+  const int64_t kv_heads = keys.size(1), block = keys.size(2), dim = keys.size(3), tokens = key.size(1);
+  const int64_t num_blocks = keys.size(0), item = keys.element_size(), row = dim * item;
+  const int64_t* id = ids.data_ptr<int64_t>();
+  const int64_t* off = offs.data_ptr<int64_t>();
+  char* kd = static_cast<char*>(keys.data_ptr());
+  char* vd = static_cast<char*>(values.data_ptr());
+  const char* ks = static_cast<const char*>(k.data_ptr());
+  const char* vs = static_cast<const char*>(v.data_ptr());
+  for (int64_t t = 0; t < tokens; ++t) {  // every slot checked before anything is written
+    TORCH_CHECK(id[t] >= 0 && id[t] < num_blocks && off[t] >= 0 && off[t] < block, "paged_write: token ", t,
+                " goes to block ", id[t], " offset ", off[t], "; the pool has ", num_blocks, " blocks of ", block);
+  }
+  for (int64_t t = 0; t < tokens; ++t) {
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      const int64_t dst = ((id[t] * kv_heads + h) * block + off[t]) * row;
+      __builtin_memcpy(kd + dst, ks + (h * k.stride(0) + t * k.stride(1)) * item, row);
+      __builtin_memcpy(vd + dst, vs + (h * v.stride(0) + t * v.stride(1)) * item, row);
+    }
+  }
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "Decode rows over their paged KV blocks (see paged_decode.cpp)");
+  m.def("paged_write", &paged_write, "Store new keys/values at their (block, offset) slots (see paged_decode.cpp)");
 }
