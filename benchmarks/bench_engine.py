@@ -284,8 +284,8 @@ def report(res: dict[str, dict], max_tokens: int, stats: dict, dtype: str, title
                          f"{kev['prefill_passes_per_call']:g} prefill pass(es) each; formula in prefill_flops())")
         lines.append(f"kev decode step with {kev['decode_rows']} questions running "
                      f"({kev['decode_attention']} decode attention): {kev['decode_step_ms']:.1f} ms "
-                     f"(median of {kev['decode_steps_measured']}, each followed on the same thread by one forward of each "
-                     f"floor); plain transformers forward over "
+                     f"(median of {kev['decode_steps_measured']}, each followed on the same thread by one forward "
+                     f"of each floor); plain transformers forward over "
                      f"{kev['decode_rows']} single tokens: "
                      f"{kev['decode_floor_ms']:.1f} ms; ratio {kev['decode_step_ms'] / kev['decode_floor_ms']:.2f}x; "
                      f"the same forward with Kev's few-rows Linear products (cpu_linear): "
