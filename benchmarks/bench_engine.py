@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from kev_engine import Engine, SamplingParams, cpu_linear
+from kev_engine.decode_kernel import load_linear
 from kev_engine.threads import run_on_passing_thread
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -112,9 +113,10 @@ def decode_step_vs_floor(engine: Engine, msgs: list, dtype: str, steps: int = 32
     both alike.
 
     A second floor runs that plain forward with Kev's few-rows Linear products installed
-    (cpu_linear, what the engine's own layers use on float32 CPU), its order alternating with the
-    first: the step against it is Kev's per-question overhead alone, against the plain one what a
-    user sees next to transformers."""
+    (cpu_linear with the compiled rows_linear when the engine has the compiled kernels: what the
+    engine's own layers use on float32 CPU), its order alternating with the first: the step
+    against it is Kev's per-question overhead alone, against the plain one what a user sees next
+    to transformers."""
     # loaded on a thread that ends, as Engine.from_pretrained does: no second OpenMP team stays behind
     model, _ = run_on_passing_thread(lambda: load_hf(1, dtype), "bench-load")
     rows = len(msgs)
@@ -123,9 +125,11 @@ def decode_step_vs_floor(engine: Engine, msgs: list, dtype: str, steps: int = 32
     floors: dict[str, list[float]] = {"plain": [], "same_products": []}
     step = engine.step
 
+    kernel = load_linear() if engine.decode_attention == "compiled" else None
+
     def floor(kind: str) -> float:
         if kind == "same_products":
-            cpu_linear.install(model)
+            cpu_linear.install(model, kernel)
         try:
             with torch.inference_mode():
                 t0 = time.perf_counter()

@@ -1,11 +1,17 @@
-"""Linear layers over few rows on CPU, computed as (W @ x.T).T.
+"""Linear layers over few rows on CPU: Kev's compiled product, else (W @ x.T).T.
 
 Where this sits: installed on the model's plain `nn.Linear` layers when an `Engine` wraps a
 float32 model on CPU (`model_setup.prepare_model`), removed when it closes.
 
-Why: a decode pass multiplies each weight by a handful of rows (one per running question), and
-for some row counts MKL's float32 `x @ W.T` runs far slower than the same dot products as the
-tall, thin product `W @ x.T`. Measured on the embedded model's shapes (2-core AMD EPYC, MKL
+With the compiled kernels (`decode_kernel`, modes "auto"/"compiled"), calls of up to
+`KERNEL_ROWS` rows go to `rows_linear` (see csrc/rows_linear.cpp for the measurements: a
+16-row pass's hidden products 68.0 -> 40.2 ms, the output head's 22.4 -> 10.6 ms with W @ x.T
+at 13.8), and each row's result is then independent of the other rows. Larger calls
+(prefill) keep MKL as below.
+
+Why W @ x.T without the kernel: a decode pass multiplies each weight by a handful of rows (one
+per running question), and for some row counts MKL's float32 `x @ W.T` runs far slower than the
+same dot products as the tall, thin product `W @ x.T`. Measured on the embedded model's shapes (2-core AMD EPYC, MKL
 2024.2, torch 2.13), both forms alternating, one step's q/k/v/o/gate/up/down over 30 layers:
 2 rows 61.7 -> 37.7 ms, 4 rows 62.6 -> 37.4, 5 rows 1.14x faster, 6-8 rows even, 10 rows 0.85x,
 16 rows 1.33x, 20 rows even, 24-28 rows 0.82-0.92x. Only 2-5 rows gain reliably, so hidden layers
@@ -27,17 +33,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .decode_kernel import RowsLinear
+
 MAX_ROWS = 4  # rows per call up to which hidden layers use W @ x.T (see the module docstring)
+KERNEL_ROWS = 32  # rows per call up to which the compiled kernel beat MKL on every layer (rows_linear.cpp)
 
 
-def install(model: nn.Module) -> None:
-    """Give the model's eligible Linear layers the few-rows product."""
+def install(model: nn.Module, kernel: RowsLinear | None = None) -> None:
+    """Give the model's eligible Linear layers the few-rows product (`kernel`: the compiled one)."""
     get_head = getattr(model, "get_output_embeddings", None)
     head = get_head() if callable(get_head) else None
     for module in model.modules():
         if isinstance(module, nn.Linear) and _eligible(module):
             max_rows = None if module is head else MAX_ROWS
-            module.forward = functools.partial(_forward, module, max_rows)  # type: ignore[method-assign]
+            own_kernel = kernel if module.in_features % 8 == 0 else None  # the kernel reads K in 8s
+            module.forward = functools.partial(_forward, module, max_rows, own_kernel)  # type: ignore[method-assign]
 
 
 def uninstall(model: nn.Module) -> None:
@@ -60,9 +70,15 @@ def _is_ours(forward: Any) -> bool:
     return isinstance(forward, functools.partial) and forward.func is _forward
 
 
-def _forward(layer: nn.Linear, max_rows: int | None, x: torch.Tensor) -> torch.Tensor:
-    """`layer(x)`, as (W @ x.T).T when x has at most `max_rows` rows (None: any number)."""
+def _forward(layer: nn.Linear, max_rows: int | None, kernel: RowsLinear | None, x: torch.Tensor) -> torch.Tensor:
+    """`layer(x)`: the kernel's product up to KERNEL_ROWS rows, else (W @ x.T).T when x has at most
+    `max_rows` rows (None: any number), else F.linear."""
     rows = x.reshape(-1, x.shape[-1])
+    if kernel is not None and rows.shape[0] <= KERNEL_ROWS and layer.weight.is_contiguous():
+        product = kernel(rows, layer.weight)
+        if layer.bias is not None:
+            product += layer.bias
+        return product.view(*x.shape[:-1], product.shape[-1])
     if max_rows is not None and rows.shape[0] > max_rows:
         return F.linear(x, layer.weight, layer.bias)
     out = torch.mm(layer.weight, rows.t()).t()  # [rows, out_features], a transposed view

@@ -1,24 +1,28 @@
-"""The compiled CPU decode-attention kernel (`csrc/paged_decode.cpp`): built once per machine, then loaded.
+"""Kev's compiled CPU kernels for the decode pass (`csrc/`): built once per machine, then loaded.
 
-The same build also stores each pass's new keys/values in the pool (`paged_write`), one row
-copy per token and kv head where torch's index_put spends ~50 us a call setting up.
-
-Why compiled: on CPU, torch's batched decode path (`attention.batched_decode`) spends most of
-its time in one tiny GEMM per (block, kv head); the kernel streams each row's blocks once with
-an online softmax, in one call per layer, on torch's own thread pool. Results equal the torch
-path to fp32 rounding (tests compare both against SDPA).
+One extension holds three kernels, all for what a decode pass does per question on CPU:
+  paged_decode  (`paged_decode.cpp`) every decode row's attention over its KV blocks, one call
+                per layer. Why: torch's batched decode path (`attention.batched_decode`) spends
+                most of its time in one tiny GEMM per (block, kv head); the kernel streams each
+                row's blocks once with an online softmax, on torch's own thread pool. Results
+                equal the torch path to fp32 rounding (tests compare both against SDPA).
+  paged_write   (same file) each pass's new keys/values stored in the pool, one row copy per
+                token and kv head, where torch's index_put spends ~50 us a call setting up.
+  rows_linear   (`rows_linear.cpp`) float32 Linear products over few rows, for `cpu_linear`:
+                MKL's sgemm is tuned for many rows, and a decode pass's products are few rows
+                against weights streaming from memory.
 
 How: `torch.utils.cpp_extension.load` (a C++ compiler and ninja; `make setup` builds it with
 `kev build-kernel`) with `-march=native`, cached under torch's extensions folder by a name that
-hashes the source, the torch version and this CPU's flags, so a cache shared between different
+hashes the sources, the torch version and this CPU's flags, so a cache shared between different
 machines never loads code built for another CPU. The first build takes about a minute; later
 engines load it in well under a second.
 
 Modes (`Engine(decode_kernel=...)`, else `KEV_DECODE_KERNEL`, else "auto"):
-  "auto"      use the kernel on CPU pools; if it cannot be built, say why (a warning on the
-              "kev" logger) and use the torch path — same results, slower decode;
-  "compiled"  use the kernel or fail with the build's reason;
-  "torch"     never build it.
+  "auto"      use the kernels on CPU; if they cannot be built, say why (a warning on the
+              "kev" logger) and use torch's ops — same results, slower decode;
+  "compiled"  use the kernels or fail with the build's reason;
+  "torch"     never build them.
 """
 
 from __future__ import annotations
@@ -39,12 +43,15 @@ log = logging.getLogger("kev")
 
 MODES = ("auto", "compiled", "torch")
 ENV_VAR = "KEV_DECODE_KERNEL"
-SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_decode.cpp"
-CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]  # the source avoids infinities: fast-math is safe
+SOURCES = [Path(__file__).resolve().parent / "csrc" / name
+           for name in ("paged_decode.cpp", "rows_linear.cpp", "module.cpp")]
+# the sources avoid infinities, and rows_linear.cpp turns off reordering for itself: fast-math is safe
+CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 LDFLAGS = ["-fopenmp"]  # resolves to the libgomp torch already loaded (same soname): one thread pool
 
 PagedDecode = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
 PagedWrite = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+RowsLinear = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 _lock = threading.Lock()
 _module: Any = None
@@ -72,10 +79,12 @@ def _cpu_fingerprint() -> str:
 
 
 def build_name() -> str:
-    """The extension's cache name: a new source, torch or CPU gets a new build."""
+    """The extension's cache name: new sources, torch or CPU get a new build."""
     digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), torch.__version__, _cpu_fingerprint(), " ".join(CFLAGS)):
-        digest.update(part if isinstance(part, bytes) else part.encode())
+    for source in SOURCES:
+        digest.update(source.read_bytes())
+    for text in (torch.__version__, _cpu_fingerprint(), " ".join(CFLAGS)):
+        digest.update(text.encode())
     return f"kev_paged_decode_{digest.hexdigest()[:16]}"
 
 
@@ -89,8 +98,8 @@ def _build() -> Any:
     name = build_name()
     built = Path(_get_build_directory(name, verbose=False)) / f"{name}.so"
     if not built.exists():
-        log.warning("building Kev's CPU decode-attention kernel for this machine (once; about a minute)")
-    return load(name, [str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS, verbose=False)
+        log.warning("building Kev's CPU decode kernels for this machine (once; about a minute)")
+    return load(name, [str(source) for source in SOURCES], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS, verbose=False)
 
 
 def _load_module() -> Any:
@@ -121,6 +130,12 @@ def load_writer() -> PagedWrite:
     """The same build's `paged_write(keys, values, key, value, block_ids, offsets)`: a pass's new
     keys/values [kv_heads, T, dim] stored at their (block, offset) slots, one row copy each."""
     return _load_module().paged_write
+
+
+def load_linear() -> RowsLinear:
+    """The same build's `rows_linear(input [M, K], weight [N, K])`: input @ weight.T in float32,
+    K a multiple of 8, each row's result independent of the other rows (see rows_linear.cpp)."""
+    return _load_module().rows_linear
 
 
 def choose(mode: str | None, device: torch.device, flash_layout: bool) -> PagedDecode | None:

@@ -30,6 +30,7 @@ from .adapters import AdapterPool
 from .attention import use_flash
 from .blocks import BlockManager, BlockTable
 from .decode_kernel import choose as choose_decode_kernel
+from .decode_kernel import load_linear
 from .errors import ConstraintError, EngineClosedError, InvalidRequestError, KevError, PassFailedError
 from .forward import run_model
 from .grammar import Grammars, mask_logits
@@ -122,9 +123,10 @@ class Engine:
         block_size: tokens per KV block (None: 32 on CPU, 256 with flash-attn). Prefixes are
             shared in whole blocks.
         max_logits_tokens: most `prompt_logits` positions computed in one pass (each is a vocab row).
-        decode_kernel: how decode rows attend on a CPU pool: "auto" (the compiled kernel, built
-            once per machine; if it cannot be built, a warning and the torch path), "compiled"
-            (the kernel or an error), "torch" (never build it). None: `KEV_DECODE_KERNEL`, else "auto".
+        decode_kernel: Kev's compiled CPU kernels (decode attention over a CPU pool, and few-row
+            float32 Linear products): "auto" (built once per machine; if they cannot be built, a
+            warning and torch's ops), "compiled" (the kernels or an error), "torch" (never build
+            them). None: `KEV_DECODE_KERNEL`, else "auto".
     """
 
     def __init__(
@@ -149,7 +151,7 @@ class Engine:
         # before claiming the model: a bad mode or a failed "compiled" build leaves it as it came
         paged_decode = choose_decode_kernel(decode_kernel, parameter.device, flash_layout)
         claim_model(model, self)
-        prepare_model(model)
+        prepare_model(model, load_linear() if paged_decode is not None else None)
         self.model = model
         self.tokenizer = tokenizer
         self.device = parameter.device

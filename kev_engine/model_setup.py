@@ -10,6 +10,7 @@ from typing import Any
 
 from . import cpu_linear
 from .attention import KEV_ATTENTION
+from .decode_kernel import RowsLinear
 
 OWNER_ATTR = "_kev_owner"  # weakref to the live Engine serving this model
 ORIGINAL_ATTN_ATTR = "_kev_original_attn"
@@ -41,8 +42,9 @@ def release_model(model: Any) -> None:
     cpu_linear.uninstall(model)
 
 
-def prepare_model(model: Any) -> None:
-    """Switch the model to Kev's packed attention; refuse what that attention cannot do."""
+def prepare_model(model: Any, rows_linear: RowsLinear | None = None) -> None:
+    """Switch the model to Kev's packed attention; refuse what that attention cannot do.
+    `rows_linear`: the compiled few-rows product for float32 CPU Linear layers (cpu_linear)."""
     config = model.config.get_text_config()
     if "sliding_attention" in (getattr(config, "layer_types", None) or []):
         raise ValueError(
@@ -55,7 +57,7 @@ def prepare_model(model: Any) -> None:
         object.__setattr__(model, ORIGINAL_ATTN_ATTR, model.config._attn_implementation or "sdpa")
     model.set_attn_implementation(KEV_ATTENTION)
     model.eval().requires_grad_(False)
-    cpu_linear.install(model)  # float32 on CPU: few-row products as W @ x.T (see cpu_linear)
+    cpu_linear.install(model, rows_linear)  # float32 on CPU: few-row products (see cpu_linear)
 
 
 def context_length(model: Any, tokenizer: Any) -> int:

@@ -1,4 +1,5 @@
-"""The few-rows Linear product (cpu_linear): equal to F.linear, installed and removed with the engine.
+"""The few-rows Linear product (cpu_linear, and the compiled rows_linear it calls): equal to
+F.linear, each row's result independent of the others, installed and removed with the engine.
 
 End to end, every isolation test compares an engine using it against an independent plain
 transformers model that does not (reference_copy), on every family.
@@ -14,6 +15,7 @@ import torch.nn.functional as F
 from conftest import QUESTIONS, reference_copy, reference_greedy, tiny_model
 
 from kev_engine import Engine, SamplingParams, cpu_linear
+from kev_engine.decode_kernel import load_linear
 
 
 def ours(module: torch.nn.Module) -> functools.partial | None:
@@ -28,9 +30,44 @@ def test_forward_equals_linear(rows: int, bias: bool, max_rows: int | None) -> N
     torch.manual_seed(rows)
     layer = torch.nn.Linear(48, 200, bias=bias)
     x = torch.randn(1, rows, 48)  # [batch, tokens, hidden] as a packed pass gives it
-    got = cpu_linear._forward(layer, max_rows, x)
+    got = cpu_linear._forward(layer, max_rows, None, x)
     assert got.shape == (1, rows, 200) and got.is_contiguous()
     torch.testing.assert_close(got, F.linear(x, layer.weight, layer.bias), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 16, cpu_linear.KERNEL_ROWS, cpu_linear.KERNEL_ROWS + 1])
+@pytest.mark.parametrize("bias", [True, False])
+def test_compiled_forward_equals_linear(rows: int, bias: bool) -> None:
+    torch.manual_seed(rows)
+    layer = torch.nn.Linear(48, 200, bias=bias)  # 200 outputs: tiles of 3 plus a remainder
+    x = torch.randn(1, rows, 48)
+    got = cpu_linear._forward(layer, cpu_linear.MAX_ROWS, load_linear(), x)
+    assert got.shape == (1, rows, 200) and got.is_contiguous()
+    torch.testing.assert_close(got, F.linear(x, layer.weight, layer.bias), atol=1e-5, rtol=0)
+
+
+def test_compiled_product_of_a_row_does_not_depend_on_the_other_rows() -> None:
+    """Bitwise: a row packed with 1..31 others (every tile shape and remainder) gets what it gets alone."""
+    torch.manual_seed(0)
+    kernel = load_linear()
+    weight = torch.randn(101, 64)
+    x = torch.randn(cpu_linear.KERNEL_ROWS, 64)
+    alone = torch.cat([kernel(x[i : i + 1], weight) for i in range(len(x))])
+    for rows in (2, 3, 4, 5, 7, 16, cpu_linear.KERNEL_ROWS):
+        assert torch.equal(kernel(x[:rows], weight), alone[:rows]), rows
+    assert torch.equal(kernel(x.flip(0), weight), alone.flip(0))  # and whatever its place in the pack
+
+
+def test_compiled_product_refuses_what_it_cannot_compute() -> None:
+    kernel = load_linear()
+    with pytest.raises(RuntimeError, match="input has 12 features and the weight 12; both must match, a multiple of 8"):
+        kernel(torch.randn(2, 12), torch.randn(5, 12))
+    with pytest.raises(RuntimeError, match="input has 16 features and the weight 24"):
+        kernel(torch.randn(2, 16), torch.randn(5, 24))
+    with pytest.raises(RuntimeError, match="rows_linear takes float32, not BFloat16"):
+        kernel(torch.randn(2, 16, dtype=torch.bfloat16), torch.randn(5, 16, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="contiguous weight"):
+        kernel(torch.randn(2, 16), torch.randn(16, 5).t())
 
 
 def test_engine_installs_on_float32_cpu_and_close_removes(tokenizer) -> None:
@@ -39,8 +76,9 @@ def test_engine_installs_on_float32_cpu_and_close_removes(tokenizer) -> None:
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     head = model.get_output_embeddings()
     assert all(ours(m) is not None for m in linears)
-    assert ours(head).args == (head, None)  # the output head: every row count
+    assert ours(head).args == (head, None, load_linear())  # the output head: every row count
     assert {ours(m).args[1] for m in linears if m is not head} == {cpu_linear.MAX_ROWS}
+    assert {ours(m).args[2] for m in linears} == {load_linear()}  # the compiled product ("auto" mode)
     engine.close()
     assert not any("forward" in m.__dict__ for m in linears)
     x = torch.randn(1, 5, model.config.hidden_size)
@@ -55,6 +93,11 @@ def test_engine_leaves_other_forwards_and_dtypes_alone(tokenizer) -> None:
     assert hooked.__dict__["forward"] is hook
     engine.close()
     assert hooked.__dict__["forward"] is hook
+
+    plain = tiny_model("llama", tokenizer)
+    engine = Engine(plain, tokenizer, decode_kernel="torch")  # no compiled kernels: W @ x.T and MKL
+    assert {ours(m).args[2] for m in plain.modules() if isinstance(m, torch.nn.Linear)} == {None}
+    engine.close()
 
     half = tiny_model("llama", tokenizer).to(torch.bfloat16)
     engine = Engine(half, tokenizer)

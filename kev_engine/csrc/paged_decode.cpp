@@ -254,8 +254,3 @@ void paged_write(at::Tensor& keys, at::Tensor& values, const at::Tensor& key, co
     }
   }
 }
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode, "Decode rows over their paged KV blocks (see paged_decode.cpp)");
-  m.def("paged_write", &paged_write, "Store new keys/values at their (block, offset) slots (see paged_decode.cpp)");
-}
