@@ -9,7 +9,7 @@
     kev verify --model DIR --file prompts.jsonl [--adapter NAME=PATH]   # packed == solo, exit 1 if not
     kev serve [--model SOURCE] [--adapter NAME=PATH] [--port 8000] [--api-key KEY]   # OpenAI-compatible
     kev serve --ray --replicas 4 [--ray-address ADDR]     # the same API from Ray Serve replicas
-    kev build-kernel     # build the CPU decode-attention kernel now (once per machine; make setup does)
+    kev build-kernel     # build the CPU decode kernels now (once per machine; make setup does)
 
 A thin layer: each line becomes chat messages and a `SamplingParams`, then ONE
 `engine.generate(...)` call answers them all. A refused question becomes an error row;
@@ -209,13 +209,13 @@ def run_show_pack(engine: Engine, args: argparse.Namespace, records: list[dict[s
 
 
 def run_build_kernel() -> int:
-    """Build (or find already built) the CPU decode kernel; 1 with the reason if it cannot be."""
+    """Build (or find already built) the CPU decode kernels; 1 with the reason if they cannot be."""
     try:
         decode_kernel.load_kernel()
     except RuntimeError as exc:
         print(f"kev: error: {exc}", file=sys.stderr)
         return 1
-    print(f"kev: the CPU decode kernel is built ({decode_kernel.build_name()})", file=sys.stderr)
+    print(f"kev: the CPU decode kernels are built ({decode_kernel.build_name()})", file=sys.stderr)
     return 0
 
 
@@ -248,7 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
     show = commands.add_parser("show-pack", parents=[common], help="draw the pack's attention mask as a PNG")
     show.add_argument("--out", required=True, help="PNG file to write")
     show.add_argument("--max-pixels", dest="max_pixels", type=int, default=1024, help="most mask pixels per side")
-    commands.add_parser("build-kernel", help="build the CPU decode-attention kernel now (make setup does)")
+    commands.add_parser("build-kernel", help="build the CPU decode kernels now (make setup does)")
     serve = commands.add_parser("serve", help="serve the OpenAI-compatible API (needs kev-llm[server])")
     from kev_integrations.server.run import add_arguments  # needs no fastapi: `serve` says what to install
 

@@ -112,7 +112,7 @@ def _load_module() -> Any:
             try:
                 _module = _build()
             except Exception as exc:  # noqa: BLE001 - compiler missing, headers missing, build error: all say why
-                _failure = (f"Kev's CPU decode kernel could not be built ({type(exc).__name__}: "
+                _failure = (f"Kev's CPU decode kernels could not be built ({type(exc).__name__}: "
                             f"{str(exc).strip()[-2000:]}); it needs a C++ compiler and ninja")
                 raise RuntimeError(_failure) from exc
         return _module

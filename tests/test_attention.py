@@ -318,5 +318,7 @@ def test_decode_kernel_mode_is_checked_and_a_failed_build_is_said(tokenizer, mon
         engine = Engine(model, tokenizer)  # the failed "compiled" left the model unclaimed
     assert engine.decode_attention == "torch"
     assert "no C++ compiler on PATH" in caplog.text and "torch path" in caplog.text
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert all(m.__dict__["forward"].args[2] is None for m in linears)  # nor the compiled few-row product
     assert engine.generate([chat("Hi")], SamplingParams(temperature=0, max_tokens=3))[0].text is not None
     engine.close()

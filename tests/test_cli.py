@@ -263,8 +263,8 @@ def test_verify_reports_packed_equals_solo_with_shared_prefixes(tmp_path, capsys
 def test_build_kernel_builds_or_says_why(capsys, monkeypatch) -> None:
     """`kev build-kernel` reports the built kernel (0), or the build's reason (1)."""
     assert cli.main(["build-kernel"]) == 0
-    assert "the CPU decode kernel is built (kev_paged_decode_" in capsys.readouterr().err
+    assert "the CPU decode kernels are built (kev_paged_decode_" in capsys.readouterr().err
     monkeypatch.setattr(decode_kernel, "_module", None)
-    monkeypatch.setattr(decode_kernel, "_failure", "Kev's CPU decode kernel could not be built (no g++)")
+    monkeypatch.setattr(decode_kernel, "_failure", "Kev's CPU decode kernels could not be built (no g++)")
     assert cli.main(["build-kernel"]) == 1
-    assert "kev: error: Kev's CPU decode kernel could not be built (no g++)" in capsys.readouterr().err
+    assert "kev: error: Kev's CPU decode kernels could not be built (no g++)" in capsys.readouterr().err
