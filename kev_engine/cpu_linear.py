@@ -5,9 +5,9 @@ float32 model on CPU (`model_setup.prepare_model`), removed when it closes.
 
 With the compiled kernels (`decode_kernel`, modes "auto"/"compiled"), calls of up to
 `KERNEL_ROWS` rows go to `rows_linear` (see csrc/rows_linear.cpp for the measurements: a
-16-row pass's hidden products 68.0 -> 40.2 ms, the output head's 22.4 -> 10.6 ms with W @ x.T
-at 13.8), and each row's result is then independent of the other rows. Larger calls
-(prefill) keep MKL as below.
+16-row pass's hidden products 68.0 -> 40.2 ms on a 2-core AMD EPYC, 36.8 -> 28.0 ms on a
+2-core Xeon with AVX-512; the output head's 22.4 -> 10.6 ms and 9.0 -> 7.4 ms), and each row's
+result is then independent of the other rows. Larger calls (prefill) keep MKL as below.
 
 Why W @ x.T without the kernel: a decode pass multiplies each weight by a handful of rows (one
 per running question), and for some row counts MKL's float32 `x @ W.T` runs far slower than the

@@ -2,20 +2,28 @@
 //
 // Why: a decode pass multiplies each weight matrix by a handful of rows, so its time is the
 // weights streaming from memory once (the embedded model: 537 MB a pass) plus M multiply-adds
-// per weight. MKL's sgemm is tuned for many rows; measured on the embedded model's 30 layers
-// with each layer's own weights (2-core AMD EPYC, MKL 2024.2, torch 2.13), every hidden
-// product of one pass: 1 row 28.2 -> 16.1 ms, 16 rows 68.0 -> 40.2, 20 rows 74.1 -> 47.0,
-// 32 rows 90.9 -> 66.8; even at 48 rows, slower beyond (cpu_linear switches at KERNEL_ROWS).
+// per weight. MKL's sgemm is tuned for many rows. Measured on the embedded model's 30 layers
+// with each layer's own weights (torch 2.13, MKL 2024.2), every hidden product of one pass:
+// - 2-core AMD EPYC (AVX2, 4 x 3 tiles, before the prefetch below): 1 row 28.2 -> 16.1 ms,
+//   16 rows 68.0 -> 40.2, 20 rows 74.1 -> 47.0, 32 rows 90.9 -> 66.8; even at 48 rows.
+// - 2-core Intel Xeon with AVX-512 (4 x 6 tiles of 16 lanes, prefetch): 4 rows 27.3 -> 16.9 ms,
+//   16 rows 36.8 -> 28.0 (the AVX2 tiles before the prefetch: 37.0; with it: 31.8), 20 rows
+//   38.4 -> 30.7, 32 rows 42.4 -> 40.3; 48 rows 49.7 vs 52.6. cpu_linear switches at KERNEL_ROWS.
 //
-// How: out[m, n] = x[m] . w[n], tiles of 4 rows x 3 outputs held in 12 vector registers while K
-// streams through; each tile of w (3 rows of the weight) is read once from memory and serves
-// every input row from L1. Each (m, n) is the same sequence of operations whatever the other
-// rows and the tile it falls in, so a row's result does not depend on what it is packed with:
-// a question decoded beside 15 others gets bitwise the products it gets alone.
+// How: out[m, n] = x[m] . w[n], tiles of 4 rows x NT outputs held in vector registers while K
+// streams through; each tile of w (NT rows of the weight) is read once from memory and serves
+// every input row from L1, and while the first rows use it the next tile's weight rows are
+// prefetched, so memory streams while the multiply-adds run (without it the two barely overlap:
+// 16 rows took as long as 1 row's memory time plus their arithmetic). Each (m, n) is the same
+// sequence of operations whatever the other rows and the tile it falls in, so a row's result
+// does not depend on what it is packed with: a question decoded beside 15 others gets bitwise
+// the products it gets alone.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
-#if defined(__FMA__)
+#include <algorithm>
+
+#if defined(__FMA__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -33,48 +41,81 @@
 
 namespace {
 
-typedef float v8 __attribute__((vector_size(32)));  // GCC/Clang vector extension: AVX on x86, 2x NEON on ARM
+#if defined(__AVX512F__)
+// 16 lanes: 4 x 6 accumulators + 6 weight vectors + 1 input vector fill 31 of the 32 registers
+typedef float vec __attribute__((vector_size(64)));
+constexpr int kLanes = 16;
+constexpr int64_t kOutputs = 6;
+inline vec fmadd(vec a, vec b, vec c) { return (vec)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c); }
+// the last 8 features when K is an odd multiple of 8: the upper lanes read as zeros and add +0
+inline vec load_half(const float* p) { return (vec)_mm512_maskz_loadu_ps(0x00FF, p); }
+inline float sum_lanes(vec x) {
+  return (((x[0] + x[8]) + (x[1] + x[9])) + ((x[2] + x[10]) + (x[3] + x[11]))) +
+         (((x[4] + x[12]) + (x[5] + x[13])) + ((x[6] + x[14]) + (x[7] + x[15])));
+}
+#else
+// 8 lanes (AVX2, or 2x NEON on ARM through the vector extension): 4 x 3 accumulators + 3 + 1 = 16
+typedef float vec __attribute__((vector_size(32)));
+constexpr int kLanes = 8;
+constexpr int64_t kOutputs = 3;
+#if defined(__FMA__)
+inline vec fmadd(vec a, vec b, vec c) { return (vec)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c); }
+#else
+inline vec fmadd(vec a, vec b, vec c) { return a * b + c; }  // two roundings, the same in every tile
+#endif
+inline vec load_half(const float*) { return vec{}; }  // never called: K is a whole number of vectors
+inline float sum_lanes(vec x) { return ((x[0] + x[4]) + (x[1] + x[5])) + ((x[2] + x[6]) + (x[3] + x[7])); }
+#endif
+constexpr int64_t kRows = 4;
+constexpr int64_t kLine = 64 / sizeof(float);  // floats per cache line
 
-inline v8 load8(const float* p) {
-  v8 x;
+inline vec load(const float* p) {
+  vec x;
   __builtin_memcpy(&x, p, sizeof(x));
   return x;
 }
 
-#if defined(__FMA__)
-inline v8 fma8(v8 a, v8 b, v8 c) { return (v8)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c); }
-#else
-inline v8 fma8(v8 a, v8 b, v8 c) { return a * b + c; }  // two roundings, the same in every tile
-#endif
-
-inline float sum_lanes(v8 x) { return ((x[0] + x[4]) + (x[1] + x[5])) + ((x[2] + x[6]) + (x[3] + x[7])); }
-
 // out[m0 + i, n0 + j] for i < MT, j < NT: one vector accumulator per (row, output) over K.
+// `prefetch`: NT weight rows to bring into cache meanwhile (the next tile's), or nullptr.
 template <int MT, int NT>
-inline void tile(const float* x, const float* w, float* out, int64_t k, int64_t n, int64_t m0, int64_t n0) {
-  v8 acc[MT][NT] = {};
-  for (int64_t c = 0; c < k; c += 8) {
-    v8 wv[NT];
-    for (int j = 0; j < NT; ++j) wv[j] = load8(w + (n0 + j) * k + c);
+inline void tile(const float* x, const float* w, float* out, int64_t k, int64_t n, int64_t m0, int64_t n0,
+                 const float* prefetch) {
+  vec acc[MT][NT] = {};
+  const int64_t whole = k - k % kLanes;
+  for (int64_t c = 0; c < whole; c += kLanes) {
+    if (prefetch != nullptr && c % kLine == 0)
+      for (int j = 0; j < NT; ++j) __builtin_prefetch(prefetch + j * k + c);
+    vec wv[NT];
+    for (int j = 0; j < NT; ++j) wv[j] = load(w + (n0 + j) * k + c);
     for (int i = 0; i < MT; ++i) {
-      const v8 xv = load8(x + (m0 + i) * k + c);
-      for (int j = 0; j < NT; ++j) acc[i][j] = fma8(xv, wv[j], acc[i][j]);
+      const vec xv = load(x + (m0 + i) * k + c);
+      for (int j = 0; j < NT; ++j) acc[i][j] = fmadd(xv, wv[j], acc[i][j]);
+    }
+  }
+  if (whole < k) {  // AVX-512 with K an odd multiple of 8
+    vec wv[NT];
+    for (int j = 0; j < NT; ++j) wv[j] = load_half(w + (n0 + j) * k + whole);
+    for (int i = 0; i < MT; ++i) {
+      const vec xv = load_half(x + (m0 + i) * k + whole);
+      for (int j = 0; j < NT; ++j) acc[i][j] = fmadd(xv, wv[j], acc[i][j]);
     }
   }
   for (int i = 0; i < MT; ++i)
     for (int j = 0; j < NT; ++j) out[(m0 + i) * n + n0 + j] = sum_lanes(acc[i][j]);
 }
 
-// Outputs n0 .. n0 + NT - 1 for every row: the weight's NT rows stay in L1 across the row tiles.
+// Outputs n0 .. n0 + NT - 1 for every row: the weight's NT rows stay in L1 across the row
+// tiles; the first row tile prefetches `next` (the following NT weight rows, or nullptr).
 template <int NT>
-void outputs(const float* x, const float* w, float* out, int64_t m, int64_t k, int64_t n, int64_t n0) {
-  int64_t m0 = 0;
-  for (; m0 + 4 <= m; m0 += 4) tile<4, NT>(x, w, out, k, n, m0, n0);
-  switch (m - m0) {
-    case 3: tile<3, NT>(x, w, out, k, n, m0, n0); break;
-    case 2: tile<2, NT>(x, w, out, k, n, m0, n0); break;
-    case 1: tile<1, NT>(x, w, out, k, n, m0, n0); break;
-    default: break;
+void outputs(const float* x, const float* w, float* out, int64_t m, int64_t k, int64_t n, int64_t n0,
+             const float* next) {
+  for (int64_t m0 = 0; m0 < m; m0 += kRows, next = nullptr) {
+    switch (std::min(kRows, m - m0)) {
+      case 4: tile<4, NT>(x, w, out, k, n, m0, n0, next); break;
+      case 3: tile<3, NT>(x, w, out, k, n, m0, n0, next); break;
+      case 2: tile<2, NT>(x, w, out, k, n, m0, n0, next); break;
+      default: tile<1, NT>(x, w, out, k, n, m0, n0, next); break;
+    }
   }
 }
 
@@ -96,11 +137,13 @@ at::Tensor rows_linear(const at::Tensor& input, const at::Tensor& weight) {
   const float* xp = x.data_ptr<float>();
   const float* wp = weight.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  constexpr int64_t kOutputs = 3;
   const int64_t tiles = n / kOutputs;
   at::parallel_for(0, tiles, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) outputs<kOutputs>(xp, wp, op, m, k, n, t * kOutputs);
+    for (int64_t t = begin; t < end; ++t) {
+      const float* next = t + 1 < tiles ? wp + (t + 1) * kOutputs * k : nullptr;
+      outputs<kOutputs>(xp, wp, op, m, k, n, t * kOutputs, next);
+    }
   });
-  for (int64_t n0 = tiles * kOutputs; n0 < n; ++n0) outputs<1>(xp, wp, op, m, k, n, n0);
+  for (int64_t n0 = tiles * kOutputs; n0 < n; ++n0) outputs<1>(xp, wp, op, m, k, n, n0, nullptr);
   return out;
 }
