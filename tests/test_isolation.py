@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import QUESTIONS, chat, reference_copy, reference_greedy, tiny_model
+from conftest import QUESTIONS, chat, fp32_tolerance, reference_copy, reference_greedy, tiny_model
 
 from kev_engine import Engine, SamplingParams
 
@@ -44,9 +44,11 @@ def test_packed_greedy_tokens_equal_solo_generate(family_pair) -> None:
 
 def test_embedded_model_packed_equals_solo(embedded_engine: Engine, embedded_reference) -> None:
     prompts = QUESTIONS[:4]
+    rows = sum(len(embedded_engine.encode(p)) for p in prompts)
     for prompt, logits in zip(prompts, embedded_engine.prompt_logits(prompts)):
-        torch.testing.assert_close(logits, reference_logits(embedded_reference, embedded_engine.encode(prompt)),
-                                   atol=ATOL, rtol=0)
+        ids = embedded_engine.encode(prompt)
+        atol = fp32_tolerance(embedded_reference, ids, rows, ATOL)  # 30 layers: BLAS rounding by row count
+        torch.testing.assert_close(logits, reference_logits(embedded_reference, ids), atol=atol, rtol=0)
     results = embedded_engine.generate(prompts, SamplingParams(temperature=0, max_tokens=16))
     eos = embedded_engine.tokenizer.eos_token_id
     for prompt, result in zip(prompts, results):
