@@ -8,7 +8,7 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
-from . import cpu_linear
+from . import cpu_linear, inplace
 from .attention import KEV_ATTENTION
 from .decode_kernel import RowsLinear
 
@@ -29,7 +29,7 @@ def claim_model(model: Any, engine: Any) -> None:
 
 
 def release_model(model: Any) -> None:
-    """Give the model back as it came: its own attention and Linear forwards, no owner.
+    """Give the model back as it came: its own attention, Linear, MLP and norm forwards, no owner.
 
     (LoRA layers are unwrapped by the adapter pool.)
     """
@@ -40,6 +40,7 @@ def release_model(model: Any) -> None:
         if attr in model.__dict__:
             object.__delattr__(model, attr)
     cpu_linear.uninstall(model)
+    inplace.uninstall(model)
 
 
 def prepare_model(model: Any, rows_linear: RowsLinear | None = None) -> None:
@@ -58,6 +59,7 @@ def prepare_model(model: Any, rows_linear: RowsLinear | None = None) -> None:
     model.set_attn_implementation(KEV_ATTENTION)
     model.eval().requires_grad_(False)
     cpu_linear.install(model, rows_linear)  # float32 on CPU: few-row products (see cpu_linear)
+    inplace.install(model)  # Llama-style MLPs and RMSNorms: elementwise work in place (see inplace)
 
 
 def context_length(model: Any, tokenizer: Any) -> int:

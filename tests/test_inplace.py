@@ -1,0 +1,91 @@
+"""In-place MLP and RMSNorm forwards (kev_engine.inplace): bitwise what the module's own forward
+gives, the input left untouched, installed only where the class's forward is Llama's, removed
+with the engine.
+
+End to end, every isolation test compares an engine using them against an independent plain
+transformers model that does not (reference_copy), on every family.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from conftest import FAMILIES, tiny_model
+from transformers.models.llama.modeling_llama import LlamaConfig, LlamaMLP, LlamaRMSNorm
+
+from kev_engine import Engine, inplace
+
+
+def ours(module: torch.nn.Module) -> bool:
+    forward = module.__dict__.get("forward")
+    return isinstance(forward, functools.partial) and forward.func in (inplace._mlp_forward, inplace._rms_norm_forward)
+
+
+def is_norm(module: torch.nn.Module) -> bool:
+    return type(module).__name__.endswith("RMSNorm")
+
+
+def is_mlp(module: torch.nn.Module) -> bool:
+    return type(module).__name__.endswith("MLP")
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_engine_installs_where_the_forward_is_llamas_and_close_removes(family: str, tokenizer) -> None:
+    model = tiny_model(family, tokenizer)
+    engine = Engine(model, tokenizer)
+    try:
+        norms = [m for m in model.modules() if is_norm(m)]
+        mlps = [m for m in model.modules() if is_mlp(m)]
+        assert norms and mlps
+        assert all(ours(m) for m in norms)
+        # GLM's MLP is a fused gate_up projection written differently: it keeps its own forward
+        assert all(ours(m) for m in mlps) == (family != "glm") and any(ours(m) for m in mlps) == (family != "glm")
+        torch.manual_seed(0)
+        with torch.inference_mode():
+            for module in norms + mlps:
+                # Qwen3's q/k norms are head-sized
+                width = module.weight.shape[0] if is_norm(module) else model.config.hidden_size
+                x = torch.randn(1, 7, width)
+                kept = x.clone()
+                got = module(x)
+                assert torch.equal(x, kept)  # the residual stream is never written over
+                assert torch.equal(got, type(module).forward(module, x)), type(module).__name__
+    finally:
+        engine.close()
+    assert not any(ours(m) for m in model.modules())
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu"])
+def test_mlp_equals_its_own_forward(act: str) -> None:
+    torch.manual_seed(1)
+    mlp = LlamaMLP(LlamaConfig(hidden_size=48, intermediate_size=112, num_attention_heads=4, hidden_act=act)).eval()
+    x = torch.randn(2, 33, 48)
+    with torch.inference_mode():
+        assert torch.equal(inplace._mlp_forward(mlp, x), mlp(x))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_equals_its_own_forward(dtype: torch.dtype) -> None:
+    torch.manual_seed(2)
+    norm = LlamaRMSNorm(40, eps=1e-5)
+    norm.weight.data = torch.randn(40)
+    norm = norm.to(dtype)
+    x = (torch.randn(3, 9, 40) * 5).to(dtype)
+    with torch.inference_mode():
+        assert torch.equal(inplace._rms_norm_forward(norm, x), norm(x))
+
+
+def test_other_forwards_are_left_alone() -> None:
+    class GemmaStyleNorm(LlamaRMSNorm):  # a forward written differently: not Llama's
+        def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+            return super().forward(hidden_states) * (1.0 + self.weight)
+
+    model = torch.nn.Sequential(GemmaStyleNorm(8), LlamaRMSNorm(8), LlamaRMSNorm(8))
+    hooked = model[2]
+    hook = hooked.forward = functools.partial(LlamaRMSNorm.forward, hooked)  # as accelerate's hooks do
+    inplace.install(model)
+    assert not ours(model[0]) and ours(model[1]) and hooked.__dict__["forward"] is hook
+    inplace.uninstall(model)
+    assert "forward" not in model[1].__dict__ and hooked.__dict__["forward"] is hook
