@@ -48,6 +48,19 @@ inline const float* as_float(const T* row, float* buffer, int64_t dim) {
   }
 }
 
+// A block's keys and values (`count` elements each) requested from memory ahead of use: a row's
+// blocks lie scattered in the pool, where the hardware prefetcher cannot guess the next one.
+// Asked for when the block before it starts, they arrive while that block is computed (RAG-16's
+// decode attention, one step: 15.6-16.1 -> 13.0-13.3 ms on a 2-core Xeon; DOC-QA's rows, reading
+// one shared document mostly from cache, unchanged).
+template <typename T>
+inline void prefetch_block(const T* keys, const T* values, int64_t count) {
+  for (int64_t i = 0; i < count; i += 64 / static_cast<int64_t>(sizeof(T))) {
+    __builtin_prefetch(keys + i);
+    __builtin_prefetch(values + i);
+  }
+}
+
 // score[g * block + t] = q_g . k_t for the block's n key rows and the G query rows of one kv head.
 template <typename T, int DIM>
 void block_scores(const float* qf, const T* kb, int64_t n, int64_t group, int64_t dim, int64_t block, float* score,
@@ -147,6 +160,11 @@ void decode(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& v
         const int64_t n = std::min(block, length - j * block);
         const T* kb = k + (id * kv_heads + h) * block * dim;
         const T* vb = v + (id * kv_heads + h) * block * dim;
+        if ((j + 1) * block < length) {
+          const int64_t next = table[r * width + j + 1];  // checked when its turn comes
+          if (next >= 0 && next < num_blocks)
+            prefetch_block(k + (next * kv_heads + h) * block * dim, v + (next * kv_heads + h) * block * dim, block * dim);
+        }
         block_scores<T, DIM>(qf.data(), kb, n, group, dim, block, score.data(), buffer.data());
         for (int64_t g = 0; g < group; ++g) {  // online softmax: rescale what came before to the new max
           float* s = score.data() + g * block;
