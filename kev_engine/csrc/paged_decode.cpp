@@ -162,8 +162,10 @@ void decode(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& v
         const T* vb = v + (id * kv_heads + h) * block * dim;
         if ((j + 1) * block < length) {
           const int64_t next = table[r * width + j + 1];  // checked when its turn comes
-          if (next >= 0 && next < num_blocks)
-            prefetch_block(k + (next * kv_heads + h) * block * dim, v + (next * kv_heads + h) * block * dim, block * dim);
+          if (next >= 0 && next < num_blocks) {
+            const int64_t at = (next * kv_heads + h) * block * dim;
+            prefetch_block(k + at, v + at, block * dim);
+          }
         }
         block_scores<T, DIM>(qf.data(), kb, n, group, dim, block, score.data(), buffer.data());
         for (int64_t g = 0; g < group; ++g) {  // online softmax: rescale what came before to the new max
