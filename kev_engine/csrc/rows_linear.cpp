@@ -63,7 +63,6 @@ inline vec fmadd(vec a, vec b, vec c) { return (vec)_mm256_fmadd_ps((__m256)a, (
 #else
 inline vec fmadd(vec a, vec b, vec c) { return a * b + c; }  // two roundings, the same in every tile
 #endif
-inline vec load_half(const float*) { return vec{}; }  // never called: K is a whole number of vectors
 inline float sum_lanes(vec x) { return ((x[0] + x[4]) + (x[1] + x[5])) + ((x[2] + x[6]) + (x[3] + x[7])); }
 #endif
 constexpr int64_t kRows = 4;
@@ -92,7 +91,8 @@ inline void tile(const float* x, const float* w, float* out, int64_t k, int64_t 
       for (int j = 0; j < NT; ++j) acc[i][j] = fmadd(xv, wv[j], acc[i][j]);
     }
   }
-  if (whole < k) {  // AVX-512 with K an odd multiple of 8
+#if defined(__AVX512F__)
+  if (whole < k) {  // K an odd multiple of 8 (with 8 lanes K is always a whole number of vectors)
     vec wv[NT];
     for (int j = 0; j < NT; ++j) wv[j] = load_half(w + (n0 + j) * k + whole);
     for (int i = 0; i < MT; ++i) {
@@ -100,6 +100,7 @@ inline void tile(const float* x, const float* w, float* out, int64_t k, int64_t 
       for (int j = 0; j < NT; ++j) acc[i][j] = fmadd(xv, wv[j], acc[i][j]);
     }
   }
+#endif
   for (int i = 0; i < MT; ++i)
     for (int j = 0; j < NT; ++j) out[(m0 + i) * n + n0 + j] = sum_lanes(acc[i][j]);
 }
