@@ -90,7 +90,7 @@ def reference_copy(model: torch.nn.Module) -> torch.nn.Module:
     return ref
 
 
-def fp32_tolerance(model: torch.nn.Module, ids: list[int], rows: int, atol: float = 1e-4) -> float:
+def fp32_tolerance(model: torch.nn.Module, ids: list[int], alone: torch.Tensor, rows: int, atol: float = 1e-4) -> float:
     """`atol`, or twice plain transformers' own row-count rounding for `ids` where that is larger.
 
     BLAS picks its kernels by the row count of a product, so the same prompt's fp32 logits move a
@@ -98,10 +98,10 @@ def fp32_tolerance(model: torch.nn.Module, ids: list[int], rows: int, atol: floa
     model's logits for a 4-token prompt run as 4 identical copies in one batch (no padding) differ
     from the prompt alone by 1.24e-4, and a packed pass has tens or hundreds of rows. Kev's result
     and the reference each carry up to that rounding, hence twice; a leak between questions moves
-    logits by orders of magnitude more. Measured here: the prompt as 2, 4 and `rows`/len copies.
+    logits by orders of magnitude more. Measured here: the prompt as 2, 4 and `rows`/len copies,
+    against `alone` (the model's logits for `ids` run alone, which the caller compares with).
     """
     with torch.no_grad():
-        alone = model(input_ids=torch.tensor([ids])).logits[0].float()
         noise = 0.0
         for copies in sorted({2, 4, max(2, rows // len(ids))}):
             batch = model(input_ids=torch.tensor([ids] * copies)).logits.float()
