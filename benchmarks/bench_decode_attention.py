@@ -24,11 +24,11 @@ from types import SimpleNamespace
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kev_engine.decode_kernel import load_kernel  # noqa: E402
 from workload import load_rag, rag_messages  # noqa: E402
 
 from kev_engine import Engine, attention  # noqa: E402
 from kev_engine.blocks import blocks_for  # noqa: E402
-from kev_engine.decode_kernel import load_kernel  # noqa: E402
 from kev_engine.pack import Segment, pack  # noqa: E402
 
 LAYERS, KV_HEADS, HEADS, DIM, BLOCK = 30, 3, 9, 64, 32

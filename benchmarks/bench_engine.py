@@ -33,8 +33,8 @@ from typing import Any
 
 import torch
 
-from kev_engine import Engine, SamplingParams, cpu_linear
-from kev_engine.decode_kernel import load_linear
+from kev_engine import Engine, SamplingParams, cpu_linear, exact_linear
+from kev_engine.kernels import load_kernels
 from kev_engine.threads import run_on_passing_thread
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -125,11 +125,14 @@ def decode_step_vs_floor(engine: Engine, msgs: list, dtype: str, steps: int = 32
     floors: dict[str, list[float]] = {"plain": [], "same_products": []}
     step = engine.step
 
-    kernel = load_linear() if engine.decode_attention == "compiled" else None
+    kernels = load_kernels() if engine.decode_attention in ("compiled", "exact") else None
 
     def floor(kind: str) -> float:
         if kind == "same_products":
-            cpu_linear.install(model, kernel)
+            if engine.batch_invariant:
+                exact_linear.install(model, kernels)
+            else:
+                cpu_linear.install(model, kernels.rows_linear if kernels is not None else None)
         try:
             with torch.inference_mode():
                 t0 = time.perf_counter()
@@ -137,6 +140,7 @@ def decode_step_vs_floor(engine: Engine, msgs: list, dtype: str, steps: int = 32
                 return time.perf_counter() - t0
         finally:
             cpu_linear.uninstall(model)
+            exact_linear.uninstall(model)
 
     def timed_step() -> int:
         t0 = time.perf_counter()

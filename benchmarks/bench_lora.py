@@ -98,7 +98,7 @@ def run_kev(data: dict, with_adapters: bool = True) -> Runner:
     def timed() -> list[list[int]]:
         before = engine.stats()
         comps = engine.generate(msgs, sp, adapters=routes)
-        extra["stats"] = {k: v - before.get(k, 0) for k, v in engine.stats().items()}
+        extra["stats"] = {k: v - before.get(k, 0) for k, v in engine.stats().items() if isinstance(v, int)}
         extra["prompt_tokens_match"] = [c.prompt_tokens for c in comps] == [len(p) for p in data["prompts"]]
         return [list(c.token_ids) for c in comps]
     return timed, lambda: extra

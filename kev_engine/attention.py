@@ -16,6 +16,9 @@ a fixed set of torch kernels per block group (`pack.decode_layout`: dense ranges
 in place, the scattered rest gathered).
 CUDA with flash-attn: one `flash_attn_varlen_func` call per layer over the whole pack, with
 `cu_seqlens` and the block table (paged KV): nothing is concatenated or copied per step.
+Batch-invariant (an "exact" pool, CPU): every row of the pack, prefill and decode alike, in ONE
+call of Kev's `paged_attention` per layer, each row walking its own positions in one fixed order
+(csrc/attention.cpp) — so its result is the same shared, cached, chunked or alone.
 """
 
 from __future__ import annotations
@@ -170,6 +173,16 @@ def _flash_paged(batch: PackedBatch, layer: int, query: torch.Tensor, scaling: f
     )
 
 
+def _exact_paged(batch: PackedBatch, layer: int, query: torch.Tensor, scaling: float | None) -> torch.Tensor:
+    """Every segment, prefill and decode, in ONE call of the batch-invariant kernel: query [H, T, D] → [T, H, D]."""
+    assert batch.exact is not None
+    tables, past = batch.exact
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    kv = batch.kv
+    return kv.exact.paged_attention(query.transpose(0, 1).contiguous(), kv.keys[layer], kv.values[layer], tables,
+                                    batch.cu_seqlens, past, scale)
+
+
 def use_flash(device: torch.device, dtype: torch.dtype) -> bool:
     """The paged flash-attn path: CUDA, half precision, flash-attn installed."""
     return _flash_attn_varlen_func is not None and device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
@@ -203,6 +216,8 @@ def kev_attention(
         kv.write(layer, batch.slot_blocks, batch.slot_offsets, k, v)
         if kv.flash_layout:
             return _flash_paged(batch, layer, q, scaling)[None], None
+        if kv.exact is not None:
+            return _exact_paged(batch, layer, q, scaling)[None], None
     decode = batch.decode
     if decode is not None and len(decode.row_segments) == batch.num_segments:  # rows alone: no gather/scatter
         return decode_rows(q.transpose(0, 1), decode, kv, layer, scaling)[None], None

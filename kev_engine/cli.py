@@ -9,7 +9,7 @@
     kev verify --model DIR --file prompts.jsonl [--adapter NAME=PATH]   # packed == solo, exit 1 if not
     kev serve [--model SOURCE] [--adapter NAME=PATH] [--port 8000] [--api-key KEY]   # OpenAI-compatible
     kev serve --ray --replicas 4 [--ray-address ADDR]     # the same API from Ray Serve replicas
-    kev build-kernel     # build the CPU decode kernels now (once per machine; make setup does)
+    kev build-kernel     # build Kev's CPU kernels now (once per machine; make setup does)
 
 A thin layer: each line becomes chat messages and a `SamplingParams`, then ONE
 `engine.generate(...)` call answers them all. A refused question becomes an error row;
@@ -32,7 +32,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any, TextIO
 
-from . import decode_kernel
+from . import kernels
 from .engine import Engine
 from .errors import InvalidRequestError
 from .params import SamplingParams
@@ -167,14 +167,16 @@ def run_verify(engine: Engine, args: argparse.Namespace, records: list[dict[str,
     try:
         prompts = [build_prompt(record, args.system, args.raw) for record in records]
         adapters = [record.get("adapter", args.use_adapter) for record in records]
-        rows = verify(engine, prompts, adapters, args.max_tokens)
+        exact = engine.batch_invariant if args.exact is None else args.exact
+        rows = verify(engine, prompts, adapters, args.max_tokens, exact=exact)
     except (InvalidRequestError, KeyError) as exc:
         print(f"kev: error: {exc}", file=sys.stderr)
         return 2
     for record, row in zip(records, rows):
         print(json.dumps({"id": record["id"], **row}), flush=True)
     bad = [r for r, row in zip(records, rows) if not row["ok"]]
-    print(f"kev verify: {len(rows) - len(bad)}/{len(rows)} prompts packed == solo "
+    print(f"kev verify: {len(rows) - len(bad)}/{len(rows)} prompts packed == solo, "
+          f"{'bit for bit' if exact else 'within rounding'} "
           f"({sum(row['shared_prefix_tokens'] for row in rows)} prompt tokens read from shared prefixes)"
           + (f"; DIFFERENT: {[r['id'] for r in bad]}" if bad else ""), file=sys.stderr)
     return 1 if bad else 0
@@ -209,13 +211,15 @@ def run_show_pack(engine: Engine, args: argparse.Namespace, records: list[dict[s
 
 
 def run_build_kernel() -> int:
-    """Build (or find already built) the CPU decode kernels; 1 with the reason if they cannot be."""
+    """Build (or find already built) Kev's CPU kernels; 1 with the reason if they cannot be."""
     try:
-        decode_kernel.load_kernel()
+        built = kernels.load_kernels()
     except RuntimeError as exc:
         print(f"kev: error: {exc}", file=sys.stderr)
         return 1
-    print(f"kev: the CPU decode kernels are built ({decode_kernel.build_name()})", file=sys.stderr)
+    names = ", ".join(kernels.build_name(build) for build in kernels.BUILDS)
+    print(f"kev: Kev's CPU kernels are built ({names} in {kernels.build_root()}; {built.linear_paths})",
+          file=sys.stderr)
     return 0
 
 
@@ -229,7 +233,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     common.add_argument("--model", help="local folder, .gguf file or hub id (default: embedded SmolLM2-135M)")
     common.add_argument("--device", help="cpu, cuda, cuda:1... (default: cuda if available)")
-    common.add_argument("--dtype", help="float32, bfloat16, float16 (default: fp32 on CPU, bf16 on CUDA)")
+    common.add_argument("--dtype", help="auto, float32, bfloat16, float16 (default auto: bf16 on CUDA and on CPUs "
+                        "with native bf16, else fp32)")
     common.add_argument("--system", help="system message put before every question")
     common.add_argument("--raw", action="store_true", help="send plain text, not chat messages")
     gen = commands.add_parser("generate", parents=[common], help="answer questions, one JSON line each")
@@ -245,10 +250,13 @@ def build_parser() -> argparse.ArgumentParser:
                                  help="check packed == solo on your own model and prompts (exit 1 if not)")
     verify.add_argument("--max-tokens", dest="max_tokens", type=int, default=16,
                         help="greedy tokens compared per prompt (default 16)")
+    verify.add_argument("--exact", action=argparse.BooleanOptionalAction, default=None,
+                        help="logits must be bitwise equal (default: yes where the engine is batch-invariant, "
+                             "else within rounding)")
     show = commands.add_parser("show-pack", parents=[common], help="draw the pack's attention mask as a PNG")
     show.add_argument("--out", required=True, help="PNG file to write")
     show.add_argument("--max-pixels", dest="max_pixels", type=int, default=1024, help="most mask pixels per side")
-    commands.add_parser("build-kernel", help="build the CPU decode kernels now (make setup does)")
+    commands.add_parser("build-kernel", help="build Kev's CPU kernels now (make setup does)")
     serve = commands.add_parser("serve", help="serve the OpenAI-compatible API (needs kev-llm[server])")
     from kev_integrations.server.run import add_arguments  # needs no fastapi: `serve` says what to install
 
@@ -287,6 +295,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (UsageError, ValueError, OSError) as exc:
         print(f"kev: error: {exc}", file=sys.stderr)
         return 2
+    print(f"kev: {engine.name} on {engine.device} in {engine.stats()['dtype']}, "
+          f"{'batch-invariant' if engine.batch_invariant else 'not batch-invariant'}", file=sys.stderr)
     with engine:
         try:
             for name, path in adapters.items():

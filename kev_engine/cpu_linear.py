@@ -3,7 +3,10 @@
 Where this sits: installed on the model's plain `nn.Linear` layers when an `Engine` wraps a
 float32 model on CPU (`model_setup.prepare_model`), removed when it closes.
 
-With the compiled kernels (`decode_kernel`, modes "auto"/"compiled"), calls of up to
+This is the non-invariant path (`Engine(batch_invariant=False)`, or no exact kernels): a row's
+products depend on how many rows share the call. The batch-invariant path is `exact_linear`.
+
+With the compiled kernels (`kernels`, modes "auto"/"compiled"), calls of up to
 `KERNEL_ROWS` rows go to `rows_linear` (see csrc/rows_linear.cpp for the measurements: a
 16-row pass's hidden products 68.0 -> 40.2 ms on a 2-core AMD EPYC, 36.8 -> 28.0 ms on a
 2-core Xeon with AVX-512; the output head's 22.4 -> 10.6 ms and 9.0 -> 7.4 ms), and each row's
@@ -27,13 +30,14 @@ changed, through an instance attribute; the class and every other model object a
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .decode_kernel import RowsLinear
+RowsLinear = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # kernels.Kernels.rows_linear
 
 MAX_ROWS = 4  # rows per call up to which hidden layers use W @ x.T (see the module docstring)
 KERNEL_ROWS = 32  # rows per call up to which the compiled kernel beat MKL on every layer (rows_linear.cpp)

@@ -29,13 +29,13 @@ from . import loader
 from .adapters import AdapterPool
 from .attention import use_flash
 from .blocks import BlockManager, BlockTable
-from .decode_kernel import choose as choose_decode_kernel
-from .decode_kernel import load_linear
 from .errors import ConstraintError, EngineClosedError, InvalidRequestError, KevError, PassFailedError
 from .forward import run_model
 from .grammar import Grammars, mask_logits
+from .invariance import exact_or_why
+from .kernels import choose as choose_kernels
 from .kv_pool import KVPool
-from .model_setup import claim_model, context_length, eos_ids, prepare_model, release_model
+from .model_setup import check_packable, claim_model, context_length, eos_ids, prepare_model, release_model
 from .pack import PackedBatch, Segment, pack
 from .params import Defaults, SamplingParams, check_temperature, coerce_sampling
 from .request import Completion, Request, Status, failed_future, resolve_future
@@ -123,10 +123,14 @@ class Engine:
         block_size: tokens per KV block (None: 32 on CPU, 256 with flash-attn). Prefixes are
             shared in whole blocks.
         max_logits_tokens: most `prompt_logits` positions computed in one pass (each is a vocab row).
-        decode_kernel: Kev's compiled CPU kernels (decode attention over a CPU pool, and few-row
-            float32 Linear products): "auto" (built once per machine; if they cannot be built, a
-            warning and torch's ops), "compiled" (the kernels or an error), "torch" (never build
-            them). None: `KEV_DECODE_KERNEL`, else "auto".
+        decode_kernel: Kev's compiled CPU kernels (see `kernels`): "auto" (built once per machine;
+            if they cannot be built, a warning and torch's ops), "compiled" (the kernels or an
+            error), "torch" (never build them). None: `KEV_DECODE_KERNEL`, else "auto".
+        batch_invariant: every answer bitwise the same packed as alone (fp32 and bf16 on CPU, with
+            the compiled kernels): every reduction in a pass has one order whatever else is in it
+            (`invariance`). None (default): wherever possible, with a warning where it is not;
+            True: that or an error saying why; False: torch's BLAS and attention kernels instead,
+            equal only up to rounding (faster only where BLAS beats Kev's kernels).
     """
 
     def __init__(
@@ -143,15 +147,20 @@ class Engine:
         block_size: int | None = None,
         max_logits_tokens: int = 1024,
         decode_kernel: str | None = None,
+        batch_invariant: bool | None = None,
     ) -> None:
         self.name = name or getattr(model.config, "_name_or_path", "") or type(model).__name__
         self._closed = False
         parameter = next(model.parameters())
         flash_layout = use_flash(parameter.device, parameter.dtype)
-        # before claiming the model: a bad mode or a failed "compiled" build leaves it as it came
-        paged_decode = choose_decode_kernel(decode_kernel, parameter.device, flash_layout)
+        # before claiming the model: a bad mode, a failed "compiled" build or a model Kev cannot
+        # pack (or not batch-invariantly, when that was asked for) leaves it as it came
+        check_packable(model)
+        kernels = choose_kernels(decode_kernel, parameter.device, flash_layout)
+        self._exact = exact_or_why(batch_invariant, model, kernels, parameter)
         claim_model(model, self)
-        prepare_model(model, load_linear() if paged_decode is not None else None)
+        self._torch_elementwise = prepare_model(model, kernels, self._exact)
+        self.dtype = parameter.dtype
         self.model = model
         self.tokenizer = tokenizer
         self.device = parameter.device
@@ -161,10 +170,11 @@ class Engine:
         self._defaults = Defaults.from_env()
         self._kv = KVPool(model, self.device, parameter.dtype, kv_cache_bytes, block_size,
                           flash_layout=flash_layout, useful_tokens=2 * max_num_seqs * self.max_context,
-                          paged_decode=paged_decode)
+                          kernels=kernels, exact=self._exact)
         self._blocks = BlockManager(self._kv.num_blocks, self._kv.block_size)
         self._scheduler = Scheduler(max_batch_tokens, max_num_seqs, self._blocks, max_logits_tokens)
         self._adapters = AdapterPool(model, self.device, max_adapters)
+        self._adapters.router.kernels = kernels if self._exact else None  # LoRA deltas: the same products
         self._grammars = Grammars(tokenizer, _logits_width(model), self.eos_ids)
         self._cond = threading.Condition()
         self._step_lock = threading.Lock()  # one step at a time, whoever runs it
@@ -320,11 +330,14 @@ class Engine:
         self._raise_refused(prepared)
         return self._wait(self._enqueue(prepared, logits_only=True), return_exceptions=False)
 
-    def stats(self) -> dict[str, int]:
-        """Counters since start (requests, passes, tokens, prefix hits) and the KV memory now."""
+    def stats(self) -> dict[str, Any]:
+        """Counters since start (requests, passes, tokens, prefix hits), the KV memory now, and how
+        this engine computes (its dtype, and whether packed equals alone bit for bit)."""
         with self._cond:
             return {
                 **self._stats,
+                "dtype": str(self.dtype).removeprefix("torch."),
+                "batch_invariant": self._exact,
                 "running": len(self._scheduler.running),
                 "waiting": len(self._scheduler.waiting),
                 "preemptions": self._scheduler.preemptions,
@@ -339,8 +352,16 @@ class Engine:
             }
 
     @property
+    def batch_invariant(self) -> bool:
+        """Whether every answer is bitwise the same packed as alone (see `invariance`)."""
+        return self._exact
+
+    @property
     def decode_attention(self) -> str:
-        """Which attention serves decode rows: "flash-attn", "compiled" (the CPU kernel) or "torch"."""
+        """Which attention serves decode rows: "exact" (the batch-invariant CPU kernel, prefill rows
+        too), "flash-attn", "compiled" (the CPU decode kernel) or "torch"."""
+        if self._kv.exact is not None:
+            return "exact"
         if self._kv.flash_layout:
             return "flash-attn"
         return "compiled" if self._kv.paged_decode is not None else "torch"

@@ -7,7 +7,9 @@ slot and reads them back. Nothing outside the pool ever holds KV, so the budget 
 Layout per layer: keys and values of shape [num_blocks, num_kv_heads, block_size, head_dim] on
 CPU, so one block of one head is a contiguous [block_size, head_dim] matrix that the compiled
 decode kernel streams (or a batched matmul reads in place); flash-attn's paged kernels want
-[num_blocks, block_size, num_kv_heads, head_dim].
+[num_blocks, block_size, num_kv_heads, head_dim]. An "exact" pool (the batch-invariant attention,
+csrc/attention.cpp) keeps each block's keys transposed, [num_blocks, num_kv_heads, head_dim,
+block_size], so one head dimension of a block's positions is one vector load.
 On CPU the tensors come from `torch.empty`: pages the engine never touches are never resident.
 """
 
@@ -19,7 +21,6 @@ from typing import Any
 import torch
 
 from .blocks import blocks_for
-from .decode_kernel import PagedDecode, load_writer
 
 CPU_BLOCK_SIZE = 32  # tokens per block: prefixes are shared in whole blocks
 FLASH_BLOCK_SIZE = 256  # flash-attn's paged KV needs a multiple of 256
@@ -62,16 +63,23 @@ class KVPool:
         block_size: int | None = None,
         flash_layout: bool = False,
         useful_tokens: int | None = None,
-        paged_decode: PagedDecode | None = None,
+        kernels: Any = None,
+        exact: bool = False,
     ) -> None:
         """`useful_tokens`: more KV than this is never useful (every sequence slot at full context,
-        twice over for cached prefixes); a default budget stops there. `paged_decode`: how decode
-        rows read this (CPU-layout) pool — the compiled kernel, or None for the torch path."""
+        twice over for cached prefixes); a default budget stops there. `kernels`: Kev's compiled
+        CPU kernels (`kernels.Kernels`) or None for torch's ops; `exact`: the pool serves the
+        batch-invariant attention (`self.exact` is then those kernels)."""
         self.num_layers, self.num_kv_heads, self.head_dim = kv_shape(model)
         self.flash_layout = flash_layout
-        self.paged_decode = paged_decode
-        # the same build stores new keys/values: a row copy each, not two index_put calls a layer
-        self._paged_write = load_writer() if paged_decode is not None else None
+        if exact and (kernels is None or flash_layout):
+            raise ValueError("an exact KV pool needs Kev's compiled CPU kernels")
+        self.exact = kernels if exact else None
+        # how decode rows read a classic CPU pool: the compiled kernel, or None for the torch path
+        self.paged_decode = kernels.paged_decode if kernels is not None and not exact else None
+        # the same builds store new keys/values: a row copy each, not two index_put calls a layer
+        self._paged_write = None if kernels is None else (
+            kernels.paged_write_transposed if exact else kernels.paged_write)
         self.block_size = block_size or (FLASH_BLOCK_SIZE if flash_layout else CPU_BLOCK_SIZE)
         if self.block_size < 1:
             raise ValueError(f"block_size={self.block_size} is not allowed; use an integer >= 1")
@@ -90,11 +98,15 @@ class KVPool:
                 f"{self.block_bytes} bytes on this model"
             )
         self.budget_bytes = self.num_blocks * self.block_bytes
+        if exact and self.block_size % 16:
+            raise ValueError(f"block_size={self.block_size} is not allowed for the batch-invariant attention; "
+                             "use a multiple of 16")
         if flash_layout:
             shape = (self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         else:
             shape = (self.num_blocks, self.num_kv_heads, self.block_size, self.head_dim)
-        self.keys = [torch.empty(shape, dtype=dtype, device=device) for _ in range(self.num_layers)]
+        key_shape = (self.num_blocks, self.num_kv_heads, self.head_dim, self.block_size) if exact else shape
+        self.keys = [torch.empty(key_shape, dtype=dtype, device=device) for _ in range(self.num_layers)]
         self.values = [torch.empty(shape, dtype=dtype, device=device) for _ in range(self.num_layers)]
 
     @property
@@ -123,10 +135,10 @@ class KVPool:
         """Clear blocks just handed out, in every layer (stale memory may hold NaN bit patterns).
 
         The torch decode path and flash-attn read whole blocks and mask the slots past a row's
-        length, and 0 x NaN is NaN; the compiled kernel reads only each row's own tokens, so a
-        pool it serves skips this work on the steps that take new blocks.
+        length, and 0 x NaN is NaN; the compiled kernels read (or select) only each row's own
+        tokens, so a pool they serve skips this work on the steps that take new blocks.
         """
-        if not block_ids or self.paged_decode is not None:
+        if not block_ids or self._paged_write is not None:
             return
         index = torch.tensor(block_ids, dtype=torch.long, device=self.keys[0].device)
         for keys, values in zip(self.keys, self.values):
@@ -135,7 +147,7 @@ class KVPool:
 
     def gather(self, layer: int, block_ids: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One question's keys/values over its blocks, positions 0..length: [num_kv_heads, length, head_dim]."""
-        assert not self.flash_layout
+        assert not self.flash_layout and self.exact is None
         keys = self.keys[layer][block_ids]  # [n, kvH, bs, D]
         values = self.values[layer][block_ids]
         n = keys.shape[0]

@@ -59,14 +59,25 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     return resolved
 
 
+def native_bf16() -> bool:
+    """Whether this CPU multiplies bfloat16 natively (AMX-BF16 tiles or AVX512-BF16 dot products)."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            flags = next((line for line in cpuinfo if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
-    """fp32 on CPU (bf16 matmuls are slow on most CPUs), bf16 on CUDA, unless asked otherwise."""
-    if dtype is None:
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    """"auto" (or None): bf16 on CUDA and on CPUs that multiply bf16 natively (twice as fast as
+    fp32 there, and batch-invariant like it), fp32 elsewhere (bf16 emulated is slower than fp32)."""
+    if dtype is None or dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" or native_bf16() else torch.float32
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype not in _DTYPES:
-        raise ValueError(f"dtype={dtype!r} is not allowed; use one of {sorted(_DTYPES)} or a torch.dtype")
+        raise ValueError(f"dtype={dtype!r} is not allowed; use 'auto', one of {sorted(_DTYPES)} or a torch.dtype")
     return _DTYPES[dtype]
 
 

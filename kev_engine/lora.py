@@ -55,6 +55,20 @@ class LoraWeights:
     lora_A: torch.Tensor  # [r, in_features]
     lora_B: torch.Tensor  # [out_features, r]
     scaling: float
+    packed: tuple[torch.Tensor, torch.Tensor] | None = None  # A and B in the exact kernel's layout, once
+
+    def delta(self, x: torch.Tensor, kernels: Any = None) -> torch.Tensor:
+        """`B(A(x)) * scaling` for rows x [n, in] in the adapter's dtype → [n, out].
+
+        With `kernels` (the batch-invariant path) both products are Kev's packed ones, so a row's
+        delta does not depend on how many rows of its adapter share the pass.
+        """
+        if kernels is None or self.lora_A.device.type != "cpu":
+            return F.linear(F.linear(x, self.lora_A), self.lora_B) * self.scaling
+        if self.packed is None:
+            self.packed = (kernels.linear_pack(self.lora_A), kernels.linear_pack(self.lora_B))
+        low = kernels.linear_packed(x.contiguous(), self.packed[0], self.lora_A.shape[0])  # [n, r]
+        return kernels.linear_packed(low, self.packed[1], self.lora_B.shape[0]) * self.scaling
 
 
 @dataclass
@@ -236,6 +250,7 @@ class LoraRouter:
 
     def __init__(self) -> None:
         self.routes: list[tuple[LoraAdapter, slice | torch.Tensor]] = []
+        self.kernels: Any = None  # Kev's compiled kernels on the batch-invariant path (LoraWeights.delta)
 
     def set_routes(self, cu_seqlens: list[int], adapters: list[str | None], resident: dict[str, LoraAdapter]) -> None:
         """Group segments by adapter: contiguous rows become one slice, scattered ones an index."""
@@ -281,7 +296,7 @@ class MultiLoRALinear(nn.Module):
                 continue  # this adapter does not target this module
             # PEFT's math on the token dimension; adapters keep their own dtype (cast in, cast back)
             x_rows = x[0, rows].to(weights.lora_A.dtype)  # [n, in]
-            delta = F.linear(F.linear(x_rows, weights.lora_A), weights.lora_B) * weights.scaling  # [n, out]
+            delta = weights.delta(x_rows, self.router.kernels)  # [n, out]
             if isinstance(rows, slice):
                 out[0, rows] += delta.to(out.dtype)
             else:

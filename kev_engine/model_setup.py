@@ -8,9 +8,8 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
-from . import cpu_linear, inplace
+from . import cpu_linear, exact_linear, inplace, rotary_table
 from .attention import KEV_ATTENTION
-from .decode_kernel import RowsLinear
 
 OWNER_ATTR = "_kev_owner"  # weakref to the live Engine serving this model
 ORIGINAL_ATTN_ATTR = "_kev_original_attn"
@@ -40,12 +39,13 @@ def release_model(model: Any) -> None:
         if attr in model.__dict__:
             object.__delattr__(model, attr)
     cpu_linear.uninstall(model)
+    exact_linear.uninstall(model)
+    rotary_table.uninstall(model)
     inplace.uninstall(model)
 
 
-def prepare_model(model: Any, rows_linear: RowsLinear | None = None) -> None:
-    """Switch the model to Kev's packed attention; refuse what that attention cannot do.
-    `rows_linear`: the compiled few-rows product for float32 CPU Linear layers (cpu_linear)."""
+def check_packable(model: Any) -> None:
+    """Refuse what Kev's packed attention cannot do, before anything about the model changes."""
     config = model.config.get_text_config()
     if "sliding_attention" in (getattr(config, "layer_types", None) or []):
         raise ValueError(
@@ -54,12 +54,27 @@ def prepare_model(model: Any, rows_linear: RowsLinear | None = None) -> None:
         )
     if not hasattr(model, "set_attn_implementation") or not model._can_set_attn_implementation():
         raise ValueError(f"{type(model).__name__} does not use transformers' AttentionInterface; Kev cannot pack it")
+    rotary_table.check(model)
+
+
+def prepare_model(model: Any, kernels: Any = None, exact: bool = False) -> list[str]:
+    """Switch the model to Kev's packed attention and its kernels (`check_packable` first).
+
+    `kernels`: Kev's compiled CPU kernels or None. `exact`: the batch-invariant path — every Linear
+    by the packed product, rotary embeddings from a table, the MLP's activation by the kernel.
+    Returns the modules left on torch's own elementwise code on that path (for the engine to say).
+    """
     if ORIGINAL_ATTN_ATTR not in model.__dict__:  # an engine dropped without close() left it: keep the first
         object.__setattr__(model, ORIGINAL_ATTN_ATTR, model.config._attn_implementation or "sdpa")
     model.set_attn_implementation(KEV_ATTENTION)
     model.eval().requires_grad_(False)
-    cpu_linear.install(model, rows_linear)  # float32 on CPU: few-row products (see cpu_linear)
+    if exact:
+        exact_linear.install(model, kernels)  # every Linear: one summation order at any row count
+        left = rotary_table.install(model)
+        return left + inplace.install(model, kernels.silu_mul)
+    cpu_linear.install(model, kernels.rows_linear if kernels is not None else None)  # few-row products
     inplace.install(model)  # Llama-style MLPs and RMSNorms: elementwise work in place (see inplace)
+    return []
 
 
 def context_length(model: Any, tokenizer: Any) -> int:

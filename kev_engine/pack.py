@@ -82,6 +82,7 @@ class PackedBatch:
     slot_blocks: torch.Tensor | None = None  # [T] long: block of each new token's K/V
     slot_offsets: torch.Tensor | None = None  # [T] long: its position inside that block
     decode: DecodeLayout | None = None  # CPU pool: decode rows, attended in one batched call per layer
+    exact: tuple[torch.Tensor, torch.Tensor] | None = None  # exact pool: (block tables [S, max_blocks], past [S]) int32
     flash: tuple[torch.Tensor, int, torch.Tensor] | None = None  # flash pool: (cu_seqlens_k, max_seqlen_k, block_table)
 
     @property
@@ -129,6 +130,7 @@ def pack(segments: Sequence[Segment], device: torch.device | str = "cpu", kv: An
         raise ValueError("a segment continues cached tokens, so the pack needs the engine's KV pool")
 
     paged = kv is not None
+    exact = getattr(kv, "exact", None) if paged else None  # the pool serves the batch-invariant attention
 
     def tensor(values: list[int], dtype: torch.dtype = torch.long) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype, device=device)
@@ -149,9 +151,17 @@ def pack(segments: Sequence[Segment], device: torch.device | str = "cpu", kv: An
         slot_blocks=tensor(slot_blocks) if kv is not None else None,
         slot_offsets=tensor(slot_offsets) if kv is not None else None,
         decode=(decode_layout(segments, cu_seqlens, block_size, device, kernel=kv.paged_decode is not None)
-                if paged and not kv.flash_layout else None),
+                if paged and not kv.flash_layout and exact is None else None),
         flash=flash_tables(segments, block_size, device) if paged and kv.flash_layout else None,
+        exact=exact_tables(segments, block_size, device) if exact is not None else None,
     )
+
+
+def exact_tables(segments: Sequence[Segment], block_size: int, device: torch.device | str):
+    """The exact attention's arguments: every segment's block table [S, max_blocks] and past length [S], int32."""
+    lengths = [seg.past_len + len(seg.token_ids) for seg in segments]
+    past = torch.tensor([seg.past_len for seg in segments], dtype=torch.int32, device=device)
+    return padded_block_table(segments, lengths, block_size, device), past
 
 
 def flash_tables(segments: Sequence[Segment], block_size: int, device: torch.device | str):

@@ -3,7 +3,8 @@
 Beside the flow, not part of it: the prompts are answered greedily in ONE packed call (sharing
 whatever prefixes they share), then each alone (a private `cache_salt`, so it shares nothing),
 and the logits every generated token was sampled from are compared. Packed must equal solo:
-greedy tokens identical, logits within the dtype's tolerance.
+greedy tokens identical, and logits bitwise equal (`exact`: what a batch-invariant engine
+promises) or within the dtype's rounding tolerance.
 """
 
 from __future__ import annotations
@@ -26,8 +27,16 @@ def tolerance(dtype: torch.dtype, logits: torch.Tensor) -> float:
     return HALF_ULPS * torch.finfo(dtype).eps * float(logits.abs().max())
 
 
-def verify(engine: Any, prompts: Sequence[Any], adapters: Sequence[str | None], max_tokens: int) -> list[dict]:
-    """One row per prompt: greedy tokens match, max logit difference, shared prefix tokens, ok."""
+def verify(
+    engine: Any, prompts: Sequence[Any], adapters: Sequence[str | None], max_tokens: int, exact: bool | None = None
+) -> list[dict]:
+    """One row per prompt: greedy tokens match, max logit difference, shared prefix tokens, ok.
+
+    `exact` (None: the engine's `batch_invariant`): ok needs bitwise-equal logits (`torch.equal`);
+    otherwise a difference within the dtype's tolerance passes.
+    """
+    if exact is None:
+        exact = bool(getattr(engine, "batch_invariant", False))
     greedy = SamplingParams(temperature=0, max_tokens=max_tokens)
     packed = _run(engine, list(prompts), [greedy] * len(prompts), list(adapters))
     dtype = next(engine.model.parameters()).dtype
@@ -42,11 +51,15 @@ def verify(engine: Any, prompts: Sequence[Any], adapters: Sequence[str | None], 
         compared = max(1, same)  # after the first different token the contexts differ: stop comparing there
         diff = float((logits[:compared] - solo_logits[:compared]).abs().max())
         tokens_match = completion.token_ids == solo_completion.token_ids
+        if exact:
+            close = len(logits) == len(solo_logits) and torch.equal(logits, solo_logits)
+        else:
+            close = diff <= tolerance(dtype, solo_logits)
         rows.append({
             "adapter": adapter or "base", "prompt_tokens": completion.prompt_tokens,
             "shared_prefix_tokens": completion.cached_tokens, "tokens": len(completion.token_ids),
-            "tokens_match": tokens_match, "max_logit_diff": diff,
-            "ok": tokens_match and diff <= tolerance(dtype, solo_logits),
+            "tokens_match": tokens_match, "max_logit_diff": diff, "exact": exact,
+            "ok": tokens_match and close,
         })
     return rows
 

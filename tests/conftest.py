@@ -141,7 +141,8 @@ def tiny_engine(tokenizer: Any) -> Engine:
 
 @pytest.fixture(scope="session")
 def embedded_engine() -> Engine:
-    engine = Engine.from_pretrained()
+    """The embedded model in float32 (its reference is plain transformers in float32)."""
+    engine = Engine.from_pretrained(dtype="float32")
     yield engine
     engine.close()
 

@@ -17,10 +17,9 @@ import torch.nn.functional as F
 from conftest import QUESTIONS, chat, reference_copy, tiny_model
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from kev_engine import Engine, SamplingParams, attention, decode_kernel
+from kev_engine import Engine, SamplingParams, attention, kernels
 from kev_engine import engine as engine_module
 from kev_engine import pack as pack_module
-from kev_engine.decode_kernel import load_kernel, load_writer
 from kev_engine.pack import Segment, pack
 
 
@@ -209,8 +208,8 @@ class KernelCounter(TorchDispatchMode):
 
 @pytest.mark.parametrize("path", ["compiled", "torch"])
 def test_one_attention_call_per_layer_for_any_number_of_decode_rows(tokenizer, path: str) -> None:
-    """The compiled kernel: one call per layer and no torch matmul; the torch path: a fixed set."""
-    engine = Engine(tiny_model("llama", tokenizer), tokenizer, decode_kernel=path)
+    """The compiled decode kernel: one call per layer and no torch matmul; the torch path: a fixed set."""
+    engine = Engine(tiny_model("llama", tokenizer), tokenizer, decode_kernel=path, batch_invariant=False)
     assert engine.decode_attention == path
     two, sixteen = count_attention_kernels(engine, 2), count_attention_kernels(engine, 16)
     engine.close()
@@ -240,7 +239,7 @@ def test_compiled_decode_kernel_equals_attention_per_row(shape, dtype) -> None:
             keys[block_id, :, :n] = torch.randn(kv_heads, n, dim)
             values[block_id, :, :n] = torch.randn(kv_heads, n, dim)
     keys, values = keys.to(dtype), values.to(dtype)
-    kv = SimpleNamespace(block_size=block, flash_layout=False, paged_decode=load_kernel(),
+    kv = SimpleNamespace(block_size=block, flash_layout=False, paged_decode=kernels.load_kernels().paged_decode,
                          keys=[keys], values=[values])
     segments = [Segment(i, [1], n - 1, True, block_ids=t) for i, (t, n) in enumerate(zip(tables, lengths))]
     batch = pack(segments, kv=kv)
@@ -258,7 +257,7 @@ def test_compiled_decode_kernel_equals_attention_per_row(shape, dtype) -> None:
 
 def test_compiled_decode_kernel_refuses_tables_outside_the_pool() -> None:
     """A block id past the pool or a length past the table is an error naming it, never a stray read."""
-    kernel = load_kernel()
+    kernel = kernels.load_kernels().paged_decode
     keys = torch.zeros(4, 1, 4, 8)
     query = torch.zeros(1, 1, 8)
     table = torch.tensor([[1, 9]], dtype=torch.int32)
@@ -272,7 +271,7 @@ def test_compiled_decode_kernel_refuses_tables_outside_the_pool() -> None:
 def test_compiled_kv_write_equals_index_put(dtype) -> None:
     """The kernel's row-copy store against torch's index_put: strided keys (a transposed view),
     several tokens into one block, and every slot not written left exactly as it was (NaN)."""
-    write = load_writer()
+    write = kernels.load_kernels().paged_write
     torch.manual_seed(0)
     pools = [torch.full((10, 3, 4, 8), float("nan"), dtype=dtype) for _ in range(4)]
     key = torch.randn(5, 3, 8).to(dtype).transpose(0, 1)  # [kvH, T, D], not contiguous
@@ -286,7 +285,7 @@ def test_compiled_kv_write_equals_index_put(dtype) -> None:
 
 
 def test_compiled_kv_write_refuses_slots_outside_the_pool_and_writes_nothing() -> None:
-    write = load_writer()
+    write = kernels.load_kernels().paged_write
     keys, values = torch.zeros(4, 1, 4, 8), torch.zeros(4, 1, 4, 8)
     new = torch.ones(1, 2, 8)
     with pytest.raises(RuntimeError, match="token 1 goes to block 4 offset 0; the pool has 4 blocks of 4"):
@@ -305,19 +304,19 @@ def test_decode_kernel_mode_is_checked_and_a_failed_build_is_said(tokenizer, mon
         Engine(tiny_model("llama", tokenizer), tokenizer)
     monkeypatch.delenv("KEV_DECODE_KERNEL")
 
-    def no_compiler():
+    def no_compiler(build: str):
         raise OSError("no C++ compiler on PATH")
 
-    monkeypatch.setattr(decode_kernel, "_module", None)
-    monkeypatch.setattr(decode_kernel, "_failure", None)
-    monkeypatch.setattr(decode_kernel, "_build", no_compiler)
+    monkeypatch.setattr(kernels, "_kernels", None)
+    monkeypatch.setattr(kernels, "_failure", None)
+    monkeypatch.setattr(kernels, "_build", no_compiler)
     model = tiny_model("llama", tokenizer)
     with pytest.raises(RuntimeError, match="no C\\+\\+ compiler on PATH"):
         Engine(model, tokenizer, decode_kernel="compiled")
     with caplog.at_level("WARNING", logger="kev"):
         engine = Engine(model, tokenizer)  # the failed "compiled" left the model unclaimed
-    assert engine.decode_attention == "torch"
-    assert "no C++ compiler on PATH" in caplog.text and "torch path" in caplog.text
+    assert engine.decode_attention == "torch" and not engine.batch_invariant
+    assert "no C++ compiler on PATH" in caplog.text and "not batch-invariant" in caplog.text
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     assert all(m.__dict__["forward"].args[2] is None for m in linears)  # nor the compiled few-row product
     assert engine.generate([chat("Hi")], SamplingParams(temperature=0, max_tokens=3))[0].text is not None

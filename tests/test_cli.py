@@ -12,7 +12,7 @@ from conftest import chat, make_adapter, tiny_model
 from PIL import Image
 from test_visualize import find_mask
 
-from kev_engine import Engine, SamplingParams, cli, decode_kernel
+from kev_engine import Engine, SamplingParams, cli, kernels
 from kev_engine import visualize as vis
 
 
@@ -263,8 +263,9 @@ def test_verify_reports_packed_equals_solo_with_shared_prefixes(tmp_path, capsys
 def test_build_kernel_builds_or_says_why(capsys, monkeypatch) -> None:
     """`kev build-kernel` reports the built kernel (0), or the build's reason (1)."""
     assert cli.main(["build-kernel"]) == 0
-    assert "the CPU decode kernels are built (kev_paged_decode_" in capsys.readouterr().err
-    monkeypatch.setattr(decode_kernel, "_module", None)
-    monkeypatch.setattr(decode_kernel, "_failure", "Kev's CPU decode kernels could not be built (no g++)")
+    err = capsys.readouterr().err
+    assert "Kev's CPU kernels are built (kev_exact_" in err and "kev_fast_" in err and "bfloat16:" in err
+    monkeypatch.setattr(kernels, "_kernels", None)
+    monkeypatch.setattr(kernels, "_failure", "Kev's CPU kernels could not be built (no g++)")
     assert cli.main(["build-kernel"]) == 1
-    assert "kev: error: Kev's CPU decode kernels could not be built (no g++)" in capsys.readouterr().err
+    assert "kev: error: Kev's CPU kernels could not be built (no g++)" in capsys.readouterr().err

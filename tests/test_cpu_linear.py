@@ -1,5 +1,6 @@
-"""The few-rows Linear product (cpu_linear, and the compiled rows_linear it calls): equal to
-F.linear, each row's result independent of the others, installed and removed with the engine.
+"""The few-rows Linear product of the non-invariant path (cpu_linear, and the compiled rows_linear
+it calls): equal to F.linear, each row's result independent of the others, installed and removed
+with an engine built with batch_invariant=False.
 
 End to end, every isolation test compares an engine using it against an independent plain
 transformers model that does not (reference_copy), on every family.
@@ -15,7 +16,11 @@ import torch.nn.functional as F
 from conftest import QUESTIONS, reference_copy, reference_greedy, tiny_model
 
 from kev_engine import Engine, SamplingParams, cpu_linear
-from kev_engine.decode_kernel import load_linear
+from kev_engine.kernels import load_kernels
+
+
+def load_linear():
+    return load_kernels().rows_linear
 
 
 def ours(module: torch.nn.Module) -> functools.partial | None:
@@ -74,7 +79,7 @@ def test_compiled_product_refuses_what_it_cannot_compute() -> None:
 
 def test_engine_installs_on_float32_cpu_and_close_removes(tokenizer) -> None:
     model = tiny_model("llama", tokenizer)
-    engine = Engine(model, tokenizer)
+    engine = Engine(model, tokenizer, batch_invariant=False)
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     head = model.get_output_embeddings()
     assert all(ours(m) is not None for m in linears)
@@ -91,18 +96,18 @@ def test_engine_leaves_other_forwards_and_dtypes_alone(tokenizer) -> None:
     model = tiny_model("llama", tokenizer)
     hooked = model.model.layers[0].self_attn.q_proj
     hook = hooked.forward = functools.partial(torch.nn.Linear.forward, hooked)  # as accelerate's hooks do
-    engine = Engine(model, tokenizer)
+    engine = Engine(model, tokenizer, batch_invariant=False)
     assert hooked.__dict__["forward"] is hook
     engine.close()
     assert hooked.__dict__["forward"] is hook
 
     plain = tiny_model("llama", tokenizer)
-    engine = Engine(plain, tokenizer, decode_kernel="torch")  # no compiled kernels: W @ x.T and MKL
+    engine = Engine(plain, tokenizer, decode_kernel="torch", batch_invariant=False)  # no kernels: W @ x.T, MKL
     assert {ours(m).args[2] for m in plain.modules() if isinstance(m, torch.nn.Linear)} == {None}
     engine.close()
 
     half = tiny_model("llama", tokenizer).to(torch.bfloat16)
-    engine = Engine(half, tokenizer)
+    engine = Engine(half, tokenizer, batch_invariant=False)
     assert not any("forward" in m.__dict__ for m in half.modules() if isinstance(m, torch.nn.Linear))
     engine.close()
 
@@ -111,7 +116,7 @@ def test_decode_with_few_rows_matches_plain_model(tokenizer) -> None:
     """Two questions decode with 2-row passes (the W @ x.T branch) and match a plain model's greedy."""
     model = tiny_model("qwen2", tokenizer)
     reference = reference_copy(model)
-    engine = Engine(model, tokenizer)
+    engine = Engine(model, tokenizer, batch_invariant=False)
     try:
         prompts = QUESTIONS[:2]
         outs = engine.generate(prompts, sampling=SamplingParams(temperature=0, max_tokens=6))

@@ -95,9 +95,8 @@ def test_eos_finishes_with_stop(tokenizer) -> None:
     from conftest import tiny_model
 
     model = tiny_model("llama", tokenizer)
-    with_eos_bias = Engine(model, tokenizer)
-    model.lm_head.bias = None
     model.lm_head.weight.data[tokenizer.eos_token_id] += 50.0  # make EOS the argmax everywhere
+    with_eos_bias = Engine(model, tokenizer)  # the engine packs the weights it starts with
     result = with_eos_bias.generate([QUESTIONS[0]], SamplingParams(temperature=0, max_tokens=5))[0]
     assert result.finish_reason == "stop" and result.token_ids == [tokenizer.eos_token_id] and result.text == ""
     with_eos_bias.close()

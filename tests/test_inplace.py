@@ -1,5 +1,6 @@
 """In-place MLP and RMSNorm forwards (kev_engine.inplace): bitwise what the module's own forward
-gives, the input left untouched, installed only where the class's forward is Llama's, removed
+gives (with torch's activation; with Kev's silu_mul kernel, equal to rounding), the input left
+untouched, installed only where the class's forward is Llama's (or GLM's, for the kernel), removed
 with the engine.
 
 End to end, every isolation test compares an engine using them against an independent plain
@@ -20,7 +21,8 @@ from kev_engine import Engine, inplace
 
 def ours(module: torch.nn.Module) -> bool:
     forward = module.__dict__.get("forward")
-    return isinstance(forward, functools.partial) and forward.func in (inplace._mlp_forward, inplace._rms_norm_forward)
+    return isinstance(forward, functools.partial) and forward.func in (
+        inplace._mlp_forward, inplace._glm_mlp_forward, inplace._rms_norm_forward)
 
 
 def is_norm(module: torch.nn.Module) -> bool:
@@ -34,7 +36,7 @@ def is_mlp(module: torch.nn.Module) -> bool:
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_engine_installs_where_the_forward_is_llamas_and_close_removes(family: str, tokenizer) -> None:
     model = tiny_model(family, tokenizer)
-    engine = Engine(model, tokenizer)
+    engine = Engine(model, tokenizer, batch_invariant=False)
     try:
         norms = [m for m in model.modules() if is_norm(m)]
         mlps = [m for m in model.modules() if is_mlp(m)]
@@ -57,13 +59,31 @@ def test_engine_installs_where_the_forward_is_llamas_and_close_removes(family: s
     assert not any(ours(m) for m in model.modules())
 
 
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_batch_invariant_engine_computes_every_mlp_activation_by_the_kernel(family: str, tokenizer) -> None:
+    """GLM's fused gate_up MLP included; equal to the module's own forward up to silu's rounding."""
+    model = tiny_model(family, tokenizer)
+    engine = Engine(model, tokenizer, batch_invariant=True)
+    try:
+        mlps = [m for m in model.modules() if is_mlp(m)]
+        assert mlps and all(ours(m) for m in mlps)
+        x = torch.randn(1, 7, model.config.hidden_size)
+        with torch.inference_mode():
+            for mlp in mlps:
+                expected = type(mlp).forward(mlp, x)  # its Linear layers are the engine's exact ones
+                torch.testing.assert_close(mlp(x), expected, atol=1e-5, rtol=1e-5)
+    finally:
+        engine.close()
+    assert not any(ours(m) for m in model.modules())
+
+
 @pytest.mark.parametrize("act", ["silu", "gelu"])
 def test_mlp_equals_its_own_forward(act: str) -> None:
     torch.manual_seed(1)
     mlp = LlamaMLP(LlamaConfig(hidden_size=48, intermediate_size=112, num_attention_heads=4, hidden_act=act)).eval()
     x = torch.randn(2, 33, 48)
     with torch.inference_mode():
-        assert torch.equal(inplace._mlp_forward(mlp, x), mlp(x))
+        assert torch.equal(inplace._mlp_forward(mlp, None, x), mlp(x))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

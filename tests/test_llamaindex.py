@@ -49,7 +49,7 @@ def llm(engine) -> Kev:
 
 def delta(engine: Engine, before: dict[str, int]) -> dict[str, int]:
     after = engine.stats()
-    return {key: after[key] - before[key] for key in before}
+    return {key: after[key] - before[key] for key in before if isinstance(before[key], int)}
 
 
 def solo_answers(llm: Kev) -> list[str]:

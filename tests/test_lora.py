@@ -77,7 +77,7 @@ def test_embedded_model_with_adapters_equals_peft(embedded_dir, tokenizer, tmp_p
         "a": make_adapter(base, tmp_path / "a", 1, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
         "b": make_adapter(base, tmp_path / "b", 2, r=8, lora_alpha=8, use_rslora=True, target_modules=["down_proj"]),
     }
-    engine = Engine.from_pretrained(adapters={k: str(v) for k, v in folders.items()})
+    engine = Engine.from_pretrained(dtype="float32", adapters={k: str(v) for k, v in folders.items()})
     prompts, names = QUESTIONS[:4], ["a", None, "b", "a"]
     rows = sum(len(engine.encode(p)) for p in prompts)
     for prompt, name, logits in zip(prompts, names, engine.prompt_logits(prompts, adapters=names)):

@@ -27,18 +27,10 @@
 #include <immintrin.h>
 #endif
 
-// The extension builds with -ffast-math (paged_decode.cpp's vectorized exp wants it). Here the
-// compiler would otherwise be free to reorder a dot product's additions, or to fuse some
-// multiply-adds and not others, differently in each tile shape (seen with GCC 12: the
-// 1-output tiles), and a row's result would depend on how many rows it is packed with. So no
-// reordering, no implicit fusing, and the fused multiply-adds are written out.
-#if defined(__clang__)
-#pragma clang fp reassociate(off)
-#pragma clang fp contract(off)
-#elif defined(__GNUC__)
-#pragma GCC optimize("no-associative-math", "fp-contract=off")
-#endif
-
+// Built with the exact flags (kernels.py: no fast-math, no implicit contraction): otherwise the
+// compiler could reorder a dot product's additions, or fuse some multiply-adds and not others,
+// differently in each tile shape (seen with GCC 12: the 1-output tiles), and a row's result would
+// depend on how many rows it is packed with. The fused multiply-adds are written out.
 namespace {
 
 #if defined(__AVX512F__)

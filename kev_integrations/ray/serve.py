@@ -196,7 +196,11 @@ class KevIngress:
         """The fleet's counters and engine stats, summed over every replica running now."""
         check_key(request, self.config.api_keys, "/metrics")
         infos = await self._replica_infos()
-        stats = {key: sum(i["stats"][key] for i in infos) for key in infos[0]["stats"]} if infos else None
+        stats = None
+        if infos:  # counters summed; what describes an engine (dtype, batch_invariant) from the first replica
+            first = infos[0]["stats"]
+            stats = {key: sum(i["stats"][key] for i in infos) if isinstance(value, int) and not isinstance(value, bool)
+                     else value for key, value in first.items()}
         text = Metrics.merged([i["metrics"] for i in infos]).render(stats)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 

@@ -85,6 +85,10 @@ class Metrics:
             lines += [f"kev_request_latency_seconds_sum {self.latency_sum}",
                       f"kev_request_latency_seconds_count {cumulative}"]
         if engine_stats is not None:
+            lines += ["# HELP kev_engine_info How the engine computes: its dtype, and whether packed equals alone "
+                      "bit for bit.", "# TYPE kev_engine_info gauge",
+                      f'kev_engine_info{{dtype="{engine_stats["dtype"]}",'
+                      f'batch_invariant="{str(engine_stats["batch_invariant"]).lower()}"}} 1']
             for table, kind in ((ENGINE_COUNTERS, "counter"), (ENGINE_GAUGES, "gauge")):
                 for key, (name, help_text) in table.items():
                     lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {engine_stats[key]}"]

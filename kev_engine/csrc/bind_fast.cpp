@@ -1,14 +1,12 @@
-// Kev's CPU kernels as one Python extension (decode_kernel.py builds and loads it).
+// The fast build's kernels as one Python extension (kernels.py builds and loads it).
 #include <torch/extension.h>
 
 at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values,
                         const at::Tensor& tables, const at::Tensor& lens, double scale);
 void paged_write(at::Tensor& keys, at::Tensor& values, const at::Tensor& key, const at::Tensor& value,
                  const at::Tensor& block_ids, const at::Tensor& offsets);
-at::Tensor rows_linear(const at::Tensor& input, const at::Tensor& weight);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "Decode rows over their paged KV blocks (see paged_decode.cpp)");
   m.def("paged_write", &paged_write, "Store new keys/values at their (block, offset) slots (see paged_decode.cpp)");
-  m.def("rows_linear", &rows_linear, "input @ weight.T for few rows, float32 (see rows_linear.cpp)");
 }

@@ -1,0 +1,28 @@
+// The exact build's kernels as one Python extension (kernels.py builds and loads it).
+#include <torch/extension.h>
+
+#include <string>
+
+at::Tensor linear_pack(const at::Tensor& weight);
+at::Tensor linear_packed(const at::Tensor& input, const at::Tensor& packed, int64_t n,
+                         const c10::optional<at::Tensor>& bias, const std::string& path);
+std::string linear_paths();
+at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values,
+                           const at::Tensor& tables, const at::Tensor& cu_seqlens, const at::Tensor& past,
+                           double scale);
+void paged_write_transposed(at::Tensor& keys, at::Tensor& values, const at::Tensor& key, const at::Tensor& value,
+                            const at::Tensor& block_ids, const at::Tensor& offsets);
+void silu_mul(const at::Tensor& gate, const at::Tensor& up, at::Tensor& out);
+at::Tensor rows_linear(const at::Tensor& input, const at::Tensor& weight);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("linear_pack", &linear_pack, "A weight [N, K] in the layout linear_packed reads (see linear.cpp)");
+  m.def("linear_packed", &linear_packed, "input @ weight.T (+ bias) from a packed weight, batch-invariant",
+        pybind11::arg("input"), pybind11::arg("packed"), pybind11::arg("n"), pybind11::arg("bias") = pybind11::none(),
+        pybind11::arg("path") = "");
+  m.def("linear_paths", &linear_paths, "Which instructions compute each dtype on this machine");
+  m.def("paged_attention", &paged_attention, "Every row of a pass over its paged KV (see attention.cpp)");
+  m.def("paged_write_transposed", &paged_write_transposed, "Store new keys/values in an exact pool");
+  m.def("silu_mul", &silu_mul, "out = silu(gate) * up (see elementwise.cpp)");
+  m.def("rows_linear", &rows_linear, "input @ weight.T for few rows, float32 (see rows_linear.cpp)");
+}

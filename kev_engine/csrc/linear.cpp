@@ -1,0 +1,427 @@
+// Batch-invariant Linear products for CPU: out = input @ weight.T (+ bias), float32 and bfloat16.
+//
+// Why: BLAS libraries pick their kernels, K-splits and blockings by the shape of the call, so
+// the same row's dot products are summed in another order when it is computed beside 5 rows
+// than beside 5,000 (MKL moved the embedded model's logits by ~1e-4 between pack shapes; in
+// bf16, oneDNN's results moved enough to change answers). Here every output element is summed
+// in ONE order, fixed by K alone, whatever the number of rows, the tile it lands in, the
+// thread that computes it or the blocking: a question's products are bitwise the same packed
+// with 5,000 other rows as alone, in a prefill as in a decode step.
+//
+// How: the weight is packed once (`linear_pack`) into panels of 16 outputs, so a k-step reads
+// 16 outputs' weights as one vector; the product is an outer product over k.
+//   float32: acc[i][j] = fma(x[i][k], w[j][k], acc[i][j]) for k = 0, 1, ..., K-1, from 0 —
+//            the same sequence of fused multiply-adds on AVX-512 (tiles of 6 rows x 64 outputs)
+//            and AVX2 (6 x 16), so both give the same bits; without FMA, multiply then add.
+//   bfloat16: fp32 accumulators over k in steps of 32 (AMX `tdpbf16ps` tiles of 16 x 16, rows
+//            padded with zeros to 16), or of 2 (AVX512-BF16 `vdpbf16ps`), or products of pairs
+//            converted to fp32 and fused-multiply-added (anything else); then + bias in fp32
+//            and one rounding to bf16. A process uses one of these for its whole life.
+// Packed layouts (zero-padded, so padding adds exact zeros):
+//   float32  [ceil(N/16)][K][16]
+//   bfloat16 [ceil(N/32)*2][ceil(K/32)*16][16][2]   (k pairs: AMX's and vdpbf16ps's B layout)
+// Threads: torch's own pool; a thread's share never changes what an element sums.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+namespace {
+
+constexpr int64_t kPanel = 16;  // outputs per packed panel
+constexpr int64_t kRows = 6;    // rows per register tile (fp32)
+constexpr int64_t kRowBlock = 96;  // rows per task: their inputs stay in L2 while the panels stream
+
+int64_t panels_f32(int64_t n) { return (n + kPanel - 1) / kPanel; }
+int64_t panels_bf16(int64_t n) { return (n + 2 * kPanel - 1) / (2 * kPanel) * 2; }  // even: AMX takes pairs
+int64_t pairs_bf16(int64_t k) { return (k + 31) / 32 * 16; }                       // k pairs, K padded to 32
+
+// ---------------------------------------------------------------------------------------------
+// float32
+// ---------------------------------------------------------------------------------------------
+
+#if defined(__AVX512F__)
+// R rows x NP panels (NP <= 4): 24 accumulators at most; the row's value is broadcast per k.
+template <int R, int NP>
+void f32_tile(const float* x, int64_t ldx, const float* w, int64_t k, const float* bias, float* out, int64_t ldo,
+              int64_t cols) {
+  __m512 acc[R][NP];
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < NP; ++j) acc[i][j] = _mm512_setzero_ps();
+  const int64_t stride = k * kPanel;  // one panel
+  for (int64_t kk = 0; kk < k; ++kk) {
+    __m512 b[NP];
+    for (int j = 0; j < NP; ++j) b[j] = _mm512_loadu_ps(w + j * stride + kk * kPanel);
+    for (int i = 0; i < R; ++i) {
+      const __m512 a = _mm512_set1_ps(x[i * ldx + kk]);
+      for (int j = 0; j < NP; ++j) acc[i][j] = _mm512_fmadd_ps(a, b[j], acc[i][j]);
+    }
+  }
+  for (int j = 0; j < NP; ++j) {
+    const int64_t left = std::min<int64_t>(kPanel, cols - j * kPanel);
+    const __mmask16 mask = left >= kPanel ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
+    const __m512 add = bias != nullptr ? _mm512_maskz_loadu_ps(mask, bias + j * kPanel) : _mm512_setzero_ps();
+    for (int i = 0; i < R; ++i) {
+      const __m512 v = bias != nullptr ? _mm512_add_ps(acc[i][j], add) : acc[i][j];
+      _mm512_mask_storeu_ps(out + i * ldo + j * kPanel, mask, v);
+    }
+  }
+}
+constexpr int kGroup = 4;  // panels a tile covers
+#else
+typedef float v8 __attribute__((vector_size(32)));
+inline v8 load8(const float* p) {
+  v8 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline v8 fmadd8(v8 a, v8 b, v8 c) {
+#if defined(__FMA__)
+  return (v8)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+  return a * b + c;  // compiled without contraction: two roundings, the same in every tile
+#endif
+}
+// R rows x 1 panel (two vectors of 8): 12 accumulators, for 16-register machines.
+template <int R, int NP>
+void f32_tile(const float* x, int64_t ldx, const float* w, int64_t k, const float* bias, float* out, int64_t ldo,
+              int64_t cols) {
+  static_assert(NP == 1, "one panel a tile without AVX-512");
+  v8 acc[R][2] = {};
+  for (int64_t kk = 0; kk < k; ++kk) {
+    const v8 b0 = load8(w + kk * kPanel), b1 = load8(w + kk * kPanel + 8);
+    for (int i = 0; i < R; ++i) {
+      const float s = x[i * ldx + kk];
+      const v8 a = {s, s, s, s, s, s, s, s};
+      acc[i][0] = fmadd8(a, b0, acc[i][0]);
+      acc[i][1] = fmadd8(a, b1, acc[i][1]);
+    }
+  }
+  for (int i = 0; i < R; ++i)
+    for (int64_t c = 0; c < std::min<int64_t>(kPanel, cols); ++c)
+      out[i * ldo + c] = acc[i][c / 8][c % 8] + (bias != nullptr ? bias[c] : 0.f);
+}
+constexpr int kGroup = 1;
+#endif
+
+template <int NP>
+void f32_rows(const float* x, int64_t ldx, int64_t rows, const float* w, int64_t k, const float* bias, float* out,
+              int64_t ldo, int64_t cols) {
+  int64_t i = 0;
+  for (; i + kRows <= rows; i += kRows) f32_tile<kRows, NP>(x + i * ldx, ldx, w, k, bias, out + i * ldo, ldo, cols);
+  const float* xi = x + i * ldx;
+  float* oi = out + i * ldo;
+  switch (rows - i) {
+    case 5: f32_tile<5, NP>(xi, ldx, w, k, bias, oi, ldo, cols); break;
+    case 4: f32_tile<4, NP>(xi, ldx, w, k, bias, oi, ldo, cols); break;
+    case 3: f32_tile<3, NP>(xi, ldx, w, k, bias, oi, ldo, cols); break;
+    case 2: f32_tile<2, NP>(xi, ldx, w, k, bias, oi, ldo, cols); break;
+    case 1: f32_tile<1, NP>(xi, ldx, w, k, bias, oi, ldo, cols); break;
+    default: break;
+  }
+}
+
+void linear_f32(const float* x, int64_t m, int64_t k, const float* w, int64_t n, const float* bias, float* out) {
+  const int64_t panels = panels_f32(n), groups = (panels + kGroup - 1) / kGroup;
+  const int64_t blocks = (m + kRowBlock - 1) / kRowBlock;
+  at::parallel_for(0, blocks * groups, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t block = t / groups, group = t % groups;
+      const int64_t m0 = block * kRowBlock, rows = std::min(kRowBlock, m - m0);
+      const int64_t p0 = group * kGroup, n0 = p0 * kPanel, cols = std::min(kGroup * kPanel, n - n0);
+      const float* wp = w + p0 * k * kPanel;
+      const float* bp = bias != nullptr ? bias + n0 : nullptr;
+      const float* xp = x + m0 * k;
+      float* op = out + m0 * n + n0;
+      switch (std::min<int64_t>(kGroup, panels - p0)) {
+#if defined(__AVX512F__)
+        case 4: f32_rows<4>(xp, k, rows, wp, k, bp, op, n, cols); break;
+        case 3: f32_rows<3>(xp, k, rows, wp, k, bp, op, n, cols); break;
+        case 2: f32_rows<2>(xp, k, rows, wp, k, bp, op, n, cols); break;
+#endif
+        default: f32_rows<1>(xp, k, rows, wp, k, bp, op, n, cols); break;
+      }
+    }
+  });
+}
+
+// ---------------------------------------------------------------------------------------------
+// bfloat16
+// ---------------------------------------------------------------------------------------------
+
+using bf16 = at::BFloat16;
+
+inline float bits_to_float(uint32_t bits) {
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+inline float bf16_to_float(bf16 v) { return bits_to_float(static_cast<uint32_t>(v.x) << 16); }
+
+enum class Bf16Path { kAmx, kAvx512Bf16, kFma };
+
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+bool amx_granted() {
+  // Linux hands out AMX's tile state only on request (ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)
+  static const bool granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return granted;
+}
+
+struct TileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+void amx_configure() {  // tiles 0-3: C (16 x 16 fp32); 4, 5: A (16 rows x 32 bf16); 6, 7: B (16 k pairs x 16)
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) {
+    config.rows[t] = 16;
+    config.colsb[t] = 64;
+  }
+  _tile_loadconfig(&config);
+}
+
+// A 32-row x 32-output tile: rows a (stride lda bytes), panels b0 and b1, kc steps of 32.
+inline void amx_tile(const bf16* a, int64_t lda, const bf16* b0, const bf16* b1, int64_t steps, float* c) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  const bf16* a1 = a + 16 * (lda / 2);
+  for (int64_t s = 0; s < steps; ++s) {
+    _tile_loadd(4, a + s * 32, lda);
+    _tile_loadd(6, b0 + s * 512, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_loadd(7, b1 + s * 512, 64);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_loadd(5, a1 + s * 32, lda);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  _tile_stored(0, c, 128);
+  _tile_stored(1, c + 16, 128);
+  _tile_stored(2, c + 16 * 32, 128);
+  _tile_stored(3, c + 16 * 32 + 16, 128);
+}
+#endif
+
+Bf16Path bf16_path() {
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+  if (amx_granted()) return Bf16Path::kAmx;
+#endif
+#if defined(__AVX512BF16__)
+  return Bf16Path::kAvx512Bf16;
+#else
+  return Bf16Path::kFma;
+#endif
+}
+
+const char* bf16_path_name(Bf16Path path) {
+  switch (path) {
+    case Bf16Path::kAmx: return "amx";
+    case Bf16Path::kAvx512Bf16: return "avx512_bf16";
+    default: return "fma";
+  }
+}
+
+// fp32 accumulators c [rows][32] (+ bias) rounded once to bf16.
+void store_bf16(const float* c, int64_t rows, const float* bias, bf16* out, int64_t ldo, int64_t cols) {
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t j = 0; j < cols; ++j) out[i * ldo + j] = static_cast<bf16>(c[i * 32 + j] + (bias ? bias[j] : 0.f));
+}
+
+// Without AMX: a tile of up to 6 rows x 32 outputs (two panels), one k pair at a time.
+template <Bf16Path P>
+void bf16_tile_vector(const bf16* x, int64_t ldx, int64_t rows, const bf16* b0, const bf16* b1, int64_t k_pairs,
+                      float* c) {
+#if defined(__AVX512BF16__)
+  if constexpr (P == Bf16Path::kAvx512Bf16) {
+    __m512 acc[kRows][2];
+    for (int i = 0; i < kRows; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+    for (int64_t kp = 0; kp < k_pairs; ++kp) {
+      const __m512bh w0 = (__m512bh)_mm512_loadu_si512(b0 + kp * 32);
+      const __m512bh w1 = (__m512bh)_mm512_loadu_si512(b1 + kp * 32);
+      for (int64_t i = 0; i < rows; ++i) {
+        uint32_t pair;
+        std::memcpy(&pair, x + i * ldx + 2 * kp, sizeof(pair));
+        const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+        acc[i][0] = _mm512_dpbf16_ps(acc[i][0], a, w0);
+        acc[i][1] = _mm512_dpbf16_ps(acc[i][1], a, w1);
+      }
+    }
+    for (int64_t i = 0; i < rows; ++i) {
+      _mm512_storeu_ps(c + i * 32, acc[i][0]);
+      _mm512_storeu_ps(c + i * 32 + 16, acc[i][1]);
+    }
+    return;
+  }
+#endif
+  // the even product then the odd one, each a fused multiply-add in fp32 (exact products of bf16s)
+  for (int64_t i = 0; i < rows; ++i) {
+    float acc[32] = {};
+    for (int64_t kp = 0; kp < k_pairs; ++kp) {
+      const float a0 = bf16_to_float(x[i * ldx + 2 * kp]), a1 = bf16_to_float(x[i * ldx + 2 * kp + 1]);
+      for (int j = 0; j < 32; ++j) {
+        const bf16* b = (j < 16 ? b0 : b1) + kp * 32 + (j % 16) * 2;
+        acc[j] = __builtin_fmaf(a0, bf16_to_float(b[0]), acc[j]);
+        acc[j] = __builtin_fmaf(a1, bf16_to_float(b[1]), acc[j]);
+      }
+    }
+    std::memcpy(c + i * 32, acc, sizeof(acc));
+  }
+}
+
+void linear_bf16(const bf16* x, int64_t m, int64_t k, const bf16* w, int64_t n, const float* bias, bf16* out,
+                 Bf16Path path) {
+  const int64_t panels = panels_bf16(n), pairs = panels / 2, k_pairs = pairs_bf16(k), kpad = 2 * k_pairs;
+  const int64_t panel_size = k_pairs * 32;                  // bf16 elements of one packed panel
+  // AMX reads 32 columns a step, the others pairs: a row whose K does not fill them is padded with zeros
+  const bool padded_rows = path == Bf16Path::kAmx ? k != kpad : k % 2 != 0;
+  const int64_t tile_rows = path == Bf16Path::kAmx ? 32 : kRows;
+  const int64_t blocks = (m + kRowBlock - 1) / kRowBlock;
+  constexpr int64_t kPairsPerTask = 8;                      // 256 outputs: their panels stay in L2
+  const int64_t groups = (pairs + kPairsPerTask - 1) / kPairsPerTask;
+  at::parallel_for(0, blocks * groups, 1, [&](int64_t begin, int64_t end) {
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+    if (path == Bf16Path::kAmx) amx_configure();
+#endif
+    alignas(64) float c[32 * 32];
+    std::vector<bf16> pad;
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t block = t / groups, group = t % groups;
+      const int64_t m0 = block * kRowBlock, rows_in_block = std::min(kRowBlock, m - m0);
+      const int64_t q0 = group * kPairsPerTask, q1 = std::min(pairs, q0 + kPairsPerTask);
+      for (int64_t i = 0; i < rows_in_block; i += tile_rows) {
+        const int64_t rows = std::min(tile_rows, rows_in_block - i);
+        const bf16* a = x + (m0 + i) * k;
+        int64_t lda = k;
+        if (padded_rows || (path == Bf16Path::kAmx && rows < tile_rows)) {  // zero rows and columns
+          pad.assign(tile_rows * kpad, bf16(0.f));
+          for (int64_t r = 0; r < rows; ++r) std::memcpy(pad.data() + r * kpad, a + r * k, k * sizeof(bf16));
+          a = pad.data();
+          lda = kpad;
+        }
+        for (int64_t q = q0; q < q1; ++q) {
+          const bf16* b0 = w + (2 * q) * panel_size;
+          const bf16* b1 = b0 + panel_size;
+          const int64_t n0 = 2 * q * kPanel, cols = std::min<int64_t>(2 * kPanel, n - n0);
+          if (cols <= 0) continue;
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+          if (path == Bf16Path::kAmx) {
+            amx_tile(a, lda * 2, b0, b1, k_pairs / 16, c);
+          } else
+#endif
+          if (path == Bf16Path::kAvx512Bf16) {
+            bf16_tile_vector<Bf16Path::kAvx512Bf16>(a, lda, rows, b0, b1, (k + 1) / 2, c);
+          } else {
+            bf16_tile_vector<Bf16Path::kFma>(a, lda, rows, b0, b1, (k + 1) / 2, c);
+          }
+          store_bf16(c, rows, bias != nullptr ? bias + n0 : nullptr, out + (m0 + i) * n + n0, n, cols);
+        }
+      }
+    }
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+    if (path == Bf16Path::kAmx) _tile_release();
+#endif
+  });
+}
+
+Bf16Path parse_path(const std::string& name) {
+  if (name.empty()) return bf16_path();
+  for (Bf16Path p : {Bf16Path::kAmx, Bf16Path::kAvx512Bf16, Bf16Path::kFma}) {
+    if (name == bf16_path_name(p)) {
+      if (p == Bf16Path::kAmx && bf16_path() != Bf16Path::kAmx)
+        TORCH_CHECK(false, "linear: the amx path is not available on this machine");
+#if !defined(__AVX512BF16__)
+      if (p == Bf16Path::kAvx512Bf16) TORCH_CHECK(false, "linear: this build has no avx512_bf16 path");
+#endif
+      return p;
+    }
+  }
+  TORCH_CHECK(false, "linear: unknown bf16 path '", name, "'; use amx, avx512_bf16 or fma");
+}
+
+}  // namespace
+
+// The packed layout of weight [N, K] (float32 or bfloat16) that `linear_packed` reads.
+at::Tensor linear_pack(const at::Tensor& weight) {
+  TORCH_CHECK(weight.device().is_cpu() && weight.dim() == 2, "linear_pack takes a CPU weight [N, K]");
+  const int64_t n = weight.size(0), k = weight.size(1);
+  const auto w = weight.contiguous();
+  if (w.scalar_type() == at::kFloat) {
+    auto packed = at::zeros({panels_f32(n), k, kPanel}, w.options());
+    const float* src = w.data_ptr<float>();
+    float* dst = packed.data_ptr<float>();
+    at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t j = begin; j < end; ++j)
+        for (int64_t kk = 0; kk < k; ++kk) dst[((j / kPanel) * k + kk) * kPanel + j % kPanel] = src[j * k + kk];
+    });
+    return packed;
+  }
+  TORCH_CHECK(w.scalar_type() == at::kBFloat16, "linear_pack takes float32 or bfloat16, not ", w.scalar_type());
+  const int64_t k_pairs = pairs_bf16(k);
+  auto packed = at::zeros({panels_bf16(n), k_pairs, kPanel, 2}, w.options());
+  const bf16* src = w.data_ptr<bf16>();
+  bf16* dst = packed.data_ptr<bf16>();
+  at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; ++j)
+      for (int64_t kk = 0; kk < k; ++kk)
+        dst[(((j / kPanel) * k_pairs + kk / 2) * kPanel + j % kPanel) * 2 + kk % 2] = src[j * k + kk];
+  });
+  return packed;
+}
+
+// input [M, K] @ weight.T (+ bias [N]) -> [M, N] from linear_pack(weight); `path` picks a bf16
+// instruction path for tests ("" = this machine's: the one an engine uses).
+at::Tensor linear_packed(const at::Tensor& input, const at::Tensor& packed, int64_t n,
+                         const c10::optional<at::Tensor>& bias, const std::string& path) {
+  TORCH_CHECK(input.device().is_cpu() && packed.device().is_cpu(), "linear_packed runs on CPU tensors");
+  TORCH_CHECK(input.dim() == 2 && input.scalar_type() == packed.scalar_type(),
+              "linear_packed: input [M, K] of the packed weight's dtype (", packed.scalar_type(), "), got ",
+              input.scalar_type(), " of ", input.dim(), " dims");
+  const auto x = input.contiguous();
+  const int64_t m = x.size(0), k = x.size(1);
+  const bool f32 = x.scalar_type() == at::kFloat;
+  TORCH_CHECK(packed.is_contiguous() && packed.dim() == (f32 ? 3 : 4), "linear_packed: not a packed weight");
+  TORCH_CHECK(f32 ? (packed.size(0) == panels_f32(n) && packed.size(1) == k)
+                  : (packed.size(0) == panels_bf16(n) && packed.size(1) == pairs_bf16(k)),
+              "linear_packed: the packed weight is not [", n, ", ", k, "]");
+  at::Tensor bias32;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == n, "linear_packed: bias of ", bias->numel(), " values for ", n, " outputs");
+    bias32 = bias->to(at::kFloat).contiguous();
+  }
+  const float* b = bias32.defined() ? bias32.data_ptr<float>() : nullptr;
+  auto out = at::empty({m, n}, x.options());
+  if (m == 0) return out;
+  if (f32) {
+    linear_f32(x.data_ptr<float>(), m, k, packed.data_ptr<float>(), n, b, out.data_ptr<float>());
+  } else {
+    linear_bf16(x.data_ptr<bf16>(), m, k, packed.data_ptr<bf16>(), n, b, out.data_ptr<bf16>(), parse_path(path));
+  }
+  return out;
+}
+
+// Which instructions compute each dtype here: "float32:<...> bfloat16:<...>".
+std::string linear_paths() {
+#if defined(__AVX512F__)
+  const std::string f32 = "avx512_fma";
+#elif defined(__FMA__)
+  const std::string f32 = "avx2_fma";
+#else
+  const std::string f32 = "vector";
+#endif
+  return "float32:" + f32 + " bfloat16:" + bf16_path_name(bf16_path());
+}

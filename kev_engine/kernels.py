@@ -1,0 +1,222 @@
+"""Kev's compiled CPU kernels (`csrc/`): built once per machine, then loaded as one `Kernels` object.
+
+Two builds, each with the compiler flags its sources need:
+  exact  (`linear.cpp`, `attention.cpp`, `elementwise.cpp`, `rows_linear.cpp`) — no fast-math,
+         no implicit contraction: the batch-invariant path. Every value is computed by the
+         operations written in the source, in the order written, whatever else is in the pass:
+         Linear products from packed weights (`linear_pack`, `linear_packed`), attention for every
+         row of a pass over the paged pool (`paged_attention`, `paged_write_transposed`), the
+         MLP's activation (`silu_mul`), and the few-row float32 product of the non-invariant path
+         (`rows_linear`).
+  fast   (`paged_decode.cpp`) — -ffast-math: decode attention and KV writes of the non-invariant
+         path (`paged_decode`, `paged_write`), equal to torch's ops up to fp32 rounding.
+
+How: `torch.utils.cpp_extension.load` (a C++ compiler and ninja; `make setup` runs it through
+`kev build-kernel`) with `-march=native`. Each build lives in its own folder under
+`KEV_CACHE_DIR/kernels` (default `~/.cache/kev/kernels`), named by a hash of its sources, flags,
+the torch version and this CPU's flags, with the sources copied in: any checkout or virtual
+environment on the machine with the same sources finds the same build, and a cache shared between
+machines never loads code built for another CPU. A build says so on the "kev" logger and every
+15 s while it runs; a process that finds another one building waits for it and says so.
+
+Modes (`Engine(decode_kernel=...)`, else `KEV_DECODE_KERNEL`, else "auto"):
+  "auto"      use the kernels on CPU; if they cannot be built, say why (a warning on the
+              "kev" logger) and use torch's ops — not batch-invariant, slower decode;
+  "compiled"  use the kernels or fail with the build's reason;
+  "torch"     never build them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger("kev")
+
+MODES = ("auto", "compiled", "torch")
+ENV_VAR = "KEV_DECODE_KERNEL"
+CSRC = Path(__file__).resolve().parent / "csrc"
+HEADERS = ("simd.h",)
+# sources and flags of each build; the exact build must never reassociate or contract
+BUILDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "exact": (("linear.cpp", "attention.cpp", "elementwise.cpp", "rows_linear.cpp", "bind_exact.cpp"),
+              ("-O3", "-march=native", "-fno-fast-math", "-ffp-contract=off", "-fopenmp")),
+    "fast": (("paged_decode.cpp", "bind_fast.cpp"),
+             ("-O3", "-march=native", "-ffast-math", "-fopenmp")),
+}
+LDFLAGS = ["-fopenmp"]  # resolves to the libgomp torch already loaded (same soname): one thread pool
+PROGRESS_EVERY_S = 15.0
+
+_lock = threading.Lock()
+_kernels: Kernels | None = None
+_failure: str | None = None  # a failed build is not retried by every engine of the process
+
+
+class Kernels:
+    """The loaded builds' functions (see each source file for its contract)."""
+
+    def __init__(self, exact: Any, fast: Any) -> None:
+        self.linear_pack = exact.linear_pack
+        self.linear_packed = exact.linear_packed
+        self.linear_paths: str = exact.linear_paths()
+        self.paged_attention = exact.paged_attention
+        self.paged_write_transposed = exact.paged_write_transposed
+        self.silu_mul = exact.silu_mul
+        self.rows_linear = exact.rows_linear
+        self.paged_decode = fast.paged_decode
+        self.paged_write = fast.paged_write
+
+
+def resolve_mode(mode: str | None) -> str:
+    """The mode asked for (argument, then environment, then "auto"), checked."""
+    value = mode if mode is not None else os.environ.get(ENV_VAR, "auto")
+    if value not in MODES:
+        source = "decode_kernel" if mode is not None else ENV_VAR
+        raise ValueError(f"{source}={value!r} is not allowed; use one of {', '.join(MODES)}")
+    return value
+
+
+def _cpu_fingerprint() -> str:
+    """What -march=native depends on: the machine and its CPU flags."""
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            flags = next((line for line in cpuinfo if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        pass
+    return f"{platform.machine()} {platform.processor()} {flags}"
+
+
+def build_name(build: str) -> str:
+    """A build's folder name: new sources, flags, torch or CPU get a new build."""
+    sources, flags = BUILDS[build]
+    digest = hashlib.sha256()
+    for name in (*sources, *HEADERS):
+        digest.update(name.encode())
+        digest.update((CSRC / name).read_bytes())
+    for text in (torch.__version__, _cpu_fingerprint(), " ".join(flags)):
+        digest.update(text.encode())
+    return f"kev_{build}_{digest.hexdigest()[:16]}"
+
+
+def build_root() -> Path:
+    return Path(os.environ.get("KEV_CACHE_DIR") or Path.home() / ".cache" / "kev") / "kernels"
+
+
+@contextlib.contextmanager
+def _build_lock(folder: Path, name: str) -> Iterator[None]:
+    """One builder per build folder across processes; a waiter says whom it waits for.
+
+    torch's own lock file (`lock`, left behind by a build that was killed) would make every later
+    load wait forever without a word; holding this lock, no other Kev process is building here,
+    so such a file is stale and removed.
+    """
+    with open(folder / ".kev-build.lock", "w") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.warning("waiting for another process that is building Kev's CPU kernels (%s) in %s", name, folder)
+            started = time.monotonic()
+            while True:
+                try:
+                    fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    time.sleep(0.5)
+                    if time.monotonic() - started > PROGRESS_EVERY_S:
+                        log.warning("still waiting for the build of Kev's CPU kernels in %s", folder)
+                        started = time.monotonic()
+        (folder / "lock").unlink(missing_ok=True)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
+def _progress(name: str) -> Iterator[None]:
+    """Say every PROGRESS_EVERY_S seconds that a build is still running."""
+    done = threading.Event()
+    started = time.monotonic()
+
+    def report() -> None:
+        while not done.wait(PROGRESS_EVERY_S):
+            log.warning("still building Kev's CPU kernels (%s): %.0f s so far", name, time.monotonic() - started)
+
+    thread = threading.Thread(target=report, name="kev-build-progress", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+        log.warning("built Kev's CPU kernels (%s) in %.0f s", name, time.monotonic() - started)
+
+
+def _build(build: str) -> Any:
+    from torch.utils.cpp_extension import load
+
+    if shutil.which("ninja") is None:  # the `ninja` wheel (a dependency) puts its binary beside itself
+        import ninja
+
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+    name = build_name(build)
+    sources, flags = BUILDS[build]
+    folder = build_root() / name
+    folder.mkdir(parents=True, exist_ok=True)
+    with _build_lock(folder, name):
+        for source in (*sources, *HEADERS):  # the build reads copies: its paths are the same for every checkout
+            copy = folder / source
+            if not copy.exists() or copy.read_bytes() != (CSRC / source).read_bytes():
+                shutil.copyfile(CSRC / source, copy)
+        built = (folder / f"{name}.so").exists()
+        if not built:
+            log.warning("building Kev's CPU kernels (%s) for this machine, once; about a minute", name)
+        with _progress(name) if not built else contextlib.nullcontext():
+            return load(name, [str(folder / s) for s in sources], extra_cflags=list(flags), extra_ldflags=LDFLAGS,
+                        build_directory=str(folder), verbose=False)
+
+
+def load_kernels() -> Kernels:
+    """Both builds (building them if needed); RuntimeError with the build's reason if they cannot be."""
+    global _kernels, _failure
+    with _lock:
+        if _kernels is None:
+            if _failure is not None:
+                raise RuntimeError(_failure)
+            try:
+                _kernels = Kernels(_build("exact"), _build("fast"))
+            except Exception as exc:  # noqa: BLE001 - compiler missing, headers missing, build error: all say why
+                _failure = (f"Kev's CPU kernels could not be built ({type(exc).__name__}: "
+                            f"{str(exc).strip()[-2000:]}); they need a C++ compiler and ninja")
+                raise RuntimeError(_failure) from exc
+        return _kernels
+
+
+def choose(mode: str | None, device: torch.device, flash_layout: bool) -> Kernels | None:
+    """The kernels for an engine on `device`, or None for torch's ops (non-CPU engines, "torch",
+    or an "auto" build that failed — with a warning saying why)."""
+    mode = resolve_mode(mode)
+    if mode == "torch" or flash_layout or device.type != "cpu":
+        if mode == "compiled" and (flash_layout or device.type != "cpu"):
+            raise ValueError(f"decode_kernel='compiled' names Kev's CPU kernels; this engine runs on {device}")
+        return None
+    try:
+        return load_kernels()
+    except RuntimeError as exc:
+        if mode == "compiled":
+            raise
+        log.warning("%s; running on torch's ops instead (not batch-invariant, slower decode)", exc)
+        return None
