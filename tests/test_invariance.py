@@ -1,0 +1,253 @@
+"""Packed equals alone, bit for bit: `torch.equal` on the logits every token was sampled from, and
+identical tokens, on four tiny families and the embedded model, in float32 and bfloat16.
+
+Each case packs questions together (shared documents, a later call hitting the prefix cache,
+chunked prefill, preemption, adapters, seeded sampling, a needle among 30 others) and compares
+every question with the same question asked alone. The control: the same comparisons with
+`batch_invariant=False` (torch's BLAS and attention) find differences, so these tests can fail.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from typing import Any
+
+import pytest
+import torch
+from conftest import FAMILIES, make_adapter, tiny_model
+
+from kev_engine import Engine, SamplingParams
+from kev_engine.verify import _run
+
+DTYPES = [torch.float32, torch.bfloat16]
+WORDS = ("the river rose after three days of rain and the old bridge near the mill was closed while "
+         "engineers measured the stone arches and the town council met to discuss a new crossing").split()
+
+
+def text(rng: random.Random, words: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(words))
+
+
+def questions(seed: int, count: int, document_words: int = 60) -> list[Any]:
+    """Chat questions of mixed lengths; the even ones share one document (a shared prefix)."""
+    rng = random.Random(seed)
+    document = text(rng, document_words)
+    out: list[Any] = []
+    for i in range(count):
+        question = f"Question {i}: {text(rng, rng.randint(2, 25))}?"
+        context = document if i % 2 == 0 else text(rng, rng.randint(5, 90))
+        out.append([{"role": "user", "content": f"Context:\n{context}\n\n{question}"}])
+    return out
+
+
+def answers(engine: Engine, prompts: list[Any], sampling: list[SamplingParams], adapters: list[Any] | None = None):
+    """(token ids, [tokens, vocab] logits each was sampled from) per prompt, all in one packed call."""
+    return [(c.token_ids, logits) for c, logits in _run(engine, prompts, sampling, adapters or [None] * len(prompts))]
+
+
+def alone(engine: Engine, prompts: list[Any], sampling: list[SamplingParams], adapters: list[Any] | None = None):
+    """Each prompt in a call of its own, sharing no prefix with anything (a private cache_salt)."""
+    out = []
+    for i, prompt in enumerate(prompts):
+        private = dataclasses.replace(sampling[i], cache_salt=f"alone-{i}-{random.random()}")
+        out += answers(engine, [prompt], [private], None if adapters is None else [adapters[i]])
+    return out
+
+
+def differences(packed, solo) -> list[int]:
+    """Indices of the questions whose tokens or logits are not bitwise the same."""
+    return [i for i, ((t1, l1), (t2, l2)) in enumerate(zip(packed, solo))
+            if t1 != t2 or l1.shape != l2.shape or not torch.equal(l1, l2)]
+
+
+def greedy(count: int, max_tokens: int = 8) -> list[SamplingParams]:
+    return [SamplingParams(temperature=0, max_tokens=max_tokens)] * count
+
+
+def engine_for(family: str, tokenizer: Any, dtype: torch.dtype, **kwargs: Any) -> Engine:
+    return Engine(tiny_model(family, tokenizer).to(dtype), tokenizer, name=family, **kwargs)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_packed_equals_alone_bitwise_with_shared_documents(family: str, dtype: torch.dtype, tokenizer) -> None:
+    engine = engine_for(family, tokenizer, dtype)
+    try:
+        assert engine.batch_invariant and engine.stats()["batch_invariant"] is True
+        prompts = questions(1, 10)
+        packed = answers(engine, prompts, greedy(10))
+        assert engine.stats()["prefix_hit_tokens"] > 0  # the document was computed once and shared
+        assert differences(packed, alone(engine, prompts, greedy(10))) == []
+        # a later call hits the cache that one left: still bitwise the same
+        before = engine.stats()["prefix_hit_tokens"]
+        again = answers(engine, prompts[:3], greedy(3))
+        assert engine.stats()["prefix_hit_tokens"] > before
+        assert differences(again, packed[:3]) == []
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("invariant", [True, False], ids=["invariant", "control"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_chunked_prefill_equals_alone(family: str, dtype: torch.dtype, invariant: bool, tokenizer) -> None:
+    """Prompts cut in 16-token chunks against each alone in an unchunked engine. The control,
+    torch's kernels (batch_invariant=False), differs: the comparison can fail."""
+    prompts = questions(2, 8, document_words=40)
+    whole = engine_for(family, tokenizer, dtype, batch_invariant=invariant)
+    chunked = engine_for(family, tokenizer, dtype, batch_invariant=invariant, max_batch_tokens=16, max_num_seqs=4)
+    try:
+        found = differences(answers(chunked, prompts, greedy(8, 12)), alone(whole, prompts, greedy(8, 12)))
+        assert chunked.stats()["prefill_passes"] > 8
+        assert (found == []) if invariant else (found != [])
+    finally:
+        whole.close()
+        chunked.close()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("family", ["llama", "glm"])
+def test_preempted_questions_equal_alone(family: str, dtype: torch.dtype, tokenizer) -> None:
+    """A pool so small that questions are preempted and recomputed: every answer is what the
+    question gets alone in an engine with room to spare."""
+    prompts = questions(2, 8, document_words=40)
+    roomy = engine_for(family, tokenizer, dtype)
+    tight = engine_for(family, tokenizer, dtype, kv_cache_bytes=24 * roomy._kv.block_bytes)
+    try:
+        solo = alone(roomy, prompts, greedy(8, 24))
+        assert differences(answers(tight, prompts, greedy(8, 24)), solo) == []
+        assert tight.stats()["preemptions"] > 0
+    finally:
+        roomy.close()
+        tight.close()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_per_question_adapters_equal_alone(dtype: torch.dtype, tokenizer, tmp_path) -> None:
+    base = tiny_model("qwen2", tokenizer)
+    folders = {
+        "qv": make_adapter(base, tmp_path / "qv", seed=1),
+        "all": make_adapter(base, tmp_path / "all", seed=2, r=8, lora_alpha=16, target_modules=[
+            "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
+    }
+    engine = Engine(base.to(dtype), tokenizer)
+    try:
+        for name, folder in folders.items():
+            engine.load_adapter(name, str(folder))
+        prompts = questions(3, 9)
+        names = [("qv", "all", None)[i % 3] for i in range(9)]
+        packed = answers(engine, prompts, greedy(9), names)
+        assert differences(packed, alone(engine, prompts, greedy(9), names)) == []
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_seeded_sampling_at_temperature_equals_alone(dtype: torch.dtype, tokenizer) -> None:
+    engine = engine_for("llama", tokenizer, dtype)
+    try:
+        prompts = questions(4, 8)
+        sampling = [SamplingParams(temperature=0.9, top_p=0.95, top_k=(0, 40)[i % 2], seed=100 + i, max_tokens=12)
+                    for i in range(8)]
+        packed = answers(engine, prompts, sampling)
+        assert differences(packed, alone(engine, prompts, sampling)) == []
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_needle_in_a_batch(family: str, dtype: torch.dtype, tokenizer) -> None:
+    """One question at a random place among 30 others of random lengths, 5 trials: bitwise the
+    same as alone every time (vLLM's test of batch invariance, on CPU)."""
+    engine = engine_for(family, tokenizer, dtype)
+    rng = random.Random(7)
+    try:
+        needle = questions(5, 1)[0]
+        solo = alone(engine, [needle], greedy(1, 16))
+        for trial in range(5):
+            haystack = [[{"role": "user", "content": text(rng, rng.randint(1, 150))}] for _ in range(30)]
+            at = rng.randrange(31)
+            prompts = haystack[:at] + [needle] + haystack[at:]
+            packed = answers(engine, prompts, greedy(31, 16))
+            assert differences([packed[at]], solo) == [], f"trial {trial}: needle at {at}"
+    finally:
+        engine.close()
+
+
+@pytest.fixture(scope="module", params=DTYPES, ids=["fp32", "bf16"])
+def embedded(request) -> Engine:
+    engine = Engine.from_pretrained(dtype=request.param)
+    yield engine
+    engine.close()
+
+
+def doc_questions() -> list[Any]:
+    document = ("The Harbour Museum opened in 1998 in a former customs house on the north quay. Its three floors "
+                "hold ship models, navigation instruments and a lighthouse lens from 1874. Admission is free on "
+                "Sundays; on other days an adult ticket costs 8 euros. The museum is closed on Mondays. ") * 3
+    asks = ["When did the museum open?", "What does an adult ticket cost?", "When is it closed?",
+            "What is on the three floors?", "Is admission ever free?", "Where is the museum?"]
+    return [[{"role": "system", "content": "Answer briefly from the context."},
+             {"role": "user", "content": f"Context:\n{document}\n\nQuestion: {q}"}] for q in asks]
+
+
+def test_embedded_model_packed_equals_alone_bitwise(embedded: Engine) -> None:
+    """Six questions about one document (computed once, read by the others in the same pass)."""
+    assert embedded.batch_invariant
+    prompts = doc_questions()
+    packed = answers(embedded, prompts, greedy(6, 12))
+    assert embedded.stats()["prefix_hit_tokens"] > 0
+    assert differences(packed, alone(embedded, prompts, greedy(6, 12))) == []
+    assert len({tuple(tokens) for tokens, _ in packed}) > 1  # each question got its own answer
+
+
+def test_control_bf16_shared_document_differs_without_the_invariant_kernels() -> None:
+    """The shared-document comparison can fail: in bf16, torch's kernels give other bits packed.
+    (In fp32, BLAS happens to agree on this pack too often for a reliable control; the chunked
+    control below covers fp32.)"""
+    control = Engine.from_pretrained(dtype=torch.bfloat16, batch_invariant=False)
+    try:
+        prompts = doc_questions()
+        assert differences(answers(control, prompts, greedy(6, 12)), alone(control, prompts, greedy(6, 12))) != []
+    finally:
+        control.close()
+
+
+def chunked_against_alone(dtype: torch.dtype, batch_invariant: bool) -> list[int]:
+    """The document questions prefilled 64 tokens a pass against each alone in an unchunked engine."""
+    chunked = Engine.from_pretrained(dtype=dtype, batch_invariant=batch_invariant, max_batch_tokens=64, max_num_seqs=8)
+    whole = Engine.from_pretrained(dtype=dtype, batch_invariant=batch_invariant)
+    try:
+        prompts = doc_questions()
+        found = differences(answers(chunked, prompts, greedy(6, 12)), alone(whole, prompts, greedy(6, 12)))
+        assert chunked.stats()["prefill_passes"] > 6
+        return found
+    finally:
+        chunked.close()
+        whole.close()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_embedded_model_chunked_prefill_equals_alone_bitwise(dtype: torch.dtype) -> None:
+    assert chunked_against_alone(dtype, batch_invariant=True) == []
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_control_without_the_invariant_kernels_the_same_comparison_finds_differences(dtype: torch.dtype) -> None:
+    """The test above can fail: with torch's BLAS and attention, the same comparison differs."""
+    assert chunked_against_alone(dtype, batch_invariant=False) != []
+
+
+def test_batch_invariant_true_says_why_it_cannot_be(tokenizer) -> None:
+    model = tiny_model("llama", tokenizer)
+    with pytest.raises(ValueError, match="batch_invariant=True cannot be honoured: Kev's compiled CPU kernels"):
+        Engine(model, tokenizer, decode_kernel="torch", batch_invariant=True)
+    with pytest.raises(ValueError, match=r"the model is in torch.float16; the batch-invariant kernels compute"):
+        Engine(model.to(torch.float16), tokenizer, batch_invariant=True)
+    with pytest.raises(TypeError, match="batch_invariant='yes' is not allowed"):
+        Engine(model, tokenizer, batch_invariant="yes")  # type: ignore[arg-type]
+    engine = Engine(model, tokenizer, decode_kernel="torch")  # None: wherever possible — here it is not
+    assert engine.stats()["batch_invariant"] is False and engine.stats()["dtype"] == "float16"
+    engine.close()
