@@ -27,8 +27,9 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-from kev_engine import Completion, Engine, InvalidRequestError, KevError
+from kev_engine import Completion, Engine, KevError
 
+from .admin import add_admin_routes
 from .config import ServerConfig
 from .errors import APIError, bad_request, engine_error
 from .limits import BodyLimit
@@ -320,45 +321,6 @@ def build_app(engine: Engine | Callable[[], Engine], config: ServerConfig | None
 
     add_native_routes(app, state, lambda request: check_key(request, config.api_keys, "/kev/v1"), _json_body)
 
-    def admin(request: Request) -> Engine:
-        if config.admin_key is None:
-            raise APIError(403, "admin endpoints are disabled; start the server with --admin-key",
-                           type="permission_error")
-        check_key(request, (config.admin_key,), "admin endpoints")
-        return state.ready()
-
-    @app.post("/admin/adapters")
-    async def load_adapter(request: Request) -> JSONResponse:
-        engine_now = admin(request)
-        body = await _json_body(request)
-        name, path = body.get("name"), body.get("path")
-        if not isinstance(name, str) or not isinstance(path, str):
-            raise bad_request("give {'name': <adapter name>, 'path': <PEFT folder on the server>}")
-        try:
-            await asyncio.to_thread(engine_now.load_adapter, name, path)
-        except (KevError, ValueError, OSError) as exc:
-            raise bad_request(f"could not load adapter {name!r}: {exc}", param="path") from None
-        return JSONResponse({"loaded": name, "adapters": engine_now.adapters})
-
-    @app.delete("/admin/adapters/{name}")
-    async def unload_adapter(name: str, request: Request) -> JSONResponse:
-        engine_now = admin(request)
-        try:
-            engine_now.unload_adapter(name)
-        except KevError as exc:
-            raise APIError(404, str(exc), param="name") from None
-        return JSONResponse({"unloaded": name, "adapters": engine_now.adapters})
-
-    @app.post("/admin/defaults")
-    async def set_defaults(request: Request) -> JSONResponse:
-        engine_now = admin(request)
-        body = await _json_body(request)
-        if set(body) != {"temperature"}:
-            raise bad_request("give {'temperature': <number >= 0>}; it is the only engine default", param="temperature")
-        try:
-            defaults = engine_now.set_defaults(temperature=body["temperature"])
-        except InvalidRequestError as exc:
-            raise bad_request(str(exc), param="temperature") from None
-        return JSONResponse({"temperature": defaults.temperature, "version": defaults.version})
+    add_admin_routes(app, state, check_key, _json_body)
 
     return app
