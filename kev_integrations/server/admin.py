@@ -1,4 +1,9 @@
-"""The admin endpoints (``--admin-key``): hot-load and unload LoRA adapters, set the default temperature."""
+"""The admin endpoints (``--admin-key``): hot-load and unload LoRA adapters, set the default temperature.
+
+An adapter unloaded while requests still use it is *draining* until they finish: listed as such,
+a repeated DELETE says so (202), and loading its name again waits for it, bounded by
+`ServerConfig.adapter_drain_wait_s`, then answers 409 saying why — never a 404 or a vague 400.
+"""
 
 from __future__ import annotations
 
@@ -17,6 +22,25 @@ if TYPE_CHECKING:
     from .app import ServerState
 
 
+def adapter_states(engine: Engine) -> list[dict[str, Any]]:
+    """Every adapter the engine holds: ``loaded`` (servable) or ``draining`` (with its requests left)."""
+    draining = engine.draining_adapters
+    return ([{"name": name, "state": "loaded"} for name in engine.adapters]
+            + [{"name": name, "state": "draining", "requests": count} for name, count in draining.items()])
+
+
+async def wait_drained(engine: Engine, name: str, timeout: float) -> None:
+    """Return once `name` is not draining; 409 naming why if it still is after `timeout` s."""
+    if name not in engine.draining_adapters:
+        return
+    if await asyncio.to_thread(engine.wait_for_unload, name, timeout):
+        return
+    requests = engine.draining_adapters.get(name, 0)
+    raise APIError(409, f"adapter {name!r} is still draining: {requests} request(s) that started before its unload "
+                   f"still use it (waited {timeout:g} s); load it again once GET /admin/adapters no longer lists it",
+                   param="name", code="adapter_draining")
+
+
 def add_admin_routes(app: FastAPI, state: ServerState, check_key: Callable[[Request, tuple[str, ...], str], None],
                      json_body: Callable[[Request], Any]) -> None:
     config = state.config
@@ -28,6 +52,10 @@ def add_admin_routes(app: FastAPI, state: ServerState, check_key: Callable[[Requ
         check_key(request, (config.admin_key,), "admin endpoints")
         return state.ready()
 
+    @app.get("/admin/adapters")
+    async def list_adapters(request: Request) -> JSONResponse:
+        return JSONResponse({"adapters": adapter_states(admin(request))})
+
     @app.post("/admin/adapters")
     async def load_adapter(request: Request) -> JSONResponse:
         engine = admin(request)
@@ -35,6 +63,7 @@ def add_admin_routes(app: FastAPI, state: ServerState, check_key: Callable[[Requ
         name, path = body.get("name"), body.get("path")
         if not isinstance(name, str) or not isinstance(path, str):
             raise bad_request("give {'name': <adapter name>, 'path': <PEFT folder on the server>}")
+        await wait_drained(engine, name, config.adapter_drain_wait_s)
         try:
             await asyncio.to_thread(engine.load_adapter, name, path)
         except (KevError, ValueError, OSError) as exc:
@@ -45,10 +74,16 @@ def add_admin_routes(app: FastAPI, state: ServerState, check_key: Callable[[Requ
     async def unload_adapter(name: str, request: Request) -> JSONResponse:
         engine = admin(request)
         try:
-            engine.unload_adapter(name)
+            engine.unload_adapter(name)  # a name already draining stays so: no error
         except KevError as exc:
             raise APIError(404, str(exc), param="name") from None
-        return JSONResponse({"unloaded": name, "adapters": engine.adapters})
+        requests = engine.draining_adapters.get(name)
+        if requests is None:
+            return JSONResponse({"name": name, "state": "unloaded", "adapters": engine.adapters})
+        return JSONResponse(status_code=202, content={
+            "name": name, "state": "draining", "requests": requests, "adapters": engine.adapters,
+            "message": f"adapter {name!r} is draining: {requests} request(s) that started before the unload still "
+                       "use it; it is gone when they finish (GET /admin/adapters lists it until then)"})
 
     @app.post("/admin/defaults")
     async def set_defaults(request: Request) -> JSONResponse:
