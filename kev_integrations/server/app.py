@@ -31,6 +31,7 @@ from kev_engine import Completion, Engine, KevError
 
 from .admin import add_admin_routes
 from .config import ServerConfig
+from .endings import Endings
 from .errors import APIError, bad_request, engine_error
 from .limits import BodyLimit
 from .metrics import Metrics
@@ -247,6 +248,7 @@ def build_app(engine: Engine | Callable[[], Engine], config: ServerConfig | None
     app = FastAPI(title="Kev", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.kev = state
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
+    app.add_middleware(Endings)  # added last: the outermost, so it sees how every request ended
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
