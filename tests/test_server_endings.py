@@ -118,3 +118,17 @@ def test_an_unexpected_error_is_a_json_500_or_an_error_event_then_done(engine: E
     assert json.loads(events[0])["choices"][0]["delta"]["content"]  # text streamed first...
     assert "RuntimeError: a bug in the server" in json.loads(events[-2])["error"]["message"]  # ...then the error
     assert events[-1] == "[DONE]"
+
+
+@pytest.mark.parametrize("path, body, error_of", [
+    ("/v1/chat/completions", {**CHAT, "stream": True}, lambda event: event["error"]["type"] == "timeout_error"),
+    ("/kev/v1/generate", {"requests": [{"prompt": "Hi", "stream": True}]},
+     lambda event: event["error"]["type"] == "TimeoutError"),
+])
+def test_a_stream_past_the_request_timeout_ends_with_an_error_then_done(
+        engine: Engine, path: str, body: dict[str, Any], error_of: Callable[[dict[str, Any]], bool]) -> None:
+    with serving(build_app(engine, ServerConfig(request_timeout_s=0.2), model_name=MODEL)) as url:
+        with engine.hold():  # the request cannot finish: its deadline passes first
+            with httpx.stream("POST", url + path, json=body, timeout=60) as response:
+                events = _events(response)
+    assert events[-1] == "[DONE]" and error_of(json.loads(events[-2])), events

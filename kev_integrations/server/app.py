@@ -195,6 +195,7 @@ async def _events(state: ServerState, call: EngineCall, chat: bool, engine: Engi
                 except asyncio.TimeoutError:
                     yield sse(APIError(504, "the request did not finish in time and was cancelled",
                                         type="timeout_error").body())
+                    yield sse("[DONE]")  # the stream ends here on purpose: not a cut connection
                     return
                 if isinstance(piece, str):
                     if not call.tool_names:  # tool-call markup is parsed at the end, not streamed
