@@ -132,3 +132,13 @@ def test_a_stream_past_the_request_timeout_ends_with_an_error_then_done(
             with httpx.stream("POST", url + path, json=body, timeout=60) as response:
                 events = _events(response)
     assert events[-1] == "[DONE]" and error_of(json.loads(events[-2])), events
+
+
+def test_an_unknown_path_or_method_is_an_error_in_openai_shape(engine: Engine) -> None:
+    with serving(build_app(engine, ServerConfig(), model_name=MODEL)) as url:
+        unknown = httpx.post(url + "/v1/embeddings", json={"model": MODEL, "input": "hi"})
+        wrong_method = httpx.post(url + "/v1/models")
+    assert unknown.status_code == 404 and set(unknown.json()["error"]) == ERROR_KEYS
+    assert "no such endpoint: POST /v1/embeddings" in unknown.json()["error"]["message"]
+    assert wrong_method.status_code == 405 and wrong_method.headers["allow"] == "GET"
+    assert "method not allowed: POST /v1/models" in wrong_method.json()["error"]["message"]

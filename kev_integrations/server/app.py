@@ -26,6 +26,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kev_engine import Completion, Engine, KevError
 
@@ -255,6 +256,14 @@ def build_app(engine: Engine | Callable[[], Engine], config: ServerConfig | None
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
         state.metrics.observe(_route(request), exc.status)
         return exc.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def routing_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        """An unknown path (404) or method (405) in OpenAI's shape too, not Starlette's ``{"detail"}``."""
+        what = {404: "no such endpoint", 405: "method not allowed"}.get(exc.status_code, str(exc.detail))
+        return await api_error(request, APIError(
+            exc.status_code, f"{what}: {request.method} {request.url.path[:200]}; `kev serve --help` lists the "
+            "endpoints", code="not_found" if exc.status_code == 404 else None, headers=dict(exc.headers or {})))
 
     @app.get("/health")
     async def health() -> JSONResponse:
