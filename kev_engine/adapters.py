@@ -4,7 +4,8 @@
 recently used *idle* one moves to the CPU (kept, not forgotten). An adapter used by an
 in-flight request is pinned (refcount) and never evicted; a request whose adapter cannot get
 a slot yet simply waits in the queue. Unloading an adapter in use takes effect when its last
-request finishes; new requests naming it fail at once.
+request finishes; until then it is *draining*: new requests naming it fail at once, unloading
+it again changes nothing, and its name cannot be loaded again.
 """
 
 from __future__ import annotations
@@ -43,12 +44,20 @@ class AdapterPool:
     def names(self) -> list[str]:
         return [n for n in self.known if n not in self.unloading]
 
+    @property
+    def draining(self) -> dict[str, int]:
+        """Adapters unloaded while in use → the requests still using them."""
+        return {name: self.refs[name] for name in self.unloading}
+
     def read(self, name: str, path: str | Path) -> LoraAdapter:
         """Load and validate from disk (slow; call outside the engine's forward lock)."""
         if not isinstance(name, str) or not name:
             raise AdapterError(f"adapter name {name!r} is not allowed; use a non-empty string")
+        if name in self.unloading:
+            raise AdapterError(f"adapter {name!r} is still draining: {self.refs[name]} request(s) from before its "
+                               "unload still use it; load it again once they finish (Engine.wait_for_unload)")
         if name in self.known:
-            raise AdapterError(f"adapter {name!r} is already loaded (or still finishing its requests); unload it first")
+            raise AdapterError(f"adapter {name!r} is already loaded; unload it first")
         return load_adapter(name, path, self.model)
 
     def loaded_from(self, name: str, path: str | Path) -> bool:
@@ -128,7 +137,10 @@ class AdapterPool:
             del self.pinned[name]
 
     def unload(self, name: str) -> None:
-        """Forget `name` now, or when the last request using it ends; new requests fail at once."""
+        """Forget `name` now, or when the last request using it ends; new requests fail at once.
+        A name already draining stays so (the first unload is still under way)."""
+        if name in self.unloading:
+            return
         self.check(name)
         if self.refs[name]:
             self.unloading.add(name)

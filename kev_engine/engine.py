@@ -388,9 +388,26 @@ class Engine:
             self._adapters.install(adapter)
 
     def unload_adapter(self, name: str) -> None:
-        """Forget an adapter; requests already using it finish first, new ones naming it fail."""
+        """Forget an adapter; requests already using it finish first, new ones naming it fail.
+
+        Until they finish the adapter is draining (`draining_adapters`); unloading it again then
+        changes nothing, and loading its name again fails until `wait_for_unload` says it is gone.
+        """
         with self._cond:
             self._adapters.unload(name)
+
+    @property
+    def draining_adapters(self) -> dict[str, int]:
+        """Adapters unloaded while requests still use them → how many requests still do."""
+        with self._cond:
+            return self._adapters.draining
+
+    def wait_for_unload(self, name: str, timeout: float) -> bool:
+        """Wait up to `timeout` s for a draining adapter's last request; True once `name` is gone
+        (at once for a name that is not draining), False if it is still draining."""
+        self._refuse_on_scheduler_thread("wait_for_unload")  # it would wait for the requests it blocks
+        with self._cond:  # every finished request notifies the condition (`_free`)
+            return self._cond.wait_for(lambda: name not in self._adapters.unloading, timeout)
 
     @property
     def defaults(self) -> Defaults:

@@ -23,6 +23,10 @@ TEMPERATURE_ENV = "KEV_TEMPERATURE"
 # what torch.Generator.manual_seed accepts (a negative seed wraps to 2**64 + seed)
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 TOP_K_MAX = 2**63 - 1  # top_k travels to the sampler as an int64 tensor
+# every decode step searches the new text for each stop string, on the scheduler thread that
+# serves every request, and streaming holds back the longest one: bound what one request may ask
+MAX_STOP_STRINGS = 32
+MAX_STOP_CHARS = 4096
 
 
 def _is_int(value: Any) -> bool:
@@ -84,6 +88,24 @@ def _depth(value: Any) -> int:
     return deepest
 
 
+def _check_stop(value: Any) -> tuple[str, ...]:
+    """Stop strings as a tuple, within `MAX_STOP_STRINGS` strings and `MAX_STOP_CHARS` characters."""
+    stop = (value,) if isinstance(value, str) else value
+    if isinstance(stop, (list, tuple)) and len(stop) > MAX_STOP_STRINGS:  # first: never echo 5,000 of them
+        raise InvalidRequestError(
+            f"stop=[{len(stop)} strings] is not allowed; give at most {MAX_STOP_STRINGS} stop strings"
+        )
+    if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
+        raise InvalidRequestError(f"stop={value!r} is not allowed; use a non-empty string or a list of them")
+    chars = sum(len(s) for s in stop)
+    if chars > MAX_STOP_CHARS:
+        raise InvalidRequestError(
+            f"stop=[{chars} characters in all] is not allowed; the stop strings may total at most "
+            f"{MAX_STOP_CHARS} characters"
+        )
+    return tuple(stop)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one question is sampled. `temperature=None` takes the engine default at pack time."""
@@ -98,7 +120,8 @@ class SamplingParams:
     max_tokens: int = DEFAULT_MAX_TOKENS
     """Most new tokens to generate (the model's context may end the answer earlier)."""
     stop: tuple[str, ...] = field(default_factory=tuple)
-    """Strings that end the answer; the text is cut before the first one found."""
+    """Strings that end the answer; the text is cut before the first one found. At most
+    ``MAX_STOP_STRINGS`` (32) of them, ``MAX_STOP_CHARS`` (4096) characters in all."""
     seed: int | None = None
     """A seeded request samples the same tokens whatever it is packed with; -2**63 .. 2**64 - 1."""
     cache_salt: str | None = None
@@ -137,10 +160,7 @@ class SamplingParams:
             raise InvalidRequestError(
                 f"seed={self.seed!r} is not allowed; use None or an integer in [-2**63, 2**64 - 1]"
             )
-        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
-        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
-            raise InvalidRequestError(f"stop={self.stop!r} is not allowed; use a non-empty string or a list of them")
-        object.__setattr__(self, "stop", tuple(stop))
+        object.__setattr__(self, "stop", _check_stop(self.stop))
         if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
             raise InvalidRequestError(
                 f"cache_salt={self.cache_salt!r} is not allowed; use a non-empty string or None"

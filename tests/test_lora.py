@@ -170,6 +170,23 @@ def test_hot_load_and_unload_while_requests_run(small_pool, tmp_path) -> None:
     assert "a" not in engine._adapters.known and engine.adapters == ["b", "c", "d"]
 
 
+def test_an_adapter_unloaded_in_use_is_draining_until_its_last_request_ends(small_pool) -> None:
+    engine, _, folders = small_pool
+    with engine.hold():  # nothing runs: the request keeps the adapter in use
+        running = engine.submit(QUESTIONS[0], SamplingParams(max_tokens=2), adapter="a")
+        engine.unload_adapter("a")
+        engine.unload_adapter("a")  # again while draining: still the first unload, no error
+        assert engine.draining_adapters == {"a": 1} and "a" not in engine.adapters
+        with pytest.raises(AdapterError, match=r"'a' is still draining: 1 request\(s\)"):
+            engine.load_adapter("a", str(folders["a"]))
+        assert engine.wait_for_unload("a", timeout=0) is False
+    assert engine.wait_for_unload("a", timeout=60) is True  # bounded; the hold is over, so it drains
+    assert running.result(60).completion_tokens == 2 and engine.draining_adapters == {}
+    engine.load_adapter("a", str(folders["a"]))  # gone: the name is free again
+    assert engine.wait_for_unload("b", timeout=0) is True  # not draining: nothing to wait for
+    assert engine.generate([QUESTIONS[1]], SamplingParams(max_tokens=1), adapters=["a"])[0].completion_tokens == 1
+
+
 def test_unknown_adapter_fails_only_its_request(small_pool) -> None:
     engine, _, _ = small_pool
     results = engine.generate(QUESTIONS[:3], SamplingParams(max_tokens=3), adapters=["a", "nope", None],

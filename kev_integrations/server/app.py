@@ -26,10 +26,13 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kev_engine import Completion, Engine, InvalidRequestError, KevError
+from kev_engine import Completion, Engine, KevError
 
+from .admin import add_admin_routes
 from .config import ServerConfig
+from .endings import Endings
 from .errors import APIError, bad_request, engine_error
 from .limits import BodyLimit
 from .metrics import Metrics
@@ -193,6 +196,7 @@ async def _events(state: ServerState, call: EngineCall, chat: bool, engine: Engi
                 except asyncio.TimeoutError:
                     yield sse(APIError(504, "the request did not finish in time and was cancelled",
                                         type="timeout_error").body())
+                    yield sse("[DONE]")  # the stream ends here on purpose: not a cut connection
                     return
                 if isinstance(piece, str):
                     if not call.tool_names:  # tool-call markup is parsed at the end, not streamed
@@ -246,11 +250,20 @@ def build_app(engine: Engine | Callable[[], Engine], config: ServerConfig | None
     app = FastAPI(title="Kev", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.kev = state
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
+    app.add_middleware(Endings)  # added last: the outermost, so it sees how every request ended
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
         state.metrics.observe(_route(request), exc.status)
         return exc.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def routing_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        """An unknown path (404) or method (405) in OpenAI's shape too, not Starlette's ``{"detail"}``."""
+        what = {404: "no such endpoint", 405: "method not allowed"}.get(exc.status_code, str(exc.detail))
+        return await api_error(request, APIError(
+            exc.status_code, f"{what}: {request.method} {request.url.path[:200]}; `kev serve --help` lists the "
+            "endpoints", code="not_found" if exc.status_code == 404 else None, headers=dict(exc.headers or {})))
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -320,45 +333,6 @@ def build_app(engine: Engine | Callable[[], Engine], config: ServerConfig | None
 
     add_native_routes(app, state, lambda request: check_key(request, config.api_keys, "/kev/v1"), _json_body)
 
-    def admin(request: Request) -> Engine:
-        if config.admin_key is None:
-            raise APIError(403, "admin endpoints are disabled; start the server with --admin-key",
-                           type="permission_error")
-        check_key(request, (config.admin_key,), "admin endpoints")
-        return state.ready()
-
-    @app.post("/admin/adapters")
-    async def load_adapter(request: Request) -> JSONResponse:
-        engine_now = admin(request)
-        body = await _json_body(request)
-        name, path = body.get("name"), body.get("path")
-        if not isinstance(name, str) or not isinstance(path, str):
-            raise bad_request("give {'name': <adapter name>, 'path': <PEFT folder on the server>}")
-        try:
-            await asyncio.to_thread(engine_now.load_adapter, name, path)
-        except (KevError, ValueError, OSError) as exc:
-            raise bad_request(f"could not load adapter {name!r}: {exc}", param="path") from None
-        return JSONResponse({"loaded": name, "adapters": engine_now.adapters})
-
-    @app.delete("/admin/adapters/{name}")
-    async def unload_adapter(name: str, request: Request) -> JSONResponse:
-        engine_now = admin(request)
-        try:
-            engine_now.unload_adapter(name)
-        except KevError as exc:
-            raise APIError(404, str(exc), param="name") from None
-        return JSONResponse({"unloaded": name, "adapters": engine_now.adapters})
-
-    @app.post("/admin/defaults")
-    async def set_defaults(request: Request) -> JSONResponse:
-        engine_now = admin(request)
-        body = await _json_body(request)
-        if set(body) != {"temperature"}:
-            raise bad_request("give {'temperature': <number >= 0>}; it is the only engine default", param="temperature")
-        try:
-            defaults = engine_now.set_defaults(temperature=body["temperature"])
-        except InvalidRequestError as exc:
-            raise bad_request(str(exc), param="temperature") from None
-        return JSONResponse({"temperature": defaults.temperature, "version": defaults.version})
+    add_admin_routes(app, state, check_key, _json_body)
 
     return app

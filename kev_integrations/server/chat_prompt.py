@@ -22,6 +22,9 @@ from ..tool_format import (
 from .errors import bad_request
 
 TEXT_PART_TYPES = ("text", "input_text")
+# OpenAI's chat roles: any other string would reach the chat template, which renders most as
+# they are ("<|im_start|>alien") and gives the model a turn it was never trained on
+ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 def _text(content: Any, index: int) -> str | None:
@@ -54,7 +57,11 @@ def _arguments(call: Mapping[str, Any], index: int) -> dict[str, Any]:
 def _message(message: Any, index: int, native: bool, names: dict[str, str]) -> dict[str, Any]:
     if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
         raise bad_request(f"messages[{index}] must be an object with a 'role'", param=f"messages[{index}]")
-    role, content = message["role"], _text(message.get("content"), index)
+    role = message["role"]
+    if role not in ROLES:
+        raise bad_request(f"messages[{index}] has role={role[:100]!r}; allowed roles: {list(ROLES)}",
+                          param=f"messages[{index}].role")
+    content = _text(message.get("content"), index)
     calls = message.get("tool_calls") or []
     if role == "assistant" and calls:
         for call in calls:

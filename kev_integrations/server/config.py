@@ -34,6 +34,8 @@ class ServerConfig:
     """A request still unanswered after this long is cancelled (504)."""
     retry_after_s: int = 1
     """What a 429 tells the client to wait."""
+    adapter_drain_wait_s: float = 30.0
+    """How long loading an adapter whose name is still draining waits for it before a 409."""
 
     def __post_init__(self) -> None:
         """An empty key would let anyone in (``--api-key "$UNSET_VAR"``): refuse it by name."""

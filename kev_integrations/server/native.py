@@ -96,6 +96,7 @@ async def _generate_events(state: ServerState, engine: Engine, requests: list[di
                 except asyncio.TimeoutError:
                     for i in range(len(requests)):
                         yield sse({"index": i, "error": {"type": "TimeoutError", "message": "timed out"}})
+                    yield sse("[DONE]")  # the stream ends here on purpose: not a cut connection
                     return
                 if isinstance(piece, str):
                     yield sse({"index": i, "text": piece})

@@ -1,17 +1,23 @@
 """`kev serve`: load the model in the background, serve the OpenAI-compatible API with uvicorn.
 
-SIGTERM / Ctrl-C: uvicorn stops accepting connections, lets running requests (streams too)
-finish for up to `--grace` seconds, then the app's shutdown closes the engine, failing whatever
-is still queued with a clear error. Nothing here binds beyond loopback without an API key.
+The socket listens at once (/health says "loading" meanwhile); once the model and every
+`--adapter` have loaded, a "ready" line with the URL goes to stderr. If either cannot load, the
+reason goes to stderr and the process exits 2, as `kev generate` does — never a server that
+answers 503 forever. SIGTERM / Ctrl-C: uvicorn stops accepting connections, lets running requests
+(streams too) finish for up to `--grace` seconds, answers what is still running with a 503 (an
+error event on streams), then the app's shutdown closes the engine. Nothing here binds beyond
+loopback without an API key.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import logging
 import signal
+import sys
+import threading
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 from kev_engine import Engine
@@ -19,10 +25,27 @@ from kev_engine.loader import EMBEDDED_NAME
 
 from .config import ServerConfig, check_exposure
 
-log = logging.getLogger("kev.server")
+ENDPOINTS = """endpoints:
+  POST /v1/chat/completions, /v1/completions   OpenAI's API; `model` is the served name or an adapter's
+  GET  /v1/models                               the base model and each adapter
+  GET  /health                                  503 while loading, 200 when ready (no key)
+  GET  /metrics                                 Prometheus text
+  GET  /kev/v1/info, POST /kev/v1/tokenize, POST /kev/v1/generate
+                                                Kev's own, for ChatKev/KevLLM/Kev(base_url=...)
+  GET, POST /admin/adapters, DELETE /admin/adapters/NAME, POST /admin/defaults
+                                                hot adapters and default temperature (--admin-key)
+/v1, /kev/v1 and /metrics take the --api-key as 'Authorization: Bearer KEY' when one is set."""
+LOAD_FAILED = 2  # the status `kev generate` exits with when the model or an adapter cannot load
+
+
+class StartError(RuntimeError):
+    """The model or an adapter given on the command line could not be loaded; says which."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = "Serve the OpenAI-compatible API over one engine (or Ray Serve replicas with --ray)."
+    parser.epilog = ENDPOINTS
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter  # keep the endpoint table's lines
     parser.add_argument("--model", help="local folder, .gguf file or hub id (default: embedded SmolLM2-135M)")
     parser.add_argument("--served-model-name", dest="served_name", help="the `model` id clients send "
                         "(default: the --model value, or the embedded model's name)")
@@ -71,15 +94,68 @@ def parse_adapter_specs(specs: list[str]) -> dict[str, str]:
     return adapters
 
 
+def missing_adapter_folder(adapters: dict[str, str]) -> str | None:
+    """Why an `--adapter` cannot load before anything is loaded (its folder is missing), or None."""
+    for name, path in adapters.items():
+        if not Path(path).expanduser().is_dir():
+            return f"--adapter {name}={path}: folder {path!r} does not exist"
+    return None
+
+
 def engine_factory(model: str | None, device: str | None, dtype: str | None,
                    adapters: dict[str, str]) -> Callable[[], Engine]:
+    """The engine with its adapters, or a `StartError` naming the flag whose value did not load."""
     def load() -> Engine:
-        engine = Engine.from_pretrained(model, device=device, dtype=dtype)
+        try:
+            engine = Engine.from_pretrained(model, device=device, dtype=dtype)
+        except Exception as exc:
+            raise StartError(f"--model {model or EMBEDDED_NAME!r} could not be loaded: "
+                             f"{type(exc).__name__}: {exc}") from exc
         for name, path in adapters.items():
-            engine.load_adapter(name, path)
-        log.info("kev: %s ready%s", engine.name, f" with adapters {sorted(adapters)}" if adapters else "")
+            try:
+                engine.load_adapter(name, path)
+            except Exception as exc:
+                engine.close()  # nothing will serve it: its scheduler thread ends now
+                raise StartError(f"--adapter {name}={path} could not be loaded: {type(exc).__name__}: {exc}") from exc
         return engine
     return load
+
+
+class Ready:
+    """Prints the "ready" line once both the model has loaded and the socket listens (either may
+    finish last); a load that fails prints why and stops the server instead."""
+
+    def __init__(self, served_name: str, stop: Callable[[], None]) -> None:
+        self._served_name, self._stop = served_name, stop
+        self._lock = threading.Lock()
+        self._loaded = False
+        self._url: str | None = None
+        self.failure: BaseException | None = None
+
+    def loader(self, factory: Callable[[], Engine]) -> Callable[[], Engine]:
+        def load() -> Engine:
+            try:
+                engine = factory()
+            except BaseException as exc:
+                self.failure = exc
+                print(f"kev: error: {exc}", file=sys.stderr, flush=True)
+                self._stop()
+                raise
+            with self._lock:
+                self._loaded = True
+                self._say()
+            return engine
+        return load
+
+    def listening(self, host: str, port: int) -> None:
+        with self._lock:
+            self._url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+            self._say()
+
+    def _say(self) -> None:
+        if self._loaded and self._url is not None:
+            print(f"kev: ready: {self._served_name} at {self._url} (OpenAI API at {self._url}/v1; `kev serve --help` "
+                  "lists the endpoints)", file=sys.stderr, flush=True)
 
 
 def serve(args: Any) -> int:
@@ -104,9 +180,18 @@ def serve(args: Any) -> int:
         return serve_on_ray(args, config, adapters, name)
     if args.replicas != 1:
         raise SystemExit(f"--replicas {args.replicas} needs --ray (one process serves one engine)")
-    app = build_app(engine_factory(args.model, args.device, args.dtype, adapters), config, model_name=name)
+    missing = missing_adapter_folder(adapters)  # found before the slow model load, as kev generate does
+    if missing is not None:
+        print(f"kev: error: {missing}", file=sys.stderr)
+        return LOAD_FAILED
 
     class Server(uvicorn.Server):
+        async def startup(self, sockets: Any = None) -> None:
+            await super().startup(sockets)
+            if self.servers and self.servers[0].sockets:
+                host, port = self.servers[0].sockets[0].getsockname()[:2]
+                ready.listening(host, port)
+
         @contextlib.contextmanager
         def capture_signals(self) -> Iterator[None]:
             """SIGTERM/SIGINT start uvicorn's graceful drain; unlike uvicorn's own handler, the signal
@@ -118,7 +203,13 @@ def serve(args: Any) -> int:
                 for sig, handler in previous.items():
                     signal.signal(sig, handler)
 
+    def stop() -> None:
+        server.should_exit = True
+
+    ready = Ready(name, stop)
+    app = build_app(ready.loader(engine_factory(args.model, args.device, args.dtype, adapters)), config,
+                    model_name=name)
     server = Server(uvicorn.Config(app, host=args.host, port=args.port, timeout_graceful_shutdown=args.grace,
                                    log_level="info"))
     server.run()
-    return 0
+    return LOAD_FAILED if ready.failure is not None else 0

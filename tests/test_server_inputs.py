@@ -1,0 +1,79 @@
+"""Loose input is refused by name (issue 23, item 8): chat roles outside OpenAI's five, and stop
+lists past the engine's limit — on the real app over loopback for every endpoint that takes them."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from conftest import tiny_model
+from server_util import serving
+
+from kev_engine import Engine, InvalidRequestError, SamplingParams
+from kev_engine.params import MAX_STOP_CHARS, MAX_STOP_STRINGS
+from kev_integrations.server import ServerConfig, build_app
+
+MODEL = "tiny"
+ALLOWED = ["system", "developer", "user", "assistant", "tool"]
+
+
+@pytest.fixture(scope="module")
+def url(tokenizer: Any) -> Iterator[str]:
+    engine = Engine(tiny_model("llama", tokenizer), tokenizer, name=MODEL)
+    with serving(build_app(engine, ServerConfig(max_tokens_limit=64), model_name=MODEL)) as base:
+        yield base
+    engine.close()
+
+
+def test_stop_lists_are_bounded_in_count_and_in_size() -> None:
+    assert len(SamplingParams(stop=["s"] * MAX_STOP_STRINGS).stop) == MAX_STOP_STRINGS
+    assert SamplingParams(stop="x" * MAX_STOP_CHARS).stop == ("x" * MAX_STOP_CHARS,)
+    with pytest.raises(InvalidRequestError, match=rf"stop=\[5000 strings\].*at most {MAX_STOP_STRINGS} stop strings"):
+        SamplingParams(stop=[f"s{i}" for i in range(5000)])
+    with pytest.raises(InvalidRequestError, match=rf"stop=\[{MAX_STOP_CHARS + 1} characters.*{MAX_STOP_CHARS}"):
+        SamplingParams(stop=["x" * MAX_STOP_CHARS, "y"])
+
+
+def test_a_role_outside_the_five_is_400_naming_it_and_the_allowed_ones(url: str) -> None:
+    messages = [{"role": "user", "content": "hi"}, {"role": "alien", "content": "take me to your leader"}]
+    response = httpx.post(url + "/v1/chat/completions", timeout=60,
+                          json={"model": MODEL, "messages": messages, "max_tokens": 2})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "messages[1].role" and error["type"] == "invalid_request_error"
+    assert "role='alien'" in error["message"] and str(ALLOWED) in error["message"]
+
+
+def test_every_allowed_role_is_answered(url: str) -> None:
+    messages = [{"role": role, "content": f"a {role} turn", **({"tool_call_id": "call_1"} if role == "tool" else {})}
+                for role in ALLOWED] + [{"role": "user", "content": "and now?"}]
+    response = httpx.post(url + "/v1/chat/completions", timeout=60,
+                          json={"model": MODEL, "messages": messages, "max_tokens": 2})
+    assert response.status_code == 200, response.text
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+    ("/v1/completions", {"prompt": "hi"}),
+])
+def test_too_many_stop_strings_are_400_naming_the_limit(url: str, path: str, body: dict[str, Any]) -> None:
+    response = httpx.post(url + path, timeout=60, json={
+        "model": MODEL, "max_tokens": 2, "stop": [f"s{i}" for i in range(5000)], **body})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "stop" and f"at most {MAX_STOP_STRINGS} stop strings" in error["message"]
+
+
+def test_the_native_endpoint_fails_only_the_request_with_too_many_stops(url: str) -> None:
+    body = {"requests": [{"prompt": "hi", "sampling": {"max_tokens": 2, "stop": ["s"] * (MAX_STOP_STRINGS + 1)}},
+                         {"prompt": "hi", "sampling": {"max_tokens": 2}}]}
+    response = httpx.post(url + "/kev/v1/generate", json=body, timeout=60)
+    events = [json.loads(line.removeprefix("data: ")) for line in response.text.splitlines()
+              if line.startswith("data: ") and line != "data: [DONE]"]
+    by_index = {event["index"]: event for event in events}
+    assert by_index[0]["error"]["type"] == "InvalidRequestError"
+    assert f"at most {MAX_STOP_STRINGS} stop strings" in by_index[0]["error"]["message"]
+    assert by_index[1]["completion"]["completion_tokens"] == 2
