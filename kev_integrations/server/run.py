@@ -129,6 +129,7 @@ class Ready:
         self._served_name, self._stop = served_name, stop
         self._lock = threading.Lock()
         self._loaded = False
+        self._how = ""  # the engine's dtype and batch invariance, once loaded
         self._url: str | None = None
         self.failure: BaseException | None = None
 
@@ -141,8 +142,11 @@ class Ready:
                 print(f"kev: error: {exc}", file=sys.stderr, flush=True)
                 self._stop()
                 raise
+            stats = engine.stats()
             with self._lock:
                 self._loaded = True
+                invariant = "batch-invariant" if stats["batch_invariant"] else "not batch-invariant"
+                self._how = f" ({stats['dtype']}, {invariant})"
                 self._say()
             return engine
         return load
@@ -154,7 +158,7 @@ class Ready:
 
     def _say(self) -> None:
         if self._loaded and self._url is not None:
-            print(f"kev: ready: {self._served_name} at {self._url} (OpenAI API at {self._url}/v1; `kev serve --help` "
+            print(f"kev: ready: {self._served_name}{self._how} at {self._url} (OpenAI API at {self._url}/v1; `kev serve --help` "
                   "lists the endpoints)", file=sys.stderr, flush=True)
 
 
