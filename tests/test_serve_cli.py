@@ -89,7 +89,8 @@ def test_a_good_start_prints_ready_with_the_url(started: list[Any], model_dir: s
     ready = None
     while ready is None:
         line = lines.get(timeout=max(0.0, deadline - time.monotonic()))  # queue.Empty: never ready in time
-        ready = re.search(r"kev: ready: (\S+) \((?:float32|bfloat16), (?:not )?batch-invariant\) at (http://127\.0\.0\.1:\d+) ", line)
+        ready = re.search(r"kev: ready: (\S+) \((?:float32|bfloat16), (?:not )?batch-invariant\) "
+                          r"at (http://127\.0\.0\.1:\d+) ", line)
     name, url = ready.groups()
     assert name == "tiny"
     assert httpx.get(url + "/health", timeout=30).json() == {"status": "ok"}  # ready means ready

@@ -158,8 +158,8 @@ class Ready:
 
     def _say(self) -> None:
         if self._loaded and self._url is not None:
-            print(f"kev: ready: {self._served_name}{self._how} at {self._url} (OpenAI API at {self._url}/v1; `kev serve --help` "
-                  "lists the endpoints)", file=sys.stderr, flush=True)
+            print(f"kev: ready: {self._served_name}{self._how} at {self._url} (OpenAI API at {self._url}/v1; "
+                  "`kev serve --help` lists the endpoints)", file=sys.stderr, flush=True)
 
 
 def serve(args: Any) -> int:
