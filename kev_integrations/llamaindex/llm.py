@@ -45,7 +45,7 @@ from ..remote import AnyEngine
 from ..shared import resolve_engine
 from ..streaming import astream_answer, stream_answer
 from ..tokens import text_token_ids
-from ..tool_format import split_tool_calls, template_supports_tools, tool_call_constraint
+from ..tool_format import split_tool_calls, template_supports_tools, tool_call_constraint, visible_text
 from .messages import assistant_message, chat_prompt, tool_schemas, tool_selections
 from .scoped import CALL_KEYS, SAMPLING_KEYS, check_settings, current_overrides
 from .structured import StructuredOutput
@@ -301,8 +301,13 @@ class Kev(StructuredOutput, FunctionCallingLLM):
     def _chat_response(
         text: str, delta: str | None, completion: Completion | None, tool_names: Sequence[str]
     ) -> ChatResponse:
-        """A chunk carries the text so far; the last one (usage in `raw`) the parsed tool calls."""
+        """A chunk carries the text so far; the last one (usage in `raw`) the parsed tool calls.
+        With tools bound, chunks carry only the prose before any call, never call markup."""
         if completion is None:
+            if tool_names:
+                before = visible_text(text[: len(text) - len(delta or "")])
+                text = visible_text(text)
+                delta = text[len(before) :]
             return ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text), delta=delta)
         message = assistant_message(text, tool_names, completion.finish_reason)
         return ChatResponse(message=message, delta=delta, raw=_usage(completion))
