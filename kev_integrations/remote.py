@@ -8,7 +8,9 @@ request (one group on the server), as they form one pack locally.
 
 Every request streams server-sent events (one per token, read or not), so once every future of
 a request is cancelled the next event closes its connection and the server stops computing it.
-Errors come back as the engine's own exception types.
+Errors come back as the engine's own exception types. With `max_retries`, a request the server
+refused for now (429, 503) or never received (a connection error) is sent again after a backoff
+(see `retry`); once an answer has started, nothing is retried.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import dataclasses
 import json
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -35,6 +37,8 @@ from kev_engine import (
 from kev_engine.errors import PassFailedError, UnknownAdapterError
 from kev_engine.params import coerce_sampling
 from kev_engine.request import resolve_future
+
+from .retry import RETRY_ERRORS, RETRY_STATUSES, check_max_retries, retry_delay
 
 ERRORS: dict[str, type[Exception]] = {
     cls.__name__: cls
@@ -64,22 +68,30 @@ def _error(body: dict[str, Any]) -> Exception:
     return cls(body.get("message", "the server reported an error"))
 
 
-def _http_error(response: httpx.Response) -> Exception:
+def _http_error(response: httpx.Response, retries: int = 0) -> Exception:
     try:
         message = response.json()["error"]["message"]
     except (ValueError, KeyError, TypeError):
         message = response.text[:500]
     if response.status_code == 400:
         return InvalidRequestError(message)
-    return KevError(f"kev serve answered {response.status_code}: {message}")
+    tried = f" (after {retries} retries)" if retries else ""
+    return KevError(f"kev serve answered {response.status_code}: {message}{tried}")
 
 
 class RemoteEngine:
-    """Submit, stream and hold against `kev serve` at `base_url` (e.g. ``http://127.0.0.1:8000``)."""
+    """Submit, stream and hold against `kev serve` at `base_url` (e.g. ``http://127.0.0.1:8000``).
 
-    def __init__(self, base_url: str, api_key: str | None = None, timeout: float = 600.0) -> None:
+    `max_retries`: how many times a request is sent again after a connection error, 429 or 503
+    (0: never), waiting as the server's Retry-After asks, else with exponential backoff.
+    """
+
+    def __init__(self, base_url: str, api_key: str | None = None, timeout: float = 600.0,
+                 max_retries: int = 0) -> None:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.base_url = base_url.rstrip("/").removesuffix("/v1")
+        self.max_retries = check_max_retries(max_retries)
+        self._closed = threading.Event()  # ends a backoff wait at once
         self._http = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout,
                                   limits=httpx.Limits(max_connections=MAX_CONNECTIONS))
         info = self._get("/kev/v1/info")
@@ -163,22 +175,53 @@ class RemoteEngine:
                 self._pool.submit(self._send, batch[start : start + self.max_prompts])
 
     def close(self) -> None:
+        self._closed.set()
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._http.close()
 
     # ---- HTTP -------------------------------------------------------------------------------
 
+    def _open(self, method: str, path: str, body: Any = None,
+              cancelled: Callable[[], bool] = lambda: False) -> httpx.Response:
+        """The server's 200 answer, its headers read and its body not yet (close it), after at
+        most `max_retries` retries of connection errors, 429 and 503; any other answer raises.
+        `cancelled()` true before a retry raises CancelledError: nobody waits for the answer."""
+        attempt = 0
+        while True:
+            response: httpx.Response | None = None
+            try:
+                response = self._http.send(self._http.build_request(method, path, json=body), stream=True)
+            except RETRY_ERRORS as exc:
+                if attempt >= self.max_retries:
+                    tried = f" (after {attempt} retries)" if attempt else ""
+                    raise KevError(f"kev serve at {self.base_url}: {type(exc).__name__}: {exc}{tried}") from exc
+            else:
+                if response.status_code == 200:
+                    return response
+                if response.status_code not in RETRY_STATUSES or attempt >= self.max_retries:
+                    response.read()
+                    response.close()
+                    raise _http_error(response, attempt)
+                response.close()
+            if self._closed.wait(retry_delay(attempt, response.headers if response is not None else None)):
+                raise EngineClosedError(f"the client of kev serve at {self.base_url} was closed")
+            if cancelled():
+                raise CancelledError()
+            attempt += 1
+
     def _get(self, path: str) -> Any:
-        response = self._http.get(path)
-        if response.status_code != 200:
-            raise _http_error(response)
-        return response.json()
+        response = self._open("GET", path)
+        try:
+            return json.loads(response.read())
+        finally:
+            response.close()
 
     def _post(self, path: str, body: Any) -> Any:
-        response = self._http.post(path, json=body)
-        if response.status_code != 200:
-            raise _http_error(response)
-        return response.json()
+        response = self._open("POST", path, body)
+        try:
+            return json.loads(response.read())
+        finally:
+            response.close()
 
     def _send(self, batch: list[_Pending]) -> None:
         """One HTTP request for the batch; events resolve each future. Runs on the pool."""
@@ -186,17 +229,21 @@ class RemoteEngine:
         # this loop notice a cancelled batch promptly and hang up (closing from another thread can't)
         body = {"requests": [{"prompt": p.prompt, "sampling": _sampling_dict(p.sampling), "adapter": p.adapter,
                               "stream": True} for p in batch]}
+
+        def cancelled() -> bool:
+            return all(p.future.cancelled() for p in batch)
+
         try:
-            with self._http.stream("POST", "/kev/v1/generate", json=body) as response:
-                if response.status_code != 200:
-                    response.read()
-                    raise _http_error(response)
+            # retried only until an answer starts: after that, its text may have reached on_text
+            with contextlib.closing(self._open("POST", "/kev/v1/generate", body, cancelled)) as response:
                 for line in response.iter_lines():
-                    if all(p.future.cancelled() for p in batch):
+                    if cancelled():
                         return  # leaving closes the connection: the server cancels the work
                     if not line.startswith("data: ") or line == "data: [DONE]":
                         continue
                     self._event(batch, json.loads(line.removeprefix("data: ")))
+        except CancelledError:
+            return  # every caller cancelled while it waited to retry
         except Exception as exc:  # noqa: BLE001 - the transport failed: every unanswered future says so
             error = exc if isinstance(exc, KevError) else KevError(f"kev serve at {self.base_url}: {exc}")
             for pending in batch:

@@ -34,9 +34,9 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def serving(app: Any) -> Iterator[str]:
-    """Run `app` on 127.0.0.1 (a free port) in a thread; yield its base URL; stop it on exit."""
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on"))
+def serving(app: Any, port: int = 0) -> Iterator[str]:
+    """Run `app` on 127.0.0.1 (`port`, 0: a free one) in a thread; yield its base URL; stop it on exit."""
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
     thread = threading.Thread(target=server.run, name="test-uvicorn", daemon=True)
     thread.start()
     try:
