@@ -24,6 +24,8 @@ import collections
 import logging
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future, InvalidStateError
+from typing import Any
 
 logger = logging.getLogger("kev")
 
@@ -31,6 +33,21 @@ MAX_WORKERS = 32  # callbacks running at once (each blocked callback holds one)
 IDLE_S = 5.0  # an idle delivery thread ends after this long
 
 _current = threading.local()  # .delivery: the Delivery whose thread this is
+
+
+def hand_text(future: Future[Any], on_text: Callable[[str], None], piece: str) -> None:
+    """A delivery job: one piece to a request's `on_text`. What the callback raises (even
+    KeyboardInterrupt: the caller's callback, its error) fails that request alone, and no later
+    piece is handed over."""
+    if future.done():  # cancelled, or failed by an earlier piece
+        return
+    try:
+        on_text(piece)
+    except BaseException as exc:  # noqa: BLE001 - handed to the request, never raised on this thread
+        try:
+            future.set_exception(exc)
+        except InvalidStateError:  # cancelled meanwhile: nobody waits for it
+            pass
 
 
 class Mailbox:

@@ -31,7 +31,7 @@ from .attention import use_flash
 from .blocks import BlockManager, BlockTable
 from .decode_kernel import choose as choose_decode_kernel
 from .decode_kernel import load_linear
-from .delivery import Delivery
+from .delivery import Delivery, hand_text
 from .errors import ConstraintError, EngineClosedError, InvalidRequestError, KevError, PassFailedError
 from .forward import run_model
 from .grammar import Grammars, mask_logits
@@ -613,9 +613,10 @@ class Engine:
 
     def _stream(self, request: Request) -> None:
         """Post a request's new text to its `on_text` (run by the delivery threads, after what it
-        was posted before: this pass never waits for the callback)."""
+        was posted before: this pass never waits for the callback). If the callback raises, the
+        request's future fails and the next pass frees it (`Scheduler.take_cancelled`)."""
         if request.on_text is not None and (delta := text_delta(request)):
-            self._delivery.post(request.mailbox, functools.partial(_hand_text, request, delta))
+            self._delivery.post(request.mailbox, functools.partial(hand_text, request.future, request.on_text, delta))
 
     def _deliver(self, request: Request, result: Any, exc: BaseException | None = None) -> None:
         """Resolve a request's future after every piece of text it streamed (its done callbacks
@@ -780,18 +781,6 @@ class Engine:
             error = PassFailedError(f"the forward pass this request was in failed: {type(exc).__name__}: {exc}")
             error.__cause__ = exc
             self._deliver(request, None, error)
-
-
-def _hand_text(request: Request, piece: str) -> None:
-    """A delivery job: one piece to the request's `on_text`. What the callback raises (even
-    KeyboardInterrupt: the caller's callback, its error) fails this request alone; the next pass
-    frees it, and no later piece is handed over."""
-    if request.future.done():  # cancelled, or failed by an earlier piece
-        return
-    try:
-        request.on_text(piece)  # type: ignore[misc]
-    except BaseException as exc:  # noqa: BLE001 - handed to the request, never raised on this thread
-        resolve_future(request.future, exc=exc)
 
 
 def _logits_width(model: Any) -> int:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -34,6 +35,7 @@ from kev_engine import (
     KevError,
     SamplingParams,
 )
+from kev_engine.delivery import Delivery, Mailbox, hand_text
 from kev_engine.errors import PassFailedError, UnknownAdapterError
 from kev_engine.params import coerce_sampling
 from kev_engine.request import resolve_future
@@ -61,6 +63,7 @@ class _Pending:
     adapter: str | None
     on_text: Callable[[str], None] | None
     future: Future[Completion]
+    mailbox: Mailbox = dataclasses.field(default_factory=Mailbox)  # its text, then its result, in order
 
 
 def _error(body: dict[str, Any]) -> Exception:
@@ -100,6 +103,9 @@ class RemoteEngine:
         self.tokenizer = RemoteTokenizer(info["chat_template"])
         self.max_prompts: int = info["max_prompts"]  # a larger held batch travels as several requests
         self._pool = ThreadPoolExecutor(MAX_CONNECTIONS, thread_name_prefix="kev-remote")
+        # callbacks run off the threads reading the streams, as in the engine: a slow on_text
+        # delays only its own request, never the other prompts of its batch
+        self._delivery = Delivery("kev-remote")
         self._lock = threading.Lock()
         self._holds = 0
         self._held: list[_Pending] = []
@@ -178,6 +184,7 @@ class RemoteEngine:
         self._closed.set()
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._http.close()
+        self._delivery.close()
 
     # ---- HTTP -------------------------------------------------------------------------------
 
@@ -247,29 +254,31 @@ class RemoteEngine:
         except Exception as exc:  # noqa: BLE001 - the transport failed: every unanswered future says so
             error = exc if isinstance(exc, KevError) else KevError(f"kev serve at {self.base_url}: {exc}")
             for pending in batch:
-                resolve_future(pending.future, exc=error)
+                self._resolve(pending, exc=error)
             return
         for pending in batch:  # a stream that ended early must not leave a caller waiting forever
-            resolve_future(pending.future, exc=KevError("kev serve closed the stream before answering"))
+            self._resolve(pending, exc=KevError("kev serve closed the stream before answering"))
 
     def _event(self, batch: list[_Pending], event: dict[str, Any]) -> None:
         if "index" not in event:  # the whole stream failed (a Ray replica died mid-way): every unanswered one
             error = event.get("error") or {}
             failure = KevError(f"kev serve at {self.base_url}: {error.get('message', event)}")
             for pending in batch:
-                resolve_future(pending.future, exc=failure)
+                self._resolve(pending, exc=failure)
             return
         pending = batch[event["index"]]
         if "text" in event:
-            if pending.on_text is not None and not pending.future.done():
-                try:
-                    pending.on_text(event["text"])
-                except BaseException as exc:  # noqa: BLE001 - as locally: the callback's error fails its request
-                    resolve_future(pending.future, exc=exc)
+            if pending.on_text is not None:  # as locally: what the callback raises fails its request alone
+                self._delivery.post(pending.mailbox, functools.partial(hand_text, pending.future, pending.on_text,
+                                                                       event["text"]))
         elif "completion" in event:
-            resolve_future(pending.future, Completion(**event["completion"]))
+            self._resolve(pending, Completion(**event["completion"]))
         else:
-            resolve_future(pending.future, exc=_error(event["error"]))
+            self._resolve(pending, exc=_error(event["error"]))
+
+    def _resolve(self, pending: _Pending, result: Any = None, exc: BaseException | None = None) -> None:
+        """Resolve a future after the text already posted for it (on a delivery thread)."""
+        self._delivery.post(pending.mailbox, functools.partial(resolve_future, pending.future, result, exc))
 
 
 def _sampling_dict(sampling: SamplingParams) -> dict[str, Any]:

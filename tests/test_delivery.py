@@ -13,10 +13,12 @@ from typing import Any
 
 import pytest
 from conftest import QUESTIONS, tiny_model
-from server_util import wait_for
+from server_util import serving, wait_for
 
 from kev_engine import Engine, SamplingParams
 from kev_engine.delivery import Delivery, Mailbox
+from kev_integrations.remote import RemoteEngine
+from kev_integrations.server import ServerConfig, build_app
 
 TIMEOUT = 60  # seconds; a wait that runs out means a stall
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
@@ -52,6 +54,31 @@ def test_a_blocked_on_text_delays_only_its_own_request(engine: Engine) -> None:
         release.set()
     answer = slow.result(timeout=TIMEOUT)
     assert answer.completion_tokens == 12 and "".join(slow_pieces) == answer.text  # all of it, in order
+
+
+def test_through_kev_serve_a_blocked_on_text_delays_only_its_own_request(engine: Engine) -> None:
+    """RemoteEngine reads one stream for a held batch: its callbacks run off that reader too."""
+    entered, release = threading.Event(), threading.Event()
+
+    def blocked(piece: str) -> None:
+        entered.set()
+        release.wait(4 * TIMEOUT)
+
+    with serving(build_app(engine, ServerConfig(), model_name="tiny")) as url:
+        client = RemoteEngine(url, timeout=4 * TIMEOUT)
+        try:
+            with client.hold():  # one HTTP request, one stream, for both
+                slow = client.submit(QUESTIONS[0], SamplingParams(temperature=0, max_tokens=12), on_text=blocked)
+                other = client.submit(QUESTIONS[1], GREEDY)
+            assert entered.wait(TIMEOUT)
+            assert other.result(timeout=TIMEOUT).completion_tokens == 8  # read past the held callback
+            assert not slow.done()
+        finally:
+            release.set()
+        try:
+            assert slow.result(timeout=TIMEOUT).completion_tokens == 12
+        finally:
+            client.close()
 
 
 def test_the_result_comes_after_the_last_piece(engine: Engine) -> None:
