@@ -626,9 +626,9 @@ class Engine:
     # ---- requests in ------------------------------------------------------------------------
 
     def _refuse_on_scheduler_thread(self, what: str) -> None:
-        """A blocking call from inside a pass (a model hook) waits for the pass it blocks; from a
-        delivery thread (an on_text or future callback) it holds the thread its own answer, and
-        every other callback once they are all held so, needs."""
+        """A blocking call from inside a pass (a model hook) waits for the pass it blocks. From a
+        delivery thread (an on_text or future callback) it holds a thread that answers need: once
+        every delivery thread waits like that, its own answer can never be delivered."""
         on_scheduler = self._thread is not None and threading.current_thread() is self._thread
         if on_scheduler or getattr(self._stepping, "active", False) or self._delivery.owns_current_thread():
             raise InvalidRequestError(
