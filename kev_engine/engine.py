@@ -29,6 +29,7 @@ from . import loader
 from .adapters import AdapterPool
 from .attention import use_flash
 from .blocks import BlockManager, BlockTable
+from .delivery import Delivery, hand_text
 from .errors import ConstraintError, EngineClosedError, InvalidRequestError, KevError, PassFailedError
 from .forward import run_model
 from .grammar import Grammars, mask_logits
@@ -52,7 +53,7 @@ STAT_KEYS = (
     "requests", "prefill_passes", "decode_steps", "forward_passes", "prompt_tokens", "generated_tokens",
     "cancelled", "prefix_hit_tokens", "kv_cache_peak_bytes",
 )
-EXIT_JOIN_S = 10.0  # at interpreter exit, a scheduler thread stuck in a user callback is left behind
+EXIT_JOIN_S = 10.0  # at interpreter exit, a scheduler thread stuck in a pass (a model hook, say) is left behind
 IDLE_RECHECK_S = 0.05  # a pass that could schedule nothing waits this long (or for news) before retrying
 
 
@@ -178,7 +179,8 @@ class Engine:
         self._grammars = Grammars(tokenizer, _logits_width(model), self.eos_ids)
         self._cond = threading.Condition()
         self._step_lock = threading.Lock()  # one step at a time, whoever runs it
-        self._stepping = threading.local()  # .active while this thread runs step(): its callbacks run in a pass
+        self._stepping = threading.local()  # .active while this thread runs step(): a model hook runs in a pass
+        self._delivery = Delivery("kev")  # on_text and results reach callers from here, never from a pass
         self._forward_lock = threading.Lock()  # one forward at a time; adapters install between passes
         self._stats = dict.fromkeys(STAT_KEYS, 0)
         self._request_ids = itertools.count()
@@ -228,9 +230,10 @@ class Engine:
     ) -> Future[Completion]:
         """Queue one question; a bad one gets a future that fails alone, never an exception here.
 
-        `on_text(piece)` streams the answer as it grows (called on the scheduler thread: keep it
-        quick; an exception it raises fails this request alone). Cancelling the future stops the
-        request at the next pass and frees what it holds.
+        `on_text(piece)` streams the answer as it grows, called on one of the engine's delivery
+        threads (see `delivery`): in order, all before the future resolves, and a slow callback
+        delays only its own request. An exception it raises fails this request alone. Cancelling
+        the future stops the request at the next pass and frees what it holds.
         """
         return self._enqueue(self._prepare([prompt], [sampling], [adapter]), on_text=[on_text])[0]
 
@@ -445,7 +448,8 @@ class Engine:
         The model is given back as it came (its own attention, no LoRA wrappers).
 
         `timeout` bounds the wait for a pass in progress (None: wait for it); if it passes, the
-        thread (stuck in a user callback, say) is left to end on its own and the model is not touched.
+        thread (stuck in a model hook, say) is left to end on its own and the model is not touched.
+        Callbacks still being delivered run on after it returns.
         """
         with self._cond:
             if self._closed and self._thread is None:
@@ -462,6 +466,7 @@ class Engine:
             self._adapters.restore_model()
             release_model(self.model)
             self._thread = None
+        self._delivery.close()
 
     def __enter__(self) -> Engine:
         return self
@@ -505,7 +510,7 @@ class Engine:
         with self._cond:
             for request in self._scheduler.take_cancelled():
                 self._free(request)
-                self._stats["cancelled"] += 1
+                self._stats["cancelled"] += request.future.cancelled()  # not those failed by their on_text
 
     def _schedule(self) -> list[Chunk]:
         """This pass's chunks; each admitted request gets its KV blocks and its adapter's slot."""
@@ -619,10 +624,9 @@ class Engine:
                     continue
                 if request.capture_logits:
                     request.logits.append(logits[batch.logits_rows[i][0]].clone())
-                done = append_token(request, token, self.eos_ids, self.tokenizer)
-                error = self._stream(request)
-                if done or error is not None:
-                    finished.append((request, error))
+                if append_token(request, token, self.eos_ids, self.tokenizer):
+                    finished.append((request, None))
+                self._stream(request)
         return finished
 
     def _finish(self, finished: list[tuple[Request, BaseException | None]]) -> None:
@@ -632,10 +636,7 @@ class Engine:
                 self._scheduler.finish(request)
                 self._free(request)
         for request, error in finished:
-            if error is None:
-                resolve_future(request.future, request.result())
-            else:
-                resolve_future(request.future, exc=error)
+            self._deliver(request, request.result() if error is None else None, error)
 
     def _free(self, request: Request) -> None:
         """Everything a request holds, given back in one place (call under self._cond)."""
@@ -648,29 +649,30 @@ class Engine:
         request.status = Status.FINISHED
         self._cond.notify_all()
 
-    @staticmethod
-    def _stream(request: Request) -> BaseException | None:
-        """Hand a request its new text; anything its `on_text` raises fails that request alone."""
-        if request.on_text is None:
-            return None
-        delta = text_delta(request)
-        if delta:
-            try:
-                request.on_text(delta)
-            except BaseException as exc:  # noqa: BLE001 - even KeyboardInterrupt: the caller's callback, its error
-                return exc
-        return None
+    def _stream(self, request: Request) -> None:
+        """Post a request's new text to its `on_text` (run by the delivery threads, after what it
+        was posted before: this pass never waits for the callback). If the callback raises, the
+        request's future fails and the next pass frees it (`Scheduler.take_cancelled`)."""
+        if request.on_text is not None and (delta := text_delta(request)):
+            self._delivery.post(request.mailbox, functools.partial(hand_text, request.future, request.on_text, delta))
+
+    def _deliver(self, request: Request, result: Any, exc: BaseException | None = None) -> None:
+        """Resolve a request's future after every piece of text it streamed (its done callbacks
+        then run on a delivery thread, not in a pass)."""
+        self._delivery.post(request.mailbox, functools.partial(resolve_future, request.future, result, exc))
 
     # ---- requests in ------------------------------------------------------------------------
 
     def _refuse_on_scheduler_thread(self, what: str) -> None:
-        """A blocking call from an on_text or done callback would wait for the thread it blocks."""
+        """A blocking call from inside a pass (a model hook) waits for the pass it blocks. From a
+        delivery thread (an on_text or future callback) it holds a thread that answers need: once
+        every delivery thread waits like that, its own answer can never be delivered."""
         on_scheduler = self._thread is not None and threading.current_thread() is self._thread
-        if on_scheduler or getattr(self._stepping, "active", False):
+        if on_scheduler or getattr(self._stepping, "active", False) or self._delivery.owns_current_thread():
             raise InvalidRequestError(
-                f"Engine.{what}() was called from the engine's scheduler thread or inside step() (an on_text "
-                "or future callback); it would wait for itself forever. Use submit() there, or hand the "
-                "work to another thread"
+                f"Engine.{what}() was called from an engine callback (on_text or a future's done callback) or "
+                "inside a pass; it would wait on the engine from the engine's own threads, possibly forever. "
+                "Use submit() there, or hand the work to another thread"
             )
 
     @staticmethod
@@ -804,7 +806,7 @@ class Engine:
         for request in pending:
             self._free(request)
         for request in pending:
-            resolve_future(request.future, exc=EngineClosedError("the engine was closed before this request finished"))
+            self._deliver(request, None, EngineClosedError("the engine was closed before this request finished"))
 
     def _fail_running(self, exc: BaseException) -> None:
         """A pass raised: its requests fail, each with its own error chained to the cause."""
@@ -816,7 +818,7 @@ class Engine:
         for request in failed:
             error = PassFailedError(f"the forward pass this request was in failed: {type(exc).__name__}: {exc}")
             error.__cause__ = exc
-            resolve_future(request.future, exc=error)
+            self._deliver(request, None, error)
 
 
 def _logits_width(model: Any) -> int:

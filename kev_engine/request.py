@@ -16,6 +16,7 @@ from typing import Any, Literal
 import torch
 
 from .blocks import BlockTable
+from .delivery import Mailbox
 from .params import SamplingParams
 
 FinishReason = Literal["stop", "length"]
@@ -67,7 +68,8 @@ class Request:
     text: str = ""
     finish_reason: FinishReason | None = None
     on_text: Callable[[str], None] | None = None  # streaming: called with each new piece of text
-    streamed: int = 0  # characters of `text` already handed to on_text
+    streamed: int = 0  # characters of `text` already posted to on_text
+    mailbox: Mailbox = field(default_factory=Mailbox)  # its on_text pieces, then its result, in order
     matcher: Any = None  # constrained requests: its own xgrammar GrammarMatcher, advanced per token
 
     @property

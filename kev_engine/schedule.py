@@ -98,7 +98,7 @@ class Scheduler:
         index = 0
         while index < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[index]
-            if request.future.cancelled():
+            if request.future.done():  # cancelled (or failed by its own on_text)
                 self.cancelled.append(self.waiting.pop(index))
                 continue
             if request.logits_only and logits_budget <= 0:
@@ -141,12 +141,13 @@ class Scheduler:
         self.preemptions += 1
 
     def take_cancelled(self) -> list[Request]:
-        """Requests whose caller cancelled them, waiting or running: they leave now, and what
-        they hold is the engine's to free."""
-        running = [r for r in self.running if r.future.cancelled()]
-        self.running = [r for r in self.running if not r.future.cancelled()]
-        waiting = [r for r in self.waiting if r.future.cancelled()]
-        self.waiting = [r for r in self.waiting if not r.future.cancelled()]
+        """Requests whose future is done while they are still here, waiting or running: cancelled
+        by their caller, or failed by their own `on_text` (on a delivery thread). They leave now,
+        and what they hold is the engine's to free."""
+        running = [r for r in self.running if r.future.done()]
+        self.running = [r for r in self.running if not r.future.done()]
+        waiting = [r for r in self.waiting if r.future.done()]
+        self.waiting = [r for r in self.waiting if not r.future.done()]
         cancelled, self.cancelled = self.cancelled + waiting + running, []
         return cancelled
 

@@ -13,6 +13,8 @@ from typing import Any
 
 from kev_engine import SamplingParams
 
+from .retry import check_max_retries
+
 # names other libraries use for Kev's fields: what to write instead
 RENAMED = {
     "num_predict": "max_tokens", "max_new_tokens": "max_tokens", "max_length": "max_tokens",
@@ -22,18 +24,12 @@ RENAMED = {
     "stop_sequences": "stop", "request_timeout": "timeout",
 }
 CONTEXT_WINDOW_NAMES = ("context_window", "num_ctx", "n_ctx", "context_length", "max_context")
-# client settings of hosted models (LangChain's standard parameters): meaningless in-process
-NOT_APPLICABLE = {
-    "max_retries": "Kev runs the model in-process or on `kev serve` through base_url=: there is nothing to retry",
-}
 
 
 def _hint(name: str, allowed: Iterable[str], owner: str) -> str:
     if name in CONTEXT_WINDOW_NAMES:
         return ("the context window is not a setting: it is read from the model's config "
                 "(engine.max_context; LlamaIndex's Kev reports it as llm.metadata.context_window)")
-    if name in NOT_APPLICABLE:
-        return NOT_APPLICABLE[name]
     allowed = list(allowed)
     if RENAMED.get(name) in allowed:
         return f"use {RENAMED[name]}= instead"
@@ -50,6 +46,19 @@ def refuse_unknown(owner: str, values: Any, allowed: Iterable[str]) -> None:
     if unknown:
         raise TypeError("; ".join(f"{owner}() got an unknown argument {name!r}: {_hint(name, allowed, owner)}"
                                   for name in unknown))
+
+
+def check_retries(max_retries: Any, base_url: str | None) -> None:
+    """`max_retries` retries requests to a `kev serve` (`base_url`); in-process it cannot mean anything."""
+    if max_retries is None:
+        return
+    check_max_retries(max_retries)
+    if max_retries and base_url is None:
+        raise ValueError(
+            f"max_retries={max_retries} needs base_url=: it retries requests to a `kev serve` that failed to "
+            "connect or were refused for now (429, 503). Without base_url the model runs in this process, "
+            "where no request goes over a network: leave max_retries unset"
+        )
 
 
 def check_sampling(values: Mapping[str, Any]) -> None:

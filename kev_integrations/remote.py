@@ -8,17 +8,20 @@ request (one group on the server), as they form one pack locally.
 
 Every request streams server-sent events (one per token, read or not), so once every future of
 a request is cancelled the next event closes its connection and the server stops computing it.
-Errors come back as the engine's own exception types.
+Errors come back as the engine's own exception types. With `max_retries`, a request the server
+refused for now (429, 503) or never received (a connection error) is sent again after a backoff
+(see `retry`); once an answer has started, nothing is retried.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -32,9 +35,12 @@ from kev_engine import (
     KevError,
     SamplingParams,
 )
+from kev_engine.delivery import Delivery, Mailbox, hand_text
 from kev_engine.errors import PassFailedError, UnknownAdapterError
 from kev_engine.params import coerce_sampling
 from kev_engine.request import resolve_future
+
+from .retry import RETRY_ERRORS, RETRY_STATUSES, check_max_retries, retry_delay
 
 ERRORS: dict[str, type[Exception]] = {
     cls.__name__: cls
@@ -57,6 +63,7 @@ class _Pending:
     adapter: str | None
     on_text: Callable[[str], None] | None
     future: Future[Completion]
+    mailbox: Mailbox = dataclasses.field(default_factory=Mailbox)  # its text, then its result, in order
 
 
 def _error(body: dict[str, Any]) -> Exception:
@@ -64,22 +71,30 @@ def _error(body: dict[str, Any]) -> Exception:
     return cls(body.get("message", "the server reported an error"))
 
 
-def _http_error(response: httpx.Response) -> Exception:
+def _http_error(response: httpx.Response, retries: int = 0) -> Exception:
     try:
         message = response.json()["error"]["message"]
     except (ValueError, KeyError, TypeError):
         message = response.text[:500]
     if response.status_code == 400:
         return InvalidRequestError(message)
-    return KevError(f"kev serve answered {response.status_code}: {message}")
+    tried = f" (after {retries} retries)" if retries else ""
+    return KevError(f"kev serve answered {response.status_code}: {message}{tried}")
 
 
 class RemoteEngine:
-    """Submit, stream and hold against `kev serve` at `base_url` (e.g. ``http://127.0.0.1:8000``)."""
+    """Submit, stream and hold against `kev serve` at `base_url` (e.g. ``http://127.0.0.1:8000``).
 
-    def __init__(self, base_url: str, api_key: str | None = None, timeout: float = 600.0) -> None:
+    `max_retries`: how many times a request is sent again after a connection error, 429 or 503
+    (0: never), waiting as the server's Retry-After asks, else with exponential backoff.
+    """
+
+    def __init__(self, base_url: str, api_key: str | None = None, timeout: float = 600.0,
+                 max_retries: int = 0) -> None:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.base_url = base_url.rstrip("/").removesuffix("/v1")
+        self.max_retries = check_max_retries(max_retries)
+        self._closed = threading.Event()  # ends a backoff wait at once
         self._http = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout,
                                   limits=httpx.Limits(max_connections=MAX_CONNECTIONS))
         info = self._get("/kev/v1/info")
@@ -88,6 +103,9 @@ class RemoteEngine:
         self.tokenizer = RemoteTokenizer(info["chat_template"])
         self.max_prompts: int = info["max_prompts"]  # a larger held batch travels as several requests
         self._pool = ThreadPoolExecutor(MAX_CONNECTIONS, thread_name_prefix="kev-remote")
+        # callbacks run off the threads reading the streams, as in the engine: a slow on_text
+        # delays only its own request, never the other prompts of its batch
+        self._delivery = Delivery("kev-remote")
         self._lock = threading.Lock()
         self._holds = 0
         self._held: list[_Pending] = []
@@ -163,22 +181,54 @@ class RemoteEngine:
                 self._pool.submit(self._send, batch[start : start + self.max_prompts])
 
     def close(self) -> None:
+        self._closed.set()
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._http.close()
+        self._delivery.close()
 
     # ---- HTTP -------------------------------------------------------------------------------
 
+    def _open(self, method: str, path: str, body: Any = None,
+              cancelled: Callable[[], bool] = lambda: False) -> httpx.Response:
+        """The server's 200 answer, its headers read and its body not yet (close it), after at
+        most `max_retries` retries of connection errors, 429 and 503; any other answer raises.
+        `cancelled()` true before a retry raises CancelledError: nobody waits for the answer."""
+        attempt = 0
+        while True:
+            response: httpx.Response | None = None
+            try:
+                response = self._http.send(self._http.build_request(method, path, json=body), stream=True)
+            except RETRY_ERRORS as exc:
+                if attempt >= self.max_retries:
+                    tried = f" (after {attempt} retries)" if attempt else ""
+                    raise KevError(f"kev serve at {self.base_url}: {type(exc).__name__}: {exc}{tried}") from exc
+            else:
+                if response.status_code == 200:
+                    return response
+                if response.status_code not in RETRY_STATUSES or attempt >= self.max_retries:
+                    response.read()
+                    response.close()
+                    raise _http_error(response, attempt)
+                response.close()
+            if self._closed.wait(retry_delay(attempt, response.headers if response is not None else None)):
+                raise EngineClosedError(f"the client of kev serve at {self.base_url} was closed")
+            if cancelled():
+                raise CancelledError()
+            attempt += 1
+
     def _get(self, path: str) -> Any:
-        response = self._http.get(path)
-        if response.status_code != 200:
-            raise _http_error(response)
-        return response.json()
+        response = self._open("GET", path)
+        try:
+            return json.loads(response.read())
+        finally:
+            response.close()
 
     def _post(self, path: str, body: Any) -> Any:
-        response = self._http.post(path, json=body)
-        if response.status_code != 200:
-            raise _http_error(response)
-        return response.json()
+        response = self._open("POST", path, body)
+        try:
+            return json.loads(response.read())
+        finally:
+            response.close()
 
     def _send(self, batch: list[_Pending]) -> None:
         """One HTTP request for the batch; events resolve each future. Runs on the pool."""
@@ -186,43 +236,49 @@ class RemoteEngine:
         # this loop notice a cancelled batch promptly and hang up (closing from another thread can't)
         body = {"requests": [{"prompt": p.prompt, "sampling": _sampling_dict(p.sampling), "adapter": p.adapter,
                               "stream": True} for p in batch]}
+
+        def cancelled() -> bool:
+            return all(p.future.cancelled() for p in batch)
+
         try:
-            with self._http.stream("POST", "/kev/v1/generate", json=body) as response:
-                if response.status_code != 200:
-                    response.read()
-                    raise _http_error(response)
+            # retried only until an answer starts: after that, its text may have reached on_text
+            with contextlib.closing(self._open("POST", "/kev/v1/generate", body, cancelled)) as response:
                 for line in response.iter_lines():
-                    if all(p.future.cancelled() for p in batch):
+                    if cancelled():
                         return  # leaving closes the connection: the server cancels the work
                     if not line.startswith("data: ") or line == "data: [DONE]":
                         continue
                     self._event(batch, json.loads(line.removeprefix("data: ")))
+        except CancelledError:
+            return  # every caller cancelled while it waited to retry
         except Exception as exc:  # noqa: BLE001 - the transport failed: every unanswered future says so
             error = exc if isinstance(exc, KevError) else KevError(f"kev serve at {self.base_url}: {exc}")
             for pending in batch:
-                resolve_future(pending.future, exc=error)
+                self._resolve(pending, exc=error)
             return
         for pending in batch:  # a stream that ended early must not leave a caller waiting forever
-            resolve_future(pending.future, exc=KevError("kev serve closed the stream before answering"))
+            self._resolve(pending, exc=KevError("kev serve closed the stream before answering"))
 
     def _event(self, batch: list[_Pending], event: dict[str, Any]) -> None:
         if "index" not in event:  # the whole stream failed (a Ray replica died mid-way): every unanswered one
             error = event.get("error") or {}
             failure = KevError(f"kev serve at {self.base_url}: {error.get('message', event)}")
             for pending in batch:
-                resolve_future(pending.future, exc=failure)
+                self._resolve(pending, exc=failure)
             return
         pending = batch[event["index"]]
         if "text" in event:
-            if pending.on_text is not None and not pending.future.done():
-                try:
-                    pending.on_text(event["text"])
-                except BaseException as exc:  # noqa: BLE001 - as locally: the callback's error fails its request
-                    resolve_future(pending.future, exc=exc)
+            if pending.on_text is not None:  # as locally: what the callback raises fails its request alone
+                self._delivery.post(pending.mailbox, functools.partial(hand_text, pending.future, pending.on_text,
+                                                                       event["text"]))
         elif "completion" in event:
-            resolve_future(pending.future, Completion(**event["completion"]))
+            self._resolve(pending, Completion(**event["completion"]))
         else:
-            resolve_future(pending.future, exc=_error(event["error"]))
+            self._resolve(pending, exc=_error(event["error"]))
+
+    def _resolve(self, pending: _Pending, result: Any = None, exc: BaseException | None = None) -> None:
+        """Resolve a future after the text already posted for it (on a delivery thread)."""
+        self._delivery.post(pending.mailbox, functools.partial(resolve_future, pending.future, result, exc))
 
 
 def _sampling_dict(sampling: SamplingParams) -> dict[str, Any]:

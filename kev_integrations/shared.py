@@ -27,7 +27,7 @@ _lock = threading.Lock()
 _adapter_lock = threading.Lock()
 _engines: dict[EngineKey, Engine] = {}
 _settings: dict[EngineKey, dict[str, Any]] = {}
-_remotes: dict[tuple[str, str | None], RemoteEngine] = {}
+_remotes: dict[tuple[str, str | None, int], RemoteEngine] = {}
 
 
 def engine_key(source: str | None, device: str | None, dtype: str | None) -> EngineKey:
@@ -83,13 +83,13 @@ def shared_engine(
     return engine
 
 
-def remote_engine(base_url: str, api_key: str | None) -> RemoteEngine:
-    """One client per (server, key), shared like local engines: copies of an LLM object share it."""
-    key = (base_url.rstrip("/").removesuffix("/v1"), api_key)
+def remote_engine(base_url: str, api_key: str | None, max_retries: int = 0) -> RemoteEngine:
+    """One client per (server, key, retries), shared like local engines: copies of an LLM object share it."""
+    key = (base_url.rstrip("/").removesuffix("/v1"), api_key, max_retries)
     with _lock:
         client = _remotes.get(key)
         if client is None:
-            client = _remotes[key] = RemoteEngine(key[0], api_key)
+            client = _remotes[key] = RemoteEngine(key[0], api_key, max_retries=max_retries)
     return client
 
 
@@ -101,15 +101,17 @@ def resolve_engine(
     adapters: Mapping[str, str],
     base_url: str | None = None,
     api_key: str | None = None,
+    max_retries: int = 0,
 ) -> AnyEngine:
     """The engine an integration object runs on: the one it was given (its adapters loaded into
-    it), else a running `kev serve` at `base_url`, else the shared one for (source, device, dtype)."""
+    it), else a running `kev serve` at `base_url` (`max_retries`: see `RemoteEngine`), else the
+    shared one for (source, device, dtype)."""
     if engine is not None and base_url is not None:
         raise ValueError("give engine= or base_url=, not both")
     if base_url is not None:
         if source is not None or device is not None or dtype is not None:
             raise ValueError(f"model/device/dtype are chosen by the server at {base_url}; leave them unset")
-        client = remote_engine(base_url, api_key)
+        client = remote_engine(base_url, api_key, max_retries)
         for name, path in adapters.items():  # the server holds adapters: only check they are there
             client.load_adapter(name, path)
         return client

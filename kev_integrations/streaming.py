@@ -1,8 +1,8 @@
 """Streaming for both front ends: text pieces as the engine makes them, then the `Completion`.
 
-The engine calls `on_text` on its scheduler thread; these generators hand the pieces to the
-caller's thread (a queue) or event loop (`call_soon_threadsafe`), so a stream never holds up
-the packed passes it shares. Stopping early cancels the request.
+The engine calls `on_text` on one of its delivery threads; these generators hand the pieces to
+the caller's thread (a queue) or event loop (`call_soon_threadsafe`), so a slow reader never
+holds up even its own delivery. Stopping early cancels the request.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ async def astream_answer(
     loop = asyncio.get_running_loop()
     pieces: asyncio.Queue[str | None] = asyncio.Queue()
 
-    def put(piece: str | None) -> None:  # runs on the scheduler thread: must never raise there
+    def put(piece: str | None) -> None:  # runs on a delivery thread: must never raise there
         try:
             loop.call_soon_threadsafe(pieces.put_nowait, piece)
         except RuntimeError:  # the loop is closed: nobody is listening any more

@@ -16,8 +16,10 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
+TAG = "<tool_call>"
 TOOL_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 
 
@@ -170,28 +172,105 @@ def parse_call(raw: str) -> dict[str, Any]:
     return {"name": name, "arguments": args}
 
 
-def _without_partial_end(raw: str) -> str:
-    """`raw` without a trailing start of ``</tool_call>`` (a reply cut inside the closing tag)."""
-    for size in range(len("</tool_call>") - 1, 0, -1):
-        if raw.endswith("</tool_call>"[:size]):
-            return raw[:-size].rstrip()
-    return raw
-
-
 CUT_BY_MAX_TOKENS = "cut by max_tokens (finish_reason='length') before the call was complete; raise max_tokens"
+CUT_INSIDE_TAG = "cut inside the <tool_call> tag by max_tokens (finish_reason='length'); raise max_tokens"
+_NAME_RE = re.compile(r'"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
+_ARGUMENTS_RE = re.compile(r'"(?:arguments|parameters)"\s*:\s*')
+
+
+@dataclass(frozen=True)
+class InvalidCall:
+    """A ``<tool_call>`` that does not parse, as far as it was written.
+
+    `arguments` is the arguments text only (cut where the reply was cut), never the
+    ``{"name": ..., "arguments": ...}`` wrapper: what OpenAI's ``function.arguments`` and
+    LangChain's ``InvalidToolCall.args`` hold.
+    """
+
+    name: str | None
+    """The tool's name; None when the reply ended before the name was written whole."""
+    arguments: str
+    error: str
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """The length of the longest end of `text` that is a start of `tag` (a reply cut inside the tag)."""
+    for size in range(len(tag) - 1, 0, -1):
+        if text.endswith(tag[:size]):
+            return size
+    return 0
+
+
+def visible_text(text: str) -> str:
+    """What of a reply still being streamed is surely no call markup: the text before its first
+    ``<tool_call>``, less an end that may be the start of one (with tools bound, the prose streams
+    and calls come parsed at the end)."""
+    head = text.split(TAG, 1)[0]
+    return head[: len(head) - _partial_suffix(head, TAG)]
+
+
+def _value_end(text: str) -> int:
+    """Where the JSON value `text` starts with ends: its closing bracket or quote, else before the
+    wrapper's next `,` or `}` (a scalar), else the end of `text` (the value was cut)."""
+    depth, in_string, escaped = 0, False, False
+    for i, char in enumerate(text):
+        if in_string:
+            if escaped:
+                escaped = False
+            elif char == "\\":
+                escaped = True
+            elif char == '"':
+                in_string = False
+                if depth == 0:
+                    return i + 1
+        elif char == '"':
+            in_string = True
+        elif char in "{[":
+            depth += 1
+        elif char in "}]" or (char == "," and depth == 0):
+            if depth == 0:
+                return i
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    return len(text)
+
+
+def _invalid_call(raw: str, error: str, cut: bool) -> InvalidCall:
+    """What a call that does not parse names and passes (`raw`: the text between the tags)."""
+    found = _ARGUMENTS_RE.search(raw)
+    head = raw[: found.start()] if found else raw  # a "name" inside the arguments is not the tool's
+    named = _NAME_RE.search(head)
+    try:
+        name = json.loads(f'"{named.group(1)}"') if named else None
+    except ValueError:
+        name = None
+    if found:
+        value = raw[found.end() :]
+        arguments = value[: _value_end(value)].strip()
+        if arguments.startswith('"'):  # arguments written as a JSON string: its text, when it is whole
+            try:
+                arguments = str(json.loads(arguments))
+            except ValueError:
+                pass
+    else:  # cut (or written) before any arguments: none; no wrapper at all: the text is all there is
+        arguments = "" if cut or named else raw
+    return InvalidCall(name, arguments, error)
 
 
 def split_tool_calls(
     text: str, tool_names: Sequence[str] = (), *, finish_reason: str | None = None
-) -> tuple[str, list[dict[str, Any]], list[tuple[str, str]]]:
-    """Split a reply into (remaining text, calls as {"name", "arguments"}, invalid as (raw, error)).
+) -> tuple[str, list[dict[str, Any]], list[InvalidCall]]:
+    """Split a reply into (remaining text, calls as {"name", "arguments"}, calls that do not parse).
 
-    Exact repeats of a call (same name, same arguments) are kept once: a small model under a
-    "call one or more tools" constraint tends to write the same call again and again until
-    max_tokens, and running a tool twice with the same arguments in one turn never adds an
-    answer. A last call left open by ``finish_reason="length"`` is invalid, its error saying it
-    was cut by max_tokens (never dropped, never half-parsed) — unless only its closing tag was
-    cut, the call itself complete.
+    The remaining text never holds call markup, whatever became of the call: every front end
+    shows it as the reply's content. Exact repeats of a call (same name, same arguments) are
+    kept once: a small model under a "call one or more tools" constraint tends to write the same
+    call again and again until max_tokens, and running a tool twice with the same arguments in
+    one turn never adds an answer. A last call left open by ``finish_reason="length"`` is
+    invalid, its error saying it was cut by max_tokens (never dropped, never half-parsed) —
+    unless only its closing tag was cut, the call itself complete; a reply cut inside the
+    opening tag (tools bound) is an invalid call with neither name nor arguments.
     """
     matches = list(TOOL_CALL_RE.finditer(text))
     if not matches:
@@ -203,19 +282,25 @@ def split_tool_calls(
                 return text, [], []
             if call["name"] in tool_names:
                 return "", [call], []
-        return text, [], []
     calls: list[dict[str, Any]] = []
-    invalid: list[tuple[str, str]] = []
+    invalid: list[InvalidCall] = []
     for match in matches:
         raw = match.group(1)
         cut = finish_reason == "length" and match is matches[-1] and not match.group(0).endswith("</tool_call>")
         if cut:  # cut inside the closing tag, the call itself complete: keep it
-            raw = _without_partial_end(raw)
+            raw = raw[: len(raw) - _partial_suffix(raw, "</tool_call>")].rstrip()
         try:
             call = parse_call(raw)
         except (ValueError, KeyError, TypeError) as exc:
-            invalid.append((match.group(1), CUT_BY_MAX_TOKENS if cut else f"{type(exc).__name__}: {exc}"))
+            invalid.append(_invalid_call(raw, CUT_BY_MAX_TOKENS if cut else f"{type(exc).__name__}: {exc}", cut))
             continue
         if call not in calls:
             calls.append(call)
-    return TOOL_CALL_RE.sub("", text).strip(), calls, invalid
+    rest = TOOL_CALL_RE.sub("", text)
+    opened = _partial_suffix(rest, TAG) if tool_names and finish_reason == "length" else 0
+    if opened and not (matches and matches[-1].end() == len(text)):
+        rest = rest[:-opened]
+        invalid.append(InvalidCall(None, "", CUT_INSIDE_TAG))
+    elif not matches:
+        return text, [], []
+    return rest.strip(), calls, invalid

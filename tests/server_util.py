@@ -34,13 +34,13 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def serving(app: Any, grace: float | None = None) -> Iterator[str]:
-    """Run `app` on 127.0.0.1 (a free port) in a thread; yield its base URL; stop it on exit.
+def serving(app: Any, grace: float | None = None, port: int = 0) -> Iterator[str]:
+    """Run `app` on 127.0.0.1 (`port`, 0: a free one) in a thread; yield its base URL; stop it on exit.
 
     `grace`: what `kev serve --grace` sets, the seconds running requests get once the stop begins
     (None: uvicorn waits for them).
     """
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on",
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on",
                                            timeout_graceful_shutdown=grace))
     thread = threading.Thread(target=server.run, name="test-uvicorn", daemon=True)
     thread.start()

@@ -157,7 +157,6 @@ def test_token_counts_use_the_engines_tokenizer_and_template(engine: Engine, mon
     (ChatKev, {"max_new_tokens": 8}, r"'max_new_tokens': use max_tokens="),
     (KevLLM, {"max_length": 8}, r"'max_length': use max_tokens="),
     (ChatKev, {"temprature": 0.5}, r"did you mean temperature="),
-    (ChatKev, {"max_retries": 2}, r"nothing to retry"),
     (Kev, {"context_window": 2048}, r"'context_window': the context window is not a setting.*metadata"),
     (Kev, {"max_new_tokens": 8}, r"use max_tokens="),
 ])

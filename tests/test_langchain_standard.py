@@ -59,8 +59,8 @@ class KevFlags:
     @property
     def standard_chat_model_params(self) -> dict[str, Any]:
         # Kev refuses unknown constructor arguments (a dropped `num_predict` would silently run
-        # 256 tokens); retries mean nothing in-process, and the suite's api_key/base_url would
-        # point this in-process model at a made-up server.
+        # 256 tokens); max_retries is refused without base_url (in-process nothing can be retried),
+        # and the suite's api_key/base_url would point this in-process model at a made-up server.
         params = super().standard_chat_model_params  # type: ignore[misc]
         for name in ("max_retries", "api_key", "base_url"):
             params.pop(name, None)

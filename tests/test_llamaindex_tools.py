@@ -128,7 +128,7 @@ def test_a_reply_cut_by_max_tokens_is_a_parse_error_naming_length(llm) -> None:
     with pytest.raises(ReplyParseError, match="does not parse.*cut inside.*finish_reason='length'"):
         llm.get_tool_calls_from_response(cut, error_on_no_tool_call=False)  # never a silent "no call"
     cut = llm.chat_with_tools(tools, user_msg="Paint it.", tool_required=True, max_tokens=12)  # inside the JSON
-    with pytest.raises(ReplyParseError, match="JSONDecodeError.*finish_reason='length'"):
+    with pytest.raises(ReplyParseError, match="cut by max_tokens.*finish_reason='length'"):
         llm.get_tool_calls_from_response(cut)
 
 

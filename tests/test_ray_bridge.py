@@ -134,17 +134,21 @@ def test_an_adapter_the_lru_drops_stays_for_the_requests_using_it(tiny_engine: E
 def test_a_stream_that_fails_as_a_whole_fails_every_unanswered_request() -> None:
     """A Ray stream cut mid-way ends with one error event without an index (the ingress cannot know
     which requests it carried): RemoteEngine fails each unanswered future with its message."""
+    import functools
     from concurrent.futures import Future
     from types import SimpleNamespace
 
     from kev_engine import KevError
+    from kev_engine.delivery import Delivery
     from kev_integrations.remote import RemoteEngine, _Pending
 
     batch = [_Pending("a", SamplingParams(), None, None, Future()), _Pending("b", SamplingParams(), None, None,
                                                                             Future())]
     batch[0].future.set_result("answered")
     event = {"error": {"message": "the replica answering this stream (r1) died midway", "code": "replica_died"}}
-    RemoteEngine._event(SimpleNamespace(base_url="http://x"), batch, event)  # type: ignore[arg-type]
-    assert batch[0].future.result() == "answered"
+    client = SimpleNamespace(base_url="http://x", _delivery=Delivery("test"))  # what _event uses of a client
+    client._resolve = functools.partial(RemoteEngine._resolve, client)  # type: ignore[arg-type]
+    RemoteEngine._event(client, batch, event)  # type: ignore[arg-type]
     with pytest.raises(KevError, match="r1\\) died midway"):
-        batch[1].future.result(timeout=1)
+        batch[1].future.result(timeout=30)  # resolved on a delivery thread
+    assert batch[0].future.result() == "answered"

@@ -45,6 +45,8 @@ class ChatKev(KevFields, BaseChatModel):
         device / dtype: str | None — where and how to load it.
         adapters: dict[str, str] — LoRA adapters (name → PEFT folder) loaded on first use.
         engine: Engine | None — a ready `kev_engine.Engine` to use instead of the shared one.
+        base_url / api_key: str | None — a running ``kev serve`` to answer on instead;
+        max_retries: int | None — with base_url, retries of connection errors, 429 and 503.
 
     Key init args — per call (also via ``.bind(...)``, ``invoke(..., **kwargs)``,
     ``configurable_fields``):

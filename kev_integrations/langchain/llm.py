@@ -55,7 +55,8 @@ class KevLLM(KevFields, BaseLLM):
         ``pip install "kev-llm[langchain]"``; the embedded SmolLM2-135M-Instruct works offline.
         Construction loads nothing; the engine is shared per (model, device, dtype).
 
-    Key init args: same as `ChatKev` — model, device, dtype, adapters, engine (engine side);
+    Key init args: same as `ChatKev` — model, device, dtype, adapters, engine, or base_url,
+    api_key and max_retries for a ``kev serve`` (engine side);
     adapter, temperature, top_p, top_k, max_tokens, stop, seed, cache_salt, timeout (per call;
     also via ``.bind(...)``, ``invoke(..., **kwargs)`` and ``configurable_fields``); chat_template.
     Unknown arguments are refused (``num_predict`` → use ``max_tokens``).

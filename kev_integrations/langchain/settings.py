@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from kev_engine import Engine, SamplingParams
 from kev_engine.loader import EMBEDDED_NAME
 
-from ..init_args import check_sampling, refuse_unknown
+from ..init_args import check_retries, check_sampling, refuse_unknown
 from ..remote import AnyEngine
 from ..shared import resolve_engine
 from ..tokens import text_token_ids
@@ -48,6 +48,10 @@ class KevFields(BaseModel):
     `batch()` is one request (one pack on the server)."""
     api_key: str | None = Field(default=None, exclude=True, repr=False)
     """The server's API key (with `base_url`)."""
+    max_retries: int | None = None
+    """With `base_url`: times a request is sent again after a connection error, 429 or 503, waiting
+    as the server's Retry-After asks, else with exponential backoff (None or 0: never). Refused
+    without `base_url`: in-process, nothing goes over a network."""
     adapter: str | None = None
     """LoRA adapter name for this call; None = the base model."""
     temperature: float | None = None
@@ -91,13 +95,14 @@ class KevFields(BaseModel):
     def _kev_check_sampling(self) -> Any:
         """``temperature=-1`` fails here, at construction, with the engine's own message."""
         check_sampling({key: getattr(self, key) for key in SETTING_KEYS if key != "adapter"})
+        check_retries(self.max_retries, self.base_url)
         return self
 
     def get_engine(self) -> AnyEngine:
         """The engine to run on: the one passed in, else a `kev serve` at `base_url`, else the shared
         one (loaded on first use)."""
         return resolve_engine(self.engine, self.model, self.device, self.dtype, self.adapters,
-                              self.base_url, self.api_key)
+                              self.base_url, self.api_key, self.max_retries or 0)
 
     @property
     def model_name(self) -> str:

@@ -40,12 +40,12 @@ from llama_index.core.tools.types import BaseTool
 from kev_engine import Completion, Engine, SamplingParams
 from kev_engine.params import CONSTRAINT_FIELDS
 
-from ..init_args import check_sampling, refuse_unknown
+from ..init_args import check_retries, check_sampling, refuse_unknown
 from ..remote import AnyEngine
 from ..shared import resolve_engine
 from ..streaming import astream_answer, stream_answer
 from ..tokens import text_token_ids
-from ..tool_format import split_tool_calls, template_supports_tools, tool_call_constraint
+from ..tool_format import split_tool_calls, template_supports_tools, tool_call_constraint, visible_text
 from .messages import assistant_message, chat_prompt, tool_schemas, tool_selections
 from .scoped import CALL_KEYS, SAMPLING_KEYS, check_settings, current_overrides
 from .structured import StructuredOutput
@@ -81,7 +81,8 @@ class Kev(StructuredOutput, FunctionCallingLLM):
         adapter / temperature / top_p / top_k / max_tokens / stop / seed / cache_salt: per-call defaults.
         engine: an already-built `kev_engine.Engine` to use instead of the shared one.
         base_url / api_key: a running ``kev serve`` to use instead (model and adapters are the server's);
-            every setting and constraint travels with each call.
+            every setting and constraint travels with each call. max_retries: retries of connection
+            errors, 429 and 503 there (only with base_url).
         Unknown arguments are a TypeError naming the right one (``max_new_tokens`` → ``max_tokens``);
         ``context_window`` is not an argument: ``metadata`` reports the model's own.
 
@@ -167,6 +168,10 @@ class Kev(StructuredOutput, FunctionCallingLLM):
         default=None, description="A running `kev serve` (e.g. http://127.0.0.1:8000) to use instead of a local engine."
     )
     api_key: str | None = Field(default=None, exclude=True, repr=False, description="The server's API key.")
+    max_retries: int | None = Field(
+        default=None, description="With base_url: times a request is sent again after a connection error, 429 or "
+        "503 (Retry-After honoured, else exponential backoff); None or 0: never. Refused without base_url."
+    )
 
     _loaded: AnyEngine | None = PrivateAttr(default=None)
 
@@ -182,6 +187,7 @@ class Kev(StructuredOutput, FunctionCallingLLM):
     @model_validator(mode="after")
     def _kev_check_sampling(self) -> Kev:
         check_sampling({key: getattr(self, key) for key in SAMPLING_KEYS})
+        check_retries(self.max_retries, self.base_url)
         return self
 
     @classmethod
@@ -199,7 +205,7 @@ class Kev(StructuredOutput, FunctionCallingLLM):
         one (loaded on first use)."""
         if self._loaded is None:
             self._loaded = resolve_engine(self.engine, self.model, self.device, self.dtype, self.adapters,
-                                          self.base_url, self.api_key)
+                                          self.base_url, self.api_key, self.max_retries or 0)
         return self._loaded
 
     def with_settings(self, **settings: Any) -> Kev:
@@ -301,8 +307,13 @@ class Kev(StructuredOutput, FunctionCallingLLM):
     def _chat_response(
         text: str, delta: str | None, completion: Completion | None, tool_names: Sequence[str]
     ) -> ChatResponse:
-        """A chunk carries the text so far; the last one (usage in `raw`) the parsed tool calls."""
+        """A chunk carries the text so far; the last one (usage in `raw`) the parsed tool calls.
+        With tools bound, chunks carry only the prose before any call, never call markup."""
         if completion is None:
+            if tool_names:
+                before = visible_text(text[: len(text) - len(delta or "")])
+                text = visible_text(text)
+                delta = text[len(before) :]
             return ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text), delta=delta)
         message = assistant_message(text, tool_names, completion.finish_reason)
         return ChatResponse(message=message, delta=delta, raw=_usage(completion))

@@ -27,8 +27,6 @@ from ..tool_format import (
     tool_system_prompt,
 )
 
-TAG = "<tool_call>"
-
 
 class ReplyParseError(OutputParserException, ValueError):
     """A reply that does not parse as what was asked (a tool call, a structured object).
@@ -121,27 +119,19 @@ def chat_prompt(
     return with_system(converted, tool_system_prompt(tools, tool_choice))
 
 
-def _opens_a_call(text: str) -> bool:
-    """Whether `text` ends part-way into a ``<tool_call>`` tag (a reply cut right there)."""
-    tail = text.rsplit("</tool_call>", 1)[-1]
-    return any(TAG.startswith(tail[i:]) for i in range(max(0, len(tail) - len(TAG)), len(tail)))
-
-
 def assistant_message(text: str, tool_names: Sequence[str] = (), finish_reason: str | None = None) -> ChatMessage:
-    """The reply as an assistant message: calls parsed into ``additional_kwargs["tool_calls"]``
-    (the text around them stays the content); calls that do not parse, or a reply cut inside
-    the opening tag, are kept with why in ``additional_kwargs["invalid_tool_calls"]`` for
-    `tool_selections` to report."""
-    rest, calls, invalid = split_tool_calls(text, tool_names)
-    if finish_reason == "length" and _opens_a_call(text):
-        invalid.append((text.rsplit("</tool_call>", 1)[-1][-len(TAG):], "cut inside the <tool_call> tag"))
+    """The reply as an assistant message: calls parsed into ``additional_kwargs["tool_calls"]``,
+    the text around them the content (never call markup). Calls that do not parse — cut by
+    max_tokens, even inside the opening tag — are kept as ``{"name", "arguments", "error"}`` in
+    ``additional_kwargs["invalid_tool_calls"]`` (`arguments`: the arguments text written, not
+    the call's wrapper) for `tool_selections` to report."""
+    rest, calls, invalid = split_tool_calls(text, tool_names, finish_reason=finish_reason)
     extra: dict[str, Any] = {}
     if calls:
         extra["tool_calls"] = [{"id": f"call_{uuid.uuid4().hex[:12]}", **c} for c in calls]
     if invalid:
-        extra["invalid_tool_calls"] = [{"text": raw, "error": error} for raw, error in invalid]
-    return ChatMessage(role=MessageRole.ASSISTANT, content=rest if calls and not invalid else text,
-                       additional_kwargs=extra)
+        extra["invalid_tool_calls"] = [{"name": c.name, "arguments": c.arguments, "error": c.error} for c in invalid]
+    return ChatMessage(role=MessageRole.ASSISTANT, content=rest, additional_kwargs=extra)
 
 
 def tool_selections(
@@ -154,8 +144,10 @@ def tool_selections(
     usage = raw.get("usage") or {}
     if invalid := message.additional_kwargs.get("invalid_tool_calls"):
         reason = cut_reason(raw.get("finish_reason"), usage.get("completion_tokens"))
-        raise ReplyParseError(f"tool call {invalid[0]['text']!r} does not parse ({invalid[0]['error']}); {reason}",
-                              raw.get("finish_reason"))
+        bad = invalid[0]
+        what = f"tool call {bad['name']!r}" if bad["name"] else "a tool call"
+        what += f" with arguments {bad['arguments']!r}" if bad["arguments"] else ""
+        raise ReplyParseError(f"{what} does not parse ({bad['error']}); {reason}", raw.get("finish_reason"))
     calls = _calls_of(message)
     if not calls and error_on_no_tool_call:
         raise ValueError(f"expected a tool call in the answer, got: {message.content!r}")

@@ -109,15 +109,19 @@ def chat_prompt(messages: Sequence[Any], tools: Sequence[Mapping[str, Any]], too
     return converted, tool_names
 
 
-def reply_tool_calls(text: str, tool_names: Sequence[str]) -> tuple[str, list[dict[str, Any]]]:
+def reply_tool_calls(
+    text: str, tool_names: Sequence[str], finish_reason: str | None = None
+) -> tuple[str, list[dict[str, Any]]]:
     """A reply's text and its tool calls in OpenAI's shape (arguments as JSON text).
 
-    A call that does not parse (only possible when max_tokens cut it) is not dropped: the whole
-    reply then stays in the text, beside the calls that did parse.
+    The text never holds call markup. A call that does not parse (only possible when max_tokens
+    cut it) comes as OpenAI sends one: in the calls, its `arguments` the text written before the
+    cut, beside `finish_reason` "length"; one cut before its name was whole has nothing to send.
     """
-    remaining, calls, invalid = split_tool_calls(text, tool_names)
-    return (text if invalid else remaining), [
-        {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-         "function": {"name": c["name"], "arguments": json.dumps(c["arguments"], ensure_ascii=False)}}
-        for c in calls
+    remaining, calls, invalid = split_tool_calls(text, tool_names, finish_reason=finish_reason)
+    written = [(c["name"], json.dumps(c["arguments"], ensure_ascii=False)) for c in calls]
+    written += [(c.name, c.arguments) for c in invalid if c.name is not None]
+    return remaining, [
+        {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {"name": name, "arguments": arguments}}
+        for name, arguments in written
     ]

@@ -1,9 +1,9 @@
-"""The hand-off from the engine's scheduler thread to the event loop, for streamed responses.
+"""The hand-off from the engine's delivery threads to the event loop, for streamed responses.
 
 Both streaming endpoints (OpenAI's and Kev's own) need the same thing: each prompt's text
 pieces, then its finished future, delivered on the event loop in the order the engine produced
 them, with one deadline for the whole request. `on_text` callbacks and future callbacks run on
-the scheduler thread, so everything crosses with `call_soon_threadsafe`.
+the engine's delivery threads, so everything crosses with `call_soon_threadsafe`.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ class Pieces:
         self._deadline = self._loop.time() + timeout
 
     def feeder(self, index: int) -> Callable[[str], None]:
-        """An `on_text` for prompt `index` (called on the scheduler thread)."""
+        """An `on_text` for prompt `index` (called on an engine delivery thread)."""
         def feed(piece: str) -> None:
             self._loop.call_soon_threadsafe(self._queue.put_nowait, (index, piece))
         return feed

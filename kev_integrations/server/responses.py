@@ -35,7 +35,8 @@ def usage(completions: Sequence[Completion]) -> dict[str, Any]:
 
 def chat_message(completion: Completion, tool_names: Sequence[str]) -> tuple[dict[str, Any], str]:
     """The assistant message and its finish_reason ("tool_calls" when it called tools)."""
-    text, calls = reply_tool_calls(completion.text, tool_names) if tool_names else (completion.text, [])
+    text, calls = (reply_tool_calls(completion.text, tool_names, completion.finish_reason) if tool_names
+                   else (completion.text, []))
     message: dict[str, Any] = {"role": "assistant", "content": text if text or not calls else None}
     finish: str = completion.finish_reason
     if calls:
