@@ -30,6 +30,7 @@ ENGINE_GAUGES = {
     "kv_cache_bytes": ("kev_kv_cache_bytes", "KV memory in use."),
     "kv_cache_budget_bytes": ("kev_kv_cache_budget_bytes", "KV memory budget."),
     "kv_cached_prefix_bytes": ("kev_kv_cached_prefix_bytes", "KV kept for reuse (LRU prefix cache)."),
+    "grammar_cache_bytes": ("kev_grammar_cache_bytes", "Compiled grammars kept for reuse (LRU, bounded)."),
 }
 
 
