@@ -12,6 +12,10 @@ replica loads adapters on demand through ``@serve.multiplexed`` (an LRU of
 `max_adapters_per_replica`), so an adapter lives on the replicas its traffic needs, not on all.
 Mixed-adapter packing stays inside each replica's engine (Serve's own batcher splits by id).
 
+Tenants: the ingress relays the caller's ``Authorization`` header, and each replica's app derives
+the tenant's prefix-cache namespace from it (`kev_integrations.server.tenants`), as `kev serve`
+does: every replica keeps API keys apart in its own cache.
+
 Failure: a replica that dies before the ingress has relayed any byte of its answer is retried
 on another replica (`retries` times); a stream that dies midway ends with an error event that
 says so — never a silently truncated answer.

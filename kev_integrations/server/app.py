@@ -10,13 +10,13 @@ layer adds what exposing a model needs: keys, limits, backpressure, disconnects,
   computing them at its next pass and frees their KV.
 - Past `max_queued` questions in flight a request gets 429 with Retry-After, never a queue
   that grows without bound; a request still running after `request_timeout_s` is cancelled.
+- Each API key is a tenant (`tenants`): its own prefix-cache namespace.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import json
 import threading
 import time
@@ -37,6 +37,7 @@ from .native import add_native_routes
 from .pieces import Pieces
 from .protocol import EngineCall, parse_chat, parse_completion
 from .responses import ChunkWriter, chat_response, completion_response, sse
+from .tenants import Tenant, Tenants, matching_key
 
 SHUTDOWN_CLOSE_S = 30.0  # after uvicorn's graceful drain, the engine gets this long to stop
 
@@ -52,6 +53,7 @@ class ServerState:
         self._adapter_names = adapter_names
         self.load_error: BaseException | None = None
         self.metrics = Metrics()
+        self.tenants = Tenants(config.api_keys, shared_cache=config.shared_prefix_cache)
         self._lock = threading.Lock()
 
     def load(self, factory: Callable[[], Engine]) -> None:
@@ -90,6 +92,10 @@ class ServerState:
         with self._lock:
             self.metrics.queued -= count
 
+    def tenant(self, request: Request, what: str) -> Tenant:
+        """The caller of `request` (a 401 without a valid key)."""
+        return self.tenants.of(check_key(request, self.config.api_keys, what))
+
 
 def _route(request: Request) -> str:
     """The metrics label of a request: its route's template (``/admin/adapters/{name}``), never the
@@ -98,15 +104,15 @@ def _route(request: Request) -> str:
     return getattr(route, "path", None) or "unmatched"
 
 
-def check_key(request: Request, keys: tuple[str, ...], what: str) -> None:
+def check_key(request: Request, keys: tuple[str, ...], what: str) -> str | None:
+    """The configured key `request` carries (None when the server has no keys), else a 401."""
     if not keys:
-        return
-    header = request.headers.get("authorization", "")
-    scheme, _, token = header.partition(" ")
-    if scheme.lower() != "bearer" or not token or not any(
-            hmac.compare_digest(token.encode(), k.encode()) for k in keys):
+        return None
+    key = matching_key(request.headers.get("authorization", ""), keys)
+    if key is None:
         raise APIError(401, f"missing or wrong API key for {what}; send 'Authorization: Bearer <key>'",
                        type="authentication_error", code="invalid_api_key")
+    return key
 
 
 async def _json_body(request: Request) -> dict[str, Any]:
@@ -276,7 +282,7 @@ def build_app(engine: Engine | Callable[[], Engine], config: ServerConfig | None
 
     async def run(request: Request, chat: bool) -> Response:
         endpoint = _route(request)
-        check_key(request, config.api_keys, "/v1")
+        tenant = state.tenant(request, "/v1")
         started = time.perf_counter()
         body = await _json_body(request)
         engine_now = state.ready()
@@ -285,6 +291,7 @@ def build_app(engine: Engine | Callable[[], Engine], config: ServerConfig | None
         else:
             call = parse_completion(body, config, state.model_name, state.adapter_names())
         call.endpoint = endpoint
+        call.sampling = tenant.scoped(call.sampling)
         state.acquire(len(call.prompts))  # 429 now, before any work, rather than mid-stream
         if call.stream:
             try:
@@ -318,7 +325,7 @@ def build_app(engine: Engine | Callable[[], Engine], config: ServerConfig | None
     async def completions(request: Request) -> Response:
         return await run(request, chat=False)
 
-    add_native_routes(app, state, lambda request: check_key(request, config.api_keys, "/kev/v1"), _json_body)
+    add_native_routes(app, state, lambda request: state.tenant(request, "/kev/v1"), _json_body)
 
     def admin(request: Request) -> Engine:
         if config.admin_key is None:

@@ -35,6 +35,12 @@ class ServerConfig:
     retry_after_s: int = 1
     """What a 429 tells the client to wait."""
 
+    # ---- tenants: one per API key ----
+    shared_prefix_cache: bool = False
+    """Every API key shares one prefix cache. Off by default: a shared cache tells one tenant,
+    through `cached_tokens` and answer times, what another sent (CVE-2025-46570). Without API
+    keys every caller is one tenant anyway."""
+
     def __post_init__(self) -> None:
         """An empty key would let anyone in (``--api-key "$UNSET_VAR"``): refuse it by name."""
         if any(not isinstance(k, str) or not k.strip() for k in self.api_keys):

@@ -12,6 +12,9 @@ request and one pack on the server, and every per-call setting survives the trip
   or ``{"index", "error": {"type", "message"}}`` per request, then ``[DONE]``. A bad request
   fails alone, as in `Engine.generate(..., return_exceptions=True)`; closing the stream
   cancels whatever is still running.
+
+Each request's `cache_salt` is moved into its caller's tenant namespace, as on the OpenAI
+endpoints (see `app`).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from kev_engine.tokenize import prompt_ids
 from .errors import bad_request, engine_error
 from .pieces import Pieces
 from .responses import sse
+from .tenants import Tenant
 
 if TYPE_CHECKING:
     from .app import ServerState
@@ -64,12 +68,13 @@ def _requests(body: dict[str, Any], state: ServerState) -> list[dict[str, Any]]:
     return requests
 
 
-async def _generate_events(state: ServerState, engine: Engine, requests: list[dict[str, Any]]) -> AsyncIterator[str]:
+async def _generate_events(state: ServerState, engine: Engine, tenant: Tenant,
+                           requests: list[dict[str, Any]]) -> AsyncIterator[str]:
     pieces = Pieces(state.config.request_timeout_s)
     samplings: list[Any] = []
     for request in requests:
         try:
-            samplings.append(_sampling(request.get("sampling"), state.config.max_tokens_limit))
+            samplings.append(tenant.scoped(_sampling(request.get("sampling"), state.config.max_tokens_limit)))
         except InvalidRequestError as exc:
             samplings.append(exc)
     valid = [i for i, s in enumerate(samplings) if not isinstance(s, BaseException)]
@@ -121,11 +126,12 @@ def _outcome(future: Future[Completion]) -> dict[str, Any]:
     return {"completion": dataclasses.asdict(future.result())}
 
 
-def add_native_routes(app: FastAPI, state: ServerState, check_key: Callable[[Request], None],
+def add_native_routes(app: FastAPI, state: ServerState, tenant_of: Callable[[Request], Tenant],
                       json_body: Callable[[Request], Any]) -> None:
+    """Kev's own endpoints; `tenant_of` authenticates a request (401) and names its tenant."""
     @app.get("/kev/v1/info")
     async def info(request: Request) -> JSONResponse:
-        check_key(request)
+        tenant_of(request)
         engine = state.ready()
         template = getattr(engine.tokenizer, "chat_template", None)
         return JSONResponse({"name": state.model_name, "max_context": engine.max_context,
@@ -135,7 +141,7 @@ def add_native_routes(app: FastAPI, state: ServerState, check_key: Callable[[Req
 
     @app.post("/kev/v1/tokenize")
     async def tokenize(request: Request) -> JSONResponse:
-        check_key(request)
+        tenant_of(request)
         engine = state.ready()
         body = await json_body(request)
         if set(body) == {"text"} and isinstance(body["text"], str):
@@ -149,12 +155,12 @@ def add_native_routes(app: FastAPI, state: ServerState, check_key: Callable[[Req
 
     @app.post("/kev/v1/generate")
     async def generate(request: Request) -> StreamingResponse:
-        check_key(request)
+        tenant = tenant_of(request)
         engine = state.ready()
         requests = _requests(await json_body(request), state)
         state.acquire(len(requests))
         try:
-            events = await _generate_events(state, engine, requests)
+            events = await _generate_events(state, engine, tenant, requests)
         except BaseException:
             state.release(len(requests))
             raise

@@ -38,6 +38,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "without one the admin endpoints are off)")
     parser.add_argument("--insecure-no-auth", dest="no_auth", action="store_true",
                         help="allow a non-loopback --host without an API key")
+    parser.add_argument("--shared-prefix-cache", dest="shared_prefix_cache", action="store_true",
+                        help="let all API keys share one prefix cache. RISK: a caller can then learn from "
+                        "cached_tokens and answer times whether another sent a given prompt (CVE-2025-46570). "
+                        "Default: each key is a tenant with its own cache namespace (without keys, all callers "
+                        "are one tenant)")
     parser.add_argument("--max-queued", dest="max_queued", type=int, default=256,
                         help="questions in flight before 429 (default 256)")
     parser.add_argument("--max-tokens-limit", dest="max_tokens_limit", type=int, default=4096,
@@ -93,7 +98,7 @@ def serve(args: Any) -> int:
     config = ServerConfig.from_env(
         api_keys=tuple(args.api_keys) if args.api_keys else None, admin_key=args.admin_key,
         max_queued=args.max_queued, max_tokens_limit=args.max_tokens_limit, max_prompts=args.max_prompts,
-        request_timeout_s=args.request_timeout_s,
+        request_timeout_s=args.request_timeout_s, shared_prefix_cache=args.shared_prefix_cache,
     )
     check_exposure(args.host, config, allow_no_auth=args.no_auth)
     adapters = parse_adapter_specs(args.adapter_specs)
