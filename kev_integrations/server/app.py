@@ -10,7 +10,8 @@ layer adds what exposing a model needs: keys, limits, backpressure, disconnects,
   computing them at its next pass and frees their KV.
 - Past `max_queued` questions in flight a request gets 429 with Retry-After, never a queue
   that grows without bound; a request still running after `request_timeout_s` is cancelled.
-- Each API key is a tenant (`tenants`): its own prefix-cache namespace.
+- Each API key is a tenant (`tenants`): its own prefix-cache namespace, its own limit of
+  grammar compiles (`compiles`, in a pool of their own).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 
 from kev_engine import Completion, Engine, InvalidRequestError, KevError
 
+from .compiles import Compiles
 from .config import ServerConfig
 from .errors import APIError, bad_request, engine_error
 from .limits import BodyLimit
@@ -54,6 +56,7 @@ class ServerState:
         self.load_error: BaseException | None = None
         self.metrics = Metrics()
         self.tenants = Tenants(config.api_keys, shared_cache=config.shared_prefix_cache)
+        self.compiles = Compiles(config)
         self._lock = threading.Lock()
 
     def load(self, factory: Callable[[], Engine]) -> None:
@@ -95,6 +98,10 @@ class ServerState:
     def tenant(self, request: Request, what: str) -> Tenant:
         """The caller of `request` (a 401 without a valid key)."""
         return self.tenants.of(check_key(request, self.config.api_keys, what))
+
+    def close(self) -> None:
+        """Stop the server's own threads (what they were doing has no reader any more)."""
+        self.compiles.close()
 
 
 def _route(request: Request) -> str:
@@ -246,6 +253,7 @@ def build_app(engine: Engine | Callable[[], Engine], config: ServerConfig | None
         if not isinstance(engine, Engine):
             threading.Thread(target=state.load, args=(engine,), name="kev-load", daemon=True).start()
         yield
+        state.close()
         if state.engine is not None and not isinstance(engine, Engine):  # we built it, we close it
             await asyncio.to_thread(state.engine.close, SHUTDOWN_CLOSE_S)
 
@@ -292,6 +300,9 @@ def build_app(engine: Engine | Callable[[], Engine], config: ServerConfig | None
             call = parse_completion(body, config, state.model_name, state.adapter_names())
         call.endpoint = endpoint
         call.sampling = tenant.scoped(call.sampling)
+        error = (await state.compiles.ensure(engine_now, tenant, [call.sampling]))[0]
+        if error is not None:
+            raise engine_error(error, None)
         state.acquire(len(call.prompts))  # 429 now, before any work, rather than mid-stream
         if call.stream:
             try:

@@ -12,6 +12,11 @@ from dataclasses import dataclass
 
 API_KEY_ENV = "KEV_API_KEY"  # comma-separated: several clients, several keys
 ADMIN_KEY_ENV = "KEV_ADMIN_KEY"
+# the cores left to the engine matter more than compile throughput: half of them at most
+DEFAULT_COMPILE_WORKERS = max(1, min(4, (os.cpu_count() or 2) // 2))
+
+
+POSITIVE_LIMITS = {"compile_workers", "max_compiles_per_key", "max_pending_compiles", "compile_timeout_s"}
 
 
 @dataclass(frozen=True)
@@ -41,12 +46,27 @@ class ServerConfig:
     through `cached_tokens` and answer times, what another sent (CVE-2025-46570). Without API
     keys every caller is one tenant anyway."""
 
+    # ---- what one request may hold ----
+    compile_workers: int = DEFAULT_COMPILE_WORKERS
+    """Threads that compile grammars (JSON schemas, regexes, tool calls...), apart from everything else."""
+    max_compiles_per_key: int = 1
+    """Distinct grammars one API key may have compiling at once; past it a 429."""
+    max_pending_compiles: int = 16
+    """Distinct grammars compiling or waiting for a compile thread, all keys together; past it a 429."""
+    compile_timeout_s: float = 10.0
+    """Time budget of one compile: a 429 if no compile thread takes it up within this long, a 400 if
+    it does not finish within this long once started."""
+
     def __post_init__(self) -> None:
         """An empty key would let anyone in (``--api-key "$UNSET_VAR"``): refuse it by name."""
         if any(not isinstance(k, str) or not k.strip() for k in self.api_keys):
             raise SystemExit("an API key is empty; give a non-empty --api-key (or KEV_API_KEY), or none at all")
         if self.admin_key is not None and not self.admin_key.strip():
             raise SystemExit("the admin key is empty; give a non-empty --admin-key (or KEV_ADMIN_KEY), or none")
+        for name in sorted(POSITIVE_LIMITS):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"{name}={value!r} is not allowed; give a number > 0")
 
     @classmethod
     def from_env(cls, **overrides: object) -> ServerConfig:

@@ -13,8 +13,8 @@ request and one pack on the server, and every per-call setting survives the trip
   fails alone, as in `Engine.generate(..., return_exceptions=True)`; closing the stream
   cancels whatever is still running.
 
-Each request's `cache_salt` is moved into its caller's tenant namespace, as on the OpenAI
-endpoints (see `app`).
+Each request's `cache_salt` is moved into its caller's tenant namespace, and constraints are
+compiled in the server's compile pool first, as on the OpenAI endpoints (see `app`).
 """
 
 from __future__ import annotations
@@ -77,6 +77,9 @@ async def _generate_events(state: ServerState, engine: Engine, tenant: Tenant,
             samplings.append(tenant.scoped(_sampling(request.get("sampling"), state.config.max_tokens_limit)))
         except InvalidRequestError as exc:
             samplings.append(exc)
+    for i, error in enumerate(await state.compiles.ensure(engine, tenant, samplings)):
+        if error is not None:  # a constraint that does not compile (in time) fails its request alone
+            samplings[i] = error
     valid = [i for i, s in enumerate(samplings) if not isinstance(s, BaseException)]
     try:
         submitted = await asyncio.to_thread(
