@@ -40,6 +40,7 @@ from .pieces import Pieces
 from .protocol import EngineCall, parse_chat, parse_completion
 from .responses import ChunkWriter, chat_response, completion_response, sse
 from .tenants import Tenant, Tenants, matching_key
+from .workers import Workers
 
 SHUTDOWN_CLOSE_S = 30.0  # after uvicorn's graceful drain, the engine gets this long to stop
 
@@ -57,6 +58,8 @@ class ServerState:
         self.metrics = Metrics()
         self.tenants = Tenants(config.api_keys, shared_cache=config.shared_prefix_cache)
         self.compiles = Compiles(config)
+        self.tokenize = Workers("tokenize", config.tokenize_workers, config.max_pending_tokenize,
+                                config.retry_after_s)
         self._lock = threading.Lock()
 
     def load(self, factory: Callable[[], Engine]) -> None:
@@ -102,6 +105,7 @@ class ServerState:
     def close(self) -> None:
         """Stop the server's own threads (what they were doing has no reader any more)."""
         self.compiles.close()
+        self.tokenize.close()
 
 
 def _route(request: Request) -> str:

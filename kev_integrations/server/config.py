@@ -16,7 +16,8 @@ ADMIN_KEY_ENV = "KEV_ADMIN_KEY"
 DEFAULT_COMPILE_WORKERS = max(1, min(4, (os.cpu_count() or 2) // 2))
 
 
-POSITIVE_LIMITS = {"compile_workers", "max_compiles_per_key", "max_pending_compiles", "compile_timeout_s"}
+POSITIVE_LIMITS = {"max_tokenize_bytes", "tokenize_workers", "max_pending_tokenize", "compile_workers",
+                   "max_compiles_per_key", "max_pending_compiles", "compile_timeout_s"}
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,12 @@ class ServerConfig:
     keys every caller is one tenant anyway."""
 
     # ---- what one request may hold ----
+    max_tokenize_bytes: int = 1024 * 1024
+    """Largest /kev/v1/tokenize body (413 past it): a MiB of text takes about half a second to tokenize."""
+    tokenize_workers: int = 2
+    """Threads that run /kev/v1/tokenize (off the event loop)."""
+    max_pending_tokenize: int = 8
+    """Tokenize requests running or waiting for those threads; past it a 429."""
     compile_workers: int = DEFAULT_COMPILE_WORKERS
     """Threads that compile grammars (JSON schemas, regexes, tool calls...), apart from everything else."""
     max_compiles_per_key: int = 1

@@ -6,7 +6,9 @@ templates) and send them here through `RemoteEngine`, so a LangChain `batch()` i
 request and one pack on the server, and every per-call setting survives the trip.
 
 - ``GET /kev/v1/info``: the model's name, context, adapters and chat template.
-- ``POST /kev/v1/tokenize``: the ids of a prompt (chat template applied) or of a bare text.
+- ``POST /kev/v1/tokenize``: the ids of a prompt (chat template applied) or of a bare text,
+  tokenized on a few threads of its own (never the event loop), bodies of at most
+  `max_tokenize_bytes`, `max_pending_tokenize` at once (then a 429).
 - ``POST /kev/v1/generate``: ``{"requests": [{"prompt", "sampling", "adapter", "stream"}]}`` →
   server-sent events ``{"index", "text"}`` (streamed requests), then ``{"index", "completion"}``
   or ``{"index", "error": {"type", "message"}}`` per request, then ``[DONE]``. A bad request
@@ -33,7 +35,7 @@ from kev_engine.params import coerce_sampling
 from kev_engine.request import failed_future
 from kev_engine.tokenize import prompt_ids
 
-from .errors import bad_request, engine_error
+from .errors import APIError, bad_request, engine_error
 from .pieces import Pieces
 from .responses import sse
 from .tenants import Tenant
@@ -129,6 +131,18 @@ def _outcome(future: Future[Completion]) -> dict[str, Any]:
     return {"completion": dataclasses.asdict(future.result())}
 
 
+def _tokenize(engine: Engine, body: dict[str, Any]) -> list[int]:
+    """The ids a tokenize body asks for (on a tokenize thread: a long text takes a while)."""
+    if set(body) == {"text"} and isinstance(body["text"], str):
+        return list(engine.tokenizer(body["text"], add_special_tokens=False)["input_ids"])
+    if set(body) != {"prompt"}:
+        raise bad_request("give {'prompt': <string or chat messages>} or {'text': <string>}")
+    try:
+        return prompt_ids(engine.tokenizer, body["prompt"])[1]
+    except InvalidRequestError as exc:
+        raise bad_request(str(exc), param="prompt") from None
+
+
 def add_native_routes(app: FastAPI, state: ServerState, tenant_of: Callable[[Request], Tenant],
                       json_body: Callable[[Request], Any]) -> None:
     """Kev's own endpoints; `tenant_of` authenticates a request (401) and names its tenant."""
@@ -146,15 +160,15 @@ def add_native_routes(app: FastAPI, state: ServerState, tenant_of: Callable[[Req
     async def tokenize(request: Request) -> JSONResponse:
         tenant_of(request)
         engine = state.ready()
+        limit = state.config.max_tokenize_bytes
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:  # refused before reading (or parsing) it
+            raise _tokenize_too_large(int(declared), limit)
         body = await json_body(request)
-        if set(body) == {"text"} and isinstance(body["text"], str):
-            return JSONResponse({"ids": engine.tokenizer(body["text"], add_special_tokens=False)["input_ids"]})
-        if set(body) != {"prompt"}:
-            raise bad_request("give {'prompt': <string or chat messages>} or {'text': <string>}")
-        try:
-            return JSONResponse({"ids": prompt_ids(engine.tokenizer, body["prompt"])[1]})
-        except InvalidRequestError as exc:
-            raise bad_request(str(exc), param="prompt") from None
+        size = len(await request.body())  # read once already: Starlette keeps it
+        if size > limit:  # a chunked body declares no length
+            raise _tokenize_too_large(size, limit)
+        return JSONResponse({"ids": await state.tokenize.run(_tokenize, engine, body)})
 
     @app.post("/kev/v1/generate")
     async def generate(request: Request) -> StreamingResponse:
@@ -168,3 +182,8 @@ def add_native_routes(app: FastAPI, state: ServerState, tenant_of: Callable[[Req
             state.release(len(requests))
             raise
         return StreamingResponse(events, media_type="text/event-stream")
+
+
+def _tokenize_too_large(size: int, limit: int) -> APIError:
+    return APIError(413, f"the tokenize body is {size} bytes; this server tokenizes at most {limit} bytes per request "
+                    "(max_tokenize_bytes): split the text", code="body_too_large")
