@@ -34,9 +34,12 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def serving(app: Any) -> Iterator[str]:
-    """Run `app` on 127.0.0.1 (a free port) in a thread; yield its base URL; stop it on exit."""
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on"))
+def serving(app: Any, **options: Any) -> Iterator[str]:
+    """Run `app` on 127.0.0.1 (a free port) in a thread; yield its base URL; stop it on exit.
+
+    `options` go to `uvicorn.Config` (``http=`` a protocol class, as `kev serve` passes one)."""
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on",
+                                           **options))
     thread = threading.Thread(target=server.run, name="test-uvicorn", daemon=True)
     thread.start()
     try:

@@ -1,15 +1,19 @@
-"""What one caller may hold on a real `kev serve`: tokenize work.
+"""What one caller may hold on a real `kev serve`: tokenize work, connections, slow headers and bodies.
 
-Slow work is made by holding the tokenizer at a gate the test opens. Each refusal checked is
-the only answer possible while the test holds things back: nothing races a clock.
+Slow work is made by holding the tokenizer at a gate the test opens; slow clients are raw
+sockets that never finish what they started. Each refusal checked is the only answer possible
+while the test holds things back: nothing races a clock.
 """
 
 from __future__ import annotations
 
+import json
+import socket
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -18,6 +22,7 @@ from server_util import serving, wait_for
 
 from kev_engine import Engine
 from kev_integrations.server import ServerConfig, build_app
+from kev_integrations.server.header_deadline import header_deadline_protocol
 
 KEY_A, KEY_B = "limits-a", "limits-b"
 MODEL = "tiny"
@@ -82,3 +87,94 @@ def test_tokenize_runs_off_the_event_loop_bounded_in_size_and_number(
                              content=iter([b'{"text": "', b"y" * 2000, b'"}']))  # no Content-Length
         assert chunked.status_code == 413 and chunked.json()["error"]["code"] == "body_too_large"
 
+
+def connect(base: str) -> socket.socket:
+    parts = urlsplit(base)
+    return socket.create_connection((parts.hostname, parts.port), timeout=30)
+
+
+def read_response(sock: socket.socket) -> tuple[int, dict[str, Any]]:
+    """The status and JSON body of the next response on `sock` (bounded by its 30 s timeout)."""
+    def more() -> bytes:
+        chunk = sock.recv(65536)
+        assert chunk, "the server closed the connection without a response"
+        return chunk
+
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += more()
+    head, _, body = data.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").lower().split("\r\n")
+    length = int(next(line.split(":")[1] for line in lines if line.startswith("content-length")))
+    while len(body) < length:
+        body += more()
+    return int(lines[0].split()[1]), json.loads(body)
+
+
+def read_all(sock: socket.socket) -> tuple[int, dict[str, Any]]:
+    """The one response the server sends before it closes the connection, which must follow."""
+    response = read_response(sock)
+    assert sock.recv(65536) == b"", "the server kept the connection open"
+    return response
+
+
+def request_head(path: str, key: str, length: int) -> bytes:
+    return (f"POST {path} HTTP/1.1\r\nHost: test\r\nAuthorization: Bearer {key}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {length}\r\n\r\n").encode()
+
+
+def test_a_body_that_dribbles_in_gets_a_408_and_its_connection_closed(engine: Engine) -> None:
+    config = ServerConfig(api_keys=(KEY_A,), body_timeout_s=0.5)
+    with serving(build_app(engine, config, model_name=MODEL)) as base, connect(base) as sock:
+        sock.sendall(request_head("/v1/chat/completions", KEY_A, 200))
+        sock.sendall(b'{"model"')  # ... and the rest never comes
+        status, body = read_all(sock)
+    assert status == 408 and body["error"]["code"] == "body_timeout" and "0.5 s" in body["error"]["message"]
+
+
+def test_headers_that_dribble_in_get_a_408_and_a_request_being_answered_is_not_cut(
+        engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    held = HeldTokenizer(engine.tokenizer)
+    monkeypatch.setattr(engine, "tokenizer", held)
+    app = build_app(engine, ServerConfig(api_keys=(KEY_A,)), model_name=MODEL)
+    with serving(app, http=header_deadline_protocol(0.5)) as base, ThreadPoolExecutor(1) as pool:
+        # opened first: a request whose answer takes longer than the header deadline
+        answering = pool.submit(httpx.post, base + "/kev/v1/tokenize", json={"text": "Hello"}, headers=auth(KEY_A),
+                                timeout=60)
+        wait_for(lambda: held.calls == 1, 30, "the slow request to be answering")
+        with connect(base) as sock:  # then a slow-loris: a header line begun, never ended
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: te")
+            status, body = read_all(sock)
+        assert status == 408 and body["error"]["code"] == "header_timeout"
+        # the first connection's deadline fell before the second's: it did not cut the answer
+        held.release()
+        reply = answering.result(timeout=60)
+        assert reply.status_code == 200 and reply.json()["ids"]
+        with connect(base) as sock:  # after a response, the next request's headers have the same deadline
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: test\r\n\r\n")
+            assert read_response(sock)[0] == 200
+            sock.sendall(b"GET /hea")
+            assert read_all(sock)[0] == 408
+
+
+def test_one_key_cannot_hold_more_than_its_share_of_requests(engine: Engine) -> None:
+    config = ServerConfig(api_keys=(KEY_A, KEY_B), max_requests_per_key=2, body_timeout_s=60)
+    app = build_app(engine, config, model_name=MODEL)
+    state = app.state.kev
+    tenant_a = state.tenants.of(KEY_A).id
+    with serving(app) as base:
+        held = [connect(base) for _ in range(2)]
+        try:
+            for sock in held:  # two requests of A in flight: their bodies have begun, not ended
+                sock.sendall(request_head("/v1/chat/completions", KEY_A, 100) + b"{")
+            wait_for(lambda: state.in_flight[tenant_a] == 2, 30, "A's two requests to be in flight")
+            refused = httpx.get(base + "/v1/models", headers=auth(KEY_A), timeout=30)
+            assert refused.status_code == 429 and refused.json()["error"]["code"] == "too_many_requests_per_key"
+            assert "limit is 2 per key" in refused.json()["error"]["message"]
+            assert httpx.get(base + "/v1/models", headers=auth(KEY_B), timeout=30).status_code == 200
+            assert httpx.get(base + "/health", timeout=30).status_code == 200
+        finally:
+            for sock in held:
+                sock.close()
+        wait_for(lambda: state.in_flight[tenant_a] == 0, 30, "A's abandoned requests to end")
+        assert httpx.get(base + "/v1/models", headers=auth(KEY_A), timeout=30).status_code == 200

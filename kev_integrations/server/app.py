@@ -11,7 +11,8 @@ layer adds what exposing a model needs: keys, limits, backpressure, disconnects,
 - Past `max_queued` questions in flight a request gets 429 with Retry-After, never a queue
   that grows without bound; a request still running after `request_timeout_s` is cancelled.
 - Each API key is a tenant (`tenants`): its own prefix-cache namespace, its own limit of
-  grammar compiles (`compiles`, in a pool of their own).
+  requests in flight (`inflight`) and of grammar compiles (`compiles`, in a pool of their own).
+- Headers and bodies have deadlines (`header_deadline`, `limits`): slow senders get a 408.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import contextlib
 import json
 import threading
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from typing import Any
@@ -33,6 +35,7 @@ from kev_engine import Completion, Engine, InvalidRequestError, KevError
 from .compiles import Compiles
 from .config import ServerConfig
 from .errors import APIError, bad_request, engine_error
+from .inflight import PerKeyLimit
 from .limits import BodyLimit
 from .metrics import Metrics
 from .native import add_native_routes
@@ -57,6 +60,7 @@ class ServerState:
         self.load_error: BaseException | None = None
         self.metrics = Metrics()
         self.tenants = Tenants(config.api_keys, shared_cache=config.shared_prefix_cache)
+        self.in_flight: Counter[str] = Counter()  # requests in flight by tenant id (PerKeyLimit counts them)
         self.compiles = Compiles(config)
         self.tokenize = Workers("tokenize", config.tokenize_workers, config.max_pending_tokenize,
                                 config.retry_after_s)
@@ -263,7 +267,9 @@ def build_app(engine: Engine | Callable[[], Engine], config: ServerConfig | None
 
     app = FastAPI(title="Kev", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.kev = state
-    app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
+    app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes, timeout_s=config.body_timeout_s)
+    app.add_middleware(PerKeyLimit, tenants=state.tenants, counts=state.in_flight, limit=config.max_requests_per_key,
+                       retry_after_s=config.retry_after_s)  # outermost: a slow body counts against its key
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:

@@ -16,8 +16,9 @@ ADMIN_KEY_ENV = "KEV_ADMIN_KEY"
 DEFAULT_COMPILE_WORKERS = max(1, min(4, (os.cpu_count() or 2) // 2))
 
 
-POSITIVE_LIMITS = {"max_tokenize_bytes", "tokenize_workers", "max_pending_tokenize", "compile_workers",
-                   "max_compiles_per_key", "max_pending_compiles", "compile_timeout_s"}
+POSITIVE_LIMITS = {"max_requests_per_key", "header_timeout_s", "body_timeout_s", "max_tokenize_bytes",
+                   "tokenize_workers", "max_pending_tokenize", "compile_workers", "max_compiles_per_key",
+                   "max_pending_compiles", "compile_timeout_s"}
 
 
 @dataclass(frozen=True)
@@ -46,8 +47,16 @@ class ServerConfig:
     """Every API key shares one prefix cache. Off by default: a shared cache tells one tenant,
     through `cached_tokens` and answer times, what another sent (CVE-2025-46570). Without API
     keys every caller is one tenant anyway."""
+    max_requests_per_key: int = 128
+    """Most requests one API key has in flight (body arriving, queued, running, streaming); past
+    it a 429. Without API keys this bounds all callers together."""
 
     # ---- what one request may hold ----
+    header_timeout_s: float = 15.0
+    """A connection whose request headers are not complete this long after it opened (or after its
+    last response) is closed with a 408: slow senders cannot hold connections."""
+    body_timeout_s: float = 60.0
+    """A request body not fully received this long after its headers gets a 408."""
     max_tokenize_bytes: int = 1024 * 1024
     """Largest /kev/v1/tokenize body (413 past it): a MiB of text takes about half a second to tokenize."""
     tokenize_workers: int = 2
