@@ -13,6 +13,11 @@ own, so submitting then finds it cached:
 - A compile no thread has taken up within `compile_timeout_s` is a 429 (the pool is busy); one
   that has run for `compile_timeout_s` without finishing is a 400 (`ConstraintError`).
 
+Compile threads run at the lowest CPU priority (Linux: nice 19 is per thread), so they get the
+CPU the engine's passes leave: on a busy server a large schema runs into its budget rather than
+slowing everyone's answers. After each compile the C heap it freed goes back to the OS (glibc
+would keep a few hundred MiB per large schema in RSS).
+
 xgrammar cannot interrupt a compile. A request past its budget gets its answer at the deadline,
 but the compile runs on to its end in the pool: until then it holds its thread and counts
 against its key's limit (what keeps one key from filling the pool with compiles it gave up
@@ -23,6 +28,10 @@ compile that no thread has taken up is dropped when every request waiting for it
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import ctypes
+import os
+import sys
 import threading
 import time
 from collections import Counter
@@ -36,6 +45,24 @@ from kev_engine import ConstraintError, Engine, SamplingParams
 from .config import ServerConfig
 from .errors import APIError
 from .tenants import Tenant
+
+COMPILE_NICE = 19
+
+
+def _lower_priority() -> None:
+    """Each compile thread's start: the engine's passes come first."""
+    if sys.platform.startswith("linux"):  # elsewhere setpriority is per process: it would slow the engine too
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), COMPILE_NICE)
+
+
+def _malloc_trim() -> Any:
+    with contextlib.suppress(OSError, AttributeError):
+        return ctypes.CDLL("libc.so.6").malloc_trim  # glibc only
+    return None
+
+
+MALLOC_TRIM = _malloc_trim()
 
 
 @dataclass
@@ -55,7 +82,8 @@ class Compiles:
         self.per_key, self.max_pending = config.max_compiles_per_key, config.max_pending_compiles
         self.timeout_s, self.retry_after_s = config.compile_timeout_s, config.retry_after_s
         self.workers = config.compile_workers
-        self._pool = ThreadPoolExecutor(config.compile_workers, thread_name_prefix="kev-grammar")
+        self._pool = ThreadPoolExecutor(config.compile_workers, thread_name_prefix="kev-grammar",
+                                        initializer=_lower_priority)
         self._lock = threading.RLock()  # RLock: a cancelled job's done-callback runs where it is cancelled
         self._jobs: dict[tuple[Any, ...], _Job] = {}
         self._by_tenant: Counter[str] = Counter()
@@ -134,7 +162,11 @@ class Compiles:
     @staticmethod
     def _run(job: _Job, engine: Engine, sampling: SamplingParams) -> None:
         job.started.set_result(time.monotonic())
-        engine.compile_grammar(sampling)
+        try:
+            engine.compile_grammar(sampling)
+        finally:
+            if MALLOC_TRIM is not None:
+                MALLOC_TRIM(0)
 
     def _leave(self, job: _Job) -> None:
         with self._lock:
