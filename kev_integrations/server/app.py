@@ -288,7 +288,8 @@ def build_app(engine: Engine | Callable[[], Engine], config: ServerConfig | None
     async def metrics(request: Request) -> PlainTextResponse:
         check_key(request, config.api_keys, "/metrics")
         stats = state.engine.stats() if state.engine is not None else None
-        return PlainTextResponse(state.metrics.render(stats), media_type="text/plain; version=0.0.4")
+        text = state.metrics.render(stats, compiling=state.compiles.in_flight()[0])
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
     async def models(request: Request) -> JSONResponse:

@@ -69,7 +69,8 @@ class Metrics:
             total.queued += snap["queued"]
         return total
 
-    def render(self, engine_stats: dict[str, Any] | None) -> str:
+    def render(self, engine_stats: dict[str, Any] | None, compiling: int | None = None) -> str:
+        """The exposition text; `compiling`: grammars the server is compiling or about to (left out if None)."""
         lines = ["# HELP kev_http_requests_total HTTP requests by endpoint and status.",
                  "# TYPE kev_http_requests_total counter"]
         with self._lock:
@@ -85,6 +86,9 @@ class Metrics:
                 lines.append(f'kev_request_latency_seconds_bucket{{le="{bound}"}} {cumulative}')
             lines += [f"kev_request_latency_seconds_sum {self.latency_sum}",
                       f"kev_request_latency_seconds_count {cumulative}"]
+        if compiling is not None:
+            lines += ["# HELP kev_grammar_compiles_in_flight Grammars compiling or waiting for a compile thread.",
+                      "# TYPE kev_grammar_compiles_in_flight gauge", f"kev_grammar_compiles_in_flight {compiling}"]
         if engine_stats is not None:
             for table, kind in ((ENGINE_COUNTERS, "counter"), (ENGINE_GAUGES, "gauge")):
                 for key, (name, help_text) in table.items():
