@@ -66,7 +66,8 @@ class ServerConfig:
     compile_workers: int = DEFAULT_COMPILE_WORKERS
     """Threads that compile grammars (JSON schemas, regexes, tool calls...), apart from everything else."""
     max_compiles_per_key: int = 1
-    """Distinct grammars one API key may have compiling at once; past it a 429."""
+    """Distinct grammars one API key may have compiling at once; past it a 429 (without API keys:
+    all callers together)."""
     max_pending_compiles: int = 16
     """Distinct grammars compiling or waiting for a compile thread, all keys together; past it a 429."""
     compile_timeout_s: float = 10.0
