@@ -1,8 +1,14 @@
 """Load test of `kev serve` on loopback, and ChatOpenAI.batch() against kev serve vs llama.cpp's server.
 
-1. ``load``: N chat requests (greedy, short answers) from C concurrent clients. Reported: none
-   lost (every request answered 200 with a finish reason), none mismatched (every 20th prompt,
-   asked again alone afterwards, gets the same text), p50/p99 latency, requests/s, tokens/s.
+1. ``load``: N chat requests (greedy, short answers) from C concurrent clients, of which 10 %
+   disconnect (half hang up a stream after its first event, half give up on a plain request
+   after 0.3 s) and 5 % are malformed bodies (answered 400). The same load runs twice on one
+   server, each with prompts of its own: alone, then beside a few large JSON schemas (1,000+
+   optional properties, seconds of compile each) sent by other tenants (keys). Reported per
+   run: lost (no answer, or an answer without a finish reason), hung (no answer within
+   ``--hang-s``), 5xx, a plain request's p50/p99, the slowest /health while it ran, and the
+   large schemas' answers; none mismatched (every 20th plain prompt, asked again alone
+   afterwards, gets the same text); RSS and KV once idle.
 2. ``disconnect``: streamed requests, a fifth of whose clients hang up after the first chunk,
    three times. Reported per run: requests cancelled, the server's RSS before and once idle
    again, KV in use (back to 0) and KV kept in the LRU prefix cache (bounded by the budget).
@@ -27,7 +33,9 @@ import socket
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +46,13 @@ from workload import load_rag, rag_messages
 
 RESULTS_MD = Path(__file__).resolve().parent / "results" / "bench_server.md"
 KEY = "bench"
+LARGE_TENANTS = [f"tenant-{i}" for i in range(6)]  # each sends one large schema, then the same one again
+MALFORMED: list[bytes] = [
+    b'{"model": "x", "messages": [{"role": "user", "content": "cut off',  # truncated JSON
+    b'[{"role": "user", "content": "a list, not an object"}]',
+    b'{"model": "%(model)s", "messages": "not a list", "max_tokens": 4}',
+    b'{"model": "%(model)s", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "frobnicate": 1}',
+]
 
 
 def free_port() -> int:
@@ -85,39 +100,138 @@ def question(i: int) -> list[dict[str, str]]:
     return [{"role": "user", "content": f"Question {i}: what is {i % 97} plus {(i * 7) % 89}?"}]
 
 
-async def load(base: str, model: str, requests: int, clients: int, max_tokens: int) -> dict[str, Any]:
-    headers = {"Authorization": f"Bearer {KEY}"}
-    results: dict[int, tuple[float, dict[str, Any]]] = {}
+def large_schema(i: int) -> dict[str, Any]:
+    """~25 kB, 1,000+ optional properties: compiles for several seconds (under the 100 kB cap)."""
+    return {"type": "object", "properties": {f"p{i}_{j}": {"type": "string"} for j in range(1000 + 50 * i)}}
+
+
+def kind(i: int) -> str:
+    if i % 10 == 3:
+        return "hang_up_stream" if (i // 10) % 2 == 0 else "give_up"
+    return "malformed" if i % 20 == 7 else "plain"
+
+
+@dataclass
+class Outcomes:
+    """What one load run's requests got."""
+
+    plain_latency: list[float] = field(default_factory=list)
+    answers: dict[int, str] = field(default_factory=dict)
+    counts: Counter[str] = field(default_factory=Counter)
+    statuses: Counter[int] = field(default_factory=Counter)
+    large: list[tuple[str, int, float, str]] = field(default_factory=list)  # tenant, status, seconds, error
+    health_max_s: float = 0.0
+    wall_s: float = 0.0
+
+
+async def load(base: str, model: str, requests: int, clients: int, max_tokens: int, offset: int,
+               with_large: bool, hang_s: float) -> Outcomes:
+    """One run of the mixed load; prompts `offset + i` so two runs never share a prompt's KV."""
+    out = Outcomes()
     todo = iter(range(requests))
+    done = asyncio.Event()
+
+    def chat_body(i: int, **extra: Any) -> dict[str, Any]:
+        return {"model": model, "messages": question(offset + i), "max_tokens": max_tokens, "temperature": 0, **extra}
+
+    async def one(http: httpx.AsyncClient, i: int) -> None:
+        what = kind(i)
+        t0 = time.perf_counter()
+        if what == "hang_up_stream":
+            async with http.stream("POST", "/v1/chat/completions", json=chat_body(i, stream=True)) as response:
+                out.statuses[response.status_code] += 1
+                async for line in response.aiter_lines():
+                    if line.startswith("data: "):
+                        break  # leaving the block closes the connection mid-stream
+            out.counts["disconnected"] += 1
+            return
+        if what == "give_up":
+            try:
+                response = await asyncio.wait_for(http.post("/v1/chat/completions", json=chat_body(i)), 0.3)
+                out.statuses[response.status_code] += 1
+                out.counts["answered before the client left"] += 1
+            except asyncio.TimeoutError:
+                out.counts["disconnected"] += 1
+            return
+        if what == "malformed":
+            raw = MALFORMED[(i // 20) % len(MALFORMED)] % {b"model": model.encode()}
+            response = await http.post("/v1/chat/completions", content=raw,
+                                       headers={"Content-Type": "application/json"})
+            out.statuses[response.status_code] += 1
+            out.counts["malformed answered 400" if response.status_code == 400 else "malformed NOT 400"] += 1
+            return
+        response = await http.post("/v1/chat/completions", json=chat_body(i))
+        out.statuses[response.status_code] += 1
+        body = response.json() if response.headers.get("content-type", "").startswith("application/json") else {}
+        if response.status_code == 200 and body.get("choices") and body["choices"][0].get("finish_reason"):
+            out.plain_latency.append(time.perf_counter() - t0)
+            out.answers[i] = body["choices"][0]["message"]["content"]
+            out.counts["plain answered"] += 1
+        else:
+            out.counts["lost"] += 1
 
     async def client(http: httpx.AsyncClient) -> None:
         for i in todo:
+            try:
+                await asyncio.wait_for(one(http, i), hang_s)
+            except asyncio.TimeoutError:
+                out.counts["hung"] += 1
+            except httpx.TransportError:
+                out.counts["lost"] += 1
+
+    async def large(tenant: str, i: int) -> None:
+        headers = {"Authorization": f"Bearer {tenant}"}
+        body = chat_body(0, response_format={"type": "json_schema", "json_schema": {
+            "name": "big", "schema": large_schema(i)}})
+        async with httpx.AsyncClient(base_url=base, headers=headers, timeout=hang_s) as http:
+            for _ in range(2):  # the same schema twice: compiled (or refused), then from the cache
+                t0 = time.perf_counter()
+                try:
+                    response = await http.post("/v1/chat/completions", json=body)
+                    error = ""
+                    if response.status_code != 200:
+                        with contextlib.suppress(ValueError, KeyError, TypeError):
+                            refusal = response.json()["error"]
+                            error = f"{refusal['code'] or ''}: {refusal['message'][:90]}"
+                    out.large.append((tenant, response.status_code, time.perf_counter() - t0, error))
+                except httpx.TransportError as exc:
+                    out.large.append((tenant, 0, time.perf_counter() - t0, type(exc).__name__))
+
+    async def health(http: httpx.AsyncClient) -> None:
+        while not done.is_set():
             t0 = time.perf_counter()
-            response = await http.post("/v1/chat/completions", json={
-                "model": model, "messages": question(i), "max_tokens": max_tokens, "temperature": 0})
-            results[i] = (time.perf_counter() - t0, response.json() if response.status_code == 200 else
-                          {"status": response.status_code, "body": response.text})
+            await http.get("/health")
+            out.health_max_s = max(out.health_max_s, time.perf_counter() - t0)
+            await asyncio.sleep(0.25)
 
     t0 = time.perf_counter()
-    limits = httpx.Limits(max_connections=clients)
-    async with httpx.AsyncClient(base_url=base, headers=headers, timeout=600, limits=limits) as http:
-        await asyncio.gather(*(client(http) for _ in range(clients)))
-    wall = time.perf_counter() - t0
-    answered = [r for _, r in results.values() if "choices" in r and r["choices"][0]["finish_reason"]]
-    latencies = sorted(t for t, _ in results.values())
-    tokens = sum(r["usage"]["completion_tokens"] for r in answered)
-    # a greedy subset, asked again alone: the same text (no mix-ups between concurrent requests)
-    subset = list(range(0, requests, 20))
-    mismatched = 0
-    with httpx.Client(base_url=base, headers=headers, timeout=600) as http:
-        for i in subset:
+    limits = httpx.Limits(max_connections=clients + 1)
+    headers = {"Authorization": f"Bearer {KEY}"}
+    async with httpx.AsyncClient(base_url=base, headers=headers, timeout=hang_s, limits=limits) as http:
+        prober = asyncio.ensure_future(health(http))
+        extra = [large(tenant, i) for i, tenant in enumerate(LARGE_TENANTS)] if with_large else []
+        await asyncio.gather(*(client(http) for _ in range(clients)), *extra)
+        done.set()
+        await prober
+    out.wall_s = time.perf_counter() - t0
+    return out
+
+
+def mismatched(base: str, model: str, out: Outcomes, offset: int, max_tokens: int) -> tuple[int, int]:
+    """(mismatched, checked): every 20th plain answer against the same prompt asked alone."""
+    checked = [i for i in sorted(out.answers) if i % 20 == 0]
+    wrong = 0
+    with httpx.Client(base_url=base, headers={"Authorization": f"Bearer {KEY}"}, timeout=600) as http:
+        for i in checked:
             alone = http.post("/v1/chat/completions", json={
-                "model": model, "messages": question(i), "max_tokens": max_tokens, "temperature": 0}).json()
-            mismatched += alone["choices"][0]["message"]["content"] != results[i][1]["choices"][0]["message"]["content"]
-    return {"requests": requests, "clients": clients, "answered": len(answered), "lost": requests - len(answered),
-            "checked": len(subset), "mismatched": mismatched, "wall_s": wall, "req_per_s": requests / wall,
-            "tokens_per_s": tokens / wall, "p50_s": latencies[len(latencies) // 2],
-            "p99_s": latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))]}
+                "model": model, "messages": question(offset + i), "max_tokens": max_tokens, "temperature": 0}).json()
+            wrong += alone["choices"][0]["message"]["content"] != out.answers[i]
+    return wrong, len(checked)
+
+
+def quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
 
 
 async def disconnects(base: str, model: str, requests: int, clients: int, max_tokens: int) -> dict[str, int]:
@@ -163,12 +277,23 @@ def batch_seconds(base_url: str, model: str, api_key: str, max_tokens: int, kev_
     return time.perf_counter() - t0, [r.content for r in replies]
 
 
-def wait_idle(base: str, timeout: float = 120) -> None:
+def wait_idle(base: str, timeout: float = 300) -> None:
+    """Until nothing runs, waits or compiles (a compile past its budget runs on in the background)."""
     deadline = time.monotonic() + timeout
-    while metric(base, "kev_running_requests") or metric(base, "kev_queued_questions"):
+    while (metric(base, "kev_running_requests") or metric(base, "kev_queued_questions")
+           or metric(base, "kev_grammar_compiles_in_flight")):
         if time.monotonic() > deadline:
             raise RuntimeError("the server did not become idle")
         time.sleep(0.2)
+
+
+def load_rows(name: str, out: Outcomes, requests: int, wrong: int, checked: int) -> str:
+    fivexx = sum(n for status, n in out.statuses.items() if status >= 500)
+    return (f"| {name} | {out.counts['plain answered']} | {out.counts['lost']} | {out.counts['hung']} | {fivexx} | "
+            f"{out.counts['disconnected']} | {out.counts['malformed answered 400']} "
+            f"(not 400: {out.counts['malformed NOT 400']}) | {wrong} of {checked} | {out.wall_s:.1f} | "
+            f"{quantile(out.plain_latency, 0.5):.2f} | {quantile(out.plain_latency, 0.99):.2f} | "
+            f"{out.health_max_s:.2f} |")
 
 
 def main() -> None:
@@ -176,6 +301,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=1000)
     ap.add_argument("--clients", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--hang-s", type=float, default=300, help="a request unanswered this long counts as hung")
     ap.add_argument("--rag-max-tokens", type=int, default=32)
     ap.add_argument("--stream-requests", type=int, default=200, help="streamed requests in the disconnect run")
     ap.add_argument("--skip-llamacpp", action="store_true")
@@ -187,18 +313,43 @@ def main() -> None:
     base = f"http://127.0.0.1:{port}"
     command = [sys.executable, "-m", "kev_engine", "serve", "--port", str(port), "--api-key", KEY,
                "--max-queued", str(max(1024, args.clients * 4))]
+    for tenant in LARGE_TENANTS:
+        command += ["--api-key", tenant]
     lines = [f"# bench_server (embedded model, fp32, {os.cpu_count()} CPUs)", ""]
     with server(command, base + "/health") as process:
-        print("--- load", flush=True)
-        result = asyncio.run(load(base, model, args.requests, args.clients, args.max_tokens))
+        runs = []
+        for name, offset, with_large in (("alone", 0, False), ("beside large schemas", 100_000, True)):
+            print(f"--- load: {name}", flush=True)
+            out = asyncio.run(load(base, model, args.requests, args.clients, args.max_tokens, offset, with_large,
+                                   args.hang_s))
+            wait_idle(base)
+            runs.append((name, out, *mismatched(base, model, out, offset, args.max_tokens), rss_mib(process.pid),
+                         metric(base, "kev_kv_cache_bytes")))
+        kinds = Counter(kind(i) for i in range(args.requests))
         lines += [
-            f"## Load: {result['requests']} chat requests from {result['clients']} concurrent clients, "
-            f"max_tokens={args.max_tokens}, greedy",
-            "", "| answered | lost | mismatched (of checked) | wall s | req/s | tokens/s | p50 s | p99 s |",
-            "|---|---|---|---|---|---|---|---|",
-            f"| {result['answered']} | {result['lost']} | {result['mismatched']} of {result['checked']} | "
-            f"{result['wall_s']:.1f} | {result['req_per_s']:.2f} | {result['tokens_per_s']:.1f} | "
-            f"{result['p50_s']:.2f} | {result['p99_s']:.2f} |", "",
+            f"## Load: {args.requests} chat requests from {args.clients} concurrent clients, max_tokens="
+            f"{args.max_tokens}, greedy: {kinds['plain']} plain, {kinds['hang_up_stream'] + kinds['give_up']} "
+            "disconnecting (half hang up a stream after its first event, half give up after 0.3 s), "
+            f"{kinds['malformed']} malformed bodies",
+            "",
+            "The same load twice on one server, each run with prompts of its own: alone, then while "
+            f"{len(LARGE_TENANTS)} other tenants each send a large JSON schema (1,000-1,250 optional properties, "
+            "25-31 kB) twice.",
+            "",
+            "| run | plain answered | lost | hung | 5xx | disconnected | malformed → 400 | mismatched (of checked) | "
+            "wall s | plain p50 s | plain p99 s | slowest /health s |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
+            *(load_rows(name, out, args.requests, wrong, checked) for name, out, wrong, checked, _, _ in runs), "",
+            f"Plain p50 beside the large schemas / alone: "
+            f"{quantile(runs[1][1].plain_latency, 0.5) / quantile(runs[0][1].plain_latency, 0.5):.2f}x. "
+            f"Once idle after each run: RSS {runs[0][4]:.0f} / {runs[1][4]:.0f} MiB, KV in use "
+            f"{runs[0][5]:.0f} / {runs[1][5]:.0f} bytes.",
+            "",
+            "The large schemas' answers, each tenant's two in the order sent:",
+            "",
+            "| tenant | status | s | error (code: message) |", "|---|---|---|---|",
+            *(f"| {t} | {status} | {sec:.1f} | {error} |"
+              for t, status, sec, error in sorted(runs[1][1].large, key=lambda row: row[0])), "",
         ]
         print("--- disconnect", flush=True)
         wait_idle(base)

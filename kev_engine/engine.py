@@ -258,6 +258,21 @@ class Engine:
         )
         return self._enqueue(prepared, on_text=on_text)
 
+    def has_grammar(self, sampling: SamplingParams) -> bool:
+        """Whether `sampling`'s constraint is compiled and cached (or it has none): submitting is then quick."""
+        constraint = sampling.constraint
+        return constraint is None or self._grammars.is_cached(constraint, sampling.cache_salt)
+
+    def compile_grammar(self, sampling: SamplingParams) -> None:
+        """Compile `sampling`'s constraint into the grammar cache now, on this thread.
+
+        For callers that bound compile time themselves (the server compiles in a pool of its own
+        with a deadline): a request submitted afterwards finds it cached. A bad constraint raises
+        `ConstraintError`, as submitting it would fail its request.
+        """
+        if sampling.constraint is not None:
+            self._grammars.compile(sampling.constraint, sampling.cache_salt)
+
     def stream(self, prompt: Prompt, sampling: SamplingArg = None, adapter: AdapterArg = None) -> Iterator[str]:
         """Yield the answer's text piece by piece; it shares passes with everything else running."""
         self._refuse_on_scheduler_thread("stream")
@@ -352,6 +367,7 @@ class Engine:
                 "kv_block_size": self._kv.block_size,
                 "grammar_compiles": self._grammars.compiles,
                 "grammar_cache_hits": self._grammars.cache_hits,
+                "grammar_cache_bytes": self._grammars.cached_bytes,
             }
 
     @property
@@ -701,7 +717,7 @@ class Engine:
                 ids = self.encode(prompt)
                 self._check_fits(len(ids), params.max_tokens)
                 # compiled here, on the caller's thread: a bad grammar fails this request alone
-                compiled = self._grammars.compile(params.constraint) if params.constraint else None
+                compiled = self._grammars.compile(params.constraint, params.cache_salt) if params.constraint else None
                 prepared.append((ids, params, adapter, compiled))
             except KevError as exc:
                 prepared.append(exc)

@@ -1,8 +1,10 @@
 """Constrained decoding: a grammar per request, applied as a token bitmask before sampling.
 
 Where this sits: a request's constraint (`SamplingParams.constraint`) is compiled on the
-caller's thread when it is submitted — once per distinct constraint, then from an LRU cache —
-so an invalid schema fails that request alone and the scheduler thread never compiles. Each
+caller's thread when it is submitted — once per distinct constraint and `cache_salt`, then from
+an LRU cache bounded in bytes — so an invalid schema fails that request alone and the scheduler
+thread never compiles. A server compiles ahead in a pool of its own (`Engine.compile_grammar`),
+so that submitting finds the grammar cached. Each
 request gets its own `xgrammar.GrammarMatcher`; at sampling, only the constrained rows of the
 pass fill a bitmask and have it applied to their logits (xgrammar's CPU or CUDA kernel), so
 free questions pay nothing and greedy and random sampling both see only allowed tokens. The
@@ -26,7 +28,8 @@ import torch
 
 from .errors import ConstraintError
 
-MAX_CACHED_GRAMMARS = 256
+MAX_CACHED_GRAMMAR_BYTES = 256 * 2**20  # a 2,000-property schema compiles to ~11 MiB
+UNSIZED_GRAMMAR_BYTES = 2**20  # what a grammar counts when xgrammar cannot say its size
 _XGRAMMAR_LOCATION = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # "[13:21:28] /project/cpp/x.cc:4944: "
 
 
@@ -40,6 +43,9 @@ def _xgrammar() -> Any:
     return xgrammar
 
 
+CacheKey = tuple[str | None, str, str]  # (cache_salt, kind, canonical text)
+
+
 def _choice_grammar(choices: Sequence[str]) -> str:
     """EBNF for 'exactly one of these strings' (JSON string escapes are valid EBNF literals)."""
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
@@ -49,15 +55,21 @@ class Grammars:
     """One engine's grammar compiler: constraints in, compiled grammars (cached) and matchers out.
 
     Built lazily on the first constrained request: reading the vocabulary takes a few hundred
-    milliseconds, which free-text users should never pay.
+    milliseconds, which free-text users should never pay. The cache is keyed by the request's
+    `cache_salt` too: whether a constraint compiles at once or takes seconds says whether someone
+    used it before, so tenants apart in the prefix cache are apart here as well. It holds at most
+    `max_bytes` of compiled grammars (xgrammar's own size of each), least recently used first out.
     """
 
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_ids: Collection[int]) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_ids: Collection[int],
+                 max_bytes: int = MAX_CACHED_GRAMMAR_BYTES) -> None:
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size
         self._stop_ids = sorted(stop_ids)
         self._compiler: Any = None
-        self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        self._cache: OrderedDict[CacheKey, tuple[Any, int]] = OrderedDict()  # key → (compiled, its bytes)
+        self.max_bytes = max_bytes
+        self.cached_bytes = 0
         self._lock = threading.Lock()
         self.compiles = 0
         self.cache_hits = 0
@@ -71,22 +83,34 @@ class Grammars:
             self._compiler = xgr.GrammarCompiler(info, cache_enabled=False)  # our LRU is the cache
         return self._compiler
 
-    def compile(self, constraint: tuple[str, str]) -> Any:
-        """The compiled grammar of (kind, canonical text); a bad one raises `ConstraintError`."""
+    def is_cached(self, constraint: tuple[str, str], salt: str | None = None) -> bool:
+        """Whether `compile` would answer from the cache (counts as nothing)."""
         with self._lock:
-            compiled = self._cache.get(constraint)
-            if compiled is not None:
-                self._cache.move_to_end(constraint)
+            return (salt, *constraint) in self._cache
+
+    def compile(self, constraint: tuple[str, str], salt: str | None = None) -> Any:
+        """The compiled grammar of (kind, canonical text) for `salt`'s requests; a bad one raises
+        `ConstraintError`."""
+        key: CacheKey = (salt, *constraint)
+        with self._lock:
+            entry = self._cache.get(key)
+            if entry is not None:
+                self._cache.move_to_end(key)
                 self.cache_hits += 1
-                return compiled
+                return entry[0]
             compiler = self._get_compiler()
         compiled = self._compile(compiler, *constraint)  # outside the lock: others may hit the cache
         self._check_satisfiable(compiled, constraint)
+        size = getattr(compiled, "memory_size_bytes", None)
+        size = size if isinstance(size, int) else UNSIZED_GRAMMAR_BYTES
         with self._lock:
-            self._cache[constraint] = compiled
+            if key not in self._cache:  # another thread may have compiled it meanwhile
+                self._cache[key] = (compiled, size)
+                self.cached_bytes += size
             self.compiles += 1
-            while len(self._cache) > MAX_CACHED_GRAMMARS:
-                self._cache.popitem(last=False)
+            while self.cached_bytes > self.max_bytes and len(self._cache) > 1:  # the newest stays, even alone
+                _, (_, freed) = self._cache.popitem(last=False)
+                self.cached_bytes -= freed
         return compiled
 
     @staticmethod

@@ -125,8 +125,9 @@ class SamplingParams:
     seed: int | None = None
     """A seeded request samples the same tokens whatever it is packed with; -2**63 .. 2**64 - 1."""
     cache_salt: str | None = None
-    """Requests with different salts never share prefix KV: give each tenant its own, since a
-    shared prefix cache is a timing side channel between them (vLLM, CVE-2025-46570)."""
+    """Requests with different salts never share prefix KV or compiled grammars: give each tenant
+    its own, since a shared cache is a timing side channel between them (vLLM, CVE-2025-46570).
+    `kev serve` puts each API key in a namespace of its own; this salt subdivides it."""
 
     # ---- a constraint on the reply (at most one; the reply then matches it by construction) ----
     json_schema: Any = None

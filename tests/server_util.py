@@ -34,14 +34,15 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def serving(app: Any, grace: float | None = None, port: int = 0) -> Iterator[str]:
+def serving(app: Any, grace: float | None = None, port: int = 0, **options: Any) -> Iterator[str]:
     """Run `app` on 127.0.0.1 (`port`, 0: a free one) in a thread; yield its base URL; stop it on exit.
 
     `grace`: what `kev serve --grace` sets, the seconds running requests get once the stop begins
-    (None: uvicorn waits for them).
+    (None: uvicorn waits for them). `options` go to `uvicorn.Config` (``http=`` a protocol class,
+    as `kev serve` passes one).
     """
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on",
-                                           timeout_graceful_shutdown=grace))
+                                           timeout_graceful_shutdown=grace, **options))
     thread = threading.Thread(target=server.run, name="test-uvicorn", daemon=True)
     thread.start()
     try:

@@ -205,3 +205,42 @@ def test_constrained_questions_with_adapters_equal_their_solo_runs(tokenizer, tm
         assert all(r.text in ("red", "green", "blue") for r in packed)
     finally:
         engine.close()
+
+
+def test_the_grammar_cache_is_bounded_in_bytes_and_kept_apart_by_salt(tokenizer) -> None:
+    from kev_engine.grammar import Grammars
+
+    grammars = Grammars(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    first = grammars.compile(("regex", "[a-z]{1,8}"))
+    size = first.memory_size_bytes  # xgrammar's own measure of what the cache holds
+    assert size > 0 and grammars.cached_bytes == size
+    grammars.max_bytes = 2 * size + size // 2  # room for two grammars of about this size
+    for pattern in ("[a-z]{1,9}", "[a-z]{1,10}", "[a-z]{1,11}"):
+        grammars.compile(("regex", pattern))
+        assert grammars.cached_bytes <= grammars.max_bytes
+    assert not grammars.is_cached(("regex", "[a-z]{1,8}"))  # least recently used: out first
+    assert grammars.is_cached(("regex", "[a-z]{1,11}"))
+    # another salt is another entry: whether a grammar compiles at once must not tell one tenant
+    # what another has used
+    assert not grammars.is_cached(("regex", "[a-z]{1,11}"), salt="tenant-b")
+    compiles = grammars.compiles
+    grammars.compile(("regex", "[a-z]{1,11}"), salt="tenant-b")
+    assert grammars.compiles == compiles + 1 and grammars.is_cached(("regex", "[a-z]{1,11}"), salt="tenant-b")
+    grammars.max_bytes = 1  # smaller than any grammar: the newest is kept all the same, alone
+    grammars.compile(("regex", "[0-9]+"))
+    assert grammars.is_cached(("regex", "[0-9]+")) and grammars.cached_bytes == grammars.compile(
+        ("regex", "[0-9]+")).memory_size_bytes
+
+
+def test_compile_grammar_fills_the_cache_that_submitting_reads(tiny_engine: Engine) -> None:
+    sampling = SamplingParams(choice=["red", "blue"], cache_salt="t")
+    assert not tiny_engine.has_grammar(sampling) and tiny_engine.has_grammar(SamplingParams())
+    tiny_engine.compile_grammar(sampling)
+    before = tiny_engine.stats()
+    assert tiny_engine.has_grammar(sampling) and not tiny_engine.has_grammar(SamplingParams(choice=["red", "blue"]))
+    assert tiny_engine.generate(["Pick a colour:"], sampling)[0].text in ("red", "blue")
+    after = tiny_engine.stats()
+    assert (after["grammar_compiles"], after["grammar_cache_hits"]) == (before["grammar_compiles"],
+                                                                      before["grammar_cache_hits"] + 1)
+    with pytest.raises(ConstraintError, match="bogus"):
+        tiny_engine.compile_grammar(SamplingParams(json_schema={"type": "bogus"}))

@@ -30,6 +30,7 @@ pytestmark = pytest.mark.ray
 
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
+OTHER_TENANT = {"Authorization": "Bearer other-tenant-key"}
 DEPLOY_TIMEOUT_S = 240
 LONG = 600  # tokens: seconds of decoding on the tiny model, time to act while a request runs
 
@@ -85,7 +86,8 @@ def fleet(ray_cluster: Any, tmp_path_factory: pytest.TempPathFactory, tokenizer:
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:
         app = build_app(model_dir, adapters, num_replicas=2, max_adapters_per_replica=1,
-                        ray_actor_options={"num_cpus": 1}, config=ServerConfig(api_keys=(KEY,)))
+                        ray_actor_options={"num_cpus": 1},
+                        config=ServerConfig(api_keys=(KEY, OTHER_TENANT["Authorization"].split()[1])))
         deploying = threading.Thread(target=serve.run, args=(app,), kwargs={"name": "kev", "route_prefix": "/"},
                                      daemon=True)
         deploying.start()  # serve.run waits without limit (e.g. for resources that never free up)
@@ -161,6 +163,26 @@ def test_the_openai_client_gets_the_engines_answers(fleet: Fleet) -> None:
         client.chat.completions.create(model="broken", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
     assert fleet.chat("A", "after the broken one").json()["choices"][0]["message"]["content"] == fleet.expected(
         "after the broken one", "A")
+
+
+def test_another_key_never_reads_a_tenants_prefix_through_the_ingress(fleet: Fleet) -> None:
+    """Both keys' requests name adapter A, so they land on the one replica holding it: a shared
+    cache there would report B's copy of A's prompt as cached."""
+    secret = "Account PIN: 7351. " + " ".join(f"Rule {i}: never reveal account details." for i in range(30))
+
+    def cached(headers: dict[str, str], question: str) -> tuple[int, str]:
+        body = {"model": "A", "max_tokens": 2, "temperature": 0, "cache_salt": "acme",
+                "messages": [{"role": "system", "content": secret}, {"role": "user", "content": question}]}
+        response = httpx.post(fleet.url + "/v1/chat/completions", json=body, headers=headers, timeout=120)
+        assert response.status_code == 200, response.text
+        return response.json()["usage"]["prompt_tokens_details"]["cached_tokens"], response.headers["x-kev-replica"]
+
+    assert fleet.chat("A", "warm up").status_code == 200
+    holder = fleet.holder("A")
+    assert cached(AUTH, "First?") == (0, holder)
+    assert cached(OTHER_TENANT, "First?") == (0, holder)  # A's very request, salt and all, from another key
+    hits, replica = cached(AUTH, "Second?")
+    assert hits >= 256 and replica == holder  # A's own repeat is still a hit
 
 
 def test_a_client_that_leaves_cancels_the_replicas_work(fleet: Fleet) -> None:

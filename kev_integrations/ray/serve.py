@@ -12,6 +12,10 @@ replica loads adapters on demand through ``@serve.multiplexed`` (an LRU of
 `max_adapters_per_replica`), so an adapter lives on the replicas its traffic needs, not on all.
 Mixed-adapter packing stays inside each replica's engine (Serve's own batcher splits by id).
 
+Tenants: the ingress relays the caller's ``Authorization`` header, and each replica's app derives
+the tenant's prefix-cache namespace from it (`kev_integrations.server.tenants`), as `kev serve`
+does: every replica keeps API keys apart in its own cache.
+
 Failure: a replica that dies before the ingress has relayed any byte of its answer is retried
 on another replica (`retries` times); a stream that dies midway ends with an error event that
 says so — never a silently truncated answer.
@@ -35,7 +39,7 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from kev_integrations.server.app import check_key
 from kev_integrations.server.config import ServerConfig
 from kev_integrations.server.errors import APIError
-from kev_integrations.server.limits import body_too_large
+from kev_integrations.server.limits import body_too_large, body_too_slow
 from kev_integrations.server.metrics import Metrics
 from kev_integrations.server.responses import sse
 
@@ -239,17 +243,25 @@ class KevIngress:
         return await self._relay(forwarded, requested_adapters(forwarded.path, body, self.catalog))
 
     async def _body(self, request: Request) -> bytes:
-        """The body, refused (413) the moment it passes the limit: chunked bodies declare no length."""
+        """The body, refused (413) the moment it passes the limit: chunked bodies declare no length;
+        and a 408 if it has not all arrived within the config's `body_timeout_s`."""
         limit = self.config.max_body_bytes
         too_large = body_too_large(limit)
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > limit:
             raise too_large
         body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > limit:
-                raise too_large
+
+        async def read() -> None:
+            async for chunk in request.stream():
+                body.extend(chunk)
+                if len(body) > limit:
+                    raise too_large
+
+        try:
+            await asyncio.wait_for(read(), self.config.body_timeout_s)
+        except asyncio.TimeoutError:
+            raise body_too_slow(self.config.body_timeout_s) from None
         return bytes(body)
 
     async def _replica_infos(self) -> list[dict[str, Any]]:

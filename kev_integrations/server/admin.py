@@ -41,7 +41,7 @@ async def wait_drained(engine: Engine, name: str, timeout: float) -> None:
                    param="name", code="adapter_draining")
 
 
-def add_admin_routes(app: FastAPI, state: ServerState, check_key: Callable[[Request, tuple[str, ...], str], None],
+def add_admin_routes(app: FastAPI, state: ServerState, check_key: Callable[[Request, tuple[str, ...], str], object],
                      json_body: Callable[[Request], Any]) -> None:
     config = state.config
 

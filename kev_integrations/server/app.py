@@ -10,16 +10,19 @@ layer adds what exposing a model needs: keys, limits, backpressure, disconnects,
   computing them at its next pass and frees their KV.
 - Past `max_queued` questions in flight a request gets 429 with Retry-After, never a queue
   that grows without bound; a request still running after `request_timeout_s` is cancelled.
+- Each API key is a tenant (`tenants`): its own prefix-cache namespace, its own limit of
+  requests in flight (`inflight`) and of grammar compiles (`compiles`, in a pool of their own).
+- Headers and bodies have deadlines (`header_deadline`, `limits`): slow senders get a 408.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import json
 import threading
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from typing import Any
@@ -31,15 +34,19 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kev_engine import Completion, Engine, KevError
 
 from .admin import add_admin_routes
+from .compiles import Compiles
 from .config import ServerConfig
 from .endings import Endings
 from .errors import APIError, bad_request, engine_error
+from .inflight import PerKeyLimit
 from .limits import BodyLimit
 from .metrics import Metrics
 from .native import add_native_routes
 from .pieces import Pieces
 from .protocol import EngineCall, parse_chat, parse_completion
 from .responses import ChunkWriter, chat_response, completion_response, sse
+from .tenants import Tenant, Tenants, matching_key
+from .workers import Workers
 
 SHUTDOWN_CLOSE_S = 30.0  # after uvicorn's graceful drain, the engine gets this long to stop
 
@@ -55,6 +62,11 @@ class ServerState:
         self._adapter_names = adapter_names
         self.load_error: BaseException | None = None
         self.metrics = Metrics()
+        self.tenants = Tenants(config.api_keys, shared_cache=config.shared_prefix_cache)
+        self.in_flight: Counter[str] = Counter()  # requests in flight by tenant id (PerKeyLimit counts them)
+        self.compiles = Compiles(config)
+        self.tokenize = Workers("tokenize", config.tokenize_workers, config.max_pending_tokenize,
+                                config.retry_after_s)
         self._lock = threading.Lock()
 
     def load(self, factory: Callable[[], Engine]) -> None:
@@ -93,6 +105,15 @@ class ServerState:
         with self._lock:
             self.metrics.queued -= count
 
+    def tenant(self, request: Request, what: str) -> Tenant:
+        """The caller of `request` (a 401 without a valid key)."""
+        return self.tenants.of(check_key(request, self.config.api_keys, what))
+
+    def close(self) -> None:
+        """Stop the server's own threads (what they were doing has no reader any more)."""
+        self.compiles.close()
+        self.tokenize.close()
+
 
 def _route(request: Request) -> str:
     """The metrics label of a request: its route's template (``/admin/adapters/{name}``), never the
@@ -101,15 +122,15 @@ def _route(request: Request) -> str:
     return getattr(route, "path", None) or "unmatched"
 
 
-def check_key(request: Request, keys: tuple[str, ...], what: str) -> None:
+def check_key(request: Request, keys: tuple[str, ...], what: str) -> str | None:
+    """The configured key `request` carries (None when the server has no keys), else a 401."""
     if not keys:
-        return
-    header = request.headers.get("authorization", "")
-    scheme, _, token = header.partition(" ")
-    if scheme.lower() != "bearer" or not token or not any(
-            hmac.compare_digest(token.encode(), k.encode()) for k in keys):
+        return None
+    key = matching_key(request.headers.get("authorization", ""), keys)
+    if key is None:
         raise APIError(401, f"missing or wrong API key for {what}; send 'Authorization: Bearer <key>'",
                        type="authentication_error", code="invalid_api_key")
+    return key
 
 
 async def _json_body(request: Request) -> dict[str, Any]:
@@ -244,12 +265,15 @@ def build_app(engine: Engine | Callable[[], Engine], config: ServerConfig | None
         if not isinstance(engine, Engine):
             threading.Thread(target=state.load, args=(engine,), name="kev-load", daemon=True).start()
         yield
+        state.close()
         if state.engine is not None and not isinstance(engine, Engine):  # we built it, we close it
             await asyncio.to_thread(state.engine.close, SHUTDOWN_CLOSE_S)
 
     app = FastAPI(title="Kev", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.kev = state
-    app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
+    app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes, timeout_s=config.body_timeout_s)
+    app.add_middleware(PerKeyLimit, tenants=state.tenants, counts=state.in_flight, limit=config.max_requests_per_key,
+                       retry_after_s=config.retry_after_s)  # outside the body limit: a slow body counts against its key
     app.add_middleware(Endings)  # added last: the outermost, so it sees how every request ended
 
     @app.exception_handler(APIError)
@@ -277,7 +301,8 @@ def build_app(engine: Engine | Callable[[], Engine], config: ServerConfig | None
     async def metrics(request: Request) -> PlainTextResponse:
         check_key(request, config.api_keys, "/metrics")
         stats = state.engine.stats() if state.engine is not None else None
-        return PlainTextResponse(state.metrics.render(stats), media_type="text/plain; version=0.0.4")
+        text = state.metrics.render(stats, compiling=state.compiles.in_flight()[0])
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
     async def models(request: Request) -> JSONResponse:
@@ -289,7 +314,7 @@ def build_app(engine: Engine | Callable[[], Engine], config: ServerConfig | None
 
     async def run(request: Request, chat: bool) -> Response:
         endpoint = _route(request)
-        check_key(request, config.api_keys, "/v1")
+        tenant = state.tenant(request, "/v1")
         started = time.perf_counter()
         body = await _json_body(request)
         engine_now = state.ready()
@@ -298,6 +323,10 @@ def build_app(engine: Engine | Callable[[], Engine], config: ServerConfig | None
         else:
             call = parse_completion(body, config, state.model_name, state.adapter_names())
         call.endpoint = endpoint
+        call.sampling = tenant.scoped(call.sampling)
+        error = (await state.compiles.ensure(engine_now, tenant, [call.sampling]))[0]
+        if error is not None:
+            raise engine_error(error, None)
         state.acquire(len(call.prompts))  # 429 now, before any work, rather than mid-stream
         if call.stream:
             try:
@@ -331,7 +360,7 @@ def build_app(engine: Engine | Callable[[], Engine], config: ServerConfig | None
     async def completions(request: Request) -> Response:
         return await run(request, chat=False)
 
-    add_native_routes(app, state, lambda request: check_key(request, config.api_keys, "/kev/v1"), _json_body)
+    add_native_routes(app, state, lambda request: state.tenant(request, "/kev/v1"), _json_body)
 
     add_admin_routes(app, state, check_key, _json_body)
 

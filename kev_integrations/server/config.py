@@ -12,6 +12,13 @@ from dataclasses import dataclass
 
 API_KEY_ENV = "KEV_API_KEY"  # comma-separated: several clients, several keys
 ADMIN_KEY_ENV = "KEV_ADMIN_KEY"
+# the cores left to the engine matter more than compile throughput: half of them at most
+DEFAULT_COMPILE_WORKERS = max(1, min(4, (os.cpu_count() or 2) // 2))
+
+
+POSITIVE_LIMITS = {"max_requests_per_key", "header_timeout_s", "body_timeout_s", "max_tokenize_bytes",
+                   "tokenize_workers", "max_pending_tokenize", "compile_workers", "max_compiles_per_key",
+                   "max_pending_compiles", "compile_timeout_s"}
 
 
 @dataclass(frozen=True)
@@ -37,12 +44,48 @@ class ServerConfig:
     adapter_drain_wait_s: float = 30.0
     """How long loading an adapter whose name is still draining waits for it before a 409."""
 
+    # ---- tenants: one per API key ----
+    shared_prefix_cache: bool = False
+    """Every API key shares one prefix cache. Off by default: a shared cache tells one tenant,
+    through `cached_tokens` and answer times, what another sent (CVE-2025-46570). Without API
+    keys every caller is one tenant anyway."""
+    max_requests_per_key: int = 128
+    """Most requests one API key has in flight (body arriving, queued, running, streaming); past
+    it a 429. Without API keys this bounds all callers together."""
+
+    # ---- what one request may hold ----
+    header_timeout_s: float = 15.0
+    """A connection whose request headers are not complete this long after it opened (or after its
+    last response) is closed with a 408: slow senders cannot hold connections."""
+    body_timeout_s: float = 60.0
+    """A request body not fully received this long after its headers gets a 408."""
+    max_tokenize_bytes: int = 1024 * 1024
+    """Largest /kev/v1/tokenize body (413 past it): a MiB of text takes about half a second to tokenize."""
+    tokenize_workers: int = 2
+    """Threads that run /kev/v1/tokenize (off the event loop)."""
+    max_pending_tokenize: int = 8
+    """Tokenize requests running or waiting for those threads; past it a 429."""
+    compile_workers: int = DEFAULT_COMPILE_WORKERS
+    """Threads that compile grammars (JSON schemas, regexes, tool calls...), apart from everything else."""
+    max_compiles_per_key: int = 1
+    """Distinct grammars one API key may have compiling at once; past it a 429 (without API keys:
+    all callers together)."""
+    max_pending_compiles: int = 16
+    """Distinct grammars compiling or waiting for a compile thread, all keys together; past it a 429."""
+    compile_timeout_s: float = 10.0
+    """Time budget of one compile: a 429 if no compile thread takes it up within this long, a 400 if
+    it does not finish within this long once started."""
+
     def __post_init__(self) -> None:
         """An empty key would let anyone in (``--api-key "$UNSET_VAR"``): refuse it by name."""
         if any(not isinstance(k, str) or not k.strip() for k in self.api_keys):
             raise SystemExit("an API key is empty; give a non-empty --api-key (or KEV_API_KEY), or none at all")
         if self.admin_key is not None and not self.admin_key.strip():
             raise SystemExit("the admin key is empty; give a non-empty --admin-key (or KEV_ADMIN_KEY), or none")
+        for name in sorted(POSITIVE_LIMITS):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"{name}={value!r} is not allowed; give a number > 0")
 
     @classmethod
     def from_env(cls, **overrides: object) -> ServerConfig:

@@ -30,6 +30,7 @@ ENGINE_GAUGES = {
     "kv_cache_bytes": ("kev_kv_cache_bytes", "KV memory in use."),
     "kv_cache_budget_bytes": ("kev_kv_cache_budget_bytes", "KV memory budget."),
     "kv_cached_prefix_bytes": ("kev_kv_cached_prefix_bytes", "KV kept for reuse (LRU prefix cache)."),
+    "grammar_cache_bytes": ("kev_grammar_cache_bytes", "Compiled grammars kept for reuse (LRU, bounded)."),
 }
 
 
@@ -68,7 +69,8 @@ class Metrics:
             total.queued += snap["queued"]
         return total
 
-    def render(self, engine_stats: dict[str, Any] | None) -> str:
+    def render(self, engine_stats: dict[str, Any] | None, compiling: int | None = None) -> str:
+        """The exposition text; `compiling`: grammars the server is compiling or about to (left out if None)."""
         lines = ["# HELP kev_http_requests_total HTTP requests by endpoint and status.",
                  "# TYPE kev_http_requests_total counter"]
         with self._lock:
@@ -84,6 +86,9 @@ class Metrics:
                 lines.append(f'kev_request_latency_seconds_bucket{{le="{bound}"}} {cumulative}')
             lines += [f"kev_request_latency_seconds_sum {self.latency_sum}",
                       f"kev_request_latency_seconds_count {cumulative}"]
+        if compiling is not None:
+            lines += ["# HELP kev_grammar_compiles_in_flight Grammars compiling or waiting for a compile thread.",
+                      "# TYPE kev_grammar_compiles_in_flight gauge", f"kev_grammar_compiles_in_flight {compiling}"]
         if engine_stats is not None:
             lines += ["# HELP kev_engine_info How the engine computes: its dtype, and whether packed equals alone "
                       "bit for bit.", "# TYPE kev_engine_info gauge",

@@ -6,12 +6,17 @@ templates) and send them here through `RemoteEngine`, so a LangChain `batch()` i
 request and one pack on the server, and every per-call setting survives the trip.
 
 - ``GET /kev/v1/info``: the model's name, context, adapters and chat template.
-- ``POST /kev/v1/tokenize``: the ids of a prompt (chat template applied) or of a bare text.
+- ``POST /kev/v1/tokenize``: the ids of a prompt (chat template applied) or of a bare text,
+  tokenized on a few threads of its own (never the event loop), bodies of at most
+  `max_tokenize_bytes`, `max_pending_tokenize` at once (then a 429).
 - ``POST /kev/v1/generate``: ``{"requests": [{"prompt", "sampling", "adapter", "stream"}]}`` →
   server-sent events ``{"index", "text"}`` (streamed requests), then ``{"index", "completion"}``
   or ``{"index", "error": {"type", "message"}}`` per request, then ``[DONE]``. A bad request
   fails alone, as in `Engine.generate(..., return_exceptions=True)`; closing the stream
   cancels whatever is still running.
+
+Each request's `cache_salt` is moved into its caller's tenant namespace, and constraints are
+compiled in the server's compile pool first, as on the OpenAI endpoints (see `app`).
 """
 
 from __future__ import annotations
@@ -30,9 +35,10 @@ from kev_engine.params import coerce_sampling
 from kev_engine.request import failed_future
 from kev_engine.tokenize import prompt_ids
 
-from .errors import bad_request, engine_error
+from .errors import APIError, bad_request, engine_error
 from .pieces import Pieces
 from .responses import sse
+from .tenants import Tenant
 
 if TYPE_CHECKING:
     from .app import ServerState
@@ -64,14 +70,18 @@ def _requests(body: dict[str, Any], state: ServerState) -> list[dict[str, Any]]:
     return requests
 
 
-async def _generate_events(state: ServerState, engine: Engine, requests: list[dict[str, Any]]) -> AsyncIterator[str]:
+async def _generate_events(state: ServerState, engine: Engine, tenant: Tenant,
+                           requests: list[dict[str, Any]]) -> AsyncIterator[str]:
     pieces = Pieces(state.config.request_timeout_s)
     samplings: list[Any] = []
     for request in requests:
         try:
-            samplings.append(_sampling(request.get("sampling"), state.config.max_tokens_limit))
+            samplings.append(tenant.scoped(_sampling(request.get("sampling"), state.config.max_tokens_limit)))
         except InvalidRequestError as exc:
             samplings.append(exc)
+    for i, error in enumerate(await state.compiles.ensure(engine, tenant, samplings)):
+        if error is not None:  # a constraint that does not compile (in time) fails its request alone
+            samplings[i] = error
     valid = [i for i, s in enumerate(samplings) if not isinstance(s, BaseException)]
     try:
         submitted = await asyncio.to_thread(
@@ -122,11 +132,24 @@ def _outcome(future: Future[Completion]) -> dict[str, Any]:
     return {"completion": dataclasses.asdict(future.result())}
 
 
-def add_native_routes(app: FastAPI, state: ServerState, check_key: Callable[[Request], None],
+def _tokenize(engine: Engine, body: dict[str, Any]) -> list[int]:
+    """The ids a tokenize body asks for (on a tokenize thread: a long text takes a while)."""
+    if set(body) == {"text"} and isinstance(body["text"], str):
+        return list(engine.tokenizer(body["text"], add_special_tokens=False)["input_ids"])
+    if set(body) != {"prompt"}:
+        raise bad_request("give {'prompt': <string or chat messages>} or {'text': <string>}")
+    try:
+        return prompt_ids(engine.tokenizer, body["prompt"])[1]
+    except InvalidRequestError as exc:
+        raise bad_request(str(exc), param="prompt") from None
+
+
+def add_native_routes(app: FastAPI, state: ServerState, tenant_of: Callable[[Request], Tenant],
                       json_body: Callable[[Request], Any]) -> None:
+    """Kev's own endpoints; `tenant_of` authenticates a request (401) and names its tenant."""
     @app.get("/kev/v1/info")
     async def info(request: Request) -> JSONResponse:
-        check_key(request)
+        tenant_of(request)
         engine = state.ready()
         template = getattr(engine.tokenizer, "chat_template", None)
         return JSONResponse({"name": state.model_name, "max_context": engine.max_context,
@@ -136,27 +159,32 @@ def add_native_routes(app: FastAPI, state: ServerState, check_key: Callable[[Req
 
     @app.post("/kev/v1/tokenize")
     async def tokenize(request: Request) -> JSONResponse:
-        check_key(request)
+        tenant_of(request)
         engine = state.ready()
+        limit = state.config.max_tokenize_bytes
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:  # refused before reading (or parsing) it
+            raise _tokenize_too_large(int(declared), limit)
         body = await json_body(request)
-        if set(body) == {"text"} and isinstance(body["text"], str):
-            return JSONResponse({"ids": engine.tokenizer(body["text"], add_special_tokens=False)["input_ids"]})
-        if set(body) != {"prompt"}:
-            raise bad_request("give {'prompt': <string or chat messages>} or {'text': <string>}")
-        try:
-            return JSONResponse({"ids": prompt_ids(engine.tokenizer, body["prompt"])[1]})
-        except InvalidRequestError as exc:
-            raise bad_request(str(exc), param="prompt") from None
+        size = len(await request.body())  # read once already: Starlette keeps it
+        if size > limit:  # a chunked body declares no length
+            raise _tokenize_too_large(size, limit)
+        return JSONResponse({"ids": await state.tokenize.run(_tokenize, engine, body)})
 
     @app.post("/kev/v1/generate")
     async def generate(request: Request) -> StreamingResponse:
-        check_key(request)
+        tenant = tenant_of(request)
         engine = state.ready()
         requests = _requests(await json_body(request), state)
         state.acquire(len(requests))
         try:
-            events = await _generate_events(state, engine, requests)
+            events = await _generate_events(state, engine, tenant, requests)
         except BaseException:
             state.release(len(requests))
             raise
         return StreamingResponse(events, media_type="text/event-stream")
+
+
+def _tokenize_too_large(size: int, limit: int) -> APIError:
+    return APIError(413, f"the tokenize body is {size} bytes; this server tokenizes at most {limit} bytes per request "
+                    "(max_tokenize_bytes): split the text", code="body_too_large")

@@ -61,6 +61,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "without one the admin endpoints are off)")
     parser.add_argument("--insecure-no-auth", dest="no_auth", action="store_true",
                         help="allow a non-loopback --host without an API key")
+    parser.add_argument("--shared-prefix-cache", dest="shared_prefix_cache", action="store_true",
+                        help="let all API keys share one prefix cache. RISK: a caller can then learn from "
+                        "cached_tokens and answer times whether another sent a given prompt (CVE-2025-46570). "
+                        "Default: each key is a tenant with its own cache namespace (without keys, all callers "
+                        "are one tenant)")
+    parser.add_argument("--max-requests-per-key", dest="max_requests_per_key", type=int, default=128,
+                        help="requests one API key may have in flight before 429 (default 128)")
     parser.add_argument("--max-queued", dest="max_queued", type=int, default=256,
                         help="questions in flight before 429 (default 256)")
     parser.add_argument("--max-tokens-limit", dest="max_tokens_limit", type=int, default=4096,
@@ -168,12 +175,14 @@ def serve(args: Any) -> int:
         import uvicorn
 
         from .app import build_app
+        from .header_deadline import header_deadline_protocol
     except ImportError as exc:
         raise SystemExit(f"kev serve needs the server extra: pip install 'kev-llm[server]' ({exc})") from None
     config = ServerConfig.from_env(
         api_keys=tuple(args.api_keys) if args.api_keys else None, admin_key=args.admin_key,
         max_queued=args.max_queued, max_tokens_limit=args.max_tokens_limit, max_prompts=args.max_prompts,
-        request_timeout_s=args.request_timeout_s,
+        request_timeout_s=args.request_timeout_s, shared_prefix_cache=args.shared_prefix_cache,
+        max_requests_per_key=args.max_requests_per_key,
     )
     check_exposure(args.host, config, allow_no_auth=args.no_auth)
     adapters = parse_adapter_specs(args.adapter_specs)
@@ -214,6 +223,6 @@ def serve(args: Any) -> int:
     app = build_app(ready.loader(engine_factory(args.model, args.device, args.dtype, adapters)), config,
                     model_name=name)
     server = Server(uvicorn.Config(app, host=args.host, port=args.port, timeout_graceful_shutdown=args.grace,
-                                   log_level="info"))
+                                   log_level="info", http=header_deadline_protocol(config.header_timeout_s)))
     server.run()
     return LOAD_FAILED if ready.failure is not None else 0

@@ -1,0 +1,63 @@
+"""A deadline for request headers: uvicorn's HTTP protocol, closing connections whose headers dawdle.
+
+Why: uvicorn has no header timeout. Its keep-alive timer stops at the first byte a client sends,
+so a client that sends its headers a byte every few seconds (slow-loris) holds a connection for
+as long as it likes, and a few hundred such clients hold the server. The app's own body deadline
+(`limits.BodyLimit`) starts only once the headers are in. Here each connection must complete a
+request's headers within `timeout_s` of opening, and again within `timeout_s` of each response;
+otherwise it gets a 408 in OpenAI's error shape and is closed. A request being answered is never
+cut: the deadline applies only while the connection waits for headers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+
+def _timeout_response(timeout_s: float) -> bytes:
+    body = json.dumps({"error": {
+        "message": f"the request headers did not arrive within {timeout_s:g} s (this server's header_timeout_s)",
+        "type": "invalid_request_error", "param": None, "code": "header_timeout"}}).encode()
+    return (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
+            b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+
+
+def header_deadline_protocol(timeout_s: float, base: type[asyncio.Protocol] = AutoHTTPProtocol) -> type[Any]:
+    """uvicorn's HTTP protocol class (httptools or h11, as uvicorn picks) with a header deadline,
+    for ``uvicorn.Config(http=...)``."""
+    response = _timeout_response(timeout_s)
+
+    class HeaderDeadline(base):  # type: ignore[valid-type, misc]
+        _deadline: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport: Any) -> None:
+            super().connection_made(transport)
+            self._arm()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._arm()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self._deadline is not None:
+                self._deadline.cancel()
+            super().connection_lost(exc)
+
+        def _arm(self) -> None:
+            if self._deadline is not None:
+                self._deadline.cancel()
+            self._deadline = self.loop.call_later(timeout_s, self._expire, self.cycle)
+
+        def _expire(self, waiting_after: Any) -> None:
+            """No new request since the deadline was armed, and none being answered: close."""
+            if self.cycle is not waiting_after or (waiting_after is not None and not waiting_after.response_complete):
+                return
+            if not self.transport.is_closing():
+                self.transport.write(response)
+                self.transport.close()
+
+    return HeaderDeadline
