@@ -48,12 +48,11 @@ log = logging.getLogger("kev")
 MODES = ("auto", "compiled", "torch")
 ENV_VAR = "KEV_DECODE_KERNEL"
 CSRC = Path(__file__).resolve().parent / "csrc"
-HEADERS = ("simd.h",)
-# sources and flags of each build; the exact build must never reassociate or contract
-BUILDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    "exact": (("linear.cpp", "attention.cpp", "elementwise.cpp", "rows_linear.cpp", "bind_exact.cpp"),
+# sources, headers and flags of each build; the exact build must never reassociate or contract
+BUILDS: dict[str, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]] = {
+    "exact": (("linear.cpp", "attention.cpp", "elementwise.cpp", "rows_linear.cpp", "bind_exact.cpp"), ("simd.h",),
               ("-O3", "-march=native", "-fno-fast-math", "-ffp-contract=off", "-fopenmp")),
-    "fast": (("paged_decode.cpp", "bind_fast.cpp"),
+    "fast": (("paged_decode.cpp", "bind_fast.cpp"), (),
              ("-O3", "-march=native", "-ffast-math", "-fopenmp")),
 }
 LDFLAGS = ["-fopenmp"]  # resolves to the libgomp torch already loaded (same soname): one thread pool
@@ -101,9 +100,9 @@ def _cpu_fingerprint() -> str:
 
 def build_name(build: str) -> str:
     """A build's folder name: new sources, flags, torch or CPU get a new build."""
-    sources, flags = BUILDS[build]
+    sources, headers, flags = BUILDS[build]
     digest = hashlib.sha256()
-    for name in (*sources, *HEADERS):
+    for name in (*sources, *headers):
         digest.update(name.encode())
         digest.update((CSRC / name).read_bytes())
     for text in (torch.__version__, _cpu_fingerprint(), " ".join(flags)):
@@ -173,11 +172,11 @@ def _build(build: str) -> Any:
 
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
     name = build_name(build)
-    sources, flags = BUILDS[build]
+    sources, headers, flags = BUILDS[build]
     folder = build_root() / name
     folder.mkdir(parents=True, exist_ok=True)
     with _build_lock(folder, name):
-        for source in (*sources, *HEADERS):  # the build reads copies: its paths are the same for every checkout
+        for source in (*sources, *headers):  # the build reads copies: its paths are the same for every checkout
             copy = folder / source
             if not copy.exists() or copy.read_bytes() != (CSRC / source).read_bytes():
                 shutil.copyfile(CSRC / source, copy)

@@ -32,6 +32,7 @@ namespace {
 using namespace kev;
 
 constexpr int kMaxTile = kLanes == 16 ? 12 : 3;  // rows whose scores stay in registers over a chunk
+static_assert(kMaxTile <= kLanes, "one exp rescales every row of a tile");
 
 struct Segment {  // one question's rows in this pass
   int64_t first_row, num_rows, past;  // rows first_row.. are positions past, past + 1, ...
@@ -73,8 +74,9 @@ void tile_chunk(const Pass<T>& p, const float* qbuf, const T* kc, const T* vc, c
   const vi ids = lane_ids();
   int64_t widest = 0;
   bool full = true;
-  float alpha[R];
-  for (int r = 0; r < R; ++r) {  // per row: the chunk's max, new running max, weights and sum
+  float alpha[R], new_max[R];
+  vf shift = vf{};  // lane r: m[r] - new_max[r], for one exp over every row's rescale
+  for (int r = 0; r < R; ++r) {  // per row: the chunk's max and the new running max
     if (n[r] <= 0) {
       full = false;
       continue;
@@ -86,18 +88,23 @@ void tile_chunk(const Pass<T>& p, const float* qbuf, const T* kc, const T* vc, c
       const vi valid = (ids + j * kLanes) < static_cast<int32_t>(n[r]);
       chunk_max = std::max(chunk_max, hmax(vselect(valid, s[r][j], vset(-std::numeric_limits<float>::infinity()))));
     }
-    const float new_max = first ? chunk_max : std::max(m[r], chunk_max);
+    new_max[r] = first ? chunk_max : std::max(m[r], chunk_max);
+    if (!first) shift[r] = m[r] - new_max[r];
+  }
+  const vf rescale = vexp(shift);  // R <= kLanes rows (kMaxTile)
+  for (int r = 0; r < R; ++r) {  // per row: weights, their sum, the running sum
+    if (n[r] <= 0) continue;
     vf total = vf{};
     for (int j = 0; j < NV; ++j) {
       const vi valid = (ids + j * kLanes) < static_cast<int32_t>(n[r]);
-      const vf w = vselect(valid, vexp(s[r][j] - vset(new_max)), vf{});
+      const vf w = vselect(valid, vexp(s[r][j] - vset(new_max[r])), vf{});
       vstore(probs + r * chunk + j * kLanes, w);
       total = total + w;
     }
     const float sum = hsum(total);
-    alpha[r] = first ? 0.f : vexp(vset(m[r] - new_max))[0];
+    alpha[r] = first ? 0.f : rescale[r];
     l[r] = first ? sum : l[r] * alpha[r] + sum;
-    m[r] = new_max;
+    m[r] = new_max[r];
   }
   for (int64_t d0 = 0; d0 < dim; d0 += kLanes) {  // values: acc = acc * alpha, then a chain over positions
     const int64_t width = std::min<int64_t>(kLanes, dim - d0);

@@ -193,12 +193,16 @@ void amx_configure() {  // tiles 0-3: C (16 x 16 fp32); 4, 5: A (16 rows x 32 bf
   _tile_loadconfig(&config);
 }
 
-// A 32-row x 32-output tile: rows a (stride lda bytes), panels b0 and b1, kc steps of 32.
+// A 32-row (TWO) or 16-row x 32-output tile: rows a (stride lda bytes), panels b0 and b1, steps
+// of 32 along K. The 16-row form serves decode passes, whose few rows are padded to 16, not 32.
+template <bool TWO>
 inline void amx_tile(const bf16* a, int64_t lda, const bf16* b0, const bf16* b1, int64_t steps, float* c) {
   _tile_zero(0);
   _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
+  if constexpr (TWO) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
   const bf16* a1 = a + 16 * (lda / 2);
   for (int64_t s = 0; s < steps; ++s) {
     _tile_loadd(4, a + s * 32, lda);
@@ -206,14 +210,18 @@ inline void amx_tile(const bf16* a, int64_t lda, const bf16* b0, const bf16* b1,
     _tile_dpbf16ps(0, 4, 6);
     _tile_loadd(7, b1 + s * 512, 64);
     _tile_dpbf16ps(1, 4, 7);
-    _tile_loadd(5, a1 + s * 32, lda);
-    _tile_dpbf16ps(2, 5, 6);
-    _tile_dpbf16ps(3, 5, 7);
+    if constexpr (TWO) {
+      _tile_loadd(5, a1 + s * 32, lda);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
   }
   _tile_stored(0, c, 128);
   _tile_stored(1, c + 16, 128);
-  _tile_stored(2, c + 16 * 32, 128);
-  _tile_stored(3, c + 16 * 32 + 16, 128);
+  if constexpr (TWO) {
+    _tile_stored(2, c + 16 * 32, 128);
+    _tile_stored(3, c + 16 * 32 + 16, 128);
+  }
 }
 #endif
 
@@ -236,10 +244,22 @@ const char* bf16_path_name(Bf16Path path) {
   }
 }
 
-// fp32 accumulators c [rows][32] (+ bias) rounded once to bf16.
+// fp32 accumulators c [rows][32] (+ bias) rounded once to bf16 (to nearest even, as c10 does).
 void store_bf16(const float* c, int64_t rows, const float* bias, bf16* out, int64_t ldo, int64_t cols) {
+#if defined(__AVX512BF16__)
+  for (int64_t j = 0; j < cols; j += 16) {
+    const int64_t left = std::min<int64_t>(16, cols - j);
+    const __mmask16 mask = left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
+    const __m512 add = bias != nullptr ? _mm512_maskz_loadu_ps(mask, bias + j) : _mm512_setzero_ps();
+    for (int64_t i = 0; i < rows; ++i) {
+      const __m512 v = _mm512_add_ps(_mm512_loadu_ps(c + i * 32 + j), add);
+      _mm256_mask_storeu_epi16(out + i * ldo + j, mask, (__m256i)_mm512_cvtneps_pbh(v));
+    }
+  }
+#else
   for (int64_t i = 0; i < rows; ++i)
     for (int64_t j = 0; j < cols; ++j) out[i * ldo + j] = static_cast<bf16>(c[i * 32 + j] + (bias ? bias[j] : 0.f));
+#endif
 }
 
 // Without AMX: a tile of up to 6 rows x 32 outputs (two panels), one k pair at a time.
@@ -289,9 +309,10 @@ void linear_bf16(const bf16* x, int64_t m, int64_t k, const bf16* w, int64_t n, 
   const int64_t panel_size = k_pairs * 32;                  // bf16 elements of one packed panel
   // AMX reads 32 columns a step, the others pairs: a row whose K does not fill them is padded with zeros
   const bool padded_rows = path == Bf16Path::kAmx ? k != kpad : k % 2 != 0;
-  const int64_t tile_rows = path == Bf16Path::kAmx ? 32 : kRows;
-  const int64_t blocks = (m + kRowBlock - 1) / kRowBlock;
+  // AMX: 32-row tiles, or 16 when the pass has no more (a decode step); others: register tiles
+  const int64_t tile_rows = path != Bf16Path::kAmx ? kRows : m <= 16 ? 16 : 32;
   constexpr int64_t kPairsPerTask = 8;                      // 256 outputs: their panels stay in L2
+  const int64_t blocks = (m + kRowBlock - 1) / kRowBlock;
   const int64_t groups = (pairs + kPairsPerTask - 1) / kPairsPerTask;
   at::parallel_for(0, blocks * groups, 1, [&](int64_t begin, int64_t end) {
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)
@@ -320,7 +341,10 @@ void linear_bf16(const bf16* x, int64_t m, int64_t k, const bf16* w, int64_t n, 
           if (cols <= 0) continue;
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)
           if (path == Bf16Path::kAmx) {
-            amx_tile(a, lda * 2, b0, b1, k_pairs / 16, c);
+            if (tile_rows == 32)
+              amx_tile<true>(a, lda * 2, b0, b1, k_pairs / 16, c);
+            else
+              amx_tile<false>(a, lda * 2, b0, b1, k_pairs / 16, c);
           } else
 #endif
           if (path == Bf16Path::kAvx512Bf16) {

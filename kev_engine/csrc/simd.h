@@ -71,14 +71,30 @@ inline vf vexp(vf x) {
   return vselect(tiny, vf{}, p * (vf)exponent);
 }
 
-inline float hsum(vf v) {  // a fixed tree over the lanes
-  for (int w = kLanes / 2; w >= 1; w /= 2)
-    for (int i = 0; i < w; ++i) v[i] = v[i] + v[i + w];
-  return v[0];
+// Halving trees over the lanes (the upper half onto the lower, then again): one fixed order.
+inline vf upper_half(vf v) {
+#if defined(__AVX512F__)
+  return __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+  return __builtin_shufflevector(v, v, 4, 5, 6, 7, 4, 5, 6, 7);
+#endif
 }
-inline float hmax(vf v) {
-  float m = v[0];
-  for (int i = 1; i < kLanes; ++i) m = std::max(m, v[i]);
+inline float hsum(vf v) {
+  v = v + upper_half(v);
+  float lanes[kLanes];
+  std::memcpy(lanes, &v, sizeof(v));
+  float quarter[kLanes / 4];
+  for (int i = 0; i < kLanes / 4; ++i) quarter[i] = lanes[i] + lanes[i + kLanes / 4];
+  for (int w = kLanes / 8; w >= 1; w /= 2)
+    for (int i = 0; i < w; ++i) quarter[i] = quarter[i] + quarter[i + w];
+  return quarter[0];
+}
+inline float hmax(vf v) {  // max is exact: any order gives the same value
+  v = vmax(v, upper_half(v));
+  float lanes[kLanes];
+  std::memcpy(lanes, &v, sizeof(v));
+  float m = lanes[0];
+  for (int i = 1; i < kLanes / 2; ++i) m = std::max(m, lanes[i]);
   return m;
 }
 
