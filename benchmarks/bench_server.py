@@ -305,6 +305,7 @@ def main() -> None:
     ap.add_argument("--rag-max-tokens", type=int, default=32)
     ap.add_argument("--stream-requests", type=int, default=200, help="streamed requests in the disconnect run")
     ap.add_argument("--skip-llamacpp", action="store_true")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the served engine's dtype")
     args = ap.parse_args()
     from kev_engine import loader
 
@@ -312,10 +313,10 @@ def main() -> None:
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     command = [sys.executable, "-m", "kev_engine", "serve", "--port", str(port), "--api-key", KEY,
-               "--max-queued", str(max(1024, args.clients * 4))]
+               "--max-queued", str(max(1024, args.clients * 4)), "--dtype", args.dtype]
     for tenant in LARGE_TENANTS:
         command += ["--api-key", tenant]
-    lines = [f"# bench_server (embedded model, fp32, {os.cpu_count()} CPUs)", ""]
+    lines = [f"# bench_server (embedded model, {args.dtype}, batch-invariant, {os.cpu_count()} CPUs)", ""]
     with server(command, base + "/health") as process:
         runs = []
         for name, offset, with_large in (("alone", 0, False), ("beside large schemas", 100_000, True)):

@@ -15,6 +15,7 @@ import atexit
 import contextlib
 import functools
 import itertools
+import logging
 import queue
 import threading
 import time
@@ -57,6 +58,7 @@ EXIT_JOIN_S = 10.0  # at interpreter exit, a scheduler thread stuck in a pass (a
 IDLE_RECHECK_S = 0.05  # a pass that could schedule nothing waits this long (or for news) before retrying
 
 
+log = logging.getLogger("kev")
 _live_engines: weakref.WeakSet[Engine] = weakref.WeakSet()
 
 
@@ -160,7 +162,10 @@ class Engine:
         kernels = choose_kernels(decode_kernel, parameter.device, flash_layout)
         self._exact = exact_or_why(batch_invariant, model, kernels, parameter)
         claim_model(model, self)
-        self._torch_elementwise = prepare_model(model, kernels, self._exact)
+        torch_elementwise = prepare_model(model, kernels, self._exact)
+        if torch_elementwise:  # said, not hidden: these keep torch's activation, whose last bit may move
+            log.warning("Kev: batch-invariant, except that %s keep torch's own elementwise code (a last-bit "
+                        "difference between packs is possible there)", ", ".join(torch_elementwise[:4]))
         self.dtype = parameter.dtype
         self.model = model
         self.tokenizer = tokenizer

@@ -251,3 +251,18 @@ def test_batch_invariant_true_says_why_it_cannot_be(tokenizer) -> None:
     engine = Engine(model, tokenizer, decode_kernel="torch")  # None: wherever possible — here it is not
     assert engine.stats()["batch_invariant"] is False and engine.stats()["dtype"] == "float16"
     engine.close()
+
+
+def test_an_activation_without_a_kernel_is_said(tokenizer, caplog) -> None:
+    """A gelu MLP keeps torch's activation on the batch-invariant path, and the engine says which."""
+    with caplog.at_level("WARNING", logger="kev"):
+        engine = Engine(tiny_model("llama", tokenizer, hidden_act="gelu"), tokenizer)
+    try:
+        assert engine.batch_invariant
+        assert "keep torch's own elementwise code" in caplog.text and "model.layers.0.mlp" in caplog.text
+    finally:
+        engine.close()
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="kev"):
+        Engine(tiny_model("llama", tokenizer), tokenizer).close()  # silu: the kernel, nothing to say
+    assert "elementwise" not in caplog.text
