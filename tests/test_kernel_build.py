@@ -28,9 +28,12 @@ def fresh_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def checkout(root: Path, name: str) -> Path:
-    """The kernel sources as another checkout of the project holds them."""
+    """The kernel sources as another checkout of the project holds them — marked, so their build is
+    not the one this test process may already have loaded (torch reuses a loaded extension's name)."""
     folder = root / name / "csrc"
     shutil.copytree(kernels.CSRC, folder)
+    source = folder / "paged_decode.cpp"
+    source.write_text(source.read_text() + "\n// a copy built by tests/test_kernel_build.py\n")
     return folder
 
 
@@ -57,7 +60,7 @@ def test_one_build_serves_every_checkout_and_says_what_it_does(fresh_cache, monk
     assert "building" not in caplog.text  # found, not rebuilt
     assert built.stat().st_mtime_ns == stamp
 
-    (second / "paged_decode.cpp").write_text((second / "paged_decode.cpp").read_text() + "\n// changed\n")
+    (second / "paged_decode.cpp").write_text((second / "paged_decode.cpp").read_text() + "// changed\n")
     assert kernels.build_name("fast") != name  # other sources: another build, never a stale one
 
 
