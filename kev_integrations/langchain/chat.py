@@ -17,12 +17,13 @@ from pydantic import BaseModel
 
 from kev_engine import Completion
 
+from ..chat_format import offered_tools, schema_instruction
 from ..tokens import prompt_token_count
-from ..tool_format import template_renders_role, template_supports_tools, tool_choice_instruction
+from ..tool_format import tool_choice_instruction
 from . import packing
 from .configurable import KevConfigurableFields
 from .constraints import constrain, format_constraint, response_format_schema, tools_constraint
-from .messages import build_prompt, response_metadata, schema_instruction, usage_of
+from .messages import build_prompt, response_metadata, usage_of
 from .packing import EngineRequest
 from .settings import KevFields
 from .structured import Method, structured_output
@@ -171,10 +172,8 @@ class ChatKev(KevFields, BaseChatModel):
         kind, schema = response_format_schema(extra.get("response_format"))
         sampling = constrain(sampling, format_constraint(kind, schema), "response_format")
         system_extra = schema_instruction(schema) if kind != "text" else ""
-        prompt_tools = None if tool_choice in ("none", False) else tools  # "none": never shown, never called
-        prompt = build_prompt(messages, prompt_tools, tool_choice, template_supports_tools(engine.tokenizer),
-                              system_extra, template_renders_role(engine.tokenizer, "tool"))
-        names = [t["function"]["name"] for t in prompt_tools or ()]
+        prompt = build_prompt(messages, tools, tool_choice, engine.tokenizer, system_extra)
+        names = [t["function"]["name"] for t in offered_tools(tools, tool_choice)]
         return EngineRequest(engine, prompt, sampling, adapter), names
 
     def get_num_tokens_from_messages(self, messages: list[BaseMessage], tools: Sequence[Any] | None = None) -> int:
@@ -182,8 +181,7 @@ class ChatKev(KevFields, BaseChatModel):
         its chat template, system prompt and tool schemas included. Offline, no GPT-2."""
         engine = self.get_engine()
         schemas = convert_tools(tools) if tools else None
-        prompt = build_prompt(messages, schemas, None, template_supports_tools(engine.tokenizer), "",
-                              template_renders_role(engine.tokenizer, "tool"))
+        prompt = build_prompt(messages, schemas, None, engine.tokenizer)
         return prompt_token_count(engine, prompt)
 
     def _message(self, completion: Completion, tool_names: list[str]) -> AIMessage:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -18,9 +17,8 @@ from langchain_core.messages.ai import UsageMetadata
 
 from kev_engine import Completion
 
-from ..tool_format import format_tool_call, format_tool_result, tool_choice_instruction, tool_system_prompt
-
-ROLES = {"human": "user", "ai": "assistant", "system": "system", "tool": "tool"}
+from .. import chat_format
+from ..chat_format import ToolCall, Turn, role_of
 
 
 def text_of(content: str | list[Any]) -> str:
@@ -41,75 +39,36 @@ def text_of(content: str | list[Any]) -> str:
     return "".join(parts)
 
 
-def to_engine_messages(
-    messages: Sequence[BaseMessage], native_tools: bool, tool_role: bool = False
-) -> list[dict[str, Any]]:
-    """LangChain messages → `{"role", "content"}` dicts for the chat template.
-
-    With `native_tools` the template renders tool calls and `tool` messages itself; otherwise
-    calls are written as the `<tool_call>` text the system prompt describes, and a tool's result
-    as a plain ``tool`` turn when the template writes any role as it is (`tool_role`, see
-    `template_renders_role`), else as a `<tool_response>` user turn.
-    """
-    out: list[dict[str, Any]] = []
+def to_turns(messages: Sequence[BaseMessage]) -> list[Turn]:
+    """LangChain messages → the neutral turns every front end's prompt is built from."""
+    turns: list[Turn] = []
     for message in messages:
         content = text_of(message.content)
         if isinstance(message, ChatMessage):
-            out.append({"role": message.role, "content": content})
-        elif isinstance(message, AIMessage) and message.tool_calls:
-            if native_tools:
-                calls = [
-                    {"type": "function", "id": c["id"], "function": {"name": c["name"], "arguments": c["args"]}}
-                    for c in message.tool_calls
-                ]
-                out.append({"role": "assistant", "content": content, "tool_calls": calls})
-            else:
-                written = "".join(format_tool_call(c["name"], c["args"]) for c in message.tool_calls)
-                out.append({"role": "assistant", "content": (content + "\n" + written).strip()})
+            turns.append(Turn(role_of(message.role), content))
+        elif isinstance(message, AIMessage):
+            calls = tuple(ToolCall(c["name"], c["args"], c.get("id")) for c in message.tool_calls)
+            turns.append(Turn("assistant", content, calls))
         elif isinstance(message, ToolMessage):
-            if native_tools:
-                out.append({"role": "tool", "content": content, "tool_call_id": message.tool_call_id})
-            elif tool_role:
-                out.append({"role": "tool", "content": content})
-            else:
-                out.append({"role": "user", "content": format_tool_result(message.name, content)})
-        elif isinstance(message, (HumanMessage, SystemMessage, AIMessage)):
-            entry: dict[str, Any] = {"role": ROLES[message.type], "content": content}
-            if isinstance(message, HumanMessage) and message.name:
-                entry["name"] = message.name
-            out.append(entry)
+            turns.append(Turn("tool", content, tool_call_id=message.tool_call_id, name=message.name))
+        elif isinstance(message, HumanMessage):
+            turns.append(Turn("user", content, name=message.name))
+        elif isinstance(message, SystemMessage):
+            turns.append(Turn("system", content))
         else:
             raise TypeError(f"message of type {type(message).__name__} is not supported")
-    return out
-
-
-def with_system(messages: list[dict[str, Any]], text: str) -> list[dict[str, Any]]:
-    """Add `text` to the first system message, or start the conversation with one."""
-    if not text:
-        return messages
-    if messages and messages[0]["role"] == "system":
-        return [{**messages[0], "content": text + "\n\n" + messages[0]["content"]}, *messages[1:]]
-    return [{"role": "system", "content": text}, *messages]
+    return turns
 
 
 def build_prompt(
     messages: Sequence[BaseMessage],
     tools: list[dict[str, Any]] | None,
     tool_choice: Any,
-    native_tools: bool,
-    system_extra: str = "",
-    tool_role: bool = False,
+    tokenizer: Any,
+    instructions: str = "",
 ) -> Any:
-    """The engine prompt for one chat call: messages, plus tools natively or described in text."""
-    engine_messages = to_engine_messages(messages, native_tools, tool_role)
-    if tools and not native_tools:
-        system_extra = (tool_system_prompt(tools, tool_choice) + "\n\n" + system_extra).strip()
-    elif tools:
-        system_extra = (tool_choice_instruction(tool_choice, tools) + "\n\n" + system_extra).strip()
-    engine_messages = with_system(engine_messages, system_extra)
-    if tools and native_tools:
-        return {"messages": engine_messages, "tools": tools}
-    return engine_messages
+    """The engine prompt for one chat call (`kev_integrations.chat_format.build_prompt`)."""
+    return chat_format.build_prompt(to_turns(messages), tools, tool_choice, tokenizer, instructions)
 
 
 def usage_of(completion: Completion) -> UsageMetadata:
@@ -127,23 +86,3 @@ def response_metadata(completion: Completion, model_name: str) -> dict[str, Any]
         "finish_reason": completion.finish_reason,
         "adapter": completion.adapter,
     }
-
-
-def schema_instruction(schema: dict[str, Any] | None) -> str:
-    """The system sentence for JSON output (`with_structured_output` / `response_format`).
-
-    The engine enforces the schema itself, so this only has to tell the model what each key
-    means. An object's keys are listed in one plain sentence: small models follow that far
-    better than a JSON Schema dump (measured on SmolLM2-135M, greedy, the five joke prompts of
-    LangChain's standard tests: 4 of 5 replies complete within 64 tokens with the key list, 1 of
-    5 with the dump; the others loop inside the first string until max_tokens). Other schemas
-    are given as JSON.
-    """
-    if schema is None:
-        return "Reply with one JSON object and nothing else."
-    properties = schema.get("properties")
-    if schema.get("type", "object") == "object" and isinstance(properties, dict) and properties:
-        keys = ", ".join(f"{json.dumps(name)} ({spec.get('description') or spec.get('type') or 'any value'})"
-                         for name, spec in properties.items() if isinstance(spec, dict))
-        return "Reply with one JSON object with these keys: " + keys
-    return "Reply with JSON that matches this JSON schema, and nothing else:\n" + json.dumps(schema)

@@ -7,23 +7,19 @@ in `kev_integrations.tool_format`.
 from __future__ import annotations
 
 import json
-import uuid
 from collections.abc import Sequence
 from typing import Any
 
 from langchain_core.messages import InvalidToolCall, ToolCall, ToolCallChunk
 from langchain_core.utils.function_calling import convert_to_openai_tool
 
+from ..chat_format import call_id
 from ..tool_format import split_tool_calls
 
 
 def convert_tools(tools: Sequence[Any]) -> list[dict[str, Any]]:
     """LangChain tools, pydantic models, functions or dicts → OpenAI-style function schemas."""
     return [convert_to_openai_tool(tool) for tool in tools]
-
-
-def _call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 def parse_tool_calls(
@@ -35,8 +31,8 @@ def parse_tool_calls(
     remaining, calls, invalid = split_tool_calls(text, tool_names, finish_reason=finish_reason)
     return (
         remaining,
-        [ToolCall(name=c["name"], args=c["arguments"], id=_call_id(), type="tool_call") for c in calls],
-        [InvalidToolCall(name=c.name, args=c.arguments, id=_call_id(), error=c.error, type="invalid_tool_call")
+        [ToolCall(name=c["name"], args=c["arguments"], id=call_id(), type="tool_call") for c in calls],
+        [InvalidToolCall(name=c.name, args=c.arguments, id=call_id(), error=c.error, type="invalid_tool_call")
          for c in invalid],
     )
 

@@ -40,12 +40,13 @@ from llama_index.core.tools.types import BaseTool
 from kev_engine import Completion, Engine, SamplingParams
 from kev_engine.params import CONSTRAINT_FIELDS
 
+from ..chat_format import offered_tools
 from ..init_args import check_retries, check_sampling, refuse_unknown
 from ..remote import AnyEngine
 from ..shared import resolve_engine
 from ..streaming import astream_answer, stream_answer
 from ..tokens import text_token_ids
-from ..tool_format import split_tool_calls, template_supports_tools, tool_call_constraint, visible_text
+from ..tool_format import split_tool_calls, tool_call_constraint, visible_text
 from .messages import assistant_message, chat_prompt, tool_schemas, tool_selections
 from .scoped import CALL_KEYS, SAMPLING_KEYS, check_settings, current_overrides
 from .structured import StructuredOutput
@@ -294,10 +295,10 @@ class Kev(StructuredOutput, FunctionCallingLLM):
         tool_choice = kwargs.pop("tool_choice", None)
         parallel = kwargs.pop("parallel_tool_calls", True)
         tokenizer = self.get_engine().tokenizer
-        prompt = chat_prompt(messages, tools, tool_choice, template_supports_tools(tokenizer))
+        prompt = chat_prompt(messages, tools, tool_choice, tokenizer)
         if tools and not any(kwargs.get(key) for key in CONSTRAINT_FIELDS):
             kwargs["structural_tag"] = tool_call_constraint(tools, tool_choice, tokenizer, parallel=parallel)
-        return prompt, kwargs, [t["function"]["name"] for t in tools]
+        return prompt, kwargs, [t["function"]["name"] for t in offered_tools(tools, tool_choice)]
 
     @staticmethod
     def _completion_response(text: str, delta: str | None, completion: Completion | None) -> CompletionResponse:

@@ -5,13 +5,12 @@ the engine renders with the model's chat template, and turns the reply back into
 `ChatMessage` whose `additional_kwargs["tool_calls"]` hold the parsed calls — the shape
 `get_tool_calls_from_response` and LlamaIndex's agents read. Templates that render tools get
 them natively; the others (the embedded SmolLM2's) get them described in a system message and
-see earlier calls and results written as ``<tool_call>`` / ``<tool_response>`` text.
+see earlier calls written as ``<tool_call>`` text — the rules of every front end, in
+`kev_integrations.chat_format`.
 """
 
 from __future__ import annotations
 
-import json
-import uuid
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,13 +18,8 @@ from llama_index.core.base.llms.types import ChatMessage, MessageRole, ToolCallB
 from llama_index.core.llms.llm import ToolSelection
 from llama_index.core.output_parsers.base import OutputParserException
 
-from ..tool_format import (
-    format_tool_call,
-    format_tool_result,
-    split_tool_calls,
-    tool_choice_instruction,
-    tool_system_prompt,
-)
+from ..chat_format import ToolCall, Turn, arguments_of, build_prompt, call_id, role_of
+from ..tool_format import split_tool_calls
 
 
 class ReplyParseError(OutputParserException, ValueError):
@@ -53,70 +47,39 @@ def tool_schemas(tools: Sequence[Any] | None) -> list[dict[str, Any]]:
     return [t if isinstance(t, dict) else t.metadata.to_openai_tool(skip_length_check=True) for t in tools or ()]
 
 
-def _calls_of(message: ChatMessage) -> list[dict[str, Any]]:
-    """A history message's tool calls as {"id", "name", "arguments"}: Kev's own, OpenAI's
-    (``{"function": {...}}`` dicts or objects) or `ToolCallBlock`s, so a memory filled by
-    another LLM still replays."""
+def _calls_of(message: ChatMessage) -> list[ToolCall]:
+    """A history message's tool calls: Kev's own, OpenAI's (``{"function": {...}}`` dicts or
+    objects) or `ToolCallBlock`s, so a memory filled by another LLM still replays."""
     calls = []
     for call in message.additional_kwargs.get("tool_calls") or ():
         if not isinstance(call, dict):  # an OpenAI SDK object
             call = {"id": call.id, "function": {"name": call.function.name, "arguments": call.function.arguments}}
         function = call.get("function", call)
-        calls.append({"id": call.get("id"), "name": function["name"], "arguments": function.get("arguments", {})})
+        calls.append(ToolCall(function["name"], arguments_of(function.get("arguments", {})), call.get("id")))
     if not calls:
-        calls = [{"id": b.tool_call_id, "name": b.tool_name, "arguments": b.tool_kwargs}
+        calls = [ToolCall(b.tool_name, arguments_of(b.tool_kwargs), b.tool_call_id)
                  for b in message.blocks if isinstance(b, ToolCallBlock)]
-    for call in calls:
-        if isinstance(call["arguments"], str):
-            call["arguments"] = json.loads(call["arguments"] or "{}")
     return calls
 
 
-def to_engine_messages(messages: Sequence[ChatMessage], native_tools: bool) -> list[dict[str, Any]]:
-    """`ChatMessage`s → `{"role", "content", ...}` dicts for the chat template."""
-    out: list[dict[str, Any]] = []
-    names: dict[str | None, str] = {}  # tool_call_id → tool name: tool results carry only the id
+def to_turns(messages: Sequence[ChatMessage]) -> list[Turn]:
+    """`ChatMessage`s → the neutral turns every front end's prompt is built from."""
+    turns = []
     for message in messages:
-        role, content = message.role.value, message.content or ""
-        calls = _calls_of(message) if message.role == MessageRole.ASSISTANT else []
-        names.update({c["id"]: c["name"] for c in calls})
-        call_id = message.additional_kwargs.get("tool_call_id")
-        if calls and native_tools:
-            written = [{"type": "function", "id": c["id"], "function": {"name": c["name"], "arguments": c["arguments"]}}
-                       for c in calls]
-            out.append({"role": "assistant", "content": content, "tool_calls": written})
-        elif calls:
-            text = "".join(format_tool_call(c["name"], c["arguments"]) for c in calls)
-            out.append({"role": "assistant", "content": (content + "\n" + text).strip()})
-        elif message.role == MessageRole.TOOL and native_tools:
-            out.append({"role": "tool", "content": content, "tool_call_id": call_id})
-        elif message.role == MessageRole.TOOL:
-            name = message.additional_kwargs.get("name") or names.get(call_id)
-            out.append({"role": "user", "content": format_tool_result(name, content)})
+        role, content = role_of(message.role.value), message.content or ""
+        if role == "assistant":
+            turns.append(Turn(role, content, tuple(_calls_of(message))))
+        elif role == "tool":
+            turns.append(Turn(role, content, tool_call_id=message.additional_kwargs.get("tool_call_id"),
+                              name=message.additional_kwargs.get("name")))
         else:
-            out.append({"role": role, "content": content})
-    return out
+            turns.append(Turn(role, content))
+    return turns
 
 
-def with_system(messages: list[dict[str, Any]], text: str) -> list[dict[str, Any]]:
-    """Add `text` to the first system message, or start the conversation with one."""
-    if not text:
-        return messages
-    if messages and messages[0]["role"] == "system":
-        return [{**messages[0], "content": f"{messages[0]['content']}\n\n{text}"}, *messages[1:]]
-    return [{"role": "system", "content": text}, *messages]
-
-
-def chat_prompt(
-    messages: Sequence[ChatMessage], tools: list[dict[str, Any]], tool_choice: Any, native_tools: bool
-) -> Any:
-    """The engine prompt of one chat call: tools natively (``{"messages", "tools"}``) or described."""
-    converted = to_engine_messages(messages, native_tools)
-    if not tools:
-        return converted
-    if native_tools:  # the template lists the tools; it has no tool_choice, so say it in words
-        return {"messages": with_system(converted, tool_choice_instruction(tool_choice, tools)), "tools": tools}
-    return with_system(converted, tool_system_prompt(tools, tool_choice))
+def chat_prompt(messages: Sequence[ChatMessage], tools: list[dict[str, Any]], tool_choice: Any, tokenizer: Any) -> Any:
+    """The engine prompt of one chat call (`kev_integrations.chat_format.build_prompt`)."""
+    return build_prompt(to_turns(messages), tools, tool_choice, tokenizer)
 
 
 def assistant_message(text: str, tool_names: Sequence[str] = (), finish_reason: str | None = None) -> ChatMessage:
@@ -128,7 +91,7 @@ def assistant_message(text: str, tool_names: Sequence[str] = (), finish_reason: 
     rest, calls, invalid = split_tool_calls(text, tool_names, finish_reason=finish_reason)
     extra: dict[str, Any] = {}
     if calls:
-        extra["tool_calls"] = [{"id": f"call_{uuid.uuid4().hex[:12]}", **c} for c in calls]
+        extra["tool_calls"] = [{"id": call_id(), **c} for c in calls]
     if invalid:
         extra["invalid_tool_calls"] = [{"name": c.name, "arguments": c.arguments, "error": c.error} for c in invalid]
     return ChatMessage(role=MessageRole.ASSISTANT, content=rest, additional_kwargs=extra)
@@ -151,4 +114,4 @@ def tool_selections(
     calls = _calls_of(message)
     if not calls and error_on_no_tool_call:
         raise ValueError(f"expected a tool call in the answer, got: {message.content!r}")
-    return [ToolSelection(tool_id=c["id"], tool_name=c["name"], tool_kwargs=c["arguments"]) for c in calls]
+    return [ToolSelection(tool_id=c.id or "", tool_name=c.name, tool_kwargs=c.arguments) for c in calls]

@@ -11,7 +11,6 @@ schemas still share packed passes.
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncGenerator, Generator
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -27,6 +26,7 @@ from llama_index.core.prompts import BasePromptTemplate
 from llama_index.core.types import PydanticProgramMode
 from pydantic import BaseModel, ValidationError
 
+from ..chat_format import schema_instruction
 from .messages import ReplyParseError, cut_reason
 
 if TYPE_CHECKING:
@@ -36,19 +36,12 @@ Model = TypeVar("Model", bound=BaseModel)
 dispatcher = instrument.get_dispatcher(__name__)
 
 
-def schema_instruction(output_cls: type[BaseModel]) -> str:
-    """The schema in words too: the constraint fixes the shape, but only the prompt tells the
-    model what each field means (descriptions, titles)."""
-    schema = json.dumps(output_cls.model_json_schema(), ensure_ascii=False, separators=(",", ":"))
-    return f"Reply with one JSON object that matches this JSON schema:\n{schema}"
-
-
 def structured_messages(
     llm: Kev, output_cls: type[BaseModel], prompt: BasePromptTemplate, prompt_args: dict[str, Any]
 ) -> list[ChatMessage]:
     """The prompt's messages, the LLM's system prompt, and the schema instruction."""
     messages = llm._extend_messages(prompt.format_messages(llm=llm, **prompt_args))
-    instruction = schema_instruction(output_cls)
+    instruction = schema_instruction(output_cls.model_json_schema())
     if messages and messages[0].role == MessageRole.SYSTEM:
         first = ChatMessage(role=MessageRole.SYSTEM, content=f"{messages[0].content or ''}\n\n{instruction}")
         return [first, *messages[1:]]

@@ -1,24 +1,18 @@
 """OpenAI chat messages (and tools) → the engine's chat prompt, and a reply's tool calls back.
 
-The same conventions as the LangChain and LlamaIndex front ends (`kev_integrations.tool_format`):
-a template that renders tools itself gets them natively; otherwise the tools are described in
-a system message and earlier calls / results are written in the ``<tool_call>`` text format.
+The messages map to `kev_integrations.chat_format`'s turns, so a conversation gets the prompt it
+gets through LangChain or LlamaIndex; only OpenAI's own checks (roles, content parts, the tools'
+shape) are made here, as 400s naming the field.
 """
 
 from __future__ import annotations
 
 import json
-import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ..tool_format import (
-    format_tool_call,
-    format_tool_result,
-    split_tool_calls,
-    template_supports_tools,
-    tool_system_prompt,
-)
+from ..chat_format import ToolCall, Turn, arguments_of, build_prompt, call_id, offered_tools, role_of
+from ..tool_format import split_tool_calls
 from .errors import bad_request
 
 TEXT_PART_TYPES = ("text", "input_text")
@@ -44,44 +38,33 @@ def _text(content: Any, index: int) -> str | None:
                       param=f"messages[{index}].content")
 
 
-def _arguments(call: Mapping[str, Any], index: int) -> dict[str, Any]:
-    raw = (call.get("function") or {}).get("arguments", "{}")
-    try:
-        args = json.loads(raw) if isinstance(raw, str) else raw
-    except ValueError:
-        raise bad_request(f"messages[{index}] has a tool call whose arguments are not JSON: {raw!r}",
-                          param=f"messages[{index}].tool_calls") from None
-    return args if isinstance(args, dict) else {}
+def _calls(message: Mapping[str, Any], index: int) -> tuple[ToolCall, ...]:
+    calls = []
+    for call in message.get("tool_calls") or ():
+        function = (call.get("function") if isinstance(call, Mapping) else None) or {}
+        try:
+            calls.append(ToolCall(str(function.get("name", "")), arguments_of(function.get("arguments", "{}")),
+                                  call.get("id")))
+        except ValueError as exc:
+            raise bad_request(f"messages[{index}] has a tool call whose {exc}", param=f"messages[{index}].tool_calls") \
+                from None
+    return tuple(calls)
 
 
-def _message(message: Any, index: int, native: bool, names: dict[str, str]) -> dict[str, Any]:
+def _turn(message: Any, index: int) -> Turn:
     if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
         raise bad_request(f"messages[{index}] must be an object with a 'role'", param=f"messages[{index}]")
     role = message["role"]
     if role not in ROLES:
         raise bad_request(f"messages[{index}] has role={role[:100]!r}; allowed roles: {list(ROLES)}",
                           param=f"messages[{index}].role")
-    content = _text(message.get("content"), index)
-    calls = message.get("tool_calls") or []
-    if role == "assistant" and calls:
-        for call in calls:
-            names[call.get("id", "")] = (call.get("function") or {}).get("name", "")
-        if native:
-            return {"role": "assistant", "content": content or "", "tool_calls": [
-                {"type": "function", "id": c.get("id"), "function": {
-                    "name": (c.get("function") or {}).get("name"), "arguments": _arguments(c, index)}}
-                for c in calls]}
-        written = "".join(format_tool_call((c.get("function") or {}).get("name", ""), _arguments(c, index))
-                          for c in calls)
-        return {"role": "assistant", "content": ((content or "") + "\n" + written).strip()}
+    content = _text(message.get("content"), index) or ""
+    name = message.get("name") if isinstance(message.get("name"), str) else None
+    if role == "assistant":
+        return Turn("assistant", content, _calls(message, index))
     if role == "tool":
-        if native:
-            return {"role": "tool", "content": content or "", "tool_call_id": message.get("tool_call_id")}
-        return {"role": "user", "content": format_tool_result(names.get(message.get("tool_call_id", "")),
-                                                              content or "")}
-    if role == "developer":  # OpenAI's newer name for the system role
-        role = "system"
-    return {"role": role, "content": content if content is not None else ""}
+        return Turn("tool", content, tool_call_id=message.get("tool_call_id"))
+    return Turn(role_of(role), content, name=name if role == "user" else None)
 
 
 def chat_prompt(messages: Sequence[Any], tools: Sequence[Mapping[str, Any]], tool_choice: Any,
@@ -92,21 +75,9 @@ def chat_prompt(messages: Sequence[Any], tools: Sequence[Mapping[str, Any]], too
         if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
             raise bad_request(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ..., 'parameters': "
                               "{...}}}}", param=f"tools[{i}]")
-    offered = list(tools) if tool_choice != "none" else []
-    native = bool(offered) and template_supports_tools(tokenizer)
-    names: dict[str, str] = {}
-    converted = [_message(m, i, native, names) for i, m in enumerate(messages)]
-    tool_names = [t["function"]["name"] for t in offered]
-    if not offered:
-        return converted, []
-    if native:
-        return {"messages": converted, "tools": [dict(t) for t in offered]}, tool_names
-    system = tool_system_prompt([dict(t) for t in offered], tool_choice)
-    if converted and converted[0]["role"] == "system":
-        converted[0] = {**converted[0], "content": converted[0]["content"] + "\n\n" + system}
-    else:
-        converted.insert(0, {"role": "system", "content": system})
-    return converted, tool_names
+    turns = [_turn(m, i) for i, m in enumerate(messages)]
+    prompt = build_prompt(turns, tools, tool_choice, tokenizer)
+    return prompt, [t["function"]["name"] for t in offered_tools(tools, tool_choice)]
 
 
 def reply_tool_calls(
@@ -122,6 +93,6 @@ def reply_tool_calls(
     written = [(c["name"], json.dumps(c["arguments"], ensure_ascii=False)) for c in calls]
     written += [(c.name, c.arguments) for c in invalid if c.name is not None]
     return remaining, [
-        {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {"name": name, "arguments": arguments}}
+        {"id": call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
         for name, arguments in written
     ]
