@@ -1,4 +1,4 @@
-"""`python -m kev_engine ...` runs the `kev` command line."""
+"""`python -m kev_engine ...` runs the engine's own commands (`kev serve` is in the installed `kev` command)."""
 
 import sys
 

@@ -7,9 +7,10 @@
     kev show-pack "first question" "second question" --out pack.png
     kev show-pack --file examples/data/doc_qa.jsonl --out pack.png   # shared prefixes, ids, adapters
     kev verify --model DIR --file prompts.jsonl [--adapter NAME=PATH]   # packed == solo, exit 1 if not
-    kev serve [--model SOURCE] [--adapter NAME=PATH] [--port 8000] [--api-key KEY]   # OpenAI-compatible
-    kev serve --ray --replicas 4 [--ray-address ADDR]     # the same API from Ray Serve replicas
     kev build-kernel     # build Kev's CPU kernels now (once per machine; make setup does)
+
+The installed `kev` command is these commands plus `kev serve`, which the integrations package
+adds through `Command` (the engine imports nothing of it).
 
 A thin layer: each line becomes chat messages and a `SamplingParams`, then ONE
 `engine.generate(...)` call answers them all. A refused question becomes an error row;
@@ -27,8 +28,8 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Sequence
-from dataclasses import fields
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -41,6 +42,16 @@ from .visualize import draw_pack_mask, format_table
 
 SAMPLING_KEYS = [f.name for f in fields(SamplingParams)]
 QUESTION_KEYS = ["id", "question", "context", "messages", "adapter"]
+
+
+@dataclass(frozen=True)
+class Command:
+    """A subcommand from outside the engine (`kev serve`): its arguments, and what runs it."""
+
+    name: str
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
 
 
 class UsageError(ValueError):
@@ -223,7 +234,7 @@ def run_build_kernel() -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(extra: Sequence[Command] = ()) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kev", description="Answer many questions in one packed pass.")
     commands = parser.add_subparsers(dest="command", required=True)
     common = argparse.ArgumentParser(add_help=False)
@@ -257,10 +268,8 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("--out", required=True, help="PNG file to write")
     show.add_argument("--max-pixels", dest="max_pixels", type=int, default=1024, help="most mask pixels per side")
     commands.add_parser("build-kernel", help="build Kev's CPU kernels now (make setup does)")
-    serve = commands.add_parser("serve", help="serve the OpenAI-compatible API (needs kev-llm[server])")
-    from kev_integrations.server.run import add_arguments  # needs no fastapi: `serve` says what to install
-
-    add_arguments(serve)
+    for command in extra:
+        command.add_arguments(commands.add_parser(command.name, help=command.help))
     for sub in (gen, verify, show):
         sub.add_argument("--adapter", dest="adapter_specs", action="append", metavar="NAME=PATH",
                          help='load a PEFT LoRA folder as NAME (repeatable); a JSONL line uses it with "adapter"')
@@ -269,16 +278,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+def main(argv: Sequence[str] | None = None, extra: Sequence[Command] = ()) -> int:
+    parser = build_parser(extra)
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # --help (0) or a usage error (2): report it as the return value
         return exc.code if isinstance(exc.code, int) else 2
-    if args.command == "serve":
-        from kev_integrations.server.run import serve
-
-        return serve(args)
+    for command in extra:
+        if args.command == command.name:
+            return command.run(args)
     if args.command == "build-kernel":
         return run_build_kernel()
     try:

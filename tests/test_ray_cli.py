@@ -32,7 +32,7 @@ def test_kev_serve_ray_serves_and_stops_on_sigterm(ray_cluster: Any, tmp_path: A
     model_dir = str(save_tiny_model(tmp_path / "model", tokenizer))
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    command = [sys.executable, "-m", "kev_engine", "serve", "--ray", "--replicas", "1", "--model", model_dir,
+    command = [sys.executable, "-m", "kev_integrations", "serve", "--ray", "--replicas", "1", "--model", model_dir,
                "--port", str(port), "--ray-address", ray_cluster.get_runtime_context().gcs_address]
     process = subprocess.Popen(command, env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"},
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -60,7 +60,7 @@ def test_kev_serve_ray_serves_and_stops_on_sigterm(ray_cluster: Any, tmp_path: A
 
 
 def test_replicas_without_ray_is_refused() -> None:
-    result = subprocess.run([sys.executable, "-m", "kev_engine", "serve", "--replicas", "2"], capture_output=True,
+    result = subprocess.run([sys.executable, "-m", "kev_integrations", "serve", "--replicas", "2"], capture_output=True,
                             text=True, timeout=120)
     assert result.returncode != 0
     assert "--replicas 2 needs --ray" in result.stderr

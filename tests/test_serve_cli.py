@@ -23,7 +23,7 @@ import httpx
 import pytest
 from conftest import save_tiny_model
 
-from kev_engine import cli
+from kev_integrations import cli
 
 EXIT_TIMEOUT_S = 180  # importing torch and loading a tiny model, on a busy 2-core machine
 
@@ -35,7 +35,7 @@ def model_dir(tokenizer: Any, tmp_path_factory: pytest.TempPathFactory) -> str:
 
 def _kev_serve(*flags: str) -> subprocess.Popen[str]:
     # --port 0: the OS picks a free port; the ready line says which
-    return subprocess.Popen([sys.executable, "-m", "kev_engine", "serve", "--port", "0", *flags], text=True,
+    return subprocess.Popen([sys.executable, "-m", "kev_integrations", "serve", "--port", "0", *flags], text=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**os.environ, "KEV_API_KEY": ""})
 
 
