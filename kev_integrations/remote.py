@@ -29,7 +29,6 @@ import httpx
 from kev_engine import (
     Completion,
     ConstraintError,
-    Engine,
     EngineClosedError,
     InvalidRequestError,
     KevError,
@@ -288,6 +287,3 @@ def _sampling_dict(sampling: SamplingParams) -> dict[str, Any]:
             for f in dataclasses.fields(SamplingParams)
             if (v := getattr(sampling, f.name)) != getattr(default, f.name)}
 
-
-AnyEngine = Engine | RemoteEngine
-"""What an integration object runs on: a local engine, or a `kev serve` through `RemoteEngine`."""

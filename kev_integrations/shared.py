@@ -16,10 +16,10 @@ from typing import Any
 
 import torch
 
-from kev_engine import Engine, loader
+from kev_engine import Engine, EngineLike, loader
 from kev_engine.lora import AdapterError
 
-from .remote import AnyEngine, RemoteEngine
+from .remote import RemoteEngine
 
 EngineKey = tuple[str | None, str, str]
 
@@ -41,7 +41,7 @@ def engine_key(source: str | None, device: str | None, dtype: str | None) -> Eng
     return source, str(resolved), dtype_name
 
 
-def load_adapters(engine: Engine, adapters: Mapping[str, str]) -> None:
+def load_adapters(engine: EngineLike, adapters: Mapping[str, str]) -> None:
     """Load each adapter into `engine`: a no-op for a name already loaded from the same folder,
     an error for a name already loaded from another one (objects sharing an engine share its
     adapter names, so one name can never quietly mean two adapters)."""
@@ -94,7 +94,7 @@ def remote_engine(base_url: str, api_key: str | None, max_retries: int = 0) -> R
 
 
 def resolve_engine(
-    engine: Engine | None,
+    engine: EngineLike | None,
     source: str | None,
     device: str | None,
     dtype: str | None,
@@ -102,7 +102,7 @@ def resolve_engine(
     base_url: str | None = None,
     api_key: str | None = None,
     max_retries: int = 0,
-) -> AnyEngine:
+) -> EngineLike:
     """The engine an integration object runs on: the one it was given (its adapters loaded into
     it), else a running `kev serve` at `base_url` (`max_retries`: see `RemoteEngine`), else the
     shared one for (source, device, dtype)."""

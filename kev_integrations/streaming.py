@@ -11,13 +11,11 @@ import asyncio
 import queue
 from collections.abc import AsyncIterator, Callable, Iterator
 
-from kev_engine import Completion, SamplingParams
-
-from .remote import AnyEngine
+from kev_engine import Completion, EngineLike, SamplingParams
 
 
 def stream_answer(
-    engine: AnyEngine, prompt: object, sampling: SamplingParams, adapter: str | None,
+    engine: EngineLike, prompt: object, sampling: SamplingParams, adapter: str | None,
     on_submitted: Callable[[], None] | None = None,
 ) -> Iterator[str | Completion]:
     """Text pieces, then the final `Completion` (for usage and finish reason).
@@ -38,7 +36,7 @@ def stream_answer(
 
 
 async def astream_answer(
-    engine: AnyEngine, prompt: object, sampling: SamplingParams, adapter: str | None,
+    engine: EngineLike, prompt: object, sampling: SamplingParams, adapter: str | None,
     on_submitted: Callable[[], None] | None = None,
 ) -> AsyncIterator[str | Completion]:
     """`stream_answer` for an event loop: awaiting never blocks the loop."""

@@ -9,19 +9,20 @@ from __future__ import annotations
 
 from typing import Any
 
+from kev_engine import EngineLike
 from kev_engine.tokenize import prompt_ids
 
-from .remote import AnyEngine, RemoteEngine
+from .remote import RemoteEngine
 
 
-def text_token_ids(engine: AnyEngine, text: str) -> list[int]:
+def text_token_ids(engine: EngineLike, text: str) -> list[int]:
     """The ids of `text` alone: no chat template, no special tokens (what text splitters count)."""
     if isinstance(engine, RemoteEngine):  # the server's tokenizer: the client has none
         return engine.text_token_ids(text)
     return list(engine.tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def prompt_token_count(engine: AnyEngine, prompt: Any) -> int:
+def prompt_token_count(engine: EngineLike, prompt: Any) -> int:
     """How many tokens the engine feeds for `prompt` (chat template, tools, special tokens), as
     `engine.encode` does but without its context-length refusal: counting is how callers find out
     that a conversation is too long. An empty conversation counts 0."""

@@ -1,7 +1,8 @@
 """ChatKev / KevLLM over a scripted fake engine: assert exactly what reaches the engine.
 
-The fake answers from a script (prompt → text), so tool calling, structured output, stop
-handling, usage and caching are checked without any model; `test_langchain_batch.py` and
+The fake answers from a script (prompt → text, or text and finish reason) and applies no
+setting itself, so what ChatKev sends (the `SamplingParams`, the prompt) and how it reads a
+reply (tool calls, structured output, usage, caching) are checked without any model; `test_langchain_batch.py` and
 `test_langchain_standard.py` run the real engine.
 """
 
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from typing import Any
 from unittest import mock
@@ -21,7 +22,7 @@ from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, Tool
 from langchain_core.runnables import ConfigurableField
 from pydantic import BaseModel
 
-from kev_engine import Completion, Engine, InvalidRequestError, SamplingParams
+from kev_engine import Completion, EngineLike, InvalidRequestError, SamplingParams
 from kev_engine.lora import AdapterError
 from kev_integrations.langchain import ChatKev, KevLLM
 from kev_integrations.langchain.tools import parse_tool_calls
@@ -30,16 +31,23 @@ PLAIN_TEMPLATE = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content 
 TOOLS_TEMPLATE = PLAIN_TEMPLATE + "{% if tools %}{{ tools | tojson }}{% endif %}"
 
 
-class FakeEngine(Engine):
-    """An `Engine` that loads nothing: records every call, answers with `script(prompt, sampling, adapter)`.
+Reply = str | tuple[str, str]
+"""A scripted reply: its text (finish_reason "stop"), or (text, finish_reason)."""
 
+
+class FakeEngine:
+    """An `EngineLike` that loads nothing: records every call, answers with `script(prompt, sampling, adapter)`.
+
+    It applies none of the settings (stop strings, max_tokens): the tests assert on the
+    `SamplingParams` it received, and a script says what the engine would have answered.
     Like the real engine, everything submitted inside `hold()` shares one pass: each submit
     records the number of the pass it would join (`pack`)."""
 
-    def __init__(self, script: Callable[..., str] | None = None, template: str = PLAIN_TEMPLATE) -> None:
+    def __init__(self, script: Callable[..., Reply] | None = None, template: str = PLAIN_TEMPLATE) -> None:
         self.script = script or (lambda prompt, sampling, adapter: f"answer[{adapter}]")
         self.tokenizer = mock.Mock(chat_template=template)
         self.name = "fake-model"
+        self.max_context = 2048
         self.loaded: dict[str, str] = {}
         self.load_calls = 0
         self.generate_calls: list[dict[str, Any]] = []
@@ -65,17 +73,15 @@ class FakeEngine(Engine):
         return list(sizes.values())
 
     def _complete(self, prompt: Any, sampling: SamplingParams, adapter: str | None) -> Completion:
-        text = self.script(prompt, sampling, adapter)
-        finish = "stop"
-        for stop in sampling.stop:  # the engine cuts at stop strings
-            if stop in text:
-                text = text[: text.index(stop)]
-        if len(text.split()) >= sampling.max_tokens:
-            text, finish = " ".join(text.split()[: sampling.max_tokens]), "length"
-        return Completion(text, [1] * len(text.split()), finish, 7, len(text.split()), adapter)
+        reply = self.script(prompt, sampling, adapter)
+        text, finish = (reply, "stop") if isinstance(reply, str) else reply
+        return Completion(text, [1] * len(text.split()), finish, 7, len(text.split()), adapter)  # type: ignore[arg-type]
 
-    def generate(self, prompts: list[Any], sampling: Any = None, return_exceptions: bool = False,
-                 adapters: Any = None) -> list[Completion]:
+    def encode(self, prompt: Any) -> list[int]:
+        return [1] * 7
+
+    def generate(self, prompts: Sequence[Any], sampling: Any = None, return_exceptions: bool = False,
+                 adapters: Any = None) -> list[Any]:
         self.generate_calls.append({"prompts": list(prompts), "sampling": sampling, "adapters": adapters})
         samplings = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
         names = adapters if isinstance(adapters, list) else [adapters] * len(prompts)
@@ -103,6 +109,13 @@ class FakeEngine(Engine):
         if name in self.loaded and self.loaded[name] != path:
             raise AdapterError(f"adapter {name!r} is already loaded from {self.loaded[name]!r}")
         self.loaded[name] = path
+
+    def close(self) -> None:
+        pass
+
+
+def test_the_fake_is_engine_like() -> None:
+    assert isinstance(FakeEngine(), EngineLike)
 
 
 @pytest.fixture
@@ -203,11 +216,14 @@ def test_usage_and_metadata(engine: FakeEngine) -> None:
     assert KevLLM(engine=engine)._get_ls_params()["ls_provider"] == "kev"
 
 
-def test_stop_and_length_finish_reasons() -> None:
-    engine = FakeEngine(lambda p, s, a: "one two three END four")
+def test_stop_strings_and_max_tokens_reach_the_engine_and_its_finish_reason_comes_back() -> None:
+    engine = FakeEngine(lambda p, s, a: ("one two", "length") if s.max_tokens == 2 else "one two three ")
     assert ChatKev(engine=engine).invoke("hi", stop=["END"]).content == "one two three "
+    assert engine.submit_calls[-1]["sampling"].stop == ("END",)
     message = ChatKev(engine=engine, max_tokens=2).invoke("hi")
     assert (message.content, message.response_metadata["finish_reason"]) == ("one two", "length")
+    assert KevLLM(engine=engine, stop=["\n\n"]).invoke("hi", max_tokens=2) == "one two"
+    assert engine.submit_calls[-1]["sampling"] == SamplingParams(max_tokens=2, stop=("\n\n",))
 
 
 def test_stream_pieces_then_last_chunk_with_usage() -> None:
@@ -425,14 +441,14 @@ def test_constraint_settings_per_call_and_on_kevllm() -> None:
 
 
 def test_repeated_calls_collapse_and_a_cut_call_is_invalid() -> None:
-    call = '<tool_call>{"name": "add", "arguments": {"a": 3, "b": 4}}</tool_call>'  # 7 words for the fake
+    call = '<tool_call>{"name": "add", "arguments": {"a": 3, "b": 4}}</tool_call>'
     engine = FakeEngine(lambda p, s, a: call + "\n" + call + "\n" + '<tool_call>{"name": "add", "arguments": {"a": 3,')
     llm = ChatKev(engine=engine, max_tokens=100).bind_tools([add], tool_choice="any", parallel_tool_calls=True)
     message = llm.invoke("3 + 4?")
     assert message.response_metadata["finish_reason"] == "stop"
     assert [c["args"] for c in message.tool_calls] == [{"a": 3, "b": 4}]  # the repeat collapsed
     assert "cut by" not in message.invalid_tool_calls[0]["error"]  # an open call at "stop" is a parse error
-    engine.script = lambda p, s, a: call + " " + '<tool_call>{"name": "add", "arguments": {"a": 3,'  # 11 words
+    engine.script = lambda p, s, a: (call + " " + '<tool_call>{"name": "add", "arguments": {"a": 3,', "length")
     cut = ChatKev(engine=engine, max_tokens=11).bind_tools([add], tool_choice="any", parallel_tool_calls=True)
     for message in (cut.invoke("3 + 4?"), _merged(cut.stream("3 + 4?"))):
         assert message.response_metadata["finish_reason"] == "length"
@@ -451,7 +467,7 @@ def _merged(chunks: Iterator[Any]) -> Any:
 def test_structured_output_errors_are_real() -> None:
     from langchain_core.exceptions import OutputParserException
 
-    engine = FakeEngine(lambda p, s, a: '{"answer": "4", "confidence": 0.5, "extra": "padding words here"}')
+    engine = FakeEngine(lambda p, s, a: ('{"answer": "4", "confid', "length"))
     cut = ChatKev(engine=engine, max_tokens=5).with_structured_output(Answer, include_raw=True).invoke("2+2?")
     assert cut["parsed"] is None and "cut by max_tokens" in str(cut["parsing_error"])
     assert cut["raw"].response_metadata["finish_reason"] == "length"

@@ -17,9 +17,8 @@ from langchain_core.messages import BaseMessage, get_buffer_string
 from langchain_core.outputs import Generation, GenerationChunk, LLMResult
 from pydantic import Field
 
-from kev_engine import Completion, InvalidRequestError
+from kev_engine import Completion, EngineLike, InvalidRequestError
 
-from ..remote import AnyEngine
 from ..tokens import prompt_token_count
 from . import packing
 from .configurable import KevConfigurableFields
@@ -108,7 +107,7 @@ class KevLLM(KevFields, BaseLLM):
     def _identifying_params(self) -> dict[str, Any]:
         return {**self.settings_params(), "chat_template": self.chat_template}
 
-    def engine_prompt(self, text: str, engine: AnyEngine) -> Any:
+    def engine_prompt(self, text: str, engine: EngineLike) -> Any:
         """What the engine gets for a prompt string (see the class docstring)."""
         has_template = bool(getattr(engine.tokenizer, "chat_template", None))
         if self.chat_template is True and not has_template:

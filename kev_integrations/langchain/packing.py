@@ -24,9 +24,8 @@ from contextvars import ContextVar, copy_context
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from kev_engine import Completion, SamplingParams
+from kev_engine import Completion, EngineLike, SamplingParams
 
-from ..remote import AnyEngine
 from ..streaming import astream_answer, stream_answer
 
 # Bounds the wait for a batch's invokes to reach the engine. They only convert messages and run
@@ -39,7 +38,7 @@ GATHER_TIMEOUT_S = 30.0
 class EngineRequest:
     """One question exactly as the engine will see it."""
 
-    engine: AnyEngine
+    engine: EngineLike
     prompt: Any  # str | list[message dict] | {"messages": [...], "tools": [...]}
     sampling: SamplingParams
     adapter: str | None
@@ -148,7 +147,7 @@ def astream(request: EngineRequest) -> AsyncIterator[str | Completion]:
 class PackingModel(Protocol):
     """What `batch_packed` needs from a Kev LangChain model."""
 
-    def get_engine(self) -> AnyEngine: ...
+    def get_engine(self) -> EngineLike: ...
     def invoke(self, input: Any, config: Any = None, **kwargs: Any) -> Any: ...
     async def ainvoke(self, input: Any, config: Any = None, **kwargs: Any) -> Any: ...
 
@@ -156,7 +155,7 @@ class PackingModel(Protocol):
 @contextlib.contextmanager
 def _held(models: Sequence[PackingModel]) -> Iterator[None]:
     """Hold every engine the models run on (each once)."""
-    engines: dict[int, AnyEngine] = {}
+    engines: dict[int, EngineLike] = {}
     for model in models:
         try:
             engine = model.get_engine()

@@ -13,11 +13,10 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from kev_engine import Engine, SamplingParams
+from kev_engine import EngineLike, SamplingParams
 from kev_engine.loader import EMBEDDED_NAME
 
 from ..init_args import check_retries, check_sampling, refuse_unknown
-from ..remote import AnyEngine
 from ..shared import resolve_engine
 from ..tokens import text_token_ids
 
@@ -40,8 +39,9 @@ class KevFields(BaseModel):
     """Weights dtype ("float32", "bfloat16", ...); None = the loader's choice for the device."""
     adapters: dict[str, str] = Field(default_factory=dict)
     """LoRA adapters to load on first use, name → PEFT folder; requests pick one with `adapter`."""
-    engine: Engine | None = Field(default=None, exclude=True)
-    """An already built `kev_engine.Engine` to use instead of the shared one (not serialized)."""
+    engine: EngineLike | None = Field(default=None, exclude=True)
+    """An already built engine (a `kev_engine.Engine`, or anything `EngineLike`) to use instead of the
+    shared one (not serialized)."""
     base_url: str | None = None
     """A running ``kev serve`` (e.g. http://127.0.0.1:8000) to answer on instead of a local engine:
     the server's model and adapters; every setting and constraint travels with each call, and a
@@ -98,7 +98,7 @@ class KevFields(BaseModel):
         check_retries(self.max_retries, self.base_url)
         return self
 
-    def get_engine(self) -> AnyEngine:
+    def get_engine(self) -> EngineLike:
         """The engine to run on: the one passed in, else a `kev serve` at `base_url`, else the shared
         one (loaded on first use)."""
         return resolve_engine(self.engine, self.model, self.device, self.dtype, self.adapters,

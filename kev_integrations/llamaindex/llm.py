@@ -37,12 +37,11 @@ from llama_index.core.llms.function_calling import FunctionCallingLLM
 from llama_index.core.llms.llm import ToolSelection
 from llama_index.core.tools.types import BaseTool
 
-from kev_engine import Completion, Engine, SamplingParams
+from kev_engine import Completion, EngineLike, SamplingParams
 from kev_engine.params import CONSTRAINT_FIELDS
 
 from ..chat_format import offered_tools
 from ..init_args import check_retries, check_sampling, refuse_unknown
-from ..remote import AnyEngine
 from ..shared import resolve_engine
 from ..streaming import astream_answer, stream_answer
 from ..tokens import text_token_ids
@@ -80,7 +79,7 @@ class Kev(StructuredOutput, FunctionCallingLLM):
     Key init args:
         model: local folder, .gguf file or hub id; None = embedded SmolLM2-135M-Instruct.
         adapter / temperature / top_p / top_k / max_tokens / stop / seed / cache_salt: per-call defaults.
-        engine: an already-built `kev_engine.Engine` to use instead of the shared one.
+        engine: an already-built engine (`kev_engine.Engine`, or any `EngineLike`) instead of the shared one.
         base_url / api_key: a running ``kev serve`` to use instead (model and adapters are the server's);
             every setting and constraint travels with each call. max_retries: retries of connection
             errors, 429 and 503 there (only with base_url).
@@ -161,8 +160,9 @@ class Kev(StructuredOutput, FunctionCallingLLM):
     cache_salt: str | None = Field(
         default=None, description="Calls with different salts never share prefix KV (one per tenant)."
     )
-    engine: Engine | None = Field(
-        default=None, exclude=True, description="An engine to use; None = the shared one (loaded lazily)."
+    engine: EngineLike | None = Field(
+        default=None, exclude=True,
+        description="An engine (kev_engine.Engine or anything EngineLike); None = the shared one (loaded lazily)."
     )
 
     base_url: str | None = Field(
@@ -174,7 +174,7 @@ class Kev(StructuredOutput, FunctionCallingLLM):
         "503 (Retry-After honoured, else exponential backoff); None or 0: never. Refused without base_url."
     )
 
-    _loaded: AnyEngine | None = PrivateAttr(default=None)
+    _loaded: EngineLike | None = PrivateAttr(default=None)
 
     @model_validator(mode="before")
     @classmethod
@@ -201,7 +201,7 @@ class Kev(StructuredOutput, FunctionCallingLLM):
         engine = self.get_engine()
         return lambda text: text_token_ids(engine, text)
 
-    def get_engine(self) -> AnyEngine:
+    def get_engine(self) -> EngineLike:
         """The engine this LLM runs on: `engine`, else a `kev serve` at `base_url`, else the shared
         one (loaded on first use)."""
         if self._loaded is None:
