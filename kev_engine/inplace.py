@@ -17,45 +17,101 @@ Without the kernel, the results are bitwise what the module's own forward gives:
 kernels on the same values in the same order (silu in place or not; `a * b` and `b * a` are the
 same IEEE product). With it, silu and the product are computed in fp32 and rounded once.
 
-Which modules: those whose class's `forward` is, instruction for instruction, transformers'
-`LlamaMLP.forward` (`down_proj(act_fn(gate_proj(x)) * up_proj(x))`) or `LlamaRMSNorm.forward`
-— compared by bytecode, names and constants, so the Qwen2/Qwen3/Mistral/GLM copies qualify and
-anything written differently (Gemma's `1 + weight`, GLM's fused gate_up MLP) keeps its own. Only
-an instance whose `forward` nobody else replaced (accelerate's hooks do) is changed, through an
-instance attribute; the class is untouched.
+Which modules: instances of the classes listed below (exactly those classes, never a subclass),
+whose forward is `down_proj(act_fn(gate_proj(x)) * up_proj(x))`, GLM's fused
+`down_proj(up * act(gate))` or Llama's RMSNorm in the transformers this was written against. A
+listed class is checked once per install against its own forward, on one of the model's own
+modules and a probe input: bitwise equal, or it keeps its forward (logged) — so a transformers
+that rewrites one of them never gets Kev's formula for it. Only an instance whose `forward`
+nobody else replaced (accelerate's hooks do) is changed, through an instance attribute; the
+class is untouched.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
+import logging
 from collections.abc import Callable
-from types import CodeType
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers.activations import SiLUActivation
-from transformers.models.glm.modeling_glm import GlmMLP
-from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
 
 _SILU = (SiLUActivation, nn.SiLU)  # plain silu: `F.silu(x, inplace=True)` is the same values
 SiluMul = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]  # (gate, up, out) rows
+log = logging.getLogger(__name__)
+
+# transformers.models.<package>.modeling_<package>.<class>; a package this transformers lacks is skipped
+MLPS = ("llama.LlamaMLP", "mistral.MistralMLP", "qwen2.Qwen2MLP", "qwen3.Qwen3MLP", "smollm3.SmolLM3MLP",
+        "granite.GraniteMLP", "olmo2.Olmo2MLP")
+FUSED_MLPS = ("glm.GlmMLP", "glm4.Glm4MLP", "phi3.Phi3MLP")
+NORMS = ("llama.LlamaRMSNorm", "mistral.MistralRMSNorm", "qwen2.Qwen2RMSNorm", "qwen3.Qwen3RMSNorm",
+         "smollm3.SmolLM3RMSNorm", "granite.GraniteRMSNorm", "olmo2.Olmo2RMSNorm", "glm.GlmRMSNorm",
+         "glm4.Glm4RMSNorm", "phi3.Phi3RMSNorm")
+
+
+def _classes(names: tuple[str, ...]) -> set[type]:
+    found = set()
+    for name in names:
+        package, cls = name.split(".")
+        try:
+            module = importlib.import_module(f"transformers.models.{package}.modeling_{package}")
+        except ImportError:
+            continue
+        if isinstance(found_cls := getattr(module, cls, None), type):
+            found.add(found_cls)
+    return found
+
+
+@functools.cache
+def _kinds() -> dict[type, str]:
+    kinds = {cls: "mlp" for cls in _classes(MLPS)}
+    kinds.update({cls: "fused" for cls in _classes(FUSED_MLPS)})
+    kinds.update({cls: "norm" for cls in _classes(NORMS)})
+    return kinds
+
+
+def _probe_equal(module: Any, kind: str) -> bool:
+    """Whether Kev's formula (with torch's activation) gives bitwise what `module`'s own forward
+    gives on a probe input: the check that its class still computes what Kev replaces it with."""
+    weight = next(module.parameters())
+    width = int(module.weight.shape[-1] if kind == "norm" else module.down_proj.out_features)
+    generator = torch.Generator().manual_seed(0)
+    x = (torch.randn(3, width, generator=generator) * 2).to(weight.device, weight.dtype)
+    ours = {"mlp": functools.partial(_mlp_forward, module, None), "fused": functools.partial(_glm_mlp_torch, module),
+            "norm": functools.partial(_rms_norm_forward, module)}[kind]
+    with torch.inference_mode():
+        try:
+            return torch.equal(ours(x.clone()), type(module).forward(module, x.clone()))
+        except Exception:  # noqa: BLE001 - a forward that no longer fits the formula's shapes
+            return False
 
 
 def install(model: nn.Module, silu_mul: SiluMul | None = None) -> list[str]:
-    """Give the model's Llama-style MLP and RMSNorm modules their in-place forwards (and, with the
-    kernel `silu_mul`, GLM's MLP). Returns the MLP modules whose activation stays torch's."""
+    """Give the model's listed MLP and RMSNorm modules their in-place forwards (and, with the
+    kernel `silu_mul`, the fused MLPs). Returns the MLP modules whose activation stays torch's."""
     torch_activations = []
+    checked: dict[type, bool] = {}
     for name, module in model.named_modules():
         if "forward" in module.__dict__:
             continue
+        kind = _kinds().get(type(module))
+        if kind is not None and type(module) not in checked:
+            checked[type(module)] = _probe_equal(module, kind)
+            if not checked[type(module)]:
+                log.warning("%s.forward no longer computes what Kev's in-place version does: it keeps its own",
+                            type(module).__qualname__)
+        if kind is not None and not checked[type(module)]:
+            kind = None
         kernel = silu_mul if type(getattr(module, "act_fn", getattr(module, "activation_fn", None))) in _SILU else None
-        if _same_code(type(module).forward, LlamaMLP.forward):
+        if kind == "mlp":
             module.forward = functools.partial(_mlp_forward, module, kernel)  # type: ignore[method-assign]
-        elif _same_code(type(module).forward, GlmMLP.forward) and kernel is not None:
+        elif kind == "fused" and kernel is not None:
             module.forward = functools.partial(_glm_mlp_forward, module, kernel)  # type: ignore[method-assign]
-        elif _same_code(type(module).forward, LlamaRMSNorm.forward):
+        elif kind == "norm":
             module.forward = functools.partial(_rms_norm_forward, module)  # type: ignore[method-assign]
             continue
         if "mlp" in type(module).__name__.lower() and (kernel is None or "forward" not in module.__dict__):
@@ -70,13 +126,6 @@ def uninstall(model: nn.Module) -> None:
         forward = module.__dict__.get("forward")
         if isinstance(forward, functools.partial) and forward.func in ours:
             del module.forward
-
-
-def _same_code(function: Callable[..., Any], reference: Callable[..., Any]) -> bool:
-    code: CodeType | None = getattr(function, "__code__", None)
-    ref: CodeType = reference.__code__
-    return code is not None and (code.co_code, code.co_names, code.co_consts) == (
-        ref.co_code, ref.co_names, ref.co_consts)
 
 
 def _mlp_forward(module: Any, silu_mul: SiluMul | None, x: torch.Tensor) -> torch.Tensor:
@@ -100,6 +149,12 @@ def _glm_mlp_forward(module: Any, silu_mul: SiluMul, x: torch.Tensor) -> torch.T
     out = rows.new_empty(rows.shape[0], width)
     silu_mul(rows[:, :width], rows[:, width:], out)
     return module.down_proj(out.view(*both.shape[:-1], width))
+
+
+def _glm_mlp_torch(module: Any, x: torch.Tensor) -> torch.Tensor:
+    """The fused MLP's formula in torch's ops: what `_glm_mlp_forward` computes with the kernel."""
+    gate, up = module.gate_up_proj(x).chunk(2, dim=-1)
+    return module.down_proj(up * module.activation_fn(gate))
 
 
 def _rms_norm_forward(module: Any, hidden: torch.Tensor) -> torch.Tensor:

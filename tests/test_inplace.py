@@ -1,7 +1,7 @@
 """In-place MLP and RMSNorm forwards (kev_engine.inplace): bitwise what the module's own forward
 gives (with torch's activation; with Kev's silu_mul kernel, equal to rounding), the input left
-untouched, installed only where the class's forward is Llama's (or GLM's, for the kernel), removed
-with the engine.
+untouched, installed only on the classes listed in `inplace` whose forward still computes Kev's
+formula (checked on a probe input, so a rewritten class keeps its own), removed with the engine.
 
 End to end, every isolation test compares an engine using them against an independent plain
 transformers model that does not (reference_copy), on every family.
@@ -34,7 +34,7 @@ def is_mlp(module: torch.nn.Module) -> bool:
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_engine_installs_where_the_forward_is_llamas_and_close_removes(family: str, tokenizer) -> None:
+def test_engine_installs_on_the_listed_classes_and_close_removes(family: str, tokenizer) -> None:
     model = tiny_model(family, tokenizer)
     engine = Engine(model, tokenizer, batch_invariant=False)
     try:
@@ -109,3 +109,25 @@ def test_other_forwards_are_left_alone() -> None:
     assert not ours(model[0]) and ours(model[1]) and hooked.__dict__["forward"] is hook
     inplace.uninstall(model)
     assert "forward" not in model[1].__dict__ and hooked.__dict__["forward"] is hook
+
+
+def test_a_listed_class_whose_forward_changed_keeps_its_own(monkeypatch: pytest.MonkeyPatch, caplog) -> None:
+    """What a transformers release rewriting LlamaMLP or LlamaRMSNorm would look like: the class is
+    still listed, but its forward no longer computes Kev's formula, so Kev leaves it alone."""
+    def other_mlp(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x) * 0.5)
+
+    def other_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + self.variance_epsilon) * (1 + self.weight)
+
+    config = LlamaConfig(hidden_size=48, intermediate_size=112, num_attention_heads=4)
+    model = torch.nn.Sequential(LlamaMLP(config), LlamaRMSNorm(48), LlamaMLP(config))
+    monkeypatch.setattr(LlamaMLP, "forward", other_mlp)
+    inplace.install(model)
+    assert not ours(model[0]) and not ours(model[2]) and ours(model[1])
+    assert caplog.text.count("LlamaMLP.forward no longer computes") == 1  # checked once per class
+    inplace.uninstall(model)
+    monkeypatch.undo()  # LlamaMLP as shipped; now LlamaRMSNorm rewritten
+    monkeypatch.setattr(LlamaRMSNorm, "forward", other_norm)
+    inplace.install(model)
+    assert ours(model[0]) and not ours(model[1])
