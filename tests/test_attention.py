@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import QUESTIONS, chat, reference_copy, tiny_model
+from conftest import QUESTIONS, chat, reference_copy, reference_greedy, tiny_model
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from kev_engine import Engine, SamplingParams, attention, kernels
@@ -311,6 +311,7 @@ def test_decode_kernel_mode_is_checked_and_a_failed_build_is_said(tokenizer, mon
     monkeypatch.setattr(kernels, "_failure", None)
     monkeypatch.setattr(kernels, "_build", no_compiler)
     model = tiny_model("llama", tokenizer)
+    reference = reference_copy(model)  # before an engine claims the model
     with pytest.raises(RuntimeError, match="no C\\+\\+ compiler on PATH"):
         Engine(model, tokenizer, decode_kernel="compiled")
     with caplog.at_level("WARNING", logger="kev"):
@@ -319,5 +320,6 @@ def test_decode_kernel_mode_is_checked_and_a_failed_build_is_said(tokenizer, mon
     assert "no C++ compiler on PATH" in caplog.text and "not batch-invariant" in caplog.text
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     assert all(m.__dict__["forward"].args[2] is None for m in linears)  # nor the compiled few-row product
-    assert engine.generate([chat("Hi")], SamplingParams(temperature=0, max_tokens=3))[0].text is not None
+    answer = engine.generate([chat("Hi")], SamplingParams(temperature=0, max_tokens=3))[0]
+    assert answer.token_ids == reference_greedy(reference, engine.encode(chat("Hi")), 3, tokenizer.eos_token_id)
     engine.close()
