@@ -7,21 +7,17 @@ This is the non-invariant path (`Engine(batch_invariant=False)`, or no exact ker
 products depend on how many rows share the call. The batch-invariant path is `exact_linear`.
 
 With the compiled kernels (`kernels`, modes "auto"/"compiled"), calls of up to
-`KERNEL_ROWS` rows go to `rows_linear` (see csrc/rows_linear.cpp for the measurements: a
-16-row pass's hidden products 68.0 -> 40.2 ms on a 2-core AMD EPYC, 36.8 -> 28.0 ms on a
-2-core Xeon with AVX-512; the output head's 22.4 -> 10.6 ms and 9.0 -> 7.4 ms), and each row's
-result is then independent of the other rows. Larger calls (prefill) keep MKL as below.
+`KERNEL_ROWS` rows go to `rows_linear` (csrc/rows_linear.cpp), faster than MKL up to that
+count, and each row's result is then independent of the other rows. Larger calls (prefill) keep
+MKL as below.
 
 Why W @ x.T without the kernel: a decode pass multiplies each weight by a handful of rows (one
 per running question), and for some row counts MKL's float32 `x @ W.T` runs far slower than the
-same dot products as the tall, thin product `W @ x.T`. Measured on the embedded model's shapes (2-core AMD EPYC, MKL
-2024.2, torch 2.13), both forms alternating, one step's q/k/v/o/gate/up/down over 30 layers:
-2 rows 61.7 -> 37.7 ms, 4 rows 62.6 -> 37.4, 5 rows 1.14x faster, 6-8 rows even, 10 rows 0.85x,
-16 rows 1.33x, 20 rows even, 24-28 rows 0.82-0.92x. Only 2-5 rows gain reliably, so hidden layers
-switch up to `MAX_ROWS` (4). The output head (49152 x 576 there, the widest product of a step) was
-never slower and mostly much faster (2 rows 21.3 -> 8.0 ms, 16 rows 26.1 -> 17.9, 20 rows
-31.2 -> 25.5, 48 rows 56.7 -> 40.2, 512 rows 278 -> 233; 1 and 28 rows even), so it always does.
-The values are the same dot products, equal to `F.linear` up to float32 summation order.
+same dot products as the tall, thin product `W @ x.T`. On the embedded model's shapes only 2-5
+rows gained reliably for hidden layers, so they switch up to `MAX_ROWS` (4); the output head (the
+widest product of a step) was never slower, so it always does. The timings, with their machine,
+are in docs/benchmarks.md ("Few-row products"). The values are the same dot products, equal to
+`F.linear` up to float32 summation order.
 
 Only a plain `nn.Linear` whose `forward` nobody else replaced (accelerate's offload hooks do) is
 changed, through an instance attribute; the class and every other model object are untouched.

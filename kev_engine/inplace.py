@@ -9,9 +9,8 @@ GLM's fused gate_up MLP gets the same.
 Why: a prefill pass of thousands of tokens makes intermediates of tens of MB (RAG-16's 4,968
 prompt tokens: [4968, 1536] float32 is 30 MB). An out-of-place op writes a fresh tensor, memory
 that is not in cache (and often new pages from the OS); the same op in place rewrites a tensor
-just computed, still in cache. Measured on those shapes (2-core Xeon, torch 2.13): silu and the
-gate product over 30 layers 425 -> 117 ms; 61 RMSNorms 103 -> 82 ms (new tensors 3 -> 1 each);
-RAG-16's whole prefill in one process, alternating, 6 each: median 4.70 -> 4.51 s, best 4.18 -> 3.91.
+just computed, still in cache, which made RAG-16's prefill measurably faster (docs/benchmarks.md,
+"Elementwise work in place").
 
 Without the kernel, the results are bitwise what the module's own forward gives: the same
 kernels on the same values in the same order (silu in place or not; `a * b` and `b * a` are the

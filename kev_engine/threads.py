@@ -6,11 +6,10 @@ then runs on the engine's scheduler thread.
 Why: libgomp (torch's OpenMP on Linux) gives each thread that runs a parallel op its own team
 of worker threads and keeps that team until the thread exits. Once the teams together hold
 more threads than there are cores, libgomp stops spinning between parallel regions, so every
-later region wakes its workers through the kernel. A decode pass runs hundreds of regions:
-measured on this project's 2-core VM (RAG-16, 16 running questions, five alternating pairs of
-processes), a decode step took 126–170 ms (median 130) with the model loaded on a thread that
-had ended and 152–194 ms (median 183) with it loaded on the caller's (main) thread, whose team
-then lived on beside the scheduler thread's. A thread that ends takes its team with it (torch's
+later region wakes its workers through the kernel. A decode pass runs hundreds of regions, so a
+model loaded on the caller's thread, whose team then lives on beside the scheduler thread's, made
+every decode step measurably slower (docs/benchmarks.md, "Loading on a thread that ends"). A
+thread that ends takes its team with it (torch's
 bundled libgomp has no `omp_pause_resource`, and a one-thread region does not shrink a pool).
 """
 
