@@ -55,18 +55,33 @@ def test_readme_skips_few_blocks_each_with_a_reason() -> None:
     assert all(b.skip_reason for b in skipped)
 
 
+def run_blocks(text: str, namespace: dict[str, Any]) -> int:
+    """Run `text`'s python blocks in order in `namespace`; how many ran. A raising block fails
+    with an AssertionError naming its line."""
+    ran = 0
+    for block in python_blocks(text):
+        if block.skip_reason is not None:
+            continue
+        try:
+            exec(compile(block.code, f"README.md:{block.line}", "exec"), namespace)
+        except Exception as exc:
+            raise AssertionError(f"the README's python block at line {block.line} raised {exc!r}") from exc
+        ran += 1
+    return ran
+
+
+def test_a_raising_block_fails_naming_its_line() -> None:
+    text = "```python\nx = 1\n```\n<!-- not run: skipped -->\n```python\nraise OSError\n```\n```python\nx / 0\n```\n"
+    with pytest.raises(AssertionError, match="line 8 raised ZeroDivisionError"):
+        run_blocks(text, {})
+
+
 def test_readme_examples_run(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every block that is not marked runs without raising; a failure names its line."""
+    """Every block that is not marked runs without raising, from the repository root."""
     monkeypatch.chdir(README.parent)
     namespace: dict[str, Any] = {"__name__": "readme"}
     try:
-        for block in python_blocks(README.read_text(encoding="utf-8")):
-            if block.skip_reason is not None:
-                continue
-            try:
-                exec(compile(block.code, f"README.md:{block.line}", "exec"), namespace)
-            except Exception as exc:
-                raise AssertionError(f"the README's python block at line {block.line} raised {exc!r}") from exc
+        assert run_blocks(README.read_text(encoding="utf-8"), namespace) >= 5
     finally:
         if "engine" in namespace:  # the README's own Engine; the integrations' shared one stays
             namespace["engine"].close()
