@@ -33,4 +33,4 @@ bench: setup
 	$(BIN)/python benchmarks/bench_engine.py --repeat 2
 	$(BIN)/python benchmarks/bench_prefix.py --repeat 2
 	$(BIN)/python benchmarks/bench_decode_attention.py
-	$(BIN)/python benchmarks/bench_invariance.py --repeat 2  # add --llama-server PATH --gguf-dir DIR (README)
+	$(BIN)/python benchmarks/bench_invariance.py --repeat 2  # add --llama-server PATH --gguf-dir DIR (docs/benchmarks.md)

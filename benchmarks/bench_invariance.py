@@ -7,7 +7,7 @@ For each dtype (float32, bfloat16) and workload (RAG-16: 16 questions with their
 * ``kev_blas``     - the same with ``batch_invariant=False``: torch's BLAS and attention kernels
 * ``llama_server`` - llama.cpp's ``llama-server -np N -kvu`` (N slots, one unified KV buffer),
                      every question sent at once as the same prompt ids, greedy, from a GGUF of
-                     the same precision converted from the embedded model (see the README)
+                     the same precision converted from the embedded model (see docs/benchmarks.md)
 
 Every system runs in its own process, each timed run with fresh prefix-cache keys (Kev: a new
 ``cache_salt``; llama-server: ``cache_prompt`` off), best of ``--repeat``. After the timing, each
