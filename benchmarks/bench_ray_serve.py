@@ -76,7 +76,7 @@ def main() -> None:
     for label, extra in SERVERS.items():
         port = free_port()
         base = f"http://127.0.0.1:{port}"
-        command = [sys.executable, "-m", "kev_engine", "serve", "--port", str(port), "--api-key", KEY, *extra]
+        command = [sys.executable, "-m", "kev_integrations", "serve", "--port", str(port), "--api-key", KEY, *extra]
         print(f"--- {label}", flush=True)
         t0 = time.perf_counter()
         with server(command, base + "/health", timeout=600):

@@ -312,7 +312,7 @@ def main() -> None:
     model = loader.EMBEDDED_NAME
     port = free_port()
     base = f"http://127.0.0.1:{port}"
-    command = [sys.executable, "-m", "kev_engine", "serve", "--port", str(port), "--api-key", KEY,
+    command = [sys.executable, "-m", "kev_integrations", "serve", "--port", str(port), "--api-key", KEY,
                "--max-queued", str(max(1024, args.clients * 4)), "--dtype", args.dtype]
     for tenant in LARGE_TENANTS:
         command += ["--api-key", tenant]

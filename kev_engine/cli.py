@@ -279,6 +279,11 @@ def build_parser(extra: Sequence[Command] = ()) -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None, extra: Sequence[Command] = ()) -> int:
+    words = list(sys.argv[1:] if argv is None else argv)
+    if words[:1] == ["serve"] and not any(command.name == "serve" for command in extra):
+        print("kev: error: serve is not an engine command; run the installed `kev serve` (needs kev-llm[server])",
+              file=sys.stderr)
+        return 2
     parser = build_parser(extra)
     try:
         args = parser.parse_args(argv)

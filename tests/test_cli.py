@@ -269,3 +269,8 @@ def test_build_kernel_builds_or_says_why(capsys, monkeypatch) -> None:
     monkeypatch.setattr(kernels, "_failure", "Kev's CPU kernels could not be built (no g++)")
     assert cli.main(["build-kernel"]) == 1
     assert "kev: error: Kev's CPU kernels could not be built (no g++)" in capsys.readouterr().err
+
+
+def test_the_engines_own_command_line_points_serve_to_the_installed_kev(capsys) -> None:
+    assert cli.main(["serve", "--port", "0"]) == 2  # python -m kev_engine serve
+    assert "run the installed `kev serve`" in capsys.readouterr().err

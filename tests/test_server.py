@@ -122,10 +122,14 @@ def test_wrong_or_missing_key_is_401_in_openai_shape(url: str) -> None:
         ({"messages": CHAT, "max_tokens": 8, "response_format": {"type": "json_schema", "json_schema": {
             "name": "x", "schema": {"type": "bogus"}}}}, None, 'Unsupported type "bogus"'),
         ({"messages": CHAT}, "max_tokens", "max_tokens=256 is over"),  # the default counts against the limit too
-        ({"messages": [{"role": "assistant", "content": None, "tool_calls": "abc"}], "max_tokens": 4}, "messages",
-         "unexpected shape"),
-        ({"messages": [{"role": "tool", "tool_call_id": [1], "content": "x"}], "max_tokens": 4}, "messages",
-         "unexpected shape"),
+        ({"messages": [{"role": "assistant", "content": None, "tool_calls": "abc"}], "max_tokens": 4},
+         "messages[0].tool_calls", "messages[0].tool_calls must be a list"),
+        ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": 3}}]}], "max_tokens": 4},
+         "messages[0].tool_calls", "messages[0].tool_calls[0] must be"),
+        ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{x"}}]}],
+          "max_tokens": 4}, "messages[0].tool_calls", "arguments are not JSON"),
+        ({"messages": [{"role": "tool", "tool_call_id": [1], "content": "x"}], "max_tokens": 4},
+         "messages[0].tool_call_id", "tool_call_id must be a string, got list"),
         ({"messages": CHAT, "max_tokens": 4, "tools": [{"type": "function", "function": {"name": "f"}}],
           "tool_choice": {"type": "function", "function": "f"}}, "messages", "unexpected shape"),
     ],
@@ -216,8 +220,8 @@ def test_sigterm_lets_a_running_stream_finish_then_exits() -> None:
 
     port = free_port()
     base = f"http://127.0.0.1:{port}"
-    process = subprocess.Popen([sys.executable, "-m", "kev_engine", "serve", "--port", str(port), "--grace", "60"],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    command = [sys.executable, "-m", "kev_integrations", "serve", "--port", str(port), "--grace", "60"]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         def healthy() -> bool:
             assert process.poll() is None, process.stderr.read().decode()[-2000:]

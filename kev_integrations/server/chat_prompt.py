@@ -39,15 +39,22 @@ def _text(content: Any, index: int) -> str | None:
 
 
 def _calls(message: Mapping[str, Any], index: int) -> tuple[ToolCall, ...]:
+    where = f"messages[{index}].tool_calls"
+    raw = message.get("tool_calls") or []
+    if not isinstance(raw, list):
+        raise bad_request(f"{where} must be a list of {{'id', 'type': 'function', 'function': "
+                          "{'name', 'arguments'}}", param=where)
     calls = []
-    for call in message.get("tool_calls") or ():
-        function = (call.get("function") if isinstance(call, Mapping) else None) or {}
+    for j, call in enumerate(raw):
+        function = call.get("function") if isinstance(call, Mapping) else None
+        if not isinstance(function, Mapping) or not isinstance(function.get("name"), str) or not isinstance(
+                call.get("id", ""), str):
+            raise bad_request(f"{where}[{j}] must be {{'id': str, 'type': 'function', 'function': {{'name': str, "
+                              "'arguments': JSON text}}}}", param=where)
         try:
-            calls.append(ToolCall(str(function.get("name", "")), arguments_of(function.get("arguments", "{}")),
-                                  call.get("id")))
+            calls.append(ToolCall(function["name"], arguments_of(function.get("arguments", "{}")), call.get("id")))
         except ValueError as exc:
-            raise bad_request(f"messages[{index}] has a tool call whose {exc}", param=f"messages[{index}].tool_calls") \
-                from None
+            raise bad_request(f"{where}[{j}] has {exc}", param=where) from None
     return tuple(calls)
 
 
@@ -63,7 +70,11 @@ def _turn(message: Any, index: int) -> Turn:
     if role == "assistant":
         return Turn("assistant", content, _calls(message, index))
     if role == "tool":
-        return Turn("tool", content, tool_call_id=message.get("tool_call_id"))
+        call_id = message.get("tool_call_id")
+        if call_id is not None and not isinstance(call_id, str):
+            raise bad_request(f"messages[{index}].tool_call_id must be a string, got {type(call_id).__name__}",
+                              param=f"messages[{index}].tool_call_id")
+        return Turn("tool", content, tool_call_id=call_id)
     return Turn(role_of(role), content, name=name if role == "user" else None)
 
 
