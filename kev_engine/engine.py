@@ -131,8 +131,9 @@ class Engine:
             if they cannot be built, a warning and torch's ops), "compiled" (the kernels or an
             error), "torch" (never build them). None: `KEV_DECODE_KERNEL`, else "auto".
         batch_invariant: every answer bitwise the same packed as alone (fp32 and bf16 on CPU, with
-            the compiled kernels): every reduction in a pass has one order whatever else is in it
-            (`invariance`). None (default): wherever possible, with a warning where it is not;
+            the compiled kernels; on CUDA with varlen_attn and Triton, not yet run on a GPU): every
+            reduction in a pass has one order whatever else is in it (`invariance`). None (default):
+            wherever possible, with a warning where it is not;
             True: that or an error saying why; False: torch's BLAS and attention kernels instead,
             equal only up to rounding (faster only where BLAS beats Kev's kernels).
         cuda_attention: the paged attention of a CUDA engine (`backends.cuda`): "auto" (None;
@@ -172,9 +173,9 @@ class Engine:
         # pack (or not batch-invariantly, when that was asked for) leaves it as it came
         check_packable(model)
         kernels = choose_kernels(decode_kernel, parameter.device, flash_layout)
-        self._exact = exact_or_why(batch_invariant, model, kernels, parameter)
+        self._exact = exact_or_why(batch_invariant, model, kernels, parameter, paged)
         claim_model(model, self)
-        torch_elementwise = prepare_model(model, kernels, self._exact)
+        torch_elementwise, lora_products = prepare_model(model, kernels, self._exact)
         if torch_elementwise:  # said, not hidden: these keep torch's activation, whose last bit may move
             log.warning("Kev: batch-invariant, except that %s keep torch's own elementwise code (a last-bit "
                         "difference between packs is possible there)", ", ".join(torch_elementwise[:4]))
@@ -188,7 +189,7 @@ class Engine:
         self._defaults = Defaults.from_env()
         self._kv = KVPool(model, self.device, parameter.dtype, kv_cache_bytes, block_size,
                           flash_layout=flash_layout, useful_tokens=2 * max_num_seqs * self.max_context,
-                          kernels=kernels, exact=self._exact)
+                          kernels=kernels, exact=self._exact and not flash_layout)  # CUDA: varlen_attn reads it
         self._graphs: DecodeGraphs | None = None
         if paged is not None:
             paged.check_block_size(self._kv.block_size)
@@ -202,7 +203,7 @@ class Engine:
         self._blocks = BlockManager(self._kv.num_blocks, self._kv.block_size)
         self._scheduler = Scheduler(max_batch_tokens, max_num_seqs, self._blocks, max_logits_tokens)
         self._adapters = AdapterPool(model, self.device, max_adapters)
-        self._adapters.router.kernels = kernels if self._exact else None  # LoRA deltas: the same products
+        self._adapters.router.kernels = lora_products  # LoRA deltas: the same products as the layers
         self._grammars = Grammars(tokenizer, _logits_width(model), self.eos_ids)
         self._cond = threading.Condition()
         self._step_lock = threading.Lock()  # one step at a time, whoever runs it
