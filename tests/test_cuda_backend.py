@@ -57,6 +57,9 @@ def test_varlen_path_matches_solo(tokenizer, monkeypatch, graphs) -> None:
     assert stats["prefix_hit_tokens"] > 0
     assert len(kernel.calls) == stats["forward_passes"] * engine.model.config.num_hidden_layers
     assert {call["num_splits"] for call in kernel.calls} == {None}  # not batch-invariant on this path: the kernel picks
+    # decode-only passes (one new token a segment) still say max_q >= 2: one causal kernel for every pass
+    assert any(call["new_tokens"] == call["segments"] for call in kernel.calls)
+    assert min(call["max_q"] for call in kernel.calls) == 2
     if graphs:
         assert engine._graphs.replays > 0 and engine._graphs.captured
         assert {call["max_k"] for call in kernel.calls if call["segments"] in engine._graphs.captured} >= {

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 
 class VarlenContract:
-    """Callable like `varlen_attn`; `calls` keeps each call's num_splits, max_k and row count."""
+    """Callable like `varlen_attn`; `calls` keeps each call's num_splits, bounds, segments and new tokens."""
 
     def __init__(self) -> None:
         self.calls: list[dict[str, Any]] = []
@@ -37,7 +37,8 @@ class VarlenContract:
         segments = len(cu_seq_q) - 1
         assert block_table.shape[0] == segments and seqused_k.shape == (segments,) and cu_seq_k.shape == (segments + 1,)
         page = key.shape[1]
-        self.calls.append({"num_splits": num_splits, "max_k": max_k, "segments": segments})
+        self.calls.append({"num_splits": num_splits, "max_q": max_q, "max_k": max_k, "segments": segments,
+                           "new_tokens": int(cu_seq_q[-1])})
         out = torch.empty_like(query)
         for i in range(segments):
             start, stop = int(cu_seq_q[i]), int(cu_seq_q[i + 1])

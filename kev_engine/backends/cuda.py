@@ -94,12 +94,16 @@ class PagedAttention:
         assert tables is not None, "a pack on a CUDA pool carries its PagedTables"
         q = query.transpose(0, 1)  # [T, H, D]: a view of the projection's own layout
         keys, values = batch.kv.keys[layer], batch.kv.values[layer]  # [num_blocks, block_size, kvH, D]
-        if self.name == "flash-attn":
+        if self.name == "flash-attn":  # never the batch-invariant path (cuda_invariant asks for varlen)
             return self.function(q, keys, values, batch.cu_seqlens, tables.cu_seqlens_k, batch.max_seqlen,
                                  tables.max_seqlen_k, softmax_scale=scaling, causal=True,
                                  block_table=tables.block_table)
+        # max_q is an upper bound, here never 1: flash attention's varlen forward turns causal off
+        # when it is 1 (flash_api.cpp), running a decode-only pass through another kernel instance
+        # than a decode row beside a prefill chunk (a precaution for invariance, not yet GPU-checked)
+        max_q = max(batch.max_seqlen, 2)
         return self.function(
-            q, keys, values, batch.cu_seqlens, tables.cu_seqlens_k, batch.max_seqlen, tables.max_seqlen_k,
+            q, keys, values, batch.cu_seqlens, tables.cu_seqlens_k, max_q, tables.max_seqlen_k,
             scale=scaling, window_size=CAUSAL, enable_gqa=q.shape[1] != keys.shape[2],
             seqused_k=tables.seqused_k, block_table=tables.block_table, num_splits=self.num_splits,
         )
