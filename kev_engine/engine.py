@@ -141,7 +141,8 @@ class Engine:
             why — torch's SDPA per segment), "varlen" or "flash-attn" (that kernel or an error),
             "torch" (SDPA per segment). Ignored on CPU, except that naming a kernel is an error.
         cuda_graphs: replay decode passes (no prefill chunk, no adapter) as CUDA graphs, one per
-            row-count bucket (`backends.cuda_graphs`), on the paged CUDA attention. False: eager.
+            row-count bucket (`backends.cuda_graphs`), on the paged CUDA attention; bitwise the
+            eager result when batch-invariant (padding rows change nothing). False: eager.
     """
 
     def __init__(

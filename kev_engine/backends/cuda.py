@@ -9,8 +9,8 @@ prefix needs, and a decode row (one query) sees its whole context.
 
 Kernels, in the order "auto" tries them:
   "varlen"      torch's own `torch.nn.attention.varlen.varlen_attn` in its paged form
-                (`block_table`, `seqused_k`, `num_splits`, `enable_gqa`: torch 2.12 and later;
-                torch 2.11's has none of them). Nothing to build or install.
+                (`block_table`, `seqused_k`, `num_splits`, `enable_gqa`: torch 2.13 has them;
+                torch 2.11's has none). Nothing to build or install.
   "flash-attn"  the optional `flash-attn` package's `flash_attn_varlen_func(block_table=...)`.
 Neither usable: "auto" says why (a warning on the "kev" logger) and attention runs on torch's
 SDPA per segment with the CPU pool layout; naming a kernel that cannot run is an error.
@@ -44,12 +44,13 @@ def varlen_function() -> tuple[Callable[..., Any] | None, str | None]:
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
-        return None, f"torch {torch.__version__} has no torch.nn.attention.varlen (paged varlen_attn needs torch>=2.12)"
+        return None, (f"torch {torch.__version__} has no torch.nn.attention.varlen "
+                      "(its paged varlen_attn is in torch 2.13)")
     parameters = inspect.signature(varlen_attn).parameters
     missing = [name for name in PAGED_PARAMETERS if name not in parameters]
     if missing:
         return None, (f"torch {torch.__version__}'s varlen_attn has no {', '.join(missing)} "
-                      "(its paged form needs torch>=2.12)")
+                      "(its paged form is in torch 2.13)")
     return varlen_attn, None
 
 
