@@ -149,7 +149,7 @@ def test_packed_equals_alone_bitwise_bf16(cuda, family, tokenizer) -> None:
     engine = cuda_engine(family, tokenizer, cuda)
     try:
         assert engine.batch_invariant and engine.decode_attention == "varlen"
-        prompts = questions(1, 10)
+        prompts = questions(1, 10, document_words=400)  # a document over one 256-token block
         packed = answers(engine, prompts, greedy(10, 16))
         assert engine.stats()["prefix_hit_tokens"] > 0  # the shared document was computed once
         assert differences(packed, alone(engine, prompts, greedy(10, 16))) == []
@@ -185,9 +185,10 @@ def test_per_question_adapters_equal_alone_bf16(cuda, tokenizer, tmp_path) -> No
         assert engine.batch_invariant
         for name, folder in folders.items():
             engine.load_adapter(name, str(folder))
-        prompts = questions(3, 9)
+        prompts = questions(3, 9, document_words=400)  # questions 0 and 6 (qv), 4 and 8 (all) share it
         names = [("qv", "all", None)[i % 3] for i in range(9)]
         packed = answers(engine, prompts, greedy(9, 12), names)
+        assert engine.stats()["prefix_hit_tokens"] > 0
         assert differences(packed, alone(engine, prompts, greedy(9, 12), names)) == []
         assert len({tuple(tokens) for tokens, _ in packed}) > 1
     finally:
