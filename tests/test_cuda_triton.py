@@ -7,9 +7,11 @@ alone as among 1, 3, 70 or 130 rows because every launch uses one tile shape. Th
 batch-invariant CUDA engine path with those kernels and varlen_attn's stand-in
 (tests/varlen_contract.py): installed on the model, num_splits=1, LoRA deltas by the same
 products, decode graphs' static path — packed equals alone bitwise with a shared document and an
-adapter, and the model comes back as it was. The interpreter must be set before Triton compiles
-anything, hence a fresh process. What the GPU's own arithmetic gives only `make gpu-check` shows
-(tests/test_cuda.py).
+adapter, and the model comes back as it was. (The stand-in's attention is torch's CPU SDPA per
+segment, which gives these short prompts the same bits alone and packed but is no invariant
+kernel: with 400-word documents it differs; on a GPU varlen_attn(num_splits=1) is the claim.)
+The interpreter must be set before Triton compiles anything, hence a fresh process. What the
+GPU's own arithmetic gives only `make gpu-check` shows (tests/test_cuda.py).
 """
 
 from __future__ import annotations
