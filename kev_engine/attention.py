@@ -9,13 +9,14 @@ Each segment attends only to its own question: every new token's keys/values are
 its slot in the engine's KV pool first (so a question starting after a prefix that an earlier
 segment of the same pass computes reads it, layer by layer), then queries see that question's
 blocks — its own, or a shared prefix's — plus its own new tokens, causally.
-CPU (and CUDA without flash-attn): prefill chunks take one SDPA call each (ΣLᵢ² work, large
+CPU (and CUDA without a paged kernel): prefill chunks take one SDPA call each (ΣLᵢ² work, large
 calls); all decode rows take ONE computation per layer, however many rows there are: on CPU the
 compiled kernel (`decode_kernel`, one call over every row's block table), else `batched_decode`,
 a fixed set of torch kernels per block group (`pack.decode_layout`: dense ranges of the pool read
 in place, the scattered rest gathered).
-CUDA with flash-attn: one `flash_attn_varlen_func` call per layer over the whole pack, with
-`cu_seqlens` and the block table (paged KV): nothing is concatenated or copied per step.
+CUDA (`backends.cuda`): one paged kernel call per layer over the whole pack — torch's own
+`varlen_attn` (or the optional flash-attn) with `cu_seqlens`, the block table and `seqused_k`:
+nothing is concatenated or copied per step.
 Batch-invariant (an "exact" pool, CPU): every row of the pack, prefill and decode alike, in ONE
 call of Kev's `paged_attention` per layer, each row walking its own positions in one fixed order
 (csrc/attention.cpp) — so its result is the same shared, cached, chunked or alone.
@@ -34,11 +35,6 @@ from .blocks import blocks_for
 from .pack import DecodeLayout, PackedBatch
 
 KEV_ATTENTION = "kev_varlen"
-
-try:  # optional CUDA kernel
-    from flash_attn import flash_attn_varlen_func as _flash_attn_varlen_func
-except Exception:  # noqa: BLE001 - any import failure means "not available"
-    _flash_attn_varlen_func = None
 
 
 def _no_mask(*args: Any, **kwargs: Any) -> None:
@@ -161,18 +157,6 @@ def batched_decode(
     return out.reshape(num_rows, num_heads, head_dim).to(query.dtype)
 
 
-def _flash_paged(batch: PackedBatch, layer: int, query: torch.Tensor, scaling: float | None) -> torch.Tensor:
-    """Every segment, prefill and decode, in ONE flash-attn varlen call over the paged pool."""
-    # flash-attn wants q [T, H, D] and the pool as [num_blocks, block_size, kvH, D]; its causal
-    # mask is bottom-right aligned, as a chunk continuing its own cached prefix needs
-    assert batch.flash is not None
-    cu_k, max_k, block_table = batch.flash
-    return _flash_attn_varlen_func(
-        query.transpose(0, 1), batch.kv.keys[layer], batch.kv.values[layer], batch.cu_seqlens, cu_k,
-        batch.max_seqlen, max_k, softmax_scale=scaling, causal=True, block_table=block_table,
-    )
-
-
 def _exact_paged(batch: PackedBatch, layer: int, query: torch.Tensor, scaling: float | None) -> torch.Tensor:
     """Every segment, prefill and decode, in ONE call of the batch-invariant kernel: query [H, T, D] → [T, H, D]."""
     assert batch.exact is not None
@@ -181,11 +165,6 @@ def _exact_paged(batch: PackedBatch, layer: int, query: torch.Tensor, scaling: f
     kv = batch.kv
     return kv.exact.paged_attention(query.transpose(0, 1).contiguous(), kv.keys[layer], kv.values[layer], tables,
                                     batch.cu_seqlens, past, scale)
-
-
-def use_flash(device: torch.device, dtype: torch.dtype) -> bool:
-    """The paged flash-attn path: CUDA, half precision, flash-attn installed."""
-    return _flash_attn_varlen_func is not None and device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
 
 
 def kev_attention(
@@ -214,8 +193,8 @@ def kev_attention(
     kv = batch.kv
     if kv is not None:  # every segment's new keys go in first: later segments may read them this pass
         kv.write(layer, batch.slot_blocks, batch.slot_offsets, k, v)
-        if kv.flash_layout:
-            return _flash_paged(batch, layer, q, scaling)[None], None
+        if kv.flash_layout:  # the CUDA pool: its paged kernel (backends.cuda)
+            return kv.paged_attention(batch, layer, q, scaling)[None], None
         if kv.exact is not None:
             return _exact_paged(batch, layer, q, scaling)[None], None
     decode = batch.decode

@@ -28,7 +28,8 @@ import torch
 
 from . import loader
 from .adapters import AdapterPool
-from .attention import use_flash
+from .backends import cuda as cuda_backend
+from .backends.cuda_graphs import DecodeGraphs
 from .blocks import BlockManager, BlockTable
 from .delivery import Delivery, hand_text
 from .errors import ConstraintError, EngineClosedError, InvalidRequestError, KevError, PassFailedError
@@ -123,17 +124,25 @@ class Engine:
         kv_cache_bytes: the KV memory budget (None: half the free GPU memory, or on CPU a fifth
             of the available memory up to 4 GiB — and never more than twice `max_num_seqs` full
             contexts). Admission waits for memory; nothing exceeds it.
-        block_size: tokens per KV block (None: 32 on CPU, 256 with flash-attn). Prefixes are
-            shared in whole blocks.
+        block_size: tokens per KV block (None: 32 on CPU, 256 on CUDA, where flash attention's paged
+            KV needs a multiple of 256). Prefixes are shared in whole blocks.
         max_logits_tokens: most `prompt_logits` positions computed in one pass (each is a vocab row).
         decode_kernel: Kev's compiled CPU kernels (see `kernels`): "auto" (built once per machine;
             if they cannot be built, a warning and torch's ops), "compiled" (the kernels or an
             error), "torch" (never build them). None: `KEV_DECODE_KERNEL`, else "auto".
         batch_invariant: every answer bitwise the same packed as alone (fp32 and bf16 on CPU, with
-            the compiled kernels): every reduction in a pass has one order whatever else is in it
-            (`invariance`). None (default): wherever possible, with a warning where it is not;
+            the compiled kernels; on CUDA with varlen_attn and Triton, not yet run on a GPU): every
+            reduction in a pass has one order whatever else is in it (`invariance`). None (default):
+            wherever possible, with a warning where it is not;
             True: that or an error saying why; False: torch's BLAS and attention kernels instead,
             equal only up to rounding (faster only where BLAS beats Kev's kernels).
+        cuda_attention: the paged attention of a CUDA engine (`backends.cuda`): "auto" (None;
+            torch's own varlen_attn, else the flash-attn package, else — with a warning saying
+            why — torch's SDPA per segment), "varlen" or "flash-attn" (that kernel or an error),
+            "torch" (SDPA per segment). Ignored on CPU, except that naming a kernel is an error.
+        cuda_graphs: replay decode passes (no prefill chunk, no adapter) as CUDA graphs, one per
+            row-count bucket (`backends.cuda_graphs`), on the paged CUDA attention; bitwise the
+            eager result when batch-invariant (padding rows change nothing). False: eager.
     """
 
     def __init__(
@@ -151,18 +160,23 @@ class Engine:
         max_logits_tokens: int = 1024,
         decode_kernel: str | None = None,
         batch_invariant: bool | None = None,
+        cuda_attention: str | None = None,
+        cuda_graphs: bool = True,
     ) -> None:
         self.name = name or getattr(model.config, "_name_or_path", "") or type(model).__name__
         self._closed = False
         parameter = next(model.parameters())
-        flash_layout = use_flash(parameter.device, parameter.dtype)
+        if not isinstance(cuda_graphs, bool):
+            raise TypeError(f"cuda_graphs={cuda_graphs!r} is not allowed; use True or False")
+        paged = cuda_backend.choose(cuda_attention, parameter.device, parameter.dtype)
+        flash_layout = paged is not None
         # before claiming the model: a bad mode, a failed "compiled" build or a model Kev cannot
         # pack (or not batch-invariantly, when that was asked for) leaves it as it came
         check_packable(model)
         kernels = choose_kernels(decode_kernel, parameter.device, flash_layout)
-        self._exact = exact_or_why(batch_invariant, model, kernels, parameter)
+        self._exact = exact_or_why(batch_invariant, model, kernels, parameter, paged)
         claim_model(model, self)
-        torch_elementwise = prepare_model(model, kernels, self._exact)
+        torch_elementwise, lora_products = prepare_model(model, kernels, self._exact)
         if torch_elementwise:  # said, not hidden: these keep torch's activation, whose last bit may move
             log.warning("Kev: batch-invariant, except that %s keep torch's own elementwise code (a last-bit "
                         "difference between packs is possible there)", ", ".join(torch_elementwise[:4]))
@@ -176,11 +190,21 @@ class Engine:
         self._defaults = Defaults.from_env()
         self._kv = KVPool(model, self.device, parameter.dtype, kv_cache_bytes, block_size,
                           flash_layout=flash_layout, useful_tokens=2 * max_num_seqs * self.max_context,
-                          kernels=kernels, exact=self._exact)
+                          kernels=kernels, exact=self._exact and not flash_layout)  # CUDA: varlen_attn reads it
+        self._graphs: DecodeGraphs | None = None
+        if paged is not None:
+            paged.check_block_size(self._kv.block_size)
+            paged.num_splits = 1 if self._exact else None  # one key order per query: what invariance needs
+            self._kv.paged_attention = paged
+            if cuda_graphs:
+                trash = self._kv.reserve_last_block()
+                self._kv.zero([trash])
+                self._graphs = DecodeGraphs(functools.partial(run_model, model), self._kv, max_num_seqs,
+                                            self.max_context, trash, capture=self.device.type == "cuda")
         self._blocks = BlockManager(self._kv.num_blocks, self._kv.block_size)
         self._scheduler = Scheduler(max_batch_tokens, max_num_seqs, self._blocks, max_logits_tokens)
         self._adapters = AdapterPool(model, self.device, max_adapters)
-        self._adapters.router.kernels = kernels if self._exact else None  # LoRA deltas: the same products
+        self._adapters.router.kernels = lora_products  # LoRA deltas: the same products as the layers
         self._grammars = Grammars(tokenizer, _logits_width(model), self.eos_ids)
         self._cond = threading.Condition()
         self._step_lock = threading.Lock()  # one step at a time, whoever runs it
@@ -383,12 +407,18 @@ class Engine:
     @property
     def decode_attention(self) -> str:
         """Which attention serves decode rows: "exact" (the batch-invariant CPU kernel, prefill rows
-        too), "flash-attn", "compiled" (the CPU decode kernel) or "torch"."""
+        too), "varlen" or "flash-attn" (the paged CUDA kernel, prefill rows too), "compiled" (the CPU
+        decode kernel) or "torch"."""
         if self._kv.exact is not None:
             return "exact"
-        if self._kv.flash_layout:
-            return "flash-attn"
+        if self._kv.paged_attention is not None:
+            return str(self._kv.paged_attention.name)
         return "compiled" if self._kv.paged_decode is not None else "torch"
+
+    @property
+    def cuda_graphs(self) -> bool:
+        """Whether decode passes replay CUDA graphs (see `backends.cuda_graphs`)."""
+        return self._graphs is not None
 
     @property
     def adapters(self) -> list[str]:
@@ -578,6 +608,8 @@ class Engine:
                 resident = self._adapters.resident_map()
             self._adapters.router.set_routes(batch.cu_seqlens_list, batch.adapters, resident)
             try:
+                if self._graphs is not None and self._graphs.fits(batch):
+                    return self._graphs.run(batch)
                 return run_model(self.model, batch)
             finally:
                 self._adapters.router.clear()

@@ -15,6 +15,9 @@ kernels (`kernels.py`), the engine runs that path:
   cos/sin from a table (`rotary_table`), the MLP's silu(gate) * up by a kernel (`inplace`);
 - norms, residuals, sampling: per row already (tested, not assumed: tests/test_invariance.py).
 
+On CUDA (`backends.cuda_invariant`, not yet run on a GPU in this project): Linear products and
+RMSNorms by fixed-order Triton kernels, attention by torch's varlen_attn with `num_splits=1`.
+
 `Engine(batch_invariant=False)` restores torch's BLAS and attention kernels (answers equal up to
 rounding only) — the control that shows the invariance tests can fail.
 """
@@ -31,8 +34,13 @@ from . import exact_linear
 log = logging.getLogger("kev")
 
 
-def why_not(model: Any, kernels: Any, parameter: torch.Tensor) -> str | None:
-    """Why this model cannot run batch-invariant here, or None when it can."""
+def why_not(model: Any, kernels: Any, parameter: torch.Tensor, paged: Any = None) -> str | None:
+    """Why this model cannot run batch-invariant here, or None when it can (`paged`: a CUDA
+    engine's attention kernel, `backends.cuda`)."""
+    if paged is not None or parameter.device.type == "cuda":  # the paged CUDA attention's engine
+        from .backends import cuda_invariant
+
+        return cuda_invariant.why_not(model, paged)
     if parameter.device.type != "cpu":
         return f"the model is on {parameter.device}; Kev's batch-invariant kernels run on CPU"
     if kernels is None:
@@ -46,18 +54,19 @@ def why_not(model: Any, kernels: Any, parameter: torch.Tensor) -> str | None:
     return None
 
 
-def exact_or_why(wanted: bool | None, model: Any, kernels: Any, parameter: torch.Tensor) -> bool:
+def exact_or_why(wanted: bool | None, model: Any, kernels: Any, parameter: torch.Tensor, paged: Any = None) -> bool:
     """The engine's choice: `wanted` True raises when impossible; None says why not on the "kev" logger."""
     if wanted is not None and not isinstance(wanted, bool):
         raise TypeError(f"batch_invariant={wanted!r} is not allowed; use True, False or None")
     if wanted is False:
         return False
-    reason = why_not(model, kernels, parameter)
+    reason = why_not(model, kernels, parameter, paged)
     if reason is None:
         return True
     if wanted:
         raise ValueError(f"batch_invariant=True cannot be honoured: {reason}")
-    quiet = parameter.device.type != "cpu" or kernels is None  # a GPU engine, or kernels turned off on purpose
+    # kernels turned off on purpose, or a device with no invariant path at all
+    quiet = parameter.device.type not in ("cpu", "cuda") or (parameter.device.type == "cpu" and kernels is None)
     (log.info if quiet else log.warning)("Kev: not batch-invariant: %s; packed answers equal alone up to rounding",
                                         reason)
     return False

@@ -6,10 +6,11 @@ slot and reads them back. Nothing outside the pool ever holds KV, so the budget 
 
 Layout per layer: keys and values of shape [num_blocks, num_kv_heads, block_size, head_dim] on
 CPU, so one block of one head is a contiguous [block_size, head_dim] matrix that the compiled
-decode kernel streams (or a batched matmul reads in place); flash-attn's paged kernels want
-[num_blocks, block_size, num_kv_heads, head_dim]. An "exact" pool (the batch-invariant attention,
-csrc/attention.cpp) keeps each block's keys transposed, [num_blocks, num_kv_heads, head_dim,
-block_size], so one head dimension of a block's positions is one vector load.
+decode kernel streams (or a batched matmul reads in place); the paged CUDA kernels (torch's
+`varlen_attn`, flash-attn: `backends.cuda`) want [num_blocks, block_size, num_kv_heads, head_dim].
+An "exact" pool (the batch-invariant attention, csrc/attention.cpp) keeps each block's keys
+transposed, [num_blocks, num_kv_heads, head_dim, block_size], so one head dimension of a block's
+positions is one vector load.
 On CPU the tensors come from `torch.empty`: pages the engine never touches are never resident.
 """
 
@@ -23,7 +24,7 @@ import torch
 from .blocks import blocks_for
 
 CPU_BLOCK_SIZE = 32  # tokens per block: prefixes are shared in whole blocks
-FLASH_BLOCK_SIZE = 256  # flash-attn's paged KV needs a multiple of 256
+FLASH_BLOCK_SIZE = 256  # flash attention's paged KV (varlen_attn, flash-attn) needs a multiple of 256
 CPU_DEFAULT_MAX_BYTES = 4 << 30
 CPU_DEFAULT_FRACTION = 0.2  # of the memory available when the engine starts
 CUDA_DEFAULT_FRACTION = 0.5  # of the device memory still free after the model loaded
@@ -72,6 +73,7 @@ class KVPool:
         batch-invariant attention (`self.exact` is then those kernels)."""
         self.num_layers, self.num_kv_heads, self.head_dim = kv_shape(model)
         self.flash_layout = flash_layout
+        self.paged_attention: Any = None  # the CUDA kernel that reads this layout (backends.cuda), set by the engine
         if exact and (kernels is None or flash_layout):
             raise ValueError("an exact KV pool needs Kev's compiled CPU kernels")
         self.exact = kernels if exact else None
@@ -109,6 +111,15 @@ class KVPool:
         self.keys = [torch.empty(key_shape, dtype=dtype, device=device) for _ in range(self.num_layers)]
         self.values = [torch.empty(shape, dtype=dtype, device=device) for _ in range(self.num_layers)]
 
+    def reserve_last_block(self) -> int:
+        """Take the last block out of the budget (CUDA graphs' padding rows write there); its id."""
+        if self.num_blocks < 2:
+            raise ValueError(f"kv_cache_bytes={self.budget_bytes} holds {self.num_blocks} block; CUDA graphs need "
+                             "one more for padding rows (give more KV memory, or Engine(cuda_graphs=False))")
+        self.num_blocks -= 1
+        self.budget_bytes = self.num_blocks * self.block_bytes
+        return self.num_blocks
+
     @property
     def capacity_tokens(self) -> int:
         return self.num_blocks * self.block_size
@@ -134,7 +145,7 @@ class KVPool:
     def zero(self, block_ids: list[int]) -> None:
         """Clear blocks just handed out, in every layer (stale memory may hold NaN bit patterns).
 
-        The torch decode path and flash-attn read whole blocks and mask the slots past a row's
+        The torch decode path and flash attention read whole blocks and mask the slots past a row's
         length, and 0 x NaN is NaN; the compiled kernels read (or select) only each row's own
         tokens, so a pool they serve skips this work on the steps that take new blocks.
         """

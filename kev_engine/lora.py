@@ -60,9 +60,11 @@ class LoraWeights:
     def delta(self, x: torch.Tensor, kernels: Any = None) -> torch.Tensor:
         """`B(A(x)) * scaling` for rows x [n, in] in the adapter's dtype → [n, out].
 
-        With `kernels` (the batch-invariant path) both products are Kev's packed ones, so a row's
-        delta does not depend on how many rows of its adapter share the pass.
+        With `kernels` (the batch-invariant path) both products are Kev's packed ones (on CUDA its
+        Triton ones), so a row's delta does not depend on how many rows of its adapter share the pass.
         """
+        if getattr(kernels, "device_type", None) == "cuda":  # backends.cuda_invariant's fixed-order products
+            return kernels.linear(kernels.linear(x, self.lora_A, None), self.lora_B, None) * self.scaling
         if kernels is None or self.lora_A.device.type != "cpu":
             return F.linear(F.linear(x, self.lora_A), self.lora_B) * self.scaling
         if self.packed is None:
@@ -250,7 +252,7 @@ class LoraRouter:
 
     def __init__(self) -> None:
         self.routes: list[tuple[LoraAdapter, slice | torch.Tensor]] = []
-        self.kernels: Any = None  # Kev's compiled kernels on the batch-invariant path (LoraWeights.delta)
+        self.kernels: Any = None  # Kev's kernels on the batch-invariant path, CPU or CUDA (LoraWeights.delta)
 
     def set_routes(self, cu_seqlens: list[int], adapters: list[str | None], resident: dict[str, LoraAdapter]) -> None:
         """Group segments by adapter: contiguous rows become one slice, scattered ones an index."""

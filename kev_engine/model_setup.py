@@ -10,6 +10,7 @@ from typing import Any
 
 from . import cpu_linear, exact_linear, inplace, rotary_table
 from .attention import KEV_ATTENTION
+from .backends import cuda_invariant
 
 OWNER_ATTR = "_kev_owner"  # weakref to the live Engine serving this model
 ORIGINAL_ATTN_ATTR = "_kev_original_attn"
@@ -40,6 +41,7 @@ def release_model(model: Any) -> None:
             object.__delattr__(model, attr)
     cpu_linear.uninstall(model)
     exact_linear.uninstall(model)
+    cuda_invariant.uninstall(model)
     rotary_table.uninstall(model)
     inplace.uninstall(model)
 
@@ -57,24 +59,28 @@ def check_packable(model: Any) -> None:
     rotary_table.check(model)
 
 
-def prepare_model(model: Any, kernels: Any = None, exact: bool = False) -> list[str]:
+def prepare_model(model: Any, kernels: Any = None, exact: bool = False) -> tuple[list[str], Any]:
     """Switch the model to Kev's packed attention and its kernels (`check_packable` first).
 
-    `kernels`: Kev's compiled CPU kernels or None. `exact`: the batch-invariant path — every Linear
-    by the packed product, rotary embeddings from a table, the MLP's activation by the kernel.
-    Returns the modules left on torch's own elementwise code on that path (for the engine to say).
+    `kernels`: Kev's compiled CPU kernels or None. `exact`: the batch-invariant path — on CPU every
+    Linear by the packed product, rotary embeddings from a table, the MLP's activation by the
+    kernel; on CUDA (no CPU kernels) Linear and RMSNorm by Triton (`backends.cuda_invariant`).
+    Returns the modules left on torch's own elementwise code on the CPU path (for the engine to
+    say), and the products LoRA deltas use on the invariant path (None elsewhere).
     """
     if ORIGINAL_ATTN_ATTR not in model.__dict__:  # an engine dropped without close() left it: keep the first
         object.__setattr__(model, ORIGINAL_ATTN_ATTR, model.config._attn_implementation or "sdpa")
     model.set_attn_implementation(KEV_ATTENTION)
     model.eval().requires_grad_(False)
+    if exact and kernels is None:  # CUDA: one reduction order per output, by Triton
+        return [], cuda_invariant.install(model)
     if exact:
         exact_linear.install(model, kernels)  # every Linear: one summation order at any row count
         left = rotary_table.install(model)
-        return left + inplace.install(model, kernels.silu_mul)
+        return left + inplace.install(model, kernels.silu_mul), kernels
     cpu_linear.install(model, kernels.rows_linear if kernels is not None else None)  # few-row products
     inplace.install(model)  # Llama-style MLPs and RMSNorms: elementwise work in place (see inplace)
-    return []
+    return [], None
 
 
 def context_length(model: Any, tokenizer: Any) -> int:

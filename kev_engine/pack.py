@@ -64,6 +64,22 @@ class DecodeLayout:
 
 
 @dataclass
+class PagedTables:
+    """What a paged varlen kernel (torch's `varlen_attn`, flash-attn) reads besides the pool.
+
+    Segment i's keys are its first `seqused_k[i]` positions, read through `block_table[i]`; its
+    new tokens are the last ones of them, so the causal mask is bottom-right aligned. A CUDA graph
+    fills static tensors of the same shape (`backends.cuda_graphs`), with `max_seqlen_k` the
+    longest context any row can reach: the kernel only uses it as an upper bound.
+    """
+
+    cu_seqlens_k: torch.Tensor  # [S+1] int32: cumulative seqused_k
+    max_seqlen_k: int  # longest seqused_k this pass (or an upper bound of it)
+    block_table: torch.Tensor  # [S, max_blocks] int32, zero-padded
+    seqused_k: torch.Tensor  # [S] int32: tokens each segment attends to, its new ones included
+
+
+@dataclass
 class PackedBatch:
     """What one forward pass sees. T = total new tokens, S = segments."""
 
@@ -83,7 +99,7 @@ class PackedBatch:
     slot_offsets: torch.Tensor | None = None  # [T] long: its position inside that block
     decode: DecodeLayout | None = None  # CPU pool: decode rows, attended in one batched call per layer
     exact: tuple[torch.Tensor, torch.Tensor] | None = None  # exact pool: (block tables [S, max_blocks], past [S]) int32
-    flash: tuple[torch.Tensor, int, torch.Tensor] | None = None  # flash pool: (cu_seqlens_k, max_seqlen_k, block_table)
+    paged: PagedTables | None = None  # CUDA pool ([blocks, block_size, kvH, D]): the paged kernels' tables
 
     @property
     def num_tokens(self) -> int:
@@ -152,7 +168,7 @@ def pack(segments: Sequence[Segment], device: torch.device | str = "cpu", kv: An
         slot_offsets=tensor(slot_offsets) if kv is not None else None,
         decode=(decode_layout(segments, cu_seqlens, block_size, device, kernel=kv.paged_decode is not None)
                 if paged and not kv.flash_layout and exact is None else None),
-        flash=flash_tables(segments, block_size, device) if paged and kv.flash_layout else None,
+        paged=paged_tables(segments, block_size, device) if paged and kv.flash_layout else None,
         exact=exact_tables(segments, block_size, device) if exact is not None else None,
     )
 
@@ -164,21 +180,25 @@ def exact_tables(segments: Sequence[Segment], block_size: int, device: torch.dev
     return padded_block_table(segments, lengths, block_size, device), past
 
 
-def flash_tables(segments: Sequence[Segment], block_size: int, device: torch.device | str):
-    """flash-attn's paged-KV arguments: cu_seqlens_k [S+1] int32, max_seqlen_k, block_table [S, max_blocks] int32."""
+def paged_tables(segments: Sequence[Segment], block_size: int, device: torch.device | str) -> PagedTables:
+    """The paged kernels' arguments for these segments (see `PagedTables`)."""
     lengths = [seg.past_len + len(seg.token_ids) for seg in segments]
     cu = [0]
     for n in lengths:
         cu.append(cu[-1] + n)
-    block_table = padded_block_table(segments, lengths, block_size, device)
-    return torch.tensor(cu, dtype=torch.int32, device=device), max(lengths), block_table
+    return PagedTables(
+        cu_seqlens_k=torch.tensor(cu, dtype=torch.int32, device=device),
+        max_seqlen_k=max(lengths),
+        block_table=padded_block_table(segments, lengths, block_size, device),
+        seqused_k=torch.tensor(lengths, dtype=torch.int32, device=device),
+    )
 
 
 def padded_block_table(
     segments: Sequence[Segment], lengths: list[int], block_size: int, device: torch.device | str
 ) -> torch.Tensor:
     """[S, max_blocks] int32: the blocks covering each segment's `lengths` tokens, zero-padded
-    (flash-attn's block_table and the CPU decode kernel's tables; both read only `lengths`)."""
+    (the paged CUDA kernels' block_table and the CPU decode kernel's tables; all read only `lengths`)."""
     tables = [seg.block_ids[: blocks_for(n, block_size)] for seg, n in zip(segments, lengths)]
     width = max(map(len, tables))
     return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device)

@@ -33,6 +33,17 @@ FAMILIES: dict[str, tuple[Any, Any]] = {
 }
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The `cuda` tests need a GPU: deselected, never skipped, unless the -m expression names the
+    marker (`make gpu-check` runs `-m cuda`) — whatever else -m selects, `-m "not ray"` included."""
+    if "cuda" in (config.getoption("markexpr") or ""):
+        return
+    gpu = [item for item in items if item.get_closest_marker("cuda") is not None]
+    if gpu:
+        config.hook.pytest_deselected(items=gpu)
+        items[:] = [item for item in items if item.get_closest_marker("cuda") is None]
+
+
 @pytest.fixture(scope="session")
 def embedded_dir() -> str:
     return str(loader.converted_gguf_dir(loader.embedded_gguf()))

@@ -1,10 +1,11 @@
 """The attention paths themselves: per-segment SDPA for prefill, one call for all decode rows
-(the compiled CPU kernel, or the torch path's batched computation), and the flash-attn paged
-varlen plumbing.
+(the compiled CPU kernel, or the torch path's batched computation), and the optional flash-attn
+paged varlen plumbing.
 
 flash-attn needs CUDA, which CI does not have; its call is checked here against a pure-torch
 implementation of `flash_attn_varlen_func`'s paged contract (cu_seqlens, block_table, bottom-right
-causal), so the pool layout, slot writes and block tables of the CUDA path run on every CI machine.
+causal), so its arguments are right on every CI machine. torch's own varlen_attn, the default CUDA
+kernel, is checked the same way in tests/test_cuda_backend.py.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ from conftest import QUESTIONS, chat, reference_copy, reference_greedy, tiny_mod
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from kev_engine import Engine, SamplingParams, attention, kernels
-from kev_engine import engine as engine_module
 from kev_engine import pack as pack_module
+from kev_engine.backends import cuda as cuda_backend
 from kev_engine.pack import Segment, pack
 
 
@@ -44,8 +45,9 @@ def varlen_reference(q, k_cache, v_cache, cu_q, cu_k, max_q, max_k, softmax_scal
     return out
 
 
-def test_flash_paged_path_matches_solo(tokenizer, monkeypatch) -> None:
-    """The CUDA path's plumbing: pool layout, slot writes, block tables, cu_seqlens_k — one call per layer."""
+def test_flash_attn_paged_path_matches_solo(tokenizer, monkeypatch) -> None:
+    """The optional flash-attn kernel's plumbing: pool layout, slot writes, block tables, cu_seqlens_k —
+    one call per layer."""
     model = tiny_model("llama", tokenizer)
     reference = reference_copy(model)
     calls = []
@@ -54,11 +56,11 @@ def test_flash_paged_path_matches_solo(tokenizer, monkeypatch) -> None:
         calls.append(1)
         return varlen_reference(*args, **kwargs)
 
-    monkeypatch.setattr(attention, "_flash_attn_varlen_func", counting_reference)
-    monkeypatch.setattr(engine_module, "use_flash", lambda device, dtype: True)
+    kernel = cuda_backend.PagedAttention("flash-attn", counting_reference, page_multiple=16)
+    monkeypatch.setattr(cuda_backend, "choose", lambda mode, device, dtype: kernel)
     # a small budget chunks the prefill: new chunks attend to their own cached blocks
-    engine = Engine(model, tokenizer, max_batch_tokens=40, max_num_seqs=8, block_size=16)
-    assert engine.stats()["kv_block_size"] == 16
+    engine = Engine(model, tokenizer, max_batch_tokens=40, max_num_seqs=8, block_size=16, cuda_graphs=False)
+    assert engine.stats()["kv_block_size"] == 16 and engine.decode_attention == "flash-attn"
     doc = "The lighthouse was built in 1874 on a granite rock. " * 3
     prompts = QUESTIONS + [chat("Who built it?", doc), chat("When was it built?", doc)]  # a shared prefix
     results = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=6))

@@ -1,0 +1,207 @@
+"""RAG-16, DOC-QA and a 64-question RAG batch: Kev against transformers one at a time and padded.
+
+The benchmark half of `make gpu-check` (benchmarks/gpu_check.py puts its result in the report);
+alone: `python benchmarks/bench_gpu.py [--device cuda] [--max-tokens 48] [--out FILE]`.
+
+Every system answers the same prompt ids (`engine.encode`) greedily, in one process, one after
+another, each timed after an untimed warm-up (Kev's on the whole workload under another
+`cache_salt`, so its decode graphs are captured and Triton has compiled; nothing of it is reused).
+  kev        one `Engine.generate` call with every question (a budget of twice the workload's
+             tokens for its KV pool, not half the GPU: the pool is allocated up front);
+  hf_serial  transformers `generate` per question (SDPA, the same dtype);
+  hf_padded  transformers `generate` on one left-padded batch.
+Per system: wall seconds, generated tokens (cut at the first stop token), tokens/s, peak memory
+the device allocated during the timed run (None off CUDA), and how many answers equal
+hf_serial's token for token. On a CPU (the report format's test) the same code runs with the
+device named in the result: never a GPU figure that a GPU did not produce.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_prefix import doc_qa_messages  # noqa: E402
+from workload import SYSTEM_PROMPT, load_rag, rag_messages  # noqa: E402
+
+from kev_engine import Engine, SamplingParams, loader  # noqa: E402
+
+SYSTEMS = ("kev", "hf_serial", "hf_padded")
+RAG64_ROUNDS = 4  # 16 passages, 4 rounds: 64 questions, each round under its own system prompt
+
+
+def rag64_messages() -> list[list[dict]]:
+    """64 RAG questions: the 16 passages four times, each round's system prompt numbered, so a
+    round shares only its own system prompt (as RAG-16 does) and no two prompts are the same."""
+    out = []
+    for round_ in range(RAG64_ROUNDS):
+        for item in load_rag():
+            messages = rag_messages(item)
+            messages[0] = {"role": "system", "content": f"{SYSTEM_PROMPT} (batch {round_ + 1})"}
+            out.append(messages)
+    return out
+
+
+WORKLOADS: dict[str, Callable[[], list[list[dict]]]] = {
+    "rag16": lambda: [rag_messages(item) for item in load_rag()],
+    "doc_qa": doc_qa_messages,
+    "rag64": rag64_messages,
+}
+
+
+def strip_stop(ids: list[int], stop: set[int]) -> list[int]:
+    """Cut at the first stop token (excluded), so every system is counted the same way."""
+    return next((ids[:i] for i, t in enumerate(ids) if t in stop), ids)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(device: torch.device, run: Callable[[], list[list[int]]]) -> tuple[float, list[list[int]], float | None]:
+    """(wall seconds, answers, peak MiB the device allocated during the run, None off CUDA)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    sync(device)
+    start = time.perf_counter()
+    answers = run()
+    sync(device)
+    wall = time.perf_counter() - start
+    peak = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
+    return wall, answers, peak
+
+
+def kev_runner(engine: Engine, chats: list[list[dict]], max_tokens: int) -> Callable[[], list]:
+    """Kev's run on the chats (it encodes them to the very ids the baselines get)."""
+    salts = iter(range(10**6))
+
+    def run() -> list[list[int]]:  # a fresh salt: no run reads an earlier run's prefix blocks
+        sampling = SamplingParams(temperature=0, max_tokens=max_tokens, cache_salt=f"bench-{next(salts)}")
+        return [list(c.token_ids) for c in engine.generate(chats, sampling=sampling)]
+    return run
+
+
+def hf_runners(model: Any, prompts: list[list[int]], max_tokens: int, pad_id: int,
+               device: torch.device) -> dict[str, Callable[[], list]]:
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(do_sample=False, max_new_tokens=max_tokens, eos_token_id=model.config.eos_token_id,
+                              pad_token_id=pad_id)
+
+    @torch.inference_mode()
+    def serial() -> list[list[int]]:
+        out = []
+        for ids in prompts:
+            x = torch.tensor([ids], device=device)
+            out.append(model.generate(x, attention_mask=torch.ones_like(x), generation_config=config)[0, len(ids):]
+                       .tolist())
+        return out
+
+    @torch.inference_mode()
+    def padded() -> list[list[int]]:
+        width = max(map(len, prompts))
+        x = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+        return model.generate(x, attention_mask=mask, generation_config=config)[:, width:].tolist()
+
+    return {"hf_serial": serial, "hf_padded": padded}
+
+
+def kv_budget(engine: Engine, prompts: list[list[int]], max_tokens: int) -> int:
+    """Twice the workload's tokens (prompts + answers) of KV, in whole blocks per question."""
+    kv = engine._kv
+    blocks = sum(-(-(len(p) + max_tokens) // kv.block_size) for p in prompts)
+    return 2 * (blocks + 1) * kv.block_bytes
+
+
+def run(device: str = "cuda", source: str | None = None, max_tokens: int = 48,
+        workloads: list[str] | None = None, limit: int | None = None, dtype: str | None = None) -> dict[str, Any]:
+    """The benchmark's JSON result. `source`: a model folder (None: the embedded SmolLM2-135M);
+    `limit`: the first N questions of each workload (the CPU format test); `dtype`: None is the
+    engine's default (bf16 on CUDA)."""
+    from transformers import AutoModelForCausalLM
+
+    torch_device = loader.resolve_device(device)
+    names = workloads or list(WORKLOADS)
+    unknown = sorted(set(names) - set(WORKLOADS))
+    if unknown:
+        raise ValueError(f"unknown workloads {unknown}; use some of {list(WORKLOADS)}")
+    folder = source or str(loader.converted_gguf_dir(loader.embedded_gguf()))
+    probe = Engine.from_pretrained(folder, device=device, dtype=dtype, cuda_graphs=False, kv_cache_bytes=1 << 26)
+    torch_dtype, tokenizer = probe.dtype, probe.tokenizer
+    stop = set(probe.eos_ids)
+    chats = {name: WORKLOADS[name]()[:limit] for name in names}
+    suites = {name: [probe.encode(m) for m in chats[name]] for name in names}
+    budgets = {name: kv_budget(probe, prompts, max_tokens) for name, prompts in suites.items()}
+    probe.close()
+    result: dict[str, Any] = {"model": folder if source else "embedded SmolLM2-135M-Instruct",
+                              "device": str(device), "dtype": str(torch_dtype).removeprefix("torch."),
+                              "max_tokens": max_tokens, "workloads": {}}
+    for name, prompts in suites.items():
+        systems: dict[str, dict[str, Any]] = {}
+        engine = Engine.from_pretrained(folder, device=device, dtype=torch_dtype, kv_cache_bytes=budgets[name])
+        result.setdefault("kev_engine", {"decode_attention": engine.decode_attention,
+                                         "cuda_graphs": engine.cuda_graphs, "batch_invariant": engine.batch_invariant})
+        kev = kev_runner(engine, chats[name], max_tokens)
+        kev()  # warm-up on the whole workload: graphs captured, kernels compiled
+        systems["kev"] = measure(torch_device, kev)
+        systems["kev"]["kv_cache_bytes"] = budgets[name]
+        engine.close()
+        del engine, kev
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype, attn_implementation="sdpa")
+        model = model.to(torch_device).eval()
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(stop)
+        for system, runner in hf_runners(model, prompts, max_tokens, pad, torch_device).items():
+            runner_warm = hf_runners(model, prompts[:1], max_tokens, pad, torch_device)[system]
+            runner_warm()
+            systems[system] = measure(torch_device, runner)
+        del model
+        if torch_device.type == "cuda":
+            torch.cuda.empty_cache()
+        reference = systems["hf_serial"].pop("answers")
+        for system in SYSTEMS:
+            answers = [strip_stop(a, stop) for a in systems[system].pop("answers", reference)]
+            systems[system]["generated_tokens"] = sum(map(len, answers))
+            systems[system]["tokens_per_s"] = systems[system]["generated_tokens"] / systems[system]["wall_s"]
+            systems[system]["answers_equal_to_hf_serial"] = sum(
+                a == strip_stop(b, stop) for a, b in zip(answers, reference))
+        result["workloads"][name] = {
+            "questions": len(prompts), "prompt_tokens": sum(map(len, prompts)), "systems": systems,
+            "kev_speedup_vs_hf_serial": systems["hf_serial"]["wall_s"] / systems["kev"]["wall_s"],
+            "kev_speedup_vs_hf_padded": systems["hf_padded"]["wall_s"] / systems["kev"]["wall_s"],
+        }
+    return result
+
+
+def measure(device: torch.device, runner: Callable[[], list[list[int]]]) -> dict[str, Any]:
+    wall, answers, peak = timed(device, runner)
+    return {"wall_s": wall, "peak_device_mib": peak, "answers": answers}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--model", default=None, help="a model folder (default: the embedded SmolLM2-135M)")
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--workload", action="append", choices=list(WORKLOADS))
+    parser.add_argument("--dtype", default=None, help="default: the engine's (bf16 on CUDA)")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    result = run(args.device, args.model, args.max_tokens, args.workload, dtype=args.dtype)
+    text = json.dumps(result, indent=2)
+    if args.out:
+        args.out.write_text(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,178 @@
+"""`make gpu-check`: the CUDA tests and the GPU benchmark, in one JSON report.
+
+What it runs, in order (the Makefile has installed Kev beside the machine's CUDA torch first):
+  1. the environment: GPU, torch, CUDA, Triton, whether this torch's varlen_attn is paged;
+  2. `pytest -m cuda` (tests/test_cuda.py) in a subprocess, each case's outcome read back from
+     its JUnit XML;
+  3. benchmarks/bench_gpu.py: RAG-16, DOC-QA and RAG-64, Kev against transformers one at a time
+     and padded (tokens/s, peak GPU memory);
+and writes the report (default benchmarks/results/gpu_check.json) with `ok` true only when every
+test passed and the benchmark ran. `targets` holds the issue's two bars: packed == alone bitwise
+in bf16 (the tests named so) and Kev >= 5x transformers one at a time on RAG-16.
+
+Without a GPU it stops at once and says so; the report's format is tested on CPU
+(tests/test_gpu_check.py) by running these same steps on a tiny model on the CPU with a stand-in
+for the marked tests — the report then names the CPU as its device, with no GPU memory figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_OUT = ROOT / "benchmarks" / "results" / "gpu_check.json"
+FORMAT = 1  # the report's layout version: bump when a key changes meaning
+SPEEDUP_TARGET = 5.0  # issue 27: Kev at least 5x transformers one at a time on RAG-16
+BITWISE_TESTS = ("packed_equals_alone", "equal_alone")  # the test names that prove packed == alone
+
+
+def environment(device: str) -> dict[str, Any]:
+    """What ran the check: the device, torch, CUDA, Triton, and whether varlen_attn is paged here."""
+    from kev_engine.backends import cuda as cuda_backend
+
+    _, why_not_paged = cuda_backend.varlen_function()
+    try:
+        import triton
+
+        triton_version: str | None = triton.__version__
+    except ImportError:
+        triton_version = None
+    gpu = torch.cuda.get_device_name(0) if device == "cuda" else None
+    return {"device": device, "gpu": gpu, "torch": torch.__version__, "cuda": torch.version.cuda,
+            "triton": triton_version, "varlen_attn_paged": why_not_paged is None, "why_not_paged": why_not_paged,
+            "python": platform.python_version(), "git_commit": git_commit()}
+
+
+def git_commit() -> str | None:
+    """HEAD, with "+changes" when the working tree differs from it (None outside a checkout)."""
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    if head.returncode != 0:
+        return None
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                           capture_output=True, text=True).stdout.strip()
+    return head.stdout.strip() + ("+changes" if dirty else "")
+
+
+def run_tests(marker: str, paths: list[str], timeout_s: float) -> dict[str, Any]:
+    """`pytest -m marker paths` in a subprocess; counts and each case's outcome from its JUnit XML."""
+    with tempfile.TemporaryDirectory() as tmp:
+        junit = Path(tmp) / "junit.xml"
+        command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", marker,
+                   f"--junitxml={junit}", *paths]
+        start = time.perf_counter()
+        try:
+            done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
+            returncode, tail = done.returncode, (done.stdout + done.stderr)[-4000:]
+        except subprocess.TimeoutExpired as exc:
+            returncode, tail = -1, f"pytest ran past {timeout_s:.0f} s: {str(exc.stdout or '')[-3000:]}"
+        cases = read_junit(junit) if junit.is_file() else []
+    counts = {outcome: sum(case["outcome"] == outcome for case in cases)
+              for outcome in ("passed", "failed", "error", "skipped")}
+    return {"marker": marker, "paths": paths, "returncode": returncode, "duration_s": time.perf_counter() - start,
+            **counts, "cases": cases, "output_tail": tail if returncode != 0 else ""}
+
+
+def read_junit(path: Path) -> list[dict[str, Any]]:
+    """Each test case of a JUnit XML file: name, outcome, seconds, and the message of a failure."""
+    cases = []
+    for case in ET.parse(path).getroot().iter("testcase"):
+        outcome, message = "passed", None
+        for tag in ("failure", "error", "skipped"):
+            found = case.find(tag)
+            if found is not None:
+                outcome, message = ("failed" if tag == "failure" else tag), (found.get("message") or "")[:2000]
+                break
+        cases.append({"name": f"{case.get('classname')}::{case.get('name')}", "outcome": outcome,
+                      "seconds": float(case.get("time") or 0), "message": message})
+    return cases
+
+
+def targets(tests: dict[str, Any], bench: dict[str, Any] | None) -> dict[str, Any]:
+    """The issue's two bars, from what ran (None: not measured)."""
+    bitwise = [c for c in tests["cases"] if any(word in c["name"] for word in BITWISE_TESTS)]
+    rag16 = (bench or {}).get("workloads", {}).get("rag16")
+    speedup = rag16["kev_speedup_vs_hf_serial"] if rag16 else None
+    return {
+        "packed_equals_alone_bitwise": (all(c["outcome"] == "passed" for c in bitwise) if bitwise else None),
+        "packed_equals_alone_tests": [c["name"] for c in bitwise],
+        "rag16_kev_speedup_vs_hf_serial": speedup,
+        "rag16_speedup_at_least_5x": None if speedup is None else speedup >= SPEEDUP_TARGET,
+    }
+
+
+def check(report: dict[str, Any]) -> None:
+    """The report's layout: raises ValueError naming the first thing out of place."""
+    for key in ("format", "environment", "tests", "benchmark", "targets", "ok", "duration_s"):
+        if key not in report:
+            raise ValueError(f"the report has no {key!r}")
+    device = report["environment"]["device"]
+    bench = report["benchmark"]
+    if bench is None:
+        if report["ok"]:
+            raise ValueError("ok is true but the benchmark did not run")
+        return
+    for name, workload in bench["workloads"].items():
+        for system in ("kev", "hf_serial", "hf_padded"):
+            row = workload["systems"][system]
+            for key in ("wall_s", "generated_tokens", "tokens_per_s", "peak_device_mib", "answers_equal_to_hf_serial"):
+                if key not in row:
+                    raise ValueError(f"{name}/{system} has no {key!r}")
+            if (row["peak_device_mib"] is None) != (device != "cuda"):
+                raise ValueError(f"{name}/{system}: a peak GPU memory figure exactly when the device is a GPU "
+                                 f"(device {device!r}, peak {row['peak_device_mib']!r})")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--device", default="cuda", help="cuda (the check); cpu only for the report's own test")
+    parser.add_argument("--marker", default="cuda")
+    parser.add_argument("--tests", nargs="+", default=["tests/test_cuda.py"])
+    parser.add_argument("--tests-timeout", type=float, default=300)
+    parser.add_argument("--model", default=None, help="the benchmark's model folder (default: the embedded one)")
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--limit", type=int, default=None, help="the first N questions of each workload")
+    parser.add_argument("--dtype", default=None, help="the benchmark's dtype (default: the engine's, bf16 on CUDA)")
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print(f"gpu-check needs a CUDA GPU; torch {torch.__version__} here sees none "
+              "(torch.cuda.is_available() is False)", file=sys.stderr)
+        return 2
+    start = time.perf_counter()
+    report: dict[str, Any] = {"format": FORMAT, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                              "environment": environment(args.device)}
+    report["tests"] = run_tests(args.marker, args.tests, args.tests_timeout)
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_gpu import run as run_benchmark
+
+    try:
+        report["benchmark"], report["benchmark_error"] = (
+            run_benchmark(args.device, args.model, args.max_tokens, limit=args.limit, dtype=args.dtype), None)
+    except Exception as exc:  # noqa: BLE001 - the report says what broke; the tests' results still count
+        report["benchmark"], report["benchmark_error"] = None, f"{type(exc).__name__}: {exc}"
+    report["targets"] = targets(report["tests"], report["benchmark"])
+    tests = report["tests"]
+    report["ok"] = (tests["returncode"] == 0 and tests["passed"] > 0 and not tests["failed"] and not tests["error"]
+                    and report["benchmark"] is not None)
+    report["duration_s"] = time.perf_counter() - start
+    check(report)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps({"ok": report["ok"], "report": str(args.out), **report["targets"],
+                      "tests": {k: tests[k] for k in ("passed", "failed", "error", "skipped")}}, indent=2))
+    return 0 if report["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

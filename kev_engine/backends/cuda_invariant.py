@@ -1,0 +1,132 @@
+"""Batch invariance on CUDA: every Linear and RMSNorm by a fixed-order Triton kernel, attention unsplit.
+
+Where this sits: installed on the model when a CUDA `Engine` runs batch-invariant
+(`model_setup.prepare_model`), removed when it closes; the counterpart of `exact_linear` and
+`rotary_table` on CPU. The reductions of a pass, and what makes each one independent of the pack:
+  - Linear products (the output head and LoRA deltas too): `cuda_triton.linear`, one tile shape
+    and one K order for every row count (cuBLAS would choose both by the row count);
+  - RMSNorm (the layers', and Qwen3's per-head q/k norms): `cuda_triton.rms_norm`, one program
+    per row (torch's reduction would lay its threads out by the number of rows);
+  - attention: torch's varlen_attn with `num_splits=1` (`backends.cuda`), each query's keys in
+    one thread block in one order;
+  - rotary cos/sin (a K=1 product and elementwise functions), residuals, the MLP's activation:
+    elementwise, one formula per element, whatever the shape.
+Which modules: plain `nn.Linear`s and modules whose forward is transformers' `LlamaRMSNorm`'s
+(compared by code, as `inplace` does); any other Linear or norm is named by `uncovered`, and the
+engine then refuses (batch_invariant=True) or says it is not invariant (None).
+
+Triton ships with torch's CUDA builds on Linux, so this adds nothing to install there; elsewhere
+the engine says why it is not batch-invariant. Under `TRITON_INTERPRET=1` the same path runs on
+CPU tensors (tests/test_cuda_triton.py): its plumbing, not the GPU's arithmetic. It has not run
+on a GPU in this project yet: `make gpu-check` is what tests it there.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any
+
+import torch
+from torch import nn
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+from ..inplace import _same_code
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def triton_or_why() -> tuple[Any, str | None]:
+    """Kev's Triton kernels (`cuda_triton`), or (None, why they cannot load)."""
+    try:
+        from . import cuda_triton
+    except Exception as exc:  # noqa: BLE001 - Triton missing, or built for another torch
+        return None, f"Triton cannot be imported ({type(exc).__name__}: {exc}); install triton"
+    return cuda_triton, None
+
+
+def _is_rms_norm(module: nn.Module) -> bool:
+    return _same_code(type(module).forward, LlamaRMSNorm.forward)
+
+
+def _eligible_linear(module: nn.Module) -> bool:
+    return type(module) is nn.Linear and "forward" not in module.__dict__ and module.weight.dtype in DTYPES
+
+
+def uncovered(model: nn.Module) -> list[str]:
+    """Linear layers and norms the kernels cannot serve: each would reduce in a pack-dependent order."""
+    names = []
+    for name, module in model.named_modules():
+        forward = module.__dict__.get("forward")
+        if _is_ours(forward):
+            continue
+        if isinstance(module, nn.Linear) and not _eligible_linear(module):
+            names.append(name or type(module).__name__)
+        elif "norm" in type(module).__name__.lower() and not (_is_rms_norm(module) and forward is None):
+            names.append(name or type(module).__name__)
+    return names
+
+
+def why_not(model: nn.Module, paged: Any) -> str | None:
+    """Why a CUDA model cannot run batch-invariant, or None when it can."""
+    if paged is None or paged.name != "varlen":
+        return "batch invariance on CUDA needs torch's varlen_attn (num_splits=1); this engine has none"
+    device = next(model.parameters()).device
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return f"the model is on {device}; Kev's Triton kernels run on CUDA (on CPU only under TRITON_INTERPRET=1)"
+    kernels, why = triton_or_why()
+    if why is not None:
+        return why
+    dtype = next(model.parameters()).dtype
+    if dtype not in DTYPES:
+        return f"the model is in {dtype}; the Triton kernels compute float32, bfloat16 and float16"
+    left = uncovered(model)
+    if left:
+        shown = ", ".join(left[:4]) + (f" and {len(left) - 4} more" if len(left) > 4 else "")
+        return f"these layers cannot take Kev's fixed-order CUDA kernels: {shown}"
+    return None
+
+
+class LoraProducts:
+    """What `LoraWeights.delta` calls on this path: both LoRA products by the fixed-order kernel."""
+
+    device_type = "cuda"
+
+    def __init__(self, kernels: Any) -> None:
+        self.linear = kernels.linear
+
+
+def install(model: nn.Module) -> LoraProducts:
+    """Give every plain Linear and Llama-style RMSNorm the Triton forward (`why_not` first)."""
+    kernels, why = triton_or_why()
+    if why is not None:
+        raise RuntimeError(why)
+    for module in model.modules():
+        if "forward" in module.__dict__:
+            continue
+        if isinstance(module, nn.Linear) and _eligible_linear(module):
+            module.forward = functools.partial(_linear_forward, module, kernels.linear)  # type: ignore[method-assign]
+        elif _is_rms_norm(module):
+            module.forward = functools.partial(_rms_norm_forward, module, kernels.rms_norm)  # type: ignore[method-assign]
+    return LoraProducts(kernels)
+
+
+def uninstall(model: nn.Module) -> None:
+    """Every module back as it came."""
+    for module in model.modules():
+        if _is_ours(module.__dict__.get("forward")):
+            del module.forward
+
+
+def _is_ours(forward: Any) -> bool:
+    return isinstance(forward, functools.partial) and forward.func in (_linear_forward, _rms_norm_forward)
+
+
+def _linear_forward(layer: nn.Linear, linear: Any, x: torch.Tensor) -> torch.Tensor:
+    if x.dtype != layer.weight.dtype:
+        raise TypeError(f"{type(layer).__name__} of {layer.weight.dtype} got input of {x.dtype}")
+    return linear(x, layer.weight, layer.bias)
+
+
+def _rms_norm_forward(module: Any, rms_norm: Any, hidden: torch.Tensor) -> torch.Tensor:
+    return rms_norm(hidden, module.weight, module.variance_epsilon)

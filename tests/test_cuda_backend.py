@@ -1,0 +1,215 @@
+"""The CUDA backend's plumbing on CPU: the paged varlen call and the decode graphs' static buffers.
+
+CI has no GPU, so torch's `varlen_attn` is replaced by `VarlenContract` (its documented paged
+contract in plain torch) and graphs run their static path eagerly (`capture=False`): the pool
+layout, slot writes, block tables, `seqused_k`, the causal window, bucket choice, padding rows on
+the trash block — everything but the kernel and the recording — runs here, with NaN in every
+byte of the pool nobody wrote. What only a GPU shows is in tests/test_cuda.py (`make gpu-check`).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+
+import pytest
+import torch
+from conftest import QUESTIONS, chat, reference_copy, reference_greedy, tiny_model
+from torch.utils._python_dispatch import TorchDispatchMode
+from varlen_contract import VarlenContract
+
+from kev_engine import Engine, SamplingParams
+from kev_engine.backends import cuda as cuda_backend
+from kev_engine.backends import cuda_graphs
+from kev_engine.forward import run_model
+from kev_engine.pack import Segment, pack
+
+DOC = "The lighthouse was built in 1874 on a granite rock. " * 3
+PROMPTS = QUESTIONS + [chat("Who built it?", DOC), chat("When was it built?", DOC)]  # a shared prefix
+
+
+def varlen_engine(tokenizer, monkeypatch, *, graphs: bool, **kwargs) -> tuple[Engine, VarlenContract]:
+    """An engine on the paged CUDA path with the contract stand-in; 16-token pages so prompts cross many."""
+    kernel = VarlenContract()
+    monkeypatch.setattr(cuda_backend, "choose",
+                        lambda mode, device, dtype: cuda_backend.PagedAttention("varlen", kernel, page_multiple=16))
+    model = tiny_model("llama", tokenizer)
+    engine = Engine(model, tokenizer, block_size=16, cuda_graphs=graphs, **kwargs)
+    for keys, values in zip(engine._kv.keys, engine._kv.values):  # stale memory: NaN wherever nobody wrote
+        keys.fill_(math.nan)
+        values.fill_(math.nan)
+    monkeypatch.setattr(engine._kv, "zero", lambda block_ids: None)  # and blocks handed out keep it
+    return engine, kernel
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+def test_varlen_path_matches_solo(tokenizer, monkeypatch, graphs) -> None:
+    """Chunked prefill over cached blocks, a shared prefix, decode rows: every answer equals plain
+    transformers alone, one varlen call per layer per pass, NaN in stale memory reaching nothing."""
+    engine, kernel = varlen_engine(tokenizer, monkeypatch, graphs=graphs, max_batch_tokens=40, max_num_seqs=8)
+    reference = reference_copy(engine.model)
+    assert engine.decode_attention == "varlen" and engine.cuda_graphs == graphs
+    results = engine.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=6))
+    for prompt, result in zip(PROMPTS, results):
+        ids = engine.encode(prompt)
+        assert result.token_ids == reference_greedy(reference, ids, 6, tokenizer.eos_token_id)
+    stats = engine.stats()
+    assert stats["prefix_hit_tokens"] > 0
+    assert len(kernel.calls) == stats["forward_passes"] * engine.model.config.num_hidden_layers
+    assert {call["num_splits"] for call in kernel.calls} == {None}  # not batch-invariant on this path: the kernel picks
+    # decode-only passes (one new token a segment) still say max_q >= 2: one causal kernel for every pass
+    assert any(call["new_tokens"] == call["segments"] for call in kernel.calls)
+    assert min(call["max_q"] for call in kernel.calls) == 2
+    if graphs:
+        assert engine._graphs.replays > 0 and engine._graphs.captured
+        assert {call["max_k"] for call in kernel.calls if call["segments"] in engine._graphs.captured} >= {
+            engine.max_context}  # a bucket's bound is the context length
+    engine.close()
+
+
+def test_graph_replay_equals_eager_logits(tokenizer, monkeypatch) -> None:
+    """A decode pass through a bucket (padding rows on the trash block) gives the eager logits."""
+    engine, _ = varlen_engine(tokenizer, monkeypatch, graphs=True)
+    kv, segments, block = engine._kv, [], 0
+    for i, prompt in enumerate(QUESTIONS[:3]):  # 3 rows: a bucket of 4, one padding row
+        ids = engine.encode(prompt)
+        blocks = list(range(block, block + -(-(len(ids) + 1) // kv.block_size)))
+        block = blocks[-1] + 1
+        engine._forward(pack([Segment(i, ids[:-1], 0, False, block_ids=blocks)], engine.device, kv))  # its prompt's KV
+        segments.append(Segment(i, ids[-1:], len(ids) - 1, True, block_ids=blocks))
+    decode = pack(segments, engine.device, kv)
+    assert engine._graphs.fits(decode)
+    via_bucket = engine._graphs.run(decode)
+    torch.testing.assert_close(via_bucket, run_model(engine.model, decode), rtol=0, atol=0)
+    assert engine._graphs.captured == [4] and via_bucket.shape[0] == 3
+    engine.close()
+
+
+def test_buckets_and_choice() -> None:
+    assert cuda_graphs.buckets(1) == [1]
+    assert cuda_graphs.buckets(64) == [1, 2, 4, 8, 16, 32, 64]
+    assert cuda_graphs.buckets(48) == [1, 2, 4, 8, 16, 32, 64]  # the last bucket holds max_num_seqs rows
+    sizes = cuda_graphs.buckets(16)
+    assert [cuda_graphs.bucket_for(n, sizes) for n in (1, 2, 3, 5, 9, 16, 17)] == [1, 2, 4, 8, 16, 16, None]
+    with pytest.raises(ValueError, match="max_rows=0"):
+        cuda_graphs.buckets(0)
+
+
+def _decode_pack(kv, rows: list[tuple[int, list[int]]]):
+    """Decode rows (past_len, block_ids) on a fake pool of 16-token blocks."""
+    return pack([Segment(i, [7 + i], past, True, block_ids=blocks) for i, (past, blocks) in enumerate(rows)], kv=kv)
+
+
+class _Pool:
+    block_size = 16
+    flash_layout = True
+    paged_decode = None
+    keys = [torch.zeros(1)]
+
+
+def test_fill_copies_rows_and_pads_on_the_trash_block() -> None:
+    kv, trash = _Pool(), 99
+    static = cuda_graphs.static_pack(4, kv, max_context=100, device=torch.device("cpu"))
+    assert static.paged.block_table.shape == (4, 7)  # ceil(100 / 16) blocks: any row the model can hold
+    cuda_graphs.fill(static, _decode_pack(kv, [(20, [3, 5]), (0, [8])]), trash)
+    assert static.input_ids.tolist() == [7, 8, 0, 0]
+    assert static.position_ids.tolist() == [20, 0, 0, 0]
+    assert static.slot_blocks.tolist() == [5, 8, trash, trash] and static.slot_offsets.tolist() == [4, 0, 0, 0]
+    assert static.paged.seqused_k.tolist() == [21, 1, 1, 1]
+    assert static.paged.cu_seqlens_k.tolist() == [0, 21, 22, 23, 24]
+    assert static.paged.block_table[:, :2].tolist() == [[3, 5], [8, 0], [trash, 0], [trash, 0]]
+    assert static.cu_seqlens.tolist() == [0, 1, 2, 3, 4] and static.logits_indices.tolist() == [0, 1, 2, 3]
+    cuda_graphs.fill(static, _decode_pack(kv, [(40, [1, 2, 6])]), trash)  # fewer rows: the others become padding
+    assert static.paged.seqused_k.tolist() == [41, 1, 1, 1] and static.slot_blocks.tolist() == [6, trash, trash, trash]
+    assert static.paged.block_table[1].tolist()[:1] == [trash]
+    with pytest.raises(ValueError, match="do not fit a bucket of 4"):
+        cuda_graphs.fill(static, _decode_pack(kv, [(0, [i]) for i in range(5)]), trash)
+
+
+def test_which_passes_replay() -> None:
+    kv = _Pool()
+    assert cuda_graphs.why_not_graph(_decode_pack(kv, [(3, [0]), (5, [1])])) is None
+    prefill = pack([Segment(0, [1, 2, 3], 0, True, block_ids=[0])], kv=kv)
+    assert "prefill" in cuda_graphs.why_not_graph(prefill)
+    adapter = pack([Segment(0, [1], 3, True, block_ids=[0], adapter="a")], kv=kv)
+    assert "LoRA" in cuda_graphs.why_not_graph(adapter)
+
+
+class _SyncSpy(TorchDispatchMode):
+    """Records ops that copy a device value to the host (a capture would fail on them)."""
+
+    SYNCING = {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.is_nonzero.default",
+               "aten.equal.default"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if str(func) in self.SYNCING:
+            self.seen.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_decode_forward_never_reads_a_device_value(tokenizer, monkeypatch) -> None:
+    """What a capture records must not sync with the host. transformers skips its own packed-sequence
+    check while a stream captures (`is_tracing`); with that as under a capture, Kev's decode pass has none."""
+    import transformers.masking_utils as masking_utils
+
+    engine, _ = varlen_engine(tokenizer, monkeypatch, graphs=True)
+    engine.generate(QUESTIONS[:2], SamplingParams(temperature=0, max_tokens=2))  # a bucket is prepared
+    static = engine._graphs.statics[2].batch
+    monkeypatch.setattr(masking_utils, "is_tracing", lambda *args: True)
+    spy = _SyncSpy()
+    with spy:
+        engine._graphs.forward(static)
+    assert spy.seen == []
+    engine.close()
+
+
+def test_choose_names_the_bad_value_and_the_reason(monkeypatch) -> None:
+    cpu = torch.device("cpu")
+    assert cuda_backend.choose(None, cpu, torch.float32) is None
+    assert cuda_backend.choose("torch", cpu, torch.float32) is None
+    with pytest.raises(ValueError, match=r"cuda_attention='varlen' names a CUDA kernel; this engine runs on cpu"):
+        cuda_backend.choose("varlen", cpu, torch.bfloat16)
+    with pytest.raises(ValueError, match=r"cuda_attention='flash' is not allowed; use one of \['auto', 'varlen'"):
+        cuda_backend.choose("flash", cpu, torch.bfloat16)
+    assert "CUDA only" in cuda_backend.why_not_device(cpu, torch.bfloat16)
+
+
+def test_varlen_needs_its_paged_form(monkeypatch) -> None:
+    """This torch's varlen_attn has the paged parameters; torch 2.11's signature (no block_table,
+    seqused_k, num_splits, enable_gqa) is refused by name."""
+    function, why = cuda_backend.varlen_function()
+    assert why is None and set(cuda_backend.PAGED_PARAMETERS) <= set(inspect.signature(function).parameters)
+
+    def varlen_attn_2_11(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                         window_size=(-1, -1)):
+        raise AssertionError("never called")
+
+    import torch.nn.attention.varlen as varlen
+
+    monkeypatch.setattr(varlen, "varlen_attn", varlen_attn_2_11)
+    function, why = cuda_backend.varlen_function()
+    assert function is None
+    assert "varlen_attn has no block_table, seqused_k, num_splits, enable_gqa" in why and "torch 2.13" in why
+
+
+def test_block_size_must_suit_the_paged_kernel(tokenizer, monkeypatch) -> None:
+    kernel = cuda_backend.PagedAttention("varlen", VarlenContract())
+    with pytest.raises(ValueError, match="block_size=128 is not allowed with cuda_attention='varlen'; use a multiple "
+                                         "of 256"):
+        kernel.check_block_size(128)
+    kernel.check_block_size(512)
+    monkeypatch.setattr(cuda_backend, "choose", lambda mode, device, dtype: kernel)
+    with pytest.raises(ValueError, match="block_size=32 is not allowed"):
+        Engine(tiny_model("llama", tokenizer), tokenizer, block_size=32)
+
+
+def test_cuda_graphs_flag_is_checked(tokenizer) -> None:
+    with pytest.raises(TypeError, match="cuda_graphs='no' is not allowed; use True or False"):
+        Engine(tiny_model("llama", tokenizer), tokenizer, cuda_graphs="no")
+    engine = Engine(tiny_model("llama", tokenizer), tokenizer)
+    assert not engine.cuda_graphs  # a CPU engine: no paged CUDA attention, so no graphs
+    engine.close()

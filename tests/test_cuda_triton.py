@@ -1,0 +1,109 @@
+"""Kev's Triton kernels for batch invariance on CUDA, run by Triton's interpreter on CPU.
+
+`TRITON_INTERPRET=1` executes the kernels' Python on CPU tensors (numpy underneath), so their
+plumbing runs on every CI machine: strides, masks of partial tiles (M, N and K not multiples of
+64), bias, dtype casts, results equal to torch's ops up to rounding, and a row's result the same
+alone as among 1, 3, 70 or 130 rows because every launch uses one tile shape. Then the whole
+batch-invariant CUDA engine path with those kernels and varlen_attn's stand-in
+(tests/varlen_contract.py): installed on the model, num_splits=1, LoRA deltas by the same
+products, decode graphs' static path — packed equals alone bitwise with a shared document and an
+adapter, and the model comes back as it was. (The stand-in's attention is torch's CPU SDPA per
+segment, which gives these short prompts the same bits alone and packed but is no invariant
+kernel: with 400-word documents it differs; on a GPU varlen_attn(num_splits=1) is the claim.)
+The interpreter must be set before Triton compiles anything, hence a fresh process. What the
+GPU's own arithmetic gives only `make gpu-check` shows (tests/test_cuda.py).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+TESTS = str(Path(__file__).resolve().parent)
+
+CHECK = textwrap.dedent("""
+    import torch
+    import torch.nn.functional as F
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    from kev_engine.backends import cuda_triton
+
+    torch.manual_seed(0)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        weight, bias = torch.randn(96, 80, dtype=dtype), torch.randn(96, dtype=dtype)
+        rows = torch.randn(130, 80, dtype=dtype)
+        alone = [cuda_triton.linear(rows[i:i + 1], weight, bias) for i in range(130)]
+        for m in (1, 3, 70, 130):
+            out = cuda_triton.linear(rows[:m], weight, bias)
+            torch.testing.assert_close(out.float(), F.linear(rows[:m].float(), weight.float(), bias.float()),
+                                       rtol=tol, atol=tol)
+            assert all(torch.equal(out[i], alone[i][0]) for i in range(m)), (dtype, m)
+        packed = cuda_triton.linear(rows.view(10, 13, 80), weight, None)  # [..., K] in, [..., N] out
+        assert packed.shape == (10, 13, 96)
+        torch.testing.assert_close(packed.float(), F.linear(rows.float(), weight.float()).view(10, 13, 96),
+                                   rtol=tol, atol=tol)
+        strided = torch.randn(80, 7, dtype=dtype).t()  # last dim not contiguous
+        torch.testing.assert_close(cuda_triton.linear(strided, weight, None).float(),
+                                   F.linear(strided.float(), weight.float()), rtol=tol, atol=tol)
+
+        norm = LlamaRMSNorm(72, eps=1e-6).to(dtype)
+        norm.weight.data = torch.randn(72, dtype=dtype)
+        hidden = torch.randn(1, 70, 72, dtype=dtype)
+        out = cuda_triton.rms_norm(hidden, norm.weight, norm.variance_epsilon)
+        torch.testing.assert_close(out.float(), norm(hidden).float(), rtol=tol, atol=tol)
+        assert all(torch.equal(out[0, i], cuda_triton.rms_norm(hidden[:, i:i + 1], norm.weight, 1e-6)[0, 0])
+                   for i in range(70))
+    print("kernels ok")
+""")
+
+
+ENGINE = textwrap.dedent("""
+    import pathlib, sys, tempfile
+    sys.path.insert(0, sys.argv[1])
+    import torch
+    from transformers import AutoTokenizer
+    from conftest import make_adapter, tiny_model
+    from test_invariance import alone, answers, differences, greedy, questions
+    from varlen_contract import VarlenContract
+    from kev_engine import Engine, loader
+    from kev_engine.backends import cuda as cuda_backend, cuda_invariant
+
+    tokenizer = AutoTokenizer.from_pretrained(str(loader.converted_gguf_dir(loader.embedded_gguf())))
+    kernel = VarlenContract()
+    cuda_backend.choose = lambda mode, device, dtype: cuda_backend.PagedAttention("varlen", kernel, page_multiple=16)
+    base = tiny_model("llama", tokenizer)
+    folder = make_adapter(base, pathlib.Path(tempfile.mkdtemp()) / "qv", seed=1)
+    engine = Engine(base.to(torch.bfloat16), tokenizer, block_size=16, batch_invariant=True)
+    assert engine.batch_invariant and engine.cuda_graphs and engine._kv.exact is None
+    assert engine._kv.paged_attention.num_splits == 1
+    assert cuda_invariant._is_ours(engine.model.lm_head.__dict__.get("forward"))
+    assert cuda_invariant._is_ours(engine.model.model.norm.__dict__.get("forward"))
+    engine.load_adapter("qv", str(folder))
+    prompts = questions(1, 4, document_words=30)
+    names = ["qv", None, "qv", None]
+    packed = answers(engine, prompts, greedy(4, 3), names)
+    assert engine.stats()["prefix_hit_tokens"] > 0
+    assert differences(packed, alone(engine, prompts, greedy(4, 3), names)) == []
+    assert len({tuple(tokens) for tokens, _ in packed}) > 1
+    assert {call["num_splits"] for call in kernel.calls} == {1} and engine._graphs.replays > 0
+    engine.close()
+    assert not any(cuda_invariant._is_ours(m.__dict__.get("forward")) for m in base.modules())
+    print("engine ok")
+""")
+
+
+def interpreted(script: str, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    return subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True, text=True, timeout=900)
+
+
+def test_triton_kernels_in_the_interpreter() -> None:
+    done = interpreted(CHECK)
+    assert done.returncode == 0 and "kernels ok" in done.stdout, done.stderr[-3000:]
+
+
+def test_batch_invariant_cuda_path_in_the_interpreter() -> None:
+    done = interpreted(ENGINE, TESTS)
+    assert done.returncode == 0 and "engine ok" in done.stdout, done.stderr[-3000:]
