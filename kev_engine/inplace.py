@@ -73,15 +73,21 @@ def _kinds() -> dict[type, str]:
     return kinds
 
 
-def _probe_equal(module: Any, kind: str) -> bool:
-    """Whether Kev's formula (with torch's activation) gives bitwise what `module`'s own forward
-    gives on a probe input: the check that its class still computes what Kev replaces it with."""
+def listed_kind(module: nn.Module) -> str | None:
+    """"mlp", "fused" or "norm" for an instance of a listed class (exactly that class), else None."""
+    return _kinds().get(type(module))
+
+
+def computes_listed_formula(module: Any, kind: str) -> bool:
+    """Whether the formula Kev replaces a `kind` module's forward with (in torch's ops, torch's
+    activation) gives bitwise what the module's own forward gives on a probe input: the check that
+    its class still computes what Kev's kernels compute (here and in `backends.cuda_invariant`)."""
     weight = next(module.parameters())
     width = int(module.weight.shape[-1] if kind == "norm" else module.down_proj.out_features)
     generator = torch.Generator().manual_seed(0)
     x = (torch.randn(3, width, generator=generator) * 2).to(weight.device, weight.dtype)
     ours = {"mlp": functools.partial(_mlp_forward, module, None), "fused": functools.partial(_glm_mlp_torch, module),
-            "norm": functools.partial(_rms_norm_forward, module)}[kind]
+            "norm": functools.partial(_rms_norm_formula, module)}[kind]
     with torch.inference_mode():
         try:
             return torch.equal(ours(x.clone()), type(module).forward(module, x.clone()))
@@ -97,9 +103,9 @@ def install(model: nn.Module, silu_mul: SiluMul | None = None) -> list[str]:
     for name, module in model.named_modules():
         if "forward" in module.__dict__:
             continue
-        kind = _kinds().get(type(module))
+        kind = listed_kind(module)
         if kind is not None and type(module) not in checked:
-            checked[type(module)] = _probe_equal(module, kind)
+            checked[type(module)] = computes_listed_formula(module, kind)
             if not checked[type(module)]:
                 log.warning("%s.forward no longer computes what Kev's in-place version does: it keeps its own",
                             type(module).__qualname__)
@@ -154,6 +160,14 @@ def _glm_mlp_torch(module: Any, x: torch.Tensor) -> torch.Tensor:
     """The fused MLP's formula in torch's ops: what `_glm_mlp_forward` computes with the kernel."""
     gate, up = module.gate_up_proj(x).chunk(2, dim=-1)
     return module.down_proj(up * module.activation_fn(gate))
+
+
+def _rms_norm_formula(module: Any, hidden: torch.Tensor) -> torch.Tensor:
+    """Llama's RMSNorm as transformers writes it: the formula every listed norm must compute."""
+    dtype = hidden.dtype
+    hidden = hidden.to(torch.float32)
+    variance = hidden.pow(2).mean(-1, keepdim=True)
+    return module.weight * (hidden * torch.rsqrt(variance + module.variance_epsilon)).to(dtype)
 
 
 def _rms_norm_forward(module: Any, hidden: torch.Tensor) -> torch.Tensor:

@@ -11,9 +11,10 @@ Where this sits: installed on the model when a CUDA `Engine` runs batch-invarian
     one thread block in one order;
   - rotary cos/sin (a K=1 product and elementwise functions), residuals, the MLP's activation:
     elementwise, one formula per element, whatever the shape.
-Which modules: plain `nn.Linear`s and modules whose forward is transformers' `LlamaRMSNorm`'s
-(compared by code, as `inplace` does); any other Linear or norm is named by `uncovered`, and the
-engine then refuses (batch_invariant=True) or says it is not invariant (None).
+Which modules: plain `nn.Linear`s and the RMSNorm classes `inplace` lists, each instance checked
+to compute Llama's RMSNorm on a probe input (`inplace.computes_listed_formula`); any other Linear
+or norm is named by `uncovered`, and the engine then refuses (batch_invariant=True) or says it is
+not invariant (None).
 
 Triton ships with torch's CUDA builds on Linux, so this adds nothing to install there; elsewhere
 the engine says why it is not batch-invariant. Under `TRITON_INTERPRET=1` the same path runs on
@@ -29,9 +30,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from ..inplace import _same_code
+from .. import inplace
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -46,7 +46,7 @@ def triton_or_why() -> tuple[Any, str | None]:
 
 
 def _is_rms_norm(module: nn.Module) -> bool:
-    return _same_code(type(module).forward, LlamaRMSNorm.forward)
+    return inplace.listed_kind(module) == "norm" and inplace.computes_listed_formula(module, "norm")
 
 
 def _eligible_linear(module: nn.Module) -> bool:
