@@ -10,7 +10,8 @@ request and one pack on the server, and every per-call setting survives the trip
   tokenized on a few threads of its own (never the event loop), bodies of at most
   `max_tokenize_bytes`, `max_pending_tokenize` at once (then a 429).
 - ``POST /kev/v1/generate``: ``{"requests": [{"prompt", "sampling", "adapter", "stream"}]}`` →
-  server-sent events ``{"index", "text"}`` (streamed requests), then ``{"index", "completion"}``
+  server-sent events ``{"index", "text"}`` (streamed requests; with ``"sample"`` when n > 1 and
+  ``"logprobs"`` when asked for, as `TextPiece` carries them), then ``{"index", "completion"}``
   or ``{"index", "error": {"type", "message"}}`` per request, then ``[DONE]``. A bad request
   fails alone, as in `Engine.generate(..., return_exceptions=True)`; closing the stream
   cancels whatever is still running.
@@ -53,6 +54,17 @@ def _sampling(raw: Any, limit: int) -> SamplingParams:
     if sampling.max_tokens > limit:
         raise InvalidRequestError(f"max_tokens={sampling.max_tokens} is over this server's limit of {limit}")
     return sampling
+
+
+def _text_event(index: int, piece: str) -> dict[str, Any]:
+    """A streamed piece as an event: its text, and the sample and logprobs a `TextPiece` carries."""
+    event: dict[str, Any] = {"index": index, "text": str(piece)}
+    if getattr(piece, "sample_index", 0):
+        event["sample"] = piece.sample_index  # type: ignore[attr-defined]
+    logprobs = getattr(piece, "logprobs", None)
+    if logprobs is not None:
+        event["logprobs"] = [dataclasses.asdict(entry) for entry in logprobs]
+    return event
 
 
 def _requests(body: dict[str, Any], state: ServerState) -> list[dict[str, Any]]:
@@ -109,7 +121,7 @@ async def _generate_events(state: ServerState, engine: Engine, tenant: Tenant,
                     yield sse("[DONE]")  # the stream ends here on purpose: not a cut connection
                     return
                 if isinstance(piece, str):
-                    yield sse({"index": i, "text": piece})
+                    yield sse(_text_event(i, piece))
                     continue
                 remaining -= 1
                 yield sse({"index": i, **_outcome(piece)})
