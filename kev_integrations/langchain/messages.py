@@ -18,6 +18,7 @@ from langchain_core.messages.ai import UsageMetadata
 
 from kev_engine import Completion
 
+from ..logprob_format import chat_logprobs
 from ..tool_format import format_tool_call, format_tool_result, tool_choice_instruction, tool_system_prompt
 
 ROLES = {"human": "user", "ai": "assistant", "system": "system", "tool": "tool"}
@@ -121,12 +122,16 @@ def usage_of(completion: Completion) -> UsageMetadata:
 
 
 def response_metadata(completion: Completion, model_name: str) -> dict[str, Any]:
-    return {
+    """ChatKev's response_metadata; with logprobs asked for, ``logprobs`` in ChatOpenAI's shape."""
+    metadata: dict[str, Any] = {
         "model_name": model_name,
         "model_provider": "kev",
         "finish_reason": completion.finish_reason,
         "adapter": completion.adapter,
     }
+    if completion.logprobs is not None:
+        metadata["logprobs"] = chat_logprobs(completion.logprobs)
+    return metadata
 
 
 def schema_instruction(schema: dict[str, Any] | None) -> str:
