@@ -167,3 +167,15 @@ def test_a_bad_value_fails_only_its_own_request(url: str, client: openai.OpenAI)
                           headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
     assert response.status_code == 400 and "token id 99999999" in json.dumps(response.json())
     assert client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2, temperature=0).choices
+
+
+def test_kev_generate_counts_each_sample_as_a_question_in_flight(url: str) -> None:
+    body = {"requests": [{"prompt": "Hello", "sampling": {"n": 17, "max_tokens": 2}}]}  # max_queued=16
+    response = httpx.post(url + "/kev/v1/generate", json=body, headers={"Authorization": f"Bearer {KEY}"},
+                          timeout=60)
+    error = response.json()["error"]
+    assert response.status_code == 400 and "17 questions" in error["message"] and error["param"] == "requests"
+    body["requests"][0]["sampling"]["n"] = 16
+    response = httpx.post(url + "/kev/v1/generate", json=body, headers={"Authorization": f"Bearer {KEY}"},
+                          timeout=60)
+    assert response.status_code == 200 and '"completion"' in response.text

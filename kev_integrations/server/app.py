@@ -89,14 +89,12 @@ class ServerState:
             return self._adapter_names()
         return self.ready().adapters
 
-    def acquire(self, count: int, samples: int = 1) -> None:
-        """Take `count` queue places for one request (`samples` per prompt), or refuse it with 429
-        (no unbounded queue)."""
+    def acquire(self, count: int, param: str = "prompt") -> None:
+        """Take `count` queue places for one request (one per prompt and sample), or refuse it
+        with 429 (no unbounded queue); `param` names the field to blame when it can never fit."""
         if count > self.config.max_queued:  # would never fit: retrying cannot help
-            what = (f"{count} prompts" if samples == 1
-                    else f"{count} questions ({count // samples} prompts x n={samples})")
-            raise bad_request(f"{what} in one request; this server holds at most {self.config.max_queued} "
-                              "questions in flight", param="prompt" if samples == 1 else "n")
+            raise bad_request(f"{count} questions (prompts x n samples) in one request; this server holds at most "
+                              f"{self.config.max_queued} questions in flight", param=param)
         with self._lock:
             if self.metrics.queued + count > self.config.max_queued:
                 raise APIError(429, f"the server has {self.metrics.queued} questions in flight (limit "
@@ -335,7 +333,7 @@ def build_app(engine: Engine | Callable[[], Engine], config: ServerConfig | None
         if error is not None:
             raise engine_error(error, None)
         places = len(call.prompts) * call.sampling.n  # each sample is a question in flight
-        state.acquire(places, call.sampling.n)  # 429 now, before any work, rather than mid-stream
+        state.acquire(places, "n" if call.sampling.n > 1 else "prompt")  # 429 now, not mid-stream
         if call.stream:
             try:
                 events = await _events(state, call, chat, engine_now, started)

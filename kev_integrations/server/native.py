@@ -32,7 +32,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from kev_engine import Completion, Engine, InvalidRequestError, KevError, SamplingParams
-from kev_engine.params import coerce_sampling
+from kev_engine.params import MAX_N, coerce_sampling
 from kev_engine.request import failed_future
 from kev_engine.tokenize import prompt_ids
 
@@ -82,6 +82,17 @@ def _requests(body: dict[str, Any], state: ServerState) -> list[dict[str, Any]]:
     return requests
 
 
+def _places(requests: list[dict[str, Any]]) -> int:
+    """Queue places the requests take: one per sample (``n``). A malformed ``n`` counts once; its
+    request is refused by the engine's own check."""
+    total = 0
+    for request in requests:
+        sampling = request.get("sampling")
+        n = sampling.get("n", 1) if isinstance(sampling, dict) else 1
+        total += n if isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= MAX_N else 1
+    return total
+
+
 async def _generate_events(state: ServerState, engine: Engine, tenant: Tenant,
                            requests: list[dict[str, Any]]) -> AsyncIterator[str]:
     pieces = Pieces(state.config.request_timeout_s)
@@ -129,7 +140,7 @@ async def _generate_events(state: ServerState, engine: Engine, tenant: Tenant,
         finally:  # the client left or we are done: nothing keeps computing for nobody
             for future in futures.values():
                 future.cancel()
-            state.release(len(requests))
+            state.release(_places(requests))
 
     return stream()
 
@@ -188,11 +199,11 @@ def add_native_routes(app: FastAPI, state: ServerState, tenant_of: Callable[[Req
         tenant = tenant_of(request)
         engine = state.ready()
         requests = _requests(await json_body(request), state)
-        state.acquire(len(requests))
+        state.acquire(_places(requests), "requests")
         try:
             events = await _generate_events(state, engine, tenant, requests)
         except BaseException:
-            state.release(len(requests))
+            state.release(_places(requests))
             raise
         return StreamingResponse(events, media_type="text/event-stream")
 
