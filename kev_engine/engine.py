@@ -643,8 +643,10 @@ class Engine:
             if any(s.min_p for s in settings) else None,
         )  # [R]
         asked = [i for i, s in enumerate(settings) if s.logprobs]
+        every = len(asked) == len(settings)  # then no [R, vocab] copy of the rows that asked
         logprobs: dict[int, TokenLogprob] = dict(zip(asked, compute_logprobs(
-            selected[asked], temperature[asked], drawn[asked], [settings[i].top_logprobs for i in asked],
+            selected if every else selected[asked], temperature if every else temperature[asked],
+            drawn if every else drawn[asked], [settings[i].top_logprobs for i in asked],
             self._token_texts))) if asked else {}
         draws = []
         for i, ((request, row), token) in enumerate(zip(plan, drawn.tolist())):
