@@ -15,6 +15,7 @@ in the same process right after it (shared/virtual CPUs drift between runs; use 
 
 Usage: python benchmarks/bench_engine.py [--max-tokens 48] [--repeat 1] [--only NAME] [--skip NAME ...]
        python benchmarks/bench_engine.py --constrained [--repeat 2]   (JSON-schema overhead, see constrained.py)
+       python benchmarks/bench_engine.py --sampling [--repeat 4]   (penalties + logprobs per decode step, sampling.py)
 """
 import argparse
 import importlib.util
@@ -321,6 +322,8 @@ def parse_args(doc: str, default_max_tokens: int, constrained_mode: bool = False
     if constrained_mode:
         ap.add_argument("--constrained", action="store_true",
                         help="instead: Kev alone, RAG-16 constrained to a JSON answer schema vs unconstrained")
+        ap.add_argument("--sampling", action="store_true",
+                        help="instead: Kev alone, 16 decode rows with penalties + top-5 logprobs vs plain rows")
     ap.add_argument("--worker", nargs=3, metavar=("NAME", "IDS_JSON", "OUT_JSON"), help=argparse.SUPPRESS)
     return ap.parse_args()
 
@@ -355,6 +358,10 @@ def main() -> None:
     args = parse_args(__doc__, default_max_tokens=48, constrained_mode=True)
     if args.worker:
         return worker(*args.worker)
+    if args.sampling:
+        from sampling import run_sampling
+        return run_sampling([rag_messages(it) for it in load_rag()], args.max_tokens, args.repeat,
+                            RESULTS_MD.with_name("bench_sampling.md"))
     if args.constrained:
         from constrained import run_constrained
         return run_constrained([rag_messages(it) for it in load_rag()], args.max_tokens, args.repeat,

@@ -164,6 +164,33 @@ class BlockManager:
         table.block_ids.extend(self._take(need))
         return True
 
+    def fork(self, source: BlockTable, target: BlockTable, num_tokens: int) -> list[tuple[int, int]] | None:
+        """Give `target` the KV of `source`'s first `num_tokens` tokens without computing it: the
+        full blocks are shared (refcounted; read-only, since later positions go to later blocks),
+        and a partly filled last block — which both requests go on writing — becomes a block of
+        `target`'s own. Returns the (source block, its copy) pairs whose KV the caller must copy,
+        or None (`target` untouched) when no block is free for the copy.
+
+        The copy is not listed as fresh (`take_fresh`): zeroing it before the next pass would wipe
+        the KV copied into it."""
+        full, partial = divmod(num_tokens, self.block_size)
+        if partial and not self.num_available:
+            return None
+        shared = source.block_ids[:full]
+        for block_id in shared:
+            self.blocks[block_id].ref_count += 1
+        copies: list[tuple[int, int]] = []
+        if partial:
+            copy = self._take(1)[0]
+            self.fresh.remove(copy)
+            copies.append((source.block_ids[full], copy))
+        target.block_ids = shared + [c for _, c in copies]
+        # the prefix chain keyed so far is the source's (only shared blocks can be in it); the rest
+        # of target's full blocks are keyed when it commits, finding the source's keys
+        assert source.num_keyed <= full, "a fork's source has keyed blocks past the tokens it shares"
+        target.num_keyed, target.parent_node = source.num_keyed, source.parent_node
+        return copies
+
     def announce(self, table: BlockTable, token_ids: Sequence[int], extra: ExtraKey, computed_after: int) -> None:
         """This pass will compute the request's tokens up to `computed_after`: make its full blocks
         findable by later chunks of the same pass."""

@@ -22,11 +22,11 @@ import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
-from typing import Any, Literal, overload
+from typing import Any, Literal, NamedTuple, overload
 
 import torch
 
-from . import loader
+from . import fanout, loader, penalties
 from .adapters import AdapterPool
 from .backends import cuda as cuda_backend
 from .backends.cuda_graphs import DecodeGraphs
@@ -38,10 +38,12 @@ from .grammar import Grammars, mask_logits
 from .invariance import exact_or_why
 from .kernels import choose as choose_kernels
 from .kv_pool import KVPool
+from .logprobs import TokenLogprob, TokenTexts
+from .logprobs import compute as compute_logprobs
 from .model_setup import check_packable, claim_model, context_length, eos_ids, prepare_model, release_model
 from .pack import PackedBatch, Segment, pack
 from .params import Defaults, SamplingParams, check_temperature, coerce_sampling
-from .request import Completion, Request, Status, failed_future, resolve_future
+from .request import Completion, Request, Status, TextPiece, failed_future, resolve_future
 from .sample import sample
 from .schedule import Chunk, Scheduler
 from .threads import run_on_passing_thread
@@ -53,13 +55,25 @@ AdapterArg = str | None
 Prepared = tuple[list[int], SamplingParams, AdapterArg, Any] | BaseException  # Any: its compiled grammar
 STAT_KEYS = (
     "requests", "prefill_passes", "decode_steps", "forward_passes", "prompt_tokens", "generated_tokens",
-    "cancelled", "prefix_hit_tokens", "kv_cache_peak_bytes",
+    "cancelled", "prefix_hit_tokens", "kv_cache_peak_bytes", "forked_samples",
 )
 EXIT_JOIN_S = 10.0  # at interpreter exit, a scheduler thread stuck in a pass (a model hook, say) is left behind
 IDLE_RECHECK_S = 0.05  # a pass that could schedule nothing waits this long (or for news) before retrying
 
 
 log = logging.getLogger("kev")
+
+
+class Draw(NamedTuple):
+    """What one sampled row gave its request: a token (or the error that ends it) and, when asked
+    for, its logprobs; `row` is its row of the pass's logits."""
+
+    request: Request
+    row: int
+    token: int | BaseException
+    logprob: TokenLogprob | None
+
+
 _live_engines: weakref.WeakSet[Engine] = weakref.WeakSet()
 
 
@@ -206,6 +220,7 @@ class Engine:
         self._adapters = AdapterPool(model, self.device, max_adapters)
         self._adapters.router.kernels = lora_products  # LoRA deltas: the same products as the layers
         self._grammars = Grammars(tokenizer, _logits_width(model), self.eos_ids)
+        self._token_texts = TokenTexts(tokenizer)  # logprobs name their tokens
         self._cond = threading.Condition()
         self._step_lock = threading.Lock()  # one step at a time, whoever runs it
         self._stepping = threading.local()  # .active while this thread runs step(): a model hook runs in a pass
@@ -303,8 +318,18 @@ class Engine:
             self._grammars.compile(sampling.constraint, sampling.cache_salt)
 
     def stream(self, prompt: Prompt, sampling: SamplingArg = None, adapter: AdapterArg = None) -> Iterator[str]:
-        """Yield the answer's text piece by piece; it shares passes with everything else running."""
+        """Yield the answer's text piece by piece; it shares passes with everything else running.
+
+        One answer: a request with n > 1 is refused here (submit it with an `on_text`, whose pieces
+        say which sample they belong to in `TextPiece.sample_index`)."""
         self._refuse_on_scheduler_thread("stream")
+        try:
+            samples = coerce_sampling(sampling).n
+        except KevError:
+            samples = 1  # a bad setting fails the request's future below, as submit does
+        if samples > 1:
+            raise InvalidRequestError(f"stream() yields one answer; n={samples} asks for {samples}: use submit() "
+                                      "with on_text (each piece's .sample_index names its sample)")
         pieces: queue.SimpleQueue[str | None] = queue.SimpleQueue()
         future = self.submit(prompt, sampling, adapter, on_text=pieces.put)
         future.add_done_callback(lambda _: pieces.put(None))
@@ -340,8 +365,10 @@ class Engine:
         return_exceptions: bool = False,
         adapters: AdapterArg | Sequence[AdapterArg] = None,
     ) -> list[Any]:  # list[Completion], or with exceptions in place when return_exceptions=True
-        """Answer all prompts, packed together; results in the caller's order.
+        """Answer all prompts, packed together; results in the caller's order, one per prompt.
 
+        A prompt whose settings ask for n > 1 samples still gets one result: its first sample's
+        `Completion`, holding all n in `samples` (its prompt computed once, see `fanout`).
         Without `return_exceptions` any bad prompt or setting raises before anything runs;
         with it, each bad request comes back as its exception and the others are answered.
         If this call ends early (an error, Ctrl-C), the requests it queued are cancelled.
@@ -578,13 +605,17 @@ class Engine:
         """Called under self._cond when a request's KV fits: take its adapter slot, or wait."""
         if not self._adapters.acquire(request.adapter):
             return False
-        if request.sampling.seed is not None and request.generator is None:
-            request.generator = torch.Generator(device=self.device).manual_seed(request.sampling.seed)
+        self._seed(request)
         if request.num_admissions == 0:
             self._stats["prompt_tokens"] += len(request.prompt_ids)
         self._stats["prefix_hit_tokens"] += request.num_computed
         request.num_admissions += 1
         return True
+
+    def _seed(self, request: Request) -> None:
+        """A seeded request's own generator, made once (a preempted one keeps drawing from it)."""
+        if request.sampling.seed is not None and request.generator is None:
+            request.generator = torch.Generator(device=self.device).manual_seed(request.sampling.seed)
 
     def _pack(self, chunks: list[Chunk]) -> PackedBatch:
         segments = []
@@ -614,44 +645,90 @@ class Engine:
             finally:
                 self._adapters.router.clear()
 
-    def _sample(self, chunks: list[Chunk], batch: PackedBatch, logits: torch.Tensor) -> list[int | BaseException]:
-        """One token for every chunk that reached its request's last known token.
+    def _sample(self, chunks: list[Chunk], batch: PackedBatch, logits: torch.Tensor) -> list[Draw]:
+        """One token for every chunk that reached its request's last known token — and, at the first
+        token of an n > 1 request, for each of its other samples forked from that prefill: they
+        draw from the same row.
 
-        A constrained request's row is masked to what its grammar allows first, and its matcher
-        accepts the token drawn; a grammar that allows nothing fails its own request only.
+        Each row is penalised by its own tokens (`penalties`), then masked to what its grammar
+        allows, sampled, and given its logprobs if it asked (`logprobs`). A constrained request's
+        matcher accepts the token drawn; a grammar that allows nothing fails its own request only.
         """
-        rows = [batch.logits_rows[i][0] for i, c in enumerate(chunks) if c.samples]
-        if not rows:
+        plan = [(c.request, batch.logits_rows[i][0]) for i, c in enumerate(chunks) if c.samples]
+        if not plan:
             return []
-        requests = [c.request for c in chunks if c.samples]
+        plan += [(sibling, row) for request, row in plan if request.siblings for sibling in self._fork(request)]
+        requests = [request for request, _ in plan]
         settings = [r.sampling for r in requests]
         device = logits.device
-        selected = logits[rows]  # [R, vocab], a copy: masking it leaves captured logits raw
+        selected = logits[[row for _, row in plan]]  # [R, vocab], a copy: masking it leaves captured logits raw
+        penalties.apply(selected, penalties.build(requests, selected.shape[-1], self.eos_ids, device))
         dead = set(mask_logits(selected, [r.matcher for r in requests], self._grammars.vocab_size))
-        tokens: list[int | BaseException] = sample(
+        temperature = torch.tensor([s.temperature for s in settings], dtype=torch.float32, device=device)
+        drawn = sample(
             selected,
-            temperature=torch.tensor([s.temperature for s in settings], dtype=torch.float32, device=device),
+            temperature=temperature,
             top_p=torch.tensor([s.top_p for s in settings], dtype=torch.float32, device=device),
             top_k=torch.tensor([s.top_k for s in settings], dtype=torch.long, device=device),
             generators=[r.generator for r in requests],
-        ).tolist()
-        for row, request in enumerate(requests):
-            if request.matcher is None:
-                continue
-            if row in dead or not request.matcher.accept_token(tokens[row]):
+            min_p=torch.tensor([s.min_p for s in settings], dtype=torch.float32, device=device)
+            if any(s.min_p for s in settings) else None,
+        )  # [R]
+        asked = [i for i, s in enumerate(settings) if s.logprobs]
+        every = len(asked) == len(settings)  # then no [R, vocab] copy of the rows that asked
+        logprobs: dict[int, TokenLogprob] = dict(zip(asked, compute_logprobs(
+            selected if every else selected[asked], temperature if every else temperature[asked],
+            drawn if every else drawn[asked], [settings[i].top_logprobs for i in asked],
+            self._token_texts))) if asked else {}
+        draws = []
+        for i, ((request, row), token) in enumerate(zip(plan, drawn.tolist())):
+            outcome: int | BaseException = token
+            if request.matcher is not None and (i in dead or not request.matcher.accept_token(token)):
                 kind = request.sampling.constraint[0] if request.sampling.constraint else "constraint"
-                tokens[row] = ConstraintError(
+                early = len(request.output_ids) < settings[i].min_tokens
+                short = " (min_tokens bans ending before then)" if early else ""
+                outcome = ConstraintError(
                     f"the {kind} constraint allows no further token after {len(request.output_ids)} generated "
-                    f"tokens ({request.text[-80:]!r}); it cannot be satisfied from here"
+                    f"tokens{short} ({request.text[-80:]!r}); it cannot be satisfied from here"
                 )
-        return tokens
+            draws.append(Draw(request, row, outcome, logprobs.get(i)))
+        return draws
+
+    def _fork(self, leader: Request) -> list[Request]:
+        """The samples waiting on `leader` that start from its prefill now (see `fanout`); those
+        that cannot for now (no free block or sequence slot) queue as requests of their own."""
+        forked: list[Request] = []
+        queued: list[Request] = []
+        copies: list[tuple[int, int]] = []
+        with self._cond:
+            siblings, leader.siblings = leader.siblings, []
+            for sibling in siblings:
+                if sibling.future.done():  # its set was cancelled or failed meanwhile
+                    self._free(sibling)
+                    continue
+                pairs = None
+                if len(self._scheduler.running) < self._scheduler.max_num_seqs:
+                    pairs = self._blocks.fork(leader.blocks, sibling.blocks, len(leader.prompt_ids))
+                if pairs is None:
+                    queued.append(sibling)
+                    continue
+                copies += pairs
+                self._adapters.acquire(sibling.adapter)  # pinned by the leader already: never refused
+                self._seed(sibling)
+                sibling.num_computed = sibling.cached_tokens = len(sibling.prompt_ids)
+                sibling.num_admissions = 1  # its prompt tokens were counted with the leader's
+                self._scheduler.adopt(sibling)
+                forked.append(sibling)
+            self._scheduler.requeue(queued)
+            self._stats["forked_samples"] += len(forked)
+        fanout.copy_blocks(self._kv, copies)  # before the next pass writes into the copies
+        return forked
 
     def _postprocess(
-        self, chunks: list[Chunk], batch: PackedBatch, logits: torch.Tensor, tokens: list[int | BaseException]
+        self, chunks: list[Chunk], batch: PackedBatch, logits: torch.Tensor, draws: list[Draw]
     ) -> list[tuple[Request, BaseException | None]]:
         """Advance each request by what this pass computed; return those that are done."""
         finished: list[tuple[Request, BaseException | None]] = []
-        sampled = iter(tokens)
         has_prefill = any(c.request.in_prefill for c in chunks)
         has_decode = any(not c.request.in_prefill for c in chunks)
         with self._cond:
@@ -662,7 +739,7 @@ class Engine:
             self._stats["forward_passes"] += 1
             self._stats["prefill_passes"] += has_prefill
             self._stats["decode_steps"] += has_decode
-            self._stats["generated_tokens"] += len(tokens)
+            self._stats["generated_tokens"] += len(draws)
         for i, chunk in enumerate(chunks):
             request = chunk.request
             if request.logits_only:
@@ -670,16 +747,17 @@ class Engine:
                 request.logits.append(logits[first:last].clone())  # its own memory, not a view of the pass
                 if not request.in_prefill:
                     finished.append((request, None))
-            elif chunk.samples:
-                token = next(sampled)
-                if isinstance(token, BaseException):
-                    finished.append((request, token))
-                    continue
-                if request.capture_logits:
-                    request.logits.append(logits[batch.logits_rows[i][0]].clone())
-                if append_token(request, token, self.eos_ids, self.tokenizer):
-                    finished.append((request, None))
-                self._stream(request)
+        for request, row, token, logprob in draws:
+            if isinstance(token, BaseException):
+                finished.append((request, token))
+                continue
+            if request.capture_logits:
+                request.logits.append(logits[row].clone())
+            if logprob is not None and request.logprobs is not None:
+                request.logprobs.append(logprob)
+            if append_token(request, token, self.eos_ids, self.tokenizer):
+                finished.append((request, None))
+            self._stream(request)
         return finished
 
     def _finish(self, finished: list[tuple[Request, BaseException | None]]) -> None:
@@ -692,7 +770,11 @@ class Engine:
             self._deliver(request, request.result() if error is None else None, error)
 
     def _free(self, request: Request) -> None:
-        """Everything a request holds, given back in one place (call under self._cond)."""
+        """Everything a request holds, given back in one place (call under self._cond). Samples still
+        waiting to fork from it hold only their adapter references; their set's future settles them."""
+        for sibling in request.siblings:
+            self._free(sibling)
+        request.siblings = []
         if request.status is Status.FINISHED:
             return
         if request.status is Status.RUNNING:
@@ -705,9 +787,15 @@ class Engine:
     def _stream(self, request: Request) -> None:
         """Post a request's new text to its `on_text` (run by the delivery threads, after what it
         was posted before: this pass never waits for the callback). If the callback raises, the
-        request's future fails and the next pass frees it (`Scheduler.take_cancelled`)."""
+        request's future fails and the next pass frees it (`Scheduler.take_cancelled`). The piece
+        carries its sample's index and the logprobs of the tokens since the previous piece."""
         if request.on_text is not None and (delta := text_delta(request)):
-            self._delivery.post(request.mailbox, functools.partial(hand_text, request.future, request.on_text, delta))
+            logprobs = None
+            if request.logprobs is not None:
+                logprobs = request.logprobs[request.logprobs_streamed:]
+                request.logprobs_streamed = len(request.logprobs)
+            piece = TextPiece(delta, request.sample_index, logprobs)
+            self._delivery.post(request.mailbox, functools.partial(hand_text, request.future, request.on_text, piece))
 
     def _deliver(self, request: Request, result: Any, exc: BaseException | None = None) -> None:
         """Resolve a request's future after every piece of text it streamed (its done callbacks
@@ -751,6 +839,7 @@ class Engine:
                 with self._cond:
                     self._adapters.check(adapter)
                 params = coerce_sampling(sampling)
+                self._check_token_ids(params)
                 ids = self.encode(prompt)
                 self._check_fits(len(ids), params.max_tokens)
                 # compiled here, on the caller's thread: a bad grammar fails this request alone
@@ -766,6 +855,15 @@ class Engine:
         for item in prepared:
             if isinstance(item, BaseException):
                 raise item
+
+    def _check_token_ids(self, params: SamplingParams) -> None:
+        """Token ids a request names must be rows of this model's logits."""
+        width = self._grammars.vocab_size
+        for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]), ("stop_token_ids", params.stop_token_ids)):
+            outside = [t for t in ids if t >= width]
+            if outside:
+                raise InvalidRequestError(f"{name} names token id {outside[0]}, outside this model's vocabulary "
+                                          f"(ids 0..{width - 1})")
 
     def _check_fits(self, num_prompt: int, max_tokens: int) -> None:
         """A request that could never fit in the KV pool is refused now, not left waiting forever."""
@@ -797,15 +895,18 @@ class Engine:
                     out.append(failed_future(item))
                     continue
                 ids, params, adapter, compiled = item
+                resolved = params.with_defaults(defaults)
+                samples = fanout.sample_settings(resolved) if resolved.n > 1 else [resolved]
                 try:
-                    self._adapters.ref(adapter)  # unloaded since _prepare? then this request fails alone
+                    for _ in samples:
+                        self._adapters.ref(adapter)  # unloaded since _prepare? then this request fails alone
                 except KevError as exc:
                     out.append(failed_future(exc))
                     continue
-                request = Request(
+                requests = [Request(
                     request_id=next(self._request_ids),
                     prompt_ids=ids,
-                    sampling=params.with_defaults(defaults),
+                    sampling=sample,
                     settings_version=defaults.version,
                     max_total=len(ids) + 1 if logits_only else min(len(ids) + params.max_tokens, self.max_context),
                     adapter=adapter,
@@ -816,10 +917,17 @@ class Engine:
                     group=group_id,
                     on_text=on_text[i] if on_text is not None else None,
                     matcher=None if compiled is None or logits_only else self._grammars.matcher(compiled),
-                )
-                request.future.add_done_callback(functools.partial(_wake_if_cancelled, self._cond))
-                group.append(request)
-                out.append(request.future)
+                    logprobs=[] if sample.logprobs else None,
+                    sample_index=index,
+                ) for index, sample in enumerate(samples)]
+                leader = requests[0]
+                leader.siblings = requests[1:]  # they fork from its prefill (see `fanout`)
+                for request in requests:
+                    request.mailbox = leader.mailbox  # one on_text: the samples' pieces and results in one order
+                    request.future.add_done_callback(functools.partial(_wake_if_cancelled, self._cond))
+                group.append(leader)
+                assert len(requests) == 1 or not capture_logits, "kev verify compares single answers"
+                out.append(fanout.gather([r.future for r in requests]) if len(requests) > 1 else leader.future)
             self._scheduler.add(group)
             self._stats["requests"] += len(group)
             self._start_thread()

@@ -27,6 +27,12 @@ TOP_K_MAX = 2**63 - 1  # top_k travels to the sampler as an int64 tensor
 # serves every request, and streaming holds back the longest one: bound what one request may ask
 MAX_STOP_STRINGS = 32
 MAX_STOP_CHARS = 4096
+MAX_N = 128  # samples of one prompt: each is a decode row of its own
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit; every logprobs row computes this many alternatives (see logprobs.py)
+MAX_PENALTY = 2.0  # OpenAI's range for presence_penalty and frequency_penalty: [-2, 2]
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a bias: [-100, 100] (-100 bans a token in practice)
+MAX_LOGIT_BIAS_TOKENS = 1024  # each biased token is an indexed write per decode step
+MAX_STOP_TOKEN_IDS = 64
 
 
 def _is_int(value: Any) -> bool:
@@ -106,6 +112,48 @@ def _check_stop(value: Any) -> tuple[str, ...]:
     return tuple(stop)
 
 
+def _check_real(name: str, value: Any, low: float, high: float, allowed: str) -> float:
+    """`value` as a float within [low, high], or raise naming it and the allowed range."""
+    if not _is_real(value) or math.isnan(value) or not low <= value <= high:
+        raise InvalidRequestError(f"{name}={value!r} is not allowed; use {allowed}")
+    return float(value)
+
+
+def _check_logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
+    """{token id: bias} (ids as ints or decimal strings, as JSON sends them) or (id, bias) pairs →
+    pairs sorted by id: one canonical, hashable form whatever the input."""
+    if isinstance(value, Mapping):
+        pairs = list(value.items())
+    elif isinstance(value, (list, tuple)) and all(isinstance(p, (list, tuple)) and len(p) == 2 for p in value):
+        pairs = [tuple(p) for p in value]
+    else:
+        raise InvalidRequestError(
+            f"logit_bias={value!r} is not allowed; use a dict of token id -> bias in [-100, 100]"
+        )
+    if len(pairs) > MAX_LOGIT_BIAS_TOKENS:
+        raise InvalidRequestError(
+            f"logit_bias=[{len(pairs)} tokens] is not allowed; bias at most {MAX_LOGIT_BIAS_TOKENS} tokens"
+        )
+    biases: dict[int, float] = {}
+    for token, bias in pairs:
+        token_id = int(token) if isinstance(token, str) and token.isdecimal() else token
+        if not _is_int(token_id) or token_id < 0:
+            raise InvalidRequestError(f"logit_bias key {token!r} is not allowed; use a token id (an integer >= 0)")
+        if token_id in biases:
+            raise InvalidRequestError(f"logit_bias names token {token_id} twice")
+        biases[token_id] = _check_real(f"logit_bias[{token_id}]", bias, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS,
+                                       "a number in [-100, 100]")
+    return tuple(sorted(biases.items()))
+
+
+def _check_token_ids(name: str, value: Any, limit: int) -> tuple[int, ...]:
+    if not isinstance(value, (list, tuple)) or not all(_is_int(t) and t >= 0 for t in value):
+        raise InvalidRequestError(f"{name}={value!r} is not allowed; use a list of token ids (integers >= 0)")
+    if len(value) > limit:
+        raise InvalidRequestError(f"{name}=[{len(value)} ids] is not allowed; give at most {limit}")
+    return tuple(value)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one question is sampled. `temperature=None` takes the engine default at pack time."""
@@ -128,6 +176,35 @@ class SamplingParams:
     """Requests with different salts never share prefix KV or compiled grammars: give each tenant
     its own, since a shared cache is a timing side channel between them (vLLM, CVE-2025-46570).
     `kev serve` puts each API key in a namespace of its own; this salt subdivides it."""
+
+    # ---- more of OpenAI's and vLLM's sampling settings (all per question, mixed in one pack) ----
+    n: int = 1
+    """Samples of this prompt, 1..128: its prompt is computed once and every sample decodes from it.
+    The prompt's result is then its first sample, with all n in ``Completion.samples``; with a
+    seed, sample i draws with a seed derived from (seed, i), sample 0 with the seed itself."""
+    logprobs: bool = False
+    """Report each generated token's log-probability (``Completion.logprobs``, streamed pieces)."""
+    top_logprobs: int = 0
+    """With logprobs: also the most likely alternatives at each step, 0..20."""
+    presence_penalty: float = 0.0
+    """OpenAI's: subtract this from the logit of every token already generated in this answer; [-2, 2]."""
+    frequency_penalty: float = 0.0
+    """OpenAI's: subtract this times the token's count so far in this answer; [-2, 2]."""
+    repetition_penalty: float = 1.0
+    """transformers' (CTRL): a token seen in the prompt or the answer has its logit divided by this
+    (multiplied when negative); > 0, 1 = off, above 1 discourages repeats."""
+    min_p: float = 0.0
+    """Drop tokens whose probability is below min_p times the top token's; [0, 1], 0 = off."""
+    logit_bias: Any = ()
+    """Token id -> bias added to its logit, in [-100, 100] (-100 bans it in practice). A dict
+    (ids as ints or decimal strings) or (id, bias) pairs; stored as pairs sorted by id."""
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    """Token ids that end the answer as end-of-sequence does (kept in token_ids, not in the text)."""
+    min_tokens: int = 0
+    """No end-of-sequence, stop token or stop string ends the answer before this many tokens."""
+    ignore_eos: bool = False
+    """End-of-sequence does not end the answer (fixed lengths for benchmarks); a constrained
+    answer still ends where its grammar does."""
 
     # ---- a constraint on the reply (at most one; the reply then matches it by construction) ----
     json_schema: Any = None
@@ -166,7 +243,46 @@ class SamplingParams:
             raise InvalidRequestError(
                 f"cache_salt={self.cache_salt!r} is not allowed; use a non-empty string or None"
             )
+        self._check_more()
         self._check_constraint()
+
+    def _check_more(self) -> None:
+        """The settings beyond temperature/top-p/top-k, each checked and stored in canonical form."""
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
+            raise InvalidRequestError(f"n={self.n!r} is not allowed; use an integer in [1, {MAX_N}]")
+        if not isinstance(self.logprobs, bool):
+            raise InvalidRequestError(f"logprobs={self.logprobs!r} is not allowed; use True or False")
+        if not _is_int(self.top_logprobs) or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidRequestError(
+                f"top_logprobs={self.top_logprobs!r} is not allowed; use an integer in [0, {MAX_TOP_LOGPROBS}]"
+            )
+        if self.top_logprobs and not self.logprobs:
+            raise InvalidRequestError(f"top_logprobs={self.top_logprobs} needs logprobs=True")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = _check_real(name, getattr(self, name), -MAX_PENALTY, MAX_PENALTY, "a number in [-2, 2]")
+            object.__setattr__(self, name, value)
+        repetition = self.repetition_penalty
+        if not _is_real(repetition) or not 0 < repetition < math.inf:
+            raise InvalidRequestError(
+                f"repetition_penalty={repetition!r} is not allowed; use a finite number > 0 (1 = off)"
+            )
+        object.__setattr__(self, "repetition_penalty", float(repetition))
+        object.__setattr__(self, "min_p", _check_real("min_p", self.min_p, 0.0, 1.0, "a number in [0, 1]"))
+        object.__setattr__(self, "logit_bias", _check_logit_bias(self.logit_bias))
+        object.__setattr__(self, "stop_token_ids",
+                           _check_token_ids("stop_token_ids", self.stop_token_ids, MAX_STOP_TOKEN_IDS))
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise InvalidRequestError(
+                f"min_tokens={self.min_tokens!r} is not allowed; use an integer in [0, max_tokens={self.max_tokens}]"
+            )
+        if not isinstance(self.ignore_eos, bool):
+            raise InvalidRequestError(f"ignore_eos={self.ignore_eos!r} is not allowed; use True or False")
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any penalty or bias changes this request's logits (`penalties` then works on its row)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias or self.min_tokens)
 
     def _check_constraint(self) -> None:
         """At most one constraint, each in its canonical form (the grammar cache's key)."""

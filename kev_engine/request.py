@@ -10,13 +10,14 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Hashable
 from concurrent.futures import Future, InvalidStateError
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 import torch
 
 from .blocks import BlockTable
 from .delivery import Mailbox
+from .logprobs import TokenLogprob
 from .params import SamplingParams
 
 FinishReason = Literal["stop", "length"]
@@ -36,6 +37,43 @@ class Completion:
     """The engine-defaults version this request was resolved under."""
     cached_tokens: int = 0
     """Prompt tokens whose KV was reused from a shared prefix instead of computed."""
+    logprobs: list[TokenLogprob] | None = None
+    """With ``logprobs=True``: one per entry of `token_ids`, in order (see `logprobs` for which
+    distribution they describe)."""
+    samples: tuple[Completion, ...] = ()
+    """With ``n`` > 1: every sample of the prompt, in order (this Completion is samples[0]'s answer;
+    each sample's own `samples` is empty). Empty when n = 1."""
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Completion:
+        """Rebuild from `dataclasses.asdict` output (JSON from `kev serve`); unknown keys are refused."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown Completion field(s) {unknown}; known: {sorted(known)}")
+        values = dict(data)
+        if values.get("logprobs") is not None:
+            values["logprobs"] = [TokenLogprob.from_dict(item) for item in values["logprobs"]]
+        values["samples"] = tuple(cls.from_dict(sample) for sample in values.get("samples", ()))
+        return cls(**values)
+
+
+class TextPiece(str):
+    """What `on_text` receives: a str (the new text), plus `sample_index` — which of the prompt's
+    n samples it belongs to (0 when n = 1; not `index`, which is str's method) — and `logprobs`:
+    those of the tokens generated since the previous piece (None unless the request asked for
+    logprobs). Text is held back while it may still be a stop string or a partial character, so
+    a piece's tokens need not spell exactly its text; over the whole stream every token whose
+    text streamed is reported once, in order, and the `Completion` has them all (an
+    end-of-sequence token, which adds no text, only there)."""
+
+    sample_index: int
+    logprobs: list[TokenLogprob] | None
+
+    def __new__(cls, text: str, sample_index: int = 0, logprobs: list[TokenLogprob] | None = None) -> TextPiece:
+        piece = super().__new__(cls, text)
+        piece.sample_index, piece.logprobs = sample_index, logprobs
+        return piece
 
 
 class Status(enum.Enum):
@@ -71,6 +109,12 @@ class Request:
     streamed: int = 0  # characters of `text` already posted to on_text
     mailbox: Mailbox = field(default_factory=Mailbox)  # its on_text pieces, then its result, in order
     matcher: Any = None  # constrained requests: its own xgrammar GrammarMatcher, advanced per token
+    logprobs: list[TokenLogprob] | None = None  # logprobs=True: one per output token
+    logprobs_streamed: int = 0  # of those, already posted to on_text with a piece
+    prompt_set: torch.Tensor | None = None  # repetition_penalty: the prompt's distinct ids (`penalties`)
+    sample_index: int = 0  # which of its prompt's n samples this request is
+    siblings: list[Request] = field(default_factory=list)  # n > 1, before the first token: the other samples,
+    # forked from this one's prefill (`fanout`) when it samples its first token
 
     @property
     def all_ids(self) -> list[int]:
@@ -95,6 +139,7 @@ class Request:
             adapter=self.adapter,
             settings_version=self.settings_version,
             cached_tokens=self.cached_tokens,
+            logprobs=None if self.logprobs is None else list(self.logprobs),
         )
 
     def result(self) -> Any:

@@ -1,6 +1,11 @@
 """Sample: one next token per question from the logits at its segment end.
 
-Settings arrive as per-row tensors so mixed temperatures / top_p / top_k share one call.
+Settings arrive as per-row tensors so mixed temperatures / min_p / top_p / top_k share one call.
+The logits arrive penalised and masked (`penalties`, then the constraint's grammar); random rows
+are divided by their temperature, cut by min_p (vLLM's order: before top-k / top-p), then by
+top-k and top-p, and drawn. Every step works row by row (no reduction crosses rows), and a row
+whose settings disable a filter passes through it unchanged, so a row's draw never depends on
+which filters its pack mates asked for.
 Rows at temperature 0 — or below `GREEDY_BELOW` (1e-5), where logits / temperature would
 overflow to NaN — take the argmax, and so does any row whose probabilities still come out
 non-finite (a model emitting inf/NaN logits): no row ever draws from NaN. Randomness is drawn
@@ -28,10 +33,22 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     probs = sorted_logits.softmax(dim=-1)
     # keep the smallest prefix whose mass reaches top_p (the token that crosses it stays)
     mass_before = probs.cumsum(dim=-1) - probs
-    drop |= mass_before >= top_p[:, None]
+    # top_p = 1 keeps everything: a rounded cumsum may reach 1.0 before the tail, and must not cut it
+    drop |= (mass_before >= top_p[:, None]) & (top_p[:, None] < 1)
     drop[:, 0] = False  # never drop the most likely token
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Mask to -inf tokens less likely than min_p x the top token. logits [N, V]; min_p [N] (0 = off).
+
+    Compared as probabilities (softmax along each row, one product per row) rather than as
+    logits against max + log(min_p): a log of the [N] settings would be computed by torch's
+    vector or scalar loop depending on N, and so differ in the last bit between packs."""
+    probs = logits.softmax(dim=-1)  # [N, V]
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p[:, None]  # [N, 1]
+    return logits.masked_fill(probs < threshold, float("-inf"))
 
 
 def sample(
@@ -40,14 +57,17 @@ def sample(
     top_p: torch.Tensor,
     top_k: torch.Tensor,
     generators: Sequence[torch.Generator | None],
+    min_p: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """logits [N, V] fp32; temperature/top_p [N] float; top_k [N] long → token ids [N]."""
+    """logits [N, V] fp32; temperature/top_p/min_p [N] float; top_k [N] long → token ids [N]."""
     greedy = logits.argmax(dim=-1)  # [N]
     random_rows = (temperature >= GREEDY_BELOW).nonzero().flatten().tolist()
     if not random_rows:
         return greedy
     rows = torch.tensor(random_rows, device=logits.device)
     scaled = logits[rows] / temperature[rows, None]
+    if min_p is not None and bool((min_p[rows] > 0).any()):
+        scaled = apply_min_p(scaled, min_p[rows])
     needs_filter = (top_k[rows] > 0) | (top_p[rows] < 1)
     if bool(needs_filter.any()):
         scaled = apply_top_k_top_p(scaled, top_k[rows], top_p[rows])

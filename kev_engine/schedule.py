@@ -62,6 +62,16 @@ class Scheduler:
         """Queue a group submitted together, shortest bucket first (stable inside a bucket)."""
         self.waiting.extend(sorted(group, key=lambda r: bucket_of(len(r.prompt_ids))))
 
+    def adopt(self, request: Request) -> None:
+        """Run a request whose KV was given to it without admission (a sample forked from its
+        set's prefill, `fanout`): it joins the running ones, last admitted."""
+        request.status = Status.RUNNING
+        self.running.append(request)
+
+    def requeue(self, requests: list[Request]) -> None:
+        """Queue requests first (samples of a set already admitted that could not fork)."""
+        self.waiting[0:0] = requests
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 

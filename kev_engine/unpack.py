@@ -37,17 +37,31 @@ def text_delta(request: Request) -> str:
     return delta
 
 
+def _ends(request: Request, token: int, eos_ids: Collection[int]) -> bool:
+    """Whether `token` ends the answer as end-of-sequence: one of the model's (unless ignore_eos —
+    a constrained answer still ends once its grammar is complete) or of the request's stop_token_ids."""
+    sampling = request.sampling
+    if token in sampling.stop_token_ids:
+        return True
+    if token not in eos_ids:
+        return False
+    return not sampling.ignore_eos or (request.matcher is not None and request.matcher.is_terminated())
+
+
 def append_token(request: Request, token: int, eos_ids: Collection[int], tokenizer: Any) -> bool:
-    """Record one generated token; return True when the request is finished."""
+    """Record one generated token; return True when the request is finished.
+
+    Before `min_tokens` tokens nothing but the length ends it: the sampler bans the end tokens
+    until then, and stop strings are looked for only from there on (vLLM's rule)."""
     request.output_ids.append(token)
-    if token in eos_ids:  # kept in token_ids (it was generated), left out of the text
+    if _ends(request, token, eos_ids):  # kept in token_ids (it was generated), left out of the text
         request.text = tokenizer.decode(request.output_ids[:-1], skip_special_tokens=True)
         request.finish_reason = "stop"
         return True
     previous = request.text
     text = tokenizer.decode(request.output_ids, skip_special_tokens=True)
     stops = request.sampling.stop
-    if stops:
+    if stops and len(request.output_ids) >= request.sampling.min_tokens:
         # a stop string may straddle tokens: search from just before the new text
         longest = max(len(s) for s in stops)
         cut = _find_stop(text, stops, max(0, len(previous) - longest))

@@ -36,8 +36,9 @@ from kev_engine import (
 )
 from kev_engine.delivery import Delivery, Mailbox, hand_text
 from kev_engine.errors import PassFailedError, UnknownAdapterError
+from kev_engine.logprobs import TokenLogprob
 from kev_engine.params import coerce_sampling
-from kev_engine.request import resolve_future
+from kev_engine.request import TextPiece, resolve_future
 
 from .retry import RETRY_ERRORS, RETRY_STATUSES, check_max_retries, retry_delay
 
@@ -268,10 +269,13 @@ class RemoteEngine:
         pending = batch[event["index"]]
         if "text" in event:
             if pending.on_text is not None:  # as locally: what the callback raises fails its request alone
+                logprobs = event.get("logprobs")
+                piece = TextPiece(event["text"], event.get("sample", 0),
+                                  None if logprobs is None else [TokenLogprob.from_dict(e) for e in logprobs])
                 self._delivery.post(pending.mailbox, functools.partial(hand_text, pending.future, pending.on_text,
-                                                                       event["text"]))
+                                                                       piece))
         elif "completion" in event:
-            self._resolve(pending, Completion(**event["completion"]))
+            self._resolve(pending, Completion.from_dict(event["completion"]))
         else:
             self._resolve(pending, exc=_error(event["error"]))
 

@@ -2,7 +2,8 @@
 
 The engine calls `on_text` on one of its delivery threads; these generators hand the pieces to
 the caller's thread (a queue) or event loop (`call_soon_threadsafe`), so a slow reader never
-holds up even its own delivery. Stopping early cancels the request.
+holds up even its own delivery. Stopping early cancels the request. A stream is one answer:
+with n > 1 only the first sample's pieces are yielded (the final `Completion` holds all n).
 """
 
 from __future__ import annotations
@@ -23,7 +24,12 @@ def stream_answer(
     `on_submitted()` runs once the request is queued (a LangChain batch waits for that).
     """
     pieces: queue.SimpleQueue[str | None] = queue.SimpleQueue()
-    future = engine.submit(prompt, sampling, adapter, on_text=pieces.put)  # type: ignore[arg-type]
+
+    def put(piece: str) -> None:
+        if not getattr(piece, "sample_index", 0):
+            pieces.put(piece)
+
+    future = engine.submit(prompt, sampling, adapter, on_text=put)  # type: ignore[arg-type]
     future.add_done_callback(lambda _: pieces.put(None))
     if on_submitted is not None:
         on_submitted()
@@ -44,6 +50,8 @@ async def astream_answer(
     pieces: asyncio.Queue[str | None] = asyncio.Queue()
 
     def put(piece: str | None) -> None:  # runs on a delivery thread: must never raise there
+        if getattr(piece, "sample_index", 0):
+            return
         try:
             loop.call_soon_threadsafe(pieces.put_nowait, piece)
         except RuntimeError:  # the loop is closed: nobody is listening any more

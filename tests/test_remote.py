@@ -154,3 +154,17 @@ def test_a_held_batch_larger_than_the_server_takes_is_split(engine: Engine) -> N
             client.close()
     assert [r.token_ids for r in replies] == [r.token_ids for r in engine.generate(QUESTIONS[:5],
                                                                                    SamplingParams(max_tokens=3))]
+
+
+def test_samples_and_logprobs_travel_whole(remote: RemoteEngine, engine: Engine) -> None:
+    """n samples, logprobs and a logit_bias reach the server and come back as the engine's own
+    `Completion`, and streamed pieces keep their sample index and logprobs."""
+    params = SamplingParams(temperature=1.0, seed=4, max_tokens=6, n=3, logprobs=True, top_logprobs=2,
+                            logit_bias={13: -100}, frequency_penalty=0.5)
+    assert remote.generate([QUESTIONS[0]], params)[0] == engine.generate([QUESTIONS[0]], params)[0]
+    pieces: list = []
+    result = remote.submit(QUESTIONS[1], params, on_text=pieces.append).result(timeout=120)
+    for i, sample in enumerate(result.samples):
+        assert "".join(p for p in pieces if p.sample_index == i) == sample.text
+        streamed = [lp for p in pieces if p.sample_index == i for lp in p.logprobs]
+        assert streamed == sample.logprobs[: len(streamed)]

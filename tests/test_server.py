@@ -113,8 +113,8 @@ def test_wrong_or_missing_key_is_401_in_openai_shape(url: str) -> None:
     ("body", "param", "words"),
     [
         ({"messages": CHAT, "temperature": -1}, "temperature", "temperature=-1"),
-        ({"messages": CHAT, "n": 2}, "n", "n=2 is not supported"),
-        ({"messages": CHAT, "logprobs": True}, "logprobs", "logprobs=True"),
+        ({"messages": CHAT, "best_of": 2}, "best_of", "best_of=2 is not supported"),
+        ({"messages": CHAT, "n": 0}, "n", "n=0 is not allowed"),
         ({"messages": CHAT, "frobnicate": 1}, "frobnicate", "unsupported field"),
         ({"messages": CHAT, "max_tokens": 10_000}, "max_tokens", "over this server's limit"),
         ({"messages": [], "max_tokens": 4}, "messages", "non-empty list"),

@@ -8,6 +8,7 @@ from typing import Any
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.language_models import BaseChatModel, LanguageModelInput
 from langchain_core.language_models.base import LangSmithParams
+from langchain_core.language_models.model_profile import ModelProfile
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from langchain_core.runnables import Runnable, RunnableConfig
@@ -18,6 +19,7 @@ from pydantic import BaseModel
 from kev_engine import Completion
 
 from ..chat_format import offered_tools, schema_instruction
+from ..logprob_format import chat_logprobs
 from ..tokens import prompt_token_count
 from ..tool_format import tool_choice_instruction
 from . import packing
@@ -51,9 +53,11 @@ class ChatKev(KevFields, BaseChatModel):
 
     Key init args — per call (also via ``.bind(...)``, ``invoke(..., **kwargs)``,
     ``configurable_fields``):
-        adapter, temperature, top_p, top_k, max_tokens, stop, seed, cache_salt, timeout; and at
-        most one constraint on the reply: json_schema, json_object, regex, choice, grammar,
-        structural_tag (the reply matches it by construction).
+        adapter, temperature, top_p, top_k, max_tokens, stop, seed, cache_salt, timeout;
+        n, logprobs, top_logprobs, presence_penalty, frequency_penalty, repetition_penalty,
+        min_p, logit_bias, stop_token_ids, min_tokens, ignore_eos (the README's table of
+        sampling settings); and at most one constraint on the reply: json_schema, json_object,
+        regex, choice, grammar, structural_tag (the reply matches it by construction).
 
     Unknown arguments are a TypeError naming the right field (``num_predict``/``max_new_tokens``
     → ``max_tokens``), and sampling values are checked at construction (``temperature=-1`` fails
@@ -114,7 +118,14 @@ class ChatKev(KevFields, BaseChatModel):
 
     Response metadata:
         ``usage_metadata`` (input/output/total tokens); ``response_metadata`` has
-        ``model_name``, ``finish_reason`` ("stop" | "length"), ``adapter``, ``model_provider``.
+        ``model_name``, ``finish_reason`` ("stop" | "length"), ``adapter``, ``model_provider``,
+        and with ``logprobs=True`` ``logprobs`` in ChatOpenAI's shape (``{"content": [{"token",
+        "logprob", "bytes", "top_logprobs"}]}``; streamed chunks carry their own tokens').
+
+        .. code-block:: python
+
+            llm.bind(logprobs=True, top_logprobs=3).invoke("Hi").response_metadata["logprobs"]
+            llm.generate([messages], n=4, temperature=0.8, seed=1)   # 4 generations, one prefill
 
     Token counting (offline, the model's own tokenizer and template):
         .. code-block:: python
@@ -130,6 +141,16 @@ class ChatKev(KevFields, BaseChatModel):
     @property
     def _llm_type(self) -> str:
         return "kev-chat"
+
+    def _resolve_model_profile(self) -> ModelProfile | None:
+        """What every Kev model can do, whatever its weights: tool calling and structured output
+        are enforced by the engine's grammar (the reply parses by construction), so
+        `create_agent(..., response_format=...)` picks the provider strategy. Nothing here loads
+        the model (profiles are resolved at construction); its context length is `engine.max_context`."""
+        return ModelProfile(text_inputs=True, text_outputs=True, tool_calling=True, tool_choice=True,
+                            tool_call_streaming=True, structured_output=True, temperature=True,
+                            image_inputs=False, audio_inputs=False, video_inputs=False, pdf_inputs=False,
+                            reasoning_output=False)
 
     @property
     def _identifying_params(self) -> dict[str, Any]:
@@ -195,6 +216,14 @@ class ChatKev(KevFields, BaseChatModel):
             response_metadata=response_metadata(completion, self.model_name),
         )
 
+    def _result(self, completion: Completion, tool_names: list[str]) -> ChatResult:
+        """One generation per sample (n > 1 gives n, as ChatOpenAI does; `invoke` takes the first)."""
+        return ChatResult(generations=[
+            ChatGeneration(message=self._message(sample, tool_names),
+                           generation_info={"finish_reason": sample.finish_reason})
+            for sample in completion.samples or (completion,)
+        ])
+
     # ---- LangChain primitives ------------------------------------------------------------
 
     def _generate(
@@ -205,8 +234,7 @@ class ChatKev(KevFields, BaseChatModel):
         **kwargs: Any,
     ) -> ChatResult:
         request, names = self._request(messages, stop, kwargs)
-        message = self._message(packing.complete(request, self.timeout), names)
-        return ChatResult(generations=[ChatGeneration(message=message)])
+        return self._result(packing.complete(request, self.timeout), names)
 
     async def _agenerate(
         self,
@@ -216,21 +244,34 @@ class ChatKev(KevFields, BaseChatModel):
         **kwargs: Any,
     ) -> ChatResult:
         request, names = self._request(messages, stop, kwargs)
-        message = self._message(await packing.acomplete(request, self.timeout), names)
-        return ChatResult(generations=[ChatGeneration(message=message)])
+        return self._result(await packing.acomplete(request, self.timeout), names)
 
-    def _chunk(self, piece: str | Completion, names: list[str], text: list[str]) -> ChatGenerationChunk:
-        """A text piece, or the closing chunk (usage, metadata and any tool calls parsed at the end)."""
+    def _chunk(self, piece: str | Completion, names: list[str], text: list[str],
+               streamed: list[int]) -> ChatGenerationChunk:
+        """A text piece, or the closing chunk (usage, metadata and any tool calls parsed at the end).
+
+        With logprobs each piece's tokens ride on its chunk in ChatOpenAI's shape, and those whose
+        text never streamed (end of sequence) on the closing one: LangChain concatenates
+        ``response_metadata["logprobs"]["content"]`` across chunks, so the sum has every token."""
         if isinstance(piece, str):
             text.append(piece)
-            return ChatGenerationChunk(message=AIMessageChunk(content="" if names else piece))
+            logprobs = getattr(piece, "logprobs", None)
+            metadata: dict[str, Any] = {}
+            if logprobs:
+                streamed[0] += len(logprobs)
+                metadata["logprobs"] = chat_logprobs(logprobs)
+            return ChatGenerationChunk(message=AIMessageChunk(content="" if names else piece,
+                                                              response_metadata=metadata))
         content, calls, invalid = parse_tool_calls("".join(text), names, piece.finish_reason) if names else (
             "", [], [])
+        metadata = response_metadata(piece, self.model_name)
+        if piece.logprobs is not None:
+            metadata["logprobs"] = chat_logprobs(piece.logprobs[streamed[0]:])
         message = AIMessageChunk(
             content=content,
             tool_call_chunks=tool_call_chunks(calls, invalid),
             usage_metadata=usage_of(piece),
-            response_metadata=response_metadata(piece, self.model_name),
+            response_metadata=metadata,
             chunk_position="last",
         )
         return ChatGenerationChunk(message=message, generation_info={"finish_reason": piece.finish_reason})
@@ -244,8 +285,9 @@ class ChatKev(KevFields, BaseChatModel):
     ) -> Iterator[ChatGenerationChunk]:
         request, names = self._request(messages, stop, kwargs)
         text: list[str] = []
+        streamed = [0]  # logprob entries already on a chunk
         for piece in packing.stream(request):
-            chunk = self._chunk(piece, names, text)
+            chunk = self._chunk(piece, names, text, streamed)
             if run_manager and isinstance(piece, str) and not names:
                 run_manager.on_llm_new_token(piece, chunk=chunk)
             yield chunk
@@ -259,8 +301,9 @@ class ChatKev(KevFields, BaseChatModel):
     ) -> AsyncIterator[ChatGenerationChunk]:
         request, names = self._request(messages, stop, kwargs)
         text: list[str] = []
+        streamed = [0]  # logprob entries already on a chunk
         async for piece in packing.astream(request):
-            chunk = self._chunk(piece, names, text)
+            chunk = self._chunk(piece, names, text, streamed)
             if run_manager and isinstance(piece, str) and not names:
                 await run_manager.on_llm_new_token(piece, chunk=chunk)
             yield chunk

@@ -19,6 +19,7 @@ from pydantic import Field
 
 from kev_engine import Completion, EngineLike, InvalidRequestError
 
+from ..logprob_format import text_logprobs
 from ..tokens import prompt_token_count
 from . import packing
 from .configurable import KevConfigurableFields
@@ -31,12 +32,15 @@ def _generation(completion: Completion) -> Generation:
 
 
 def _info(completion: Completion) -> dict[str, Any]:
-    return {
+    info: dict[str, Any] = {
         "finish_reason": completion.finish_reason,
         "prompt_tokens": completion.prompt_tokens,
         "completion_tokens": completion.completion_tokens,
         "adapter": completion.adapter,
     }
+    if completion.logprobs is not None:  # OpenAI completions' shape, as langchain-openai's OpenAI reports it
+        info["logprobs"] = text_logprobs(completion.logprobs)
+    return info
 
 
 class KevLLM(KevFields, BaseLLM):
@@ -56,7 +60,9 @@ class KevLLM(KevFields, BaseLLM):
 
     Key init args: same as `ChatKev` — model, device, dtype, adapters, engine, or base_url,
     api_key and max_retries for a ``kev serve`` (engine side);
-    adapter, temperature, top_p, top_k, max_tokens, stop, seed, cache_salt, timeout (per call;
+    adapter, temperature, top_p, top_k, max_tokens, stop, seed, cache_salt, timeout, n,
+    logprobs, top_logprobs, presence_penalty, frequency_penalty, repetition_penalty, min_p,
+    logit_bias, stop_token_ids, min_tokens, ignore_eos (per call;
     also via ``.bind(...)``, ``invoke(..., **kwargs)`` and ``configurable_fields``); chat_template.
     Unknown arguments are refused (``num_predict`` → use ``max_tokens``).
 
@@ -86,10 +92,13 @@ class KevLLM(KevFields, BaseLLM):
             for piece in llm.stream("Once upon a time"): print(piece, end="")
             await llm.ainvoke("Once upon a time")
 
-    Output: ``generation_info`` has finish_reason ("stop" | "length"), prompt/completion tokens
-    and adapter; ``llm_output`` has ``token_usage`` and ``model_name``. The LLM cache key holds
-    every setting (adapter, temperature, ...), however it was passed. ``timeout`` bounds every
-    wait, sync or async: the request is cancelled and TimeoutError names the timeout.
+    Output: ``generation_info`` has finish_reason ("stop" | "length"), prompt/completion tokens,
+    adapter, and with ``logprobs=True`` ``logprobs`` in OpenAI completions' shape (``tokens``,
+    ``token_logprobs``, ``top_logprobs``, ``text_offset``); ``generate(prompts, n=4)`` gives 4
+    generations per prompt (its prompt computed once); ``llm_output`` has ``token_usage`` and
+    ``model_name``. The LLM cache key holds every setting (adapter, temperature, ...), however
+    it was passed. ``timeout`` bounds every wait, sync or async: the request is cancelled and
+    TimeoutError names the timeout.
 
     Token counts (``get_num_tokens``, ``trim_messages(token_counter=llm)``) use the model's own
     tokenizer and template, offline.
@@ -159,15 +168,16 @@ class KevLLM(KevFields, BaseLLM):
         return await super().agenerate(prompts, stop, callbacks, **kwargs)
 
     def _result(self, completions: list[Completion]) -> LLMResult:
+        """One list of generations per prompt: its n samples (one when n = 1)."""
         prompt_tokens = sum(c.prompt_tokens for c in completions)
-        completion_tokens = sum(c.completion_tokens for c in completions)
+        completion_tokens = sum(s.completion_tokens for c in completions for s in c.samples or (c,))
         usage = {
             "prompt_tokens": prompt_tokens,
             "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
         }
         return LLMResult(
-            generations=[[_generation(c)] for c in completions],
+            generations=[[_generation(s) for s in c.samples or (c,)] for c in completions],
             llm_output={"token_usage": usage, "model_name": self.model_name},
         )
 

@@ -19,6 +19,7 @@ from kev_engine import Completion
 
 from .. import chat_format
 from ..chat_format import ToolCall, Turn, role_of
+from ..logprob_format import chat_logprobs
 
 
 def text_of(content: str | list[Any]) -> str:
@@ -80,9 +81,13 @@ def usage_of(completion: Completion) -> UsageMetadata:
 
 
 def response_metadata(completion: Completion, model_name: str) -> dict[str, Any]:
-    return {
+    """ChatKev's response_metadata; with logprobs asked for, ``logprobs`` in ChatOpenAI's shape."""
+    metadata: dict[str, Any] = {
         "model_name": model_name,
         "model_provider": "kev",
         "finish_reason": completion.finish_reason,
         "adapter": completion.adapter,
     }
+    if completion.logprobs is not None:
+        metadata["logprobs"] = chat_logprobs(completion.logprobs)
+    return metadata

@@ -68,6 +68,30 @@ class KevFields(BaseModel):
     """Seeded sampling: the same tokens whatever the question is packed with."""
     cache_salt: str | None = None
     """Calls with different salts never share prefix KV (one per tenant); None = share with all."""
+    n: int | None = None
+    """Samples per prompt (1..128; one prefill for all): `KevLLM.generate` gives n generations
+    per prompt, `ChatKev.generate` n per conversation; `invoke` returns the first."""
+    logprobs: bool | None = None
+    """Report each generated token's log-probability: ChatKev in ``response_metadata["logprobs"]``
+    (ChatOpenAI's shape), KevLLM in ``generation_info["logprobs"]`` (OpenAI completions' shape)."""
+    top_logprobs: int | None = None
+    """With logprobs: the most likely alternatives per token too, 0..20."""
+    presence_penalty: float | None = None
+    """OpenAI's: lower the logit of every token already in the answer by this; [-2, 2]."""
+    frequency_penalty: float | None = None
+    """OpenAI's: lower a token's logit by this times its count in the answer so far; [-2, 2]."""
+    repetition_penalty: float | None = None
+    """transformers': divide the logit of tokens seen in prompt or answer by this (> 0; 1 = off)."""
+    min_p: float | None = None
+    """Drop tokens less likely than min_p times the most likely one; [0, 1], None or 0 = off."""
+    logit_bias: dict[int | str, float] | None = None
+    """Token id → bias added to its logit, in [-100, 100] (-100 bans the token)."""
+    stop_token_ids: list[int] | None = None
+    """Token ids that end an answer as end-of-sequence does."""
+    min_tokens: int | None = None
+    """Nothing but max_tokens ends an answer before it has this many tokens."""
+    ignore_eos: bool | None = None
+    """End-of-sequence does not end an answer (fixed-length benchmarks)."""
     json_schema: dict[str, Any] | str | type | None = None
     """Constrain every reply to this JSON schema (a dict, its JSON text or a pydantic class)."""
     json_object: bool = False

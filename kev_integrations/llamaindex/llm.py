@@ -28,6 +28,7 @@ from llama_index.core.base.llms.types import (
     CompletionResponseAsyncGen,
     CompletionResponseGen,
     LLMMetadata,
+    LogProb,
     MessageRole,
 )
 from llama_index.core.bridge.pydantic import Field, PrivateAttr, model_validator
@@ -49,6 +50,19 @@ from ..tool_format import split_tool_calls, tool_call_constraint, visible_text
 from .messages import assistant_message, chat_prompt, tool_schemas, tool_selections
 from .scoped import CALL_KEYS, SAMPLING_KEYS, check_settings, current_overrides
 from .structured import StructuredOutput
+
+
+def _logprobs(completion: Completion | None) -> list[list[LogProb]] | None:
+    """LlamaIndex's logprobs: one list per generated token, the chosen token first, then the
+    other top alternatives, most likely first. (llama-index-llms-openai lists only the
+    alternatives, which leaves nothing at top_logprobs=0; here the chosen one is always there.)
+    On a stream, the final response carries them."""
+    if completion is None or completion.logprobs is None:
+        return None
+    return [[LogProb(token=e.token, logprob=e.logprob, bytes=list(e.token.encode("utf-8")))]
+            + [LogProb(token=a.token, logprob=a.logprob, bytes=list(a.token.encode("utf-8")))
+               for a in e.top_logprobs if a.token_id != e.token_id]
+            for e in completion.logprobs]
 
 
 def _usage(completion: Completion) -> dict[str, Any]:
@@ -160,6 +174,28 @@ class Kev(StructuredOutput, FunctionCallingLLM):
     cache_salt: str | None = Field(
         default=None, description="Calls with different salts never share prefix KV (one per tenant)."
     )
+    logprobs: bool | None = Field(
+        default=None, description="Report each token's logprob on the response's `logprobs` (see `_logprobs`)."
+    )
+    top_logprobs: int | None = Field(default=None, ge=0, le=20, description="With logprobs: alternatives per token.")
+    presence_penalty: float | None = Field(
+        default=None, ge=-2, le=2, description="OpenAI's: lower every token already in the answer by this."
+    )
+    frequency_penalty: float | None = Field(
+        default=None, ge=-2, le=2, description="OpenAI's: lower a token by this times its count in the answer."
+    )
+    repetition_penalty: float | None = Field(
+        default=None, gt=0, description="transformers': divide logits of tokens seen in prompt or answer (1 = off)."
+    )
+    min_p: float | None = Field(
+        default=None, ge=0, le=1, description="Drop tokens less likely than min_p x the top one (0 = off)."
+    )
+    logit_bias: dict[int | str, float] | None = Field(
+        default=None, description="Token id -> bias in [-100, 100] added to its logit (-100 bans it)."
+    )
+    stop_token_ids: list[int] | None = Field(default=None, description="Token ids that end an answer as EOS does.")
+    min_tokens: int | None = Field(default=None, ge=0, description="No end before this many tokens.")
+    ignore_eos: bool | None = Field(default=None, description="End-of-sequence does not end an answer.")
     engine: EngineLike | None = Field(
         default=None, exclude=True,
         description="An engine (kev_engine.Engine or anything EngineLike); None = the shared one (loaded lazily)."
@@ -302,7 +338,8 @@ class Kev(StructuredOutput, FunctionCallingLLM):
 
     @staticmethod
     def _completion_response(text: str, delta: str | None, completion: Completion | None) -> CompletionResponse:
-        return CompletionResponse(text=text, delta=delta, raw=_usage(completion) if completion else None)
+        return CompletionResponse(text=text, delta=delta, raw=_usage(completion) if completion else None,
+                                  logprobs=_logprobs(completion))
 
     @staticmethod
     def _chat_response(
@@ -317,7 +354,7 @@ class Kev(StructuredOutput, FunctionCallingLLM):
                 delta = text[len(before) :]
             return ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text), delta=delta)
         message = assistant_message(text, tool_names, completion.finish_reason)
-        return ChatResponse(message=message, delta=delta, raw=_usage(completion))
+        return ChatResponse(message=message, delta=delta, raw=_usage(completion), logprobs=_logprobs(completion))
 
     # ---- LlamaIndex's surface -----------------------------------------------------------------
 

@@ -18,12 +18,16 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
+from dataclasses import fields
 from types import MappingProxyType
 from typing import Any
 
+from kev_engine import SamplingParams
 from kev_engine.params import CONSTRAINT_FIELDS
 
-SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_tokens", "stop", "seed", "cache_salt")
+# every engine setting but the constraints (per call, below) and n (LlamaIndex answers once),
+# derived so a new engine setting reaches LlamaIndex too
+SAMPLING_KEYS = tuple(f.name for f in fields(SamplingParams) if f.name not in (*CONSTRAINT_FIELDS, "n"))
 SETTING_KEYS = (*SAMPLING_KEYS, "adapter")
 # a reply constraint belongs to one call (its schema, its tools), never to a scope or a field
 CALL_KEYS = (*SETTING_KEYS, *CONSTRAINT_FIELDS)
@@ -43,9 +47,10 @@ def check_settings(
 
 @contextmanager
 def scoped(**settings: Any) -> Iterator[None]:
-    """Apply `settings` (adapter, temperature, top_p, top_k, max_tokens, stop, seed) to every Kev
-    call made inside the block. Nested scopes merge, the inner one winning; call kwargs still win
-    over the scope, and the scope over the LLM's own fields."""
+    """Apply `settings` (adapter, temperature, top_p, top_k, max_tokens, stop, seed, the
+    penalties...: `SETTING_KEYS`) to every Kev call made inside the block. Nested scopes merge,
+    the inner one winning; call kwargs still win over the scope, and the scope over the LLM's
+    own fields."""
     check_settings(settings)
     token = _overrides.set(MappingProxyType({**_overrides.get(), **settings}))
     try:

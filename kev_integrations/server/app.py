@@ -89,11 +89,12 @@ class ServerState:
             return self._adapter_names()
         return self.ready().adapters
 
-    def acquire(self, count: int) -> None:
-        """Take `count` queue places for one request, or refuse it with 429 (no unbounded queue)."""
+    def acquire(self, count: int, param: str = "prompt") -> None:
+        """Take `count` queue places for one request (one per prompt and sample), or refuse it
+        with 429 (no unbounded queue); `param` names the field to blame when it can never fit."""
         if count > self.config.max_queued:  # would never fit: retrying cannot help
-            raise bad_request(f"{count} prompts in one request; this server holds at most {self.config.max_queued} "
-                              "questions in flight", param="prompt")
+            raise bad_request(f"{count} questions (prompts x n samples) in one request; this server holds at most "
+                              f"{self.config.max_queued} questions in flight", param=param)
         with self._lock:
             if self.metrics.queued + count > self.config.max_queued:
                 raise APIError(429, f"the server has {self.metrics.queued} questions in flight (limit "
@@ -207,7 +208,8 @@ async def _events(state: ServerState, call: EngineCall, chat: bool, engine: Engi
 
     async def stream() -> AsyncIterator[str]:
         writer = ChunkWriter(chat, call.model)
-        opened = [False] * len(futures)
+        n = call.sampling.n  # choice index of prompt i's sample j: i * n + j
+        opened = [False] * (len(futures) * n)
         finished: list[Completion] = []
         try:
             remaining = len(futures)
@@ -221,8 +223,10 @@ async def _events(state: ServerState, call: EngineCall, chat: bool, engine: Engi
                     return
                 if isinstance(piece, str):
                     if not call.tool_names:  # tool-call markup is parsed at the end, not streamed
-                        yield sse(writer.text(i, piece, first=not opened[i]))
-                        opened[i] = True
+                        index = i * n + getattr(piece, "sample_index", 0)
+                        yield sse(writer.text(index, piece, first=not opened[index],
+                                              logprobs=getattr(piece, "logprobs", None)))
+                        opened[index] = True
                     continue
                 remaining -= 1
                 future = piece
@@ -234,7 +238,8 @@ async def _events(state: ServerState, call: EngineCall, chat: bool, engine: Engi
                     continue
                 completion = future.result()
                 finished.append(completion)
-                yield sse(writer.finish(i, completion, call.tool_names))
+                for j, choice in enumerate(completion.samples or (completion,)):
+                    yield sse(writer.finish(i * n + j, choice, call.tool_names))
             if call.include_usage:
                 yield sse(writer.usage(finished))
             yield sse("[DONE]")
@@ -242,7 +247,7 @@ async def _events(state: ServerState, call: EngineCall, chat: bool, engine: Engi
         finally:  # the client left, or we are done: nothing keeps computing for nobody
             for future in futures:
                 future.cancel()
-            state.release(len(futures))
+            state.release(len(futures) * n)
 
     return stream()
 
@@ -327,12 +332,13 @@ def build_app(engine: Engine | Callable[[], Engine], config: ServerConfig | None
         error = (await state.compiles.ensure(engine_now, tenant, [call.sampling]))[0]
         if error is not None:
             raise engine_error(error, None)
-        state.acquire(len(call.prompts))  # 429 now, before any work, rather than mid-stream
+        places = len(call.prompts) * call.sampling.n  # each sample is a question in flight
+        state.acquire(places, "n" if call.sampling.n > 1 else "prompt")  # 429 now, not mid-stream
         if call.stream:
             try:
                 events = await _events(state, call, chat, engine_now, started)
             except BaseException:
-                state.release(len(call.prompts))
+                state.release(places)
                 raise
             return StreamingResponse(events, media_type="text/event-stream")
         try:
@@ -343,7 +349,7 @@ def build_app(engine: Engine | Callable[[], Engine], config: ServerConfig | None
             _refused(futures)
             completions = await _answers(request, futures, config.request_timeout_s)
         finally:
-            state.release(len(call.prompts))
+            state.release(places)
         if completions is None:  # the client is gone; nobody reads a response
             state.metrics.observe(endpoint, 499)
             return Response(status_code=499)

@@ -10,7 +10,8 @@ request and one pack on the server, and every per-call setting survives the trip
   tokenized on a few threads of its own (never the event loop), bodies of at most
   `max_tokenize_bytes`, `max_pending_tokenize` at once (then a 429).
 - ``POST /kev/v1/generate``: ``{"requests": [{"prompt", "sampling", "adapter", "stream"}]}`` →
-  server-sent events ``{"index", "text"}`` (streamed requests), then ``{"index", "completion"}``
+  server-sent events ``{"index", "text"}`` (streamed requests; with ``"sample"`` when n > 1 and
+  ``"logprobs"`` when asked for, as `TextPiece` carries them), then ``{"index", "completion"}``
   or ``{"index", "error": {"type", "message"}}`` per request, then ``[DONE]``. A bad request
   fails alone, as in `Engine.generate(..., return_exceptions=True)`; closing the stream
   cancels whatever is still running.
@@ -31,7 +32,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from kev_engine import Completion, Engine, InvalidRequestError, KevError, SamplingParams
-from kev_engine.params import coerce_sampling
+from kev_engine.params import MAX_N, coerce_sampling
 from kev_engine.request import failed_future
 from kev_engine.tokenize import prompt_ids
 
@@ -55,6 +56,17 @@ def _sampling(raw: Any, limit: int) -> SamplingParams:
     return sampling
 
 
+def _text_event(index: int, piece: str) -> dict[str, Any]:
+    """A streamed piece as an event: its text, and the sample and logprobs a `TextPiece` carries."""
+    event: dict[str, Any] = {"index": index, "text": str(piece)}
+    if getattr(piece, "sample_index", 0):
+        event["sample"] = piece.sample_index  # type: ignore[attr-defined]
+    logprobs = getattr(piece, "logprobs", None)
+    if logprobs is not None:
+        event["logprobs"] = [dataclasses.asdict(entry) for entry in logprobs]
+    return event
+
+
 def _requests(body: dict[str, Any], state: ServerState) -> list[dict[str, Any]]:
     requests = body.get("requests")
     if set(body) != {"requests"} or not isinstance(requests, list) or not requests:
@@ -68,6 +80,17 @@ def _requests(body: dict[str, Any], state: ServerState) -> list[dict[str, Any]]:
             raise bad_request(f"requests[{i}] must be {{'prompt', 'sampling'?, 'adapter'?, 'stream'?}}",
                               param=f"requests[{i}]")
     return requests
+
+
+def _places(requests: list[dict[str, Any]]) -> int:
+    """Queue places the requests take: one per sample (``n``). A malformed ``n`` counts once; its
+    request is refused by the engine's own check."""
+    total = 0
+    for request in requests:
+        sampling = request.get("sampling")
+        n = sampling.get("n", 1) if isinstance(sampling, dict) else 1
+        total += n if isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= MAX_N else 1
+    return total
 
 
 async def _generate_events(state: ServerState, engine: Engine, tenant: Tenant,
@@ -109,7 +132,7 @@ async def _generate_events(state: ServerState, engine: Engine, tenant: Tenant,
                     yield sse("[DONE]")  # the stream ends here on purpose: not a cut connection
                     return
                 if isinstance(piece, str):
-                    yield sse({"index": i, "text": piece})
+                    yield sse(_text_event(i, piece))
                     continue
                 remaining -= 1
                 yield sse({"index": i, **_outcome(piece)})
@@ -117,7 +140,7 @@ async def _generate_events(state: ServerState, engine: Engine, tenant: Tenant,
         finally:  # the client left or we are done: nothing keeps computing for nobody
             for future in futures.values():
                 future.cancel()
-            state.release(len(requests))
+            state.release(_places(requests))
 
     return stream()
 
@@ -176,11 +199,11 @@ def add_native_routes(app: FastAPI, state: ServerState, tenant_of: Callable[[Req
         tenant = tenant_of(request)
         engine = state.ready()
         requests = _requests(await json_body(request), state)
-        state.acquire(len(requests))
+        state.acquire(_places(requests), "requests")
         try:
             events = await _generate_events(state, engine, tenant, requests)
         except BaseException:
-            state.release(len(requests))
+            state.release(_places(requests))
             raise
         return StreamingResponse(events, media_type="text/event-stream")
 

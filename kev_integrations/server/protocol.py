@@ -1,9 +1,15 @@
 """OpenAI request bodies → what the engine runs: prompts, one `SamplingParams`, an adapter.
 
-Every field is read on purpose. Fields Kev implements map to sampling settings; fields it does
-not implement are refused by name with a 400 unless they hold their no-op value (``n=1``,
-``logprobs=false``, ``presence_penalty=0``...): a client must never believe a setting took
-effect when it did not. Unknown fields are refused the same way.
+Every field is read on purpose. Fields Kev implements map to sampling settings — OpenAI's
+(``n``, ``logprobs``/``top_logprobs``, the penalties, ``logit_bias``...) and vLLM's extras
+(``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``top_k``);
+fields it does not implement are refused by name with a 400 unless they hold their no-op value
+(``best_of=1``, ``echo=false``): a client must never believe a setting took effect when it did
+not. Unknown fields are refused the same way.
+
+The two endpoints spell logprobs differently: chat takes ``logprobs: bool`` and
+``top_logprobs: 0..20``; completions takes ``logprobs: int`` (the number of alternatives, 0 =
+the chosen token's only).
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kev_engine import InvalidRequestError, SamplingParams
+from kev_engine.params import MAX_TOP_LOGPROBS
 
 from ..tool_format import tool_call_constraint
 from .chat_prompt import chat_prompt
@@ -21,22 +28,19 @@ from .errors import bad_request
 
 # fields accepted only at the value that means "off"
 NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
-    "n": (None, 1),
     "best_of": (None, 1),
     "echo": (None, False),
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
-    "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0),
-    "logit_bias": (None, {}),
     "suffix": (None, ""),
 }
 IDENTITY_FIELDS = {"user", "metadata", "store", "service_tier"}  # bookkeeping only, no effect on the answer
-SAMPLING_FIELDS = {"temperature", "top_p", "top_k", "seed", "stop", "max_tokens", "max_completion_tokens",
-                   "cache_salt"}
-COMMON_FIELDS = {"model", "stream", "stream_options", "adapter", "response_format"} | SAMPLING_FIELDS
-CHAT_FIELDS = (COMMON_FIELDS | {"messages", "tools", "tool_choice", "parallel_tool_calls"} | set(NO_OP_VALUES)
-               | IDENTITY_FIELDS)
+# body fields that are SamplingParams fields of the same name and meaning
+SAMPLING_FIELDS = {"temperature", "top_p", "top_k", "seed", "stop", "cache_salt", "n", "presence_penalty",
+                   "frequency_penalty", "repetition_penalty", "min_p", "logit_bias", "stop_token_ids",
+                   "min_tokens", "ignore_eos"}
+COMMON_FIELDS = ({"model", "stream", "stream_options", "adapter", "response_format", "max_tokens",
+                  "max_completion_tokens", "logprobs"} | SAMPLING_FIELDS)
+CHAT_FIELDS = (COMMON_FIELDS | {"messages", "tools", "tool_choice", "parallel_tool_calls", "top_logprobs"}
+               | set(NO_OP_VALUES) | IDENTITY_FIELDS)
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"} | set(NO_OP_VALUES) | IDENTITY_FIELDS
 
 
@@ -110,17 +114,41 @@ def _constraint(response_format: Any) -> dict[str, Any]:
     )
 
 
+def _chat_logprobs(body: Mapping[str, Any]) -> dict[str, Any]:
+    """Chat's ``logprobs: bool`` and ``top_logprobs: int`` → the engine's settings of those names."""
+    logprobs, top = body.get("logprobs"), body.get("top_logprobs")
+    if logprobs is not None and not isinstance(logprobs, bool):
+        raise bad_request(f"logprobs={logprobs!r} is not allowed; use true or false", param="logprobs")
+    if top is not None and not logprobs:
+        raise bad_request(f"top_logprobs={top!r} needs logprobs=true", param="top_logprobs")
+    return {"logprobs": logprobs, "top_logprobs": top}
+
+
+def _completion_logprobs(body: Mapping[str, Any]) -> dict[str, Any]:
+    """Completions' ``logprobs: int`` (alternatives per token, 0 = the chosen token's only)."""
+    logprobs = body.get("logprobs")
+    if logprobs is None:
+        return {}
+    if isinstance(logprobs, bool) or not isinstance(logprobs, int) or not 0 <= logprobs <= MAX_TOP_LOGPROBS:
+        raise bad_request(f"logprobs={logprobs!r} is not allowed; on /v1/completions use an integer in "
+                          f"[0, {MAX_TOP_LOGPROBS}] (alternatives per token)", param="logprobs")
+    return {"logprobs": True, "top_logprobs": logprobs}
+
+
 def _sampling(body: Mapping[str, Any], config: ServerConfig, extra: Mapping[str, Any]) -> SamplingParams:
     max_tokens = body.get("max_completion_tokens")
     if max_tokens is None:
         max_tokens = body.get("max_tokens")
-    values = {key: body.get(key) for key in ("temperature", "top_p", "top_k", "seed", "stop", "cache_salt")}
+    values = {key: body.get(key) for key in SAMPLING_FIELDS}
     values["max_tokens"] = max_tokens
     values.update(extra)
     try:
         sampling = SamplingParams.from_dict(values)
     except InvalidRequestError as exc:
-        param = next((key for key in values if f"{key}=" in str(exc)), None)
+        message = str(exc)
+        # the engine's messages open with the setting they refuse: "min_p=1.5 ...", "logit_bias[5]=..."
+        param = next((key for key in values if message.startswith((f"{key}=", f"{key}[", f"{key} "))),
+                     next((key for key in values if f"{key}=" in message), None))
         raise bad_request(str(exc), param=param) from None
     if sampling.max_tokens > config.max_tokens_limit:  # also when left out: the default may exceed the limit
         raise bad_request(f"max_tokens={sampling.max_tokens} is over this server's limit of "
@@ -168,6 +196,7 @@ def parse_chat(body: Mapping[str, Any], config: ServerConfig, base_model: str, a
         raise bad_request(f"messages, tools or tool_choice have an unexpected shape ({type(exc).__name__}: {exc}); "
                           "see the OpenAI chat completions format", param="messages") from None
     stream, include_usage = _stream_options(body)
+    extra = {**extra, **_chat_logprobs(body)}
     return EngineCall([prompt], _sampling(body, config, extra), adapter, model, stream, include_usage,
                       names if tool_choice != "none" else [])
 
@@ -186,5 +215,5 @@ def parse_completion(body: Mapping[str, Any], config: ServerConfig, base_model: 
         raise bad_request(f"{len(prompts)} prompts in one request; this server takes at most {config.max_prompts}",
                           param="prompt")
     stream, include_usage = _stream_options(body)
-    sampling = _sampling(body, config, _constraint(body.get("response_format")))
+    sampling = _sampling(body, config, {**_constraint(body.get("response_format")), **_completion_logprobs(body)})
     return EngineCall(prompts, sampling, adapter, model, stream, include_usage)

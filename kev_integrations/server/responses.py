@@ -1,4 +1,11 @@
-"""Engine `Completion`s → OpenAI response objects and stream chunks (chat and text completions)."""
+"""Engine `Completion`s → OpenAI response objects and stream chunks (chat and text completions).
+
+A request with ``n`` > 1 answers each prompt with n choices: a prompt's `Completion` holds them
+in `samples`, and choice indices run prompt-major (prompt i, sample j → ``i * n + j``), as
+OpenAI numbers them. Logprobs take each endpoint's own shape: chat's ``{"content": [{token,
+logprob, bytes, top_logprobs}]}``, completions' ``{tokens, token_logprobs, top_logprobs,
+text_offset}``.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +16,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from kev_engine import Completion
+from kev_engine.logprobs import TokenLogprob
 
+from ..logprob_format import chat_logprobs, text_logprobs
 from .chat_prompt import reply_tool_calls
 
 
@@ -23,14 +32,20 @@ def new_id(prefix: str) -> str:
 
 
 def usage(completions: Sequence[Completion]) -> dict[str, Any]:
+    """Usage of prompt-level completions: each prompt counted once, however many samples it has."""
     prompt = sum(c.prompt_tokens for c in completions)
-    generated = sum(c.completion_tokens for c in completions)
+    generated = sum(c.completion_tokens for c in choices_of(completions))
     return {
         "prompt_tokens": prompt,
         "completion_tokens": generated,
         "total_tokens": prompt + generated,
         "prompt_tokens_details": {"cached_tokens": sum(c.cached_tokens for c in completions)},
     }
+
+
+def choices_of(completions: Sequence[Completion]) -> list[Completion]:
+    """Every choice of a response, in index order: each prompt's samples (or itself when n = 1)."""
+    return [choice for c in completions for choice in (c.samples or (c,))]
 
 
 def chat_message(completion: Completion, tool_names: Sequence[str]) -> tuple[dict[str, Any], str]:
@@ -46,49 +61,70 @@ def chat_message(completion: Completion, tool_names: Sequence[str]) -> tuple[dic
 
 
 def chat_response(completion: Completion, model: str, tool_names: Sequence[str]) -> dict[str, Any]:
-    message, finish = chat_message(completion, tool_names)
+    choices = []
+    for i, choice in enumerate(choices_of([completion])):
+        message, finish = chat_message(choice, tool_names)
+        choices.append({"index": i, "message": message, "finish_reason": finish,
+                        "logprobs": chat_logprobs(choice.logprobs)})
     return {
         "id": new_id("chatcmpl"), "object": "chat.completion", "created": int(time.time()), "model": model,
-        "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
-        "usage": usage([completion]),
+        "choices": choices, "usage": usage([completion]),
     }
 
 
 def completion_response(completions: Sequence[Completion], model: str) -> dict[str, Any]:
+    choices = choices_of(completions)
     return {
         "id": new_id("cmpl"), "object": "text_completion", "created": int(time.time()), "model": model,
-        "choices": [{"index": i, "text": c.text, "finish_reason": c.finish_reason, "logprobs": None}
-                    for i, c in enumerate(completions)],
+        "choices": [{"index": i, "text": c.text, "finish_reason": c.finish_reason,
+                     "logprobs": text_logprobs(c.logprobs)} for i, c in enumerate(choices)],
         "usage": usage(completions),
     }
 
 
 class ChunkWriter:
-    """The chunks of one streamed response: one id and creation time for all of them."""
+    """The chunks of one streamed response: one id and creation time for all of them.
+
+    Logprobs ride on the chunk of the text their tokens made; those of tokens whose text never
+    streamed (an end-of-sequence token, a reply with tools bound) ride on the choice's closing
+    chunk, so a client that concatenates them has every token's once, in order."""
 
     def __init__(self, chat: bool, model: str) -> None:
         self.chat, self.model = chat, model
         self.id = new_id("chatcmpl" if chat else "cmpl")
         self.created = int(time.time())
+        self._chars: dict[int, int] = {}  # choice index → characters streamed (completions' text_offset)
+        self._reported: dict[int, int] = {}  # choice index → logprob entries streamed
 
     def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
         kind = "chat.completion.chunk" if self.chat else "text_completion"
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices,
                 **extra}
 
-    def text(self, index: int, piece: str, first: bool = False) -> dict[str, Any]:
+    def _logprobs(self, index: int, entries: Sequence[TokenLogprob] | None) -> dict[str, Any] | None:
+        if entries is None:
+            return None
+        self._reported[index] = self._reported.get(index, 0) + len(entries)
+        return chat_logprobs(entries) if self.chat else text_logprobs(entries, self._chars.get(index, 0))
+
+    def text(self, index: int, piece: str, first: bool = False,
+             logprobs: Sequence[TokenLogprob] | None = None) -> dict[str, Any]:
+        reported = self._logprobs(index, logprobs)
+        self._chars[index] = self._chars.get(index, 0) + len(piece)
         if self.chat:
             delta: dict[str, Any] = {"content": piece}
             if first:
                 delta["role"] = "assistant"
-            return self._chunk([{"index": index, "delta": delta, "finish_reason": None, "logprobs": None}])
-        return self._chunk([{"index": index, "text": piece, "finish_reason": None, "logprobs": None}])
+            return self._chunk([{"index": index, "delta": delta, "finish_reason": None, "logprobs": reported}])
+        return self._chunk([{"index": index, "text": piece, "finish_reason": None, "logprobs": reported}])
 
     def finish(self, index: int, completion: Completion, tool_names: Sequence[str]) -> dict[str, Any]:
         """The closing chunk of one choice (tool calls, parsed once the reply is whole, ride on it)."""
+        left = None if completion.logprobs is None else completion.logprobs[self._reported.get(index, 0):]
+        reported = self._logprobs(index, left) if left else None
         if not self.chat:
             return self._chunk([{"index": index, "text": "", "finish_reason": completion.finish_reason,
-                                 "logprobs": None}])
+                                 "logprobs": reported}])
         message, finish = chat_message(completion, tool_names)
         delta: dict[str, Any] = {}
         if tool_names:  # with tools bound nothing was streamed: the text (if any) comes whole, here
@@ -97,7 +133,7 @@ class ChunkWriter:
                 delta["content"] = message["content"]
         if message.get("tool_calls"):
             delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]
-        return self._chunk([{"index": index, "delta": delta, "finish_reason": finish, "logprobs": None}])
+        return self._chunk([{"index": index, "delta": delta, "finish_reason": finish, "logprobs": reported}])
 
     def usage(self, completions: Sequence[Completion]) -> dict[str, Any]:
         return self._chunk([], usage=usage(completions))

@@ -1,0 +1,42 @@
+"""Engine logprobs → OpenAI's two wire shapes, written once for every front end.
+
+Chat's ``{"content": [{token, logprob, bytes, top_logprobs}]}`` is what `kev serve` returns on
+/v1/chat/completions and what ChatKev puts in ``response_metadata["logprobs"]`` (ChatOpenAI's
+shape, so code reading one reads the other); completions' ``{tokens, token_logprobs,
+top_logprobs, text_offset}`` is /v1/completions' and KevLLM's ``generation_info["logprobs"]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from kev_engine.logprobs import TokenLogprob
+
+
+def _entry(token: str, logprob: float) -> dict[str, Any]:
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+
+
+def chat_logprobs(entries: Sequence[TokenLogprob] | None) -> dict[str, Any] | None:
+    """Chat's logprobs object for `entries` (None when the request did not ask for logprobs)."""
+    if entries is None:
+        return None
+    return {"content": [{**_entry(e.token, e.logprob), "top_logprobs": [_entry(a.token, a.logprob)
+                                                                         for a in e.top_logprobs]}
+                        for e in entries], "refusal": None}
+
+
+def text_logprobs(entries: Sequence[TokenLogprob] | None, offset: int = 0) -> dict[str, Any] | None:
+    """Completions' logprobs object; `text_offset` counts characters from `offset` (where the
+    entries' text starts in the choice). A token left out of the text (end of sequence) still
+    has its entry, at the offset where the text ends."""
+    if entries is None:
+        return None
+    offsets = []
+    for entry in entries:
+        offsets.append(offset)
+        offset += len(entry.token)
+    return {"tokens": [e.token for e in entries], "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{a.token: a.logprob for a in e.top_logprobs} for e in entries],
+            "text_offset": offsets}
