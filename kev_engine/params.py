@@ -356,6 +356,13 @@ def coerce_sampling(value: SamplingParams | Mapping[str, Any] | None) -> Samplin
     raise InvalidRequestError(f"sampling={value!r} is not allowed; use SamplingParams, a dict of its fields, or None")
 
 
+SETTING_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(SamplingParams) if f.name not in CONSTRAINT_FIELDS)
+"""Every sampling setting that is not a reply constraint, in declaration order: the one list the
+front ends (LangChain, LlamaIndex, kev serve, Ray Data) take their setting names from."""
+INT_FIELDS = frozenset(f.name for f in fields(SamplingParams) if f.type in ("int", "int | None"))
+"""The integer settings (a column of them with gaps arrives as floats)."""
+
+
 @dataclass(frozen=True)
 class Defaults:
     """Engine-wide defaults; `version` grows by one with every update."""

@@ -296,3 +296,22 @@ def test_all_bad_batch_runs_nothing_and_keeps_the_column_types(
     bad_block, good_block = BlockAccessor.batch_to_block(bad), BlockAccessor.batch_to_block(good)
     for name in ("text", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens"):
         assert bad_block.schema.field(name).type == good_block.schema.field(name).type, name
+
+
+def test_every_setting_but_constraints_is_a_column(predictor: KevPredictor, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The columns are SamplingParams' settings (cache_salt, penalties...), never its constraints."""
+    seen: list[Any] = []
+    generate = predictor.engine.generate
+
+    def spy(prompts: Any, sampling: Any, *args: Any, **kwargs: Any) -> Any:
+        seen.extend(sampling)
+        return generate(prompts, sampling, *args, **kwargs)
+
+    monkeypatch.setattr(predictor.engine, "generate", spy)
+    out = predictor({"id": np.arange(2), "prompt": np.array(["Once upon a time", "x"]),
+                     "cache_salt": np.array(["tenant-a", None], dtype=object),
+                     "frequency_penalty": np.array([0.5, np.nan]), "min_tokens": np.array([2.0, np.nan]),
+                     "regex": np.array(["[0-9]+", "[a-z]+"])})  # a dataset's own column: not a constraint
+    assert list(out["error"]) == [None, None]
+    assert seen == [SamplingParams(max_tokens=8, cache_salt="tenant-a", frequency_penalty=0.5, min_tokens=2),
+                    SamplingParams(max_tokens=8)]

@@ -17,14 +17,15 @@ import pandas as pd
 
 from kev_engine import Engine, SamplingParams
 from kev_engine.errors import InvalidRequestError, KevError
+from kev_engine.params import INT_FIELDS, SETTING_FIELDS
 from kev_engine.request import Completion
 from kev_engine.tokenize import Prompt
 
-# The per-row settings, named on purpose rather than derived from SamplingParams: a dataset's own
+# The per-row settings: SamplingParams' own list less the reply constraints — a dataset's own
 # columns (a multiple-choice eval's `choice`, a `regex` field) must never silently constrain the
-# reply. Constraints and other settings can be given to every row with `sampling=`.
-SETTING_COLUMNS = ("temperature", "top_p", "top_k", "max_tokens", "seed", "stop")
-INT_SETTINGS = frozenset({"top_k", "max_tokens", "seed"})
+# reply — and less what would need output columns a row does not have (`n` samples, `logprobs`).
+# Constraints and those can be given to every row with `sampling=`.
+SETTING_COLUMNS = tuple(name for name in SETTING_FIELDS if name not in ("n", "logprobs", "top_logprobs"))
 
 Batch: TypeAlias = "dict[str, np.ndarray] | pd.DataFrame"
 Row = tuple[Prompt, SamplingParams, str | None]
@@ -49,8 +50,11 @@ class KevPredictor:
 
     Input columns (others are kept and ignored):
         ``prompt`` (text) or ``messages`` (chat: a list of ``{"role", "content"}``), exactly one
-        per row; optional ``adapter``, ``temperature``, ``top_p``, ``top_k``, ``max_tokens``,
-        ``seed``, ``stop`` (a string or a list of them). A missing value (None, NaN, pandas' NA) is unset.
+        per row; optional ``adapter`` and any sampling setting by its `SamplingParams` name
+        (`SETTING_COLUMNS`: ``temperature``, ``top_p``, ``top_k``, ``max_tokens``, ``seed``, ``stop``
+        — a string or a list of them —, ``cache_salt``, the penalties, ``min_p``, ``logit_bias``,
+        ``stop_token_ids``, ``min_tokens``, ``ignore_eos``; not constraints, ``n`` or logprobs).
+        A missing value (None, NaN, pandas' NA) is unset.
 
     Output columns (added; an input column of the same name is replaced):
         ``text``, ``finish_reason`` ("stop" or "length"), ``prompt_tokens``, ``completion_tokens``,
@@ -116,7 +120,7 @@ class KevPredictor:
             for name in SETTING_COLUMNS:
                 value = _cell(columns, name, i)
                 if value is not None:
-                    settings[name] = _as_int(value) if name in INT_SETTINGS else value
+                    settings[name] = _as_int(value) if name in INT_FIELDS else value
             return question, SamplingParams.from_dict(settings), _cell(columns, "adapter", i)
         except KevError as exc:
             return exc

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kev_engine import InvalidRequestError, SamplingParams
-from kev_engine.params import MAX_TOP_LOGPROBS
+from kev_engine.params import MAX_TOP_LOGPROBS, SETTING_FIELDS
 
 from ..tool_format import tool_call_constraint
 from .chat_prompt import chat_prompt
@@ -33,10 +33,9 @@ NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
     "suffix": (None, ""),
 }
 IDENTITY_FIELDS = {"user", "metadata", "store", "service_tier"}  # bookkeeping only, no effect on the answer
-# body fields that are SamplingParams fields of the same name and meaning
-SAMPLING_FIELDS = {"temperature", "top_p", "top_k", "seed", "stop", "cache_salt", "n", "presence_penalty",
-                   "frequency_penalty", "repetition_penalty", "min_p", "logit_bias", "stop_token_ids",
-                   "min_tokens", "ignore_eos"}
+# body fields that are SamplingParams fields of the same name and meaning; OpenAI names and shapes
+# the other three itself (max_completion_tokens, completions' `logprobs: k`)
+SAMPLING_FIELDS = set(SETTING_FIELDS) - {"max_tokens", "logprobs", "top_logprobs"}
 COMMON_FIELDS = ({"model", "stream", "stream_options", "adapter", "response_format", "max_tokens",
                   "max_completion_tokens", "logprobs"} | SAMPLING_FIELDS)
 CHAT_FIELDS = (COMMON_FIELDS | {"messages", "tools", "tool_choice", "parallel_tool_calls", "top_logprobs"}
