@@ -385,6 +385,30 @@ class Engine:
             self._raise_refused(prepared)
         return self._wait(self._enqueue(prepared), return_exceptions)
 
+    def generate_with_logits(
+        self,
+        prompts: Sequence[Prompt],
+        sampling: SamplingArg | Sequence[SamplingArg] = None,
+        adapters: AdapterArg | Sequence[AdapterArg] = None,
+    ) -> list[tuple[Completion, torch.Tensor]]:
+        """`generate`, each answer with the logits its tokens were drawn from: [tokens, vocab] fp32,
+        the model's own (before penalties, grammar masks and temperature). What `kev verify`
+        compares packed against alone; one sample per prompt (n = 1). Bad input raises first."""
+        self._refuse_on_scheduler_thread("generate_with_logits")
+        prompts = self._check_prompts(prompts)
+        if not prompts:
+            return []
+        prepared = self._prepare(
+            prompts, self._per_prompt(sampling, len(prompts), "sampling settings"),
+            self._per_prompt(adapters, len(prompts), "adapters"),
+        )
+        self._raise_refused(prepared)
+        for item in prepared:
+            if not isinstance(item, BaseException) and item[1].n != 1:
+                raise InvalidRequestError(f"n={item[1].n} is not allowed with generate_with_logits; "
+                                          "it keeps one answer's logits per prompt (n=1)")
+        return self._wait(self._enqueue(prepared, capture_logits=True), return_exceptions=False)
+
     def prompt_logits(
         self, prompts: Sequence[Prompt], adapters: AdapterArg | Sequence[AdapterArg] = None
     ) -> list[torch.Tensor]:

@@ -66,6 +66,4 @@ def verify(
 
 def _run(engine: Any, prompts: list[Any], samplings: list[SamplingParams], adapters: list[str | None]) -> list:
     """(Completion, [tokens, vocab] logits) per prompt, all in one packed call."""
-    prepared = engine._prepare(prompts, samplings, adapters)
-    engine._raise_refused(prepared)
-    return engine._wait(engine._enqueue(prepared, capture_logits=True), return_exceptions=False)
+    return engine.generate_with_logits(prompts, samplings, adapters)

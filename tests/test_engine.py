@@ -7,7 +7,8 @@ import threading
 from concurrent.futures import Future
 
 import pytest
-from conftest import QUESTIONS
+import torch
+from conftest import QUESTIONS, chat
 
 from kev_engine import Engine, InvalidRequestError, SamplingParams
 from kev_engine.params import Defaults
@@ -297,3 +298,14 @@ def test_a_failing_stream_callback_fails_only_its_request(tiny_engine: Engine) -
     with pytest.raises(RuntimeError, match="listener went away"):
         bad.result()
     assert good.result().completion_tokens == 20
+
+
+def test_generate_with_logits_gives_the_logits_each_token_was_drawn_from(tiny_engine: Engine) -> None:
+    prompt = chat("What is the capital of France?")
+    ((completion, logits),) = tiny_engine.generate_with_logits([prompt], SamplingParams(temperature=0, max_tokens=4))
+    assert logits.dtype == torch.float32 and logits.shape[0] == len(completion.token_ids) == 4
+    assert logits.argmax(-1).tolist() == completion.token_ids  # greedy: each token is its row's top
+    again = tiny_engine.generate([prompt], SamplingParams(temperature=0, max_tokens=4))[0]
+    assert (again.text, again.token_ids) == (completion.text, completion.token_ids)
+    with pytest.raises(InvalidRequestError, match="n=2 is not allowed with generate_with_logits"):
+        tiny_engine.generate_with_logits([prompt], SamplingParams(n=2, max_tokens=2))
