@@ -756,10 +756,7 @@ class Engine:
         has_prefill = any(c.request.in_prefill for c in chunks)
         has_decode = any(not c.request.in_prefill for c in chunks)
         with self._cond:
-            for chunk in chunks:
-                request = chunk.request
-                request.num_computed += chunk.num_tokens
-                self._blocks.commit(request.blocks, request.all_ids, request.prefix_key, request.num_computed)
+            self._scheduler.update(chunks)
             self._stats["forward_passes"] += 1
             self._stats["prefill_passes"] += has_prefill
             self._stats["decode_steps"] += has_decode

@@ -13,7 +13,7 @@ one. Finished questions leave: nothing is computed for them again (continuous ba
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from .blocks import BlockManager
@@ -149,6 +149,19 @@ class Scheduler:
         on_preempt(request)
         self.waiting.insert(0, request)
         self.preemptions += 1
+
+    def update(self, chunks: Sequence[Chunk], draws: Sequence[tuple[Request, int]] = ()) -> None:
+        """A pass ran `chunks`: each request's tokens are in its KV now (its full blocks committed,
+        findable by later prompts), and each of `draws` adds its token to its request's output.
+
+        The engine records its draws itself (`unpack.append_token`: stop strings, the text) and
+        passes none; a test driving the scheduler alone passes them."""
+        for chunk in chunks:
+            request = chunk.request
+            request.num_computed += chunk.num_tokens
+            self.blocks.commit(request.blocks, request.all_ids, request.prefix_key, request.num_computed)
+        for request, token in draws:
+            request.output_ids.append(token)
 
     def take_cancelled(self) -> list[Request]:
         """Requests whose future is done while they are still here, waiting or running: cancelled

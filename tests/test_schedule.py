@@ -59,13 +59,10 @@ def test_schedule_admits_by_memory_and_preempts_the_newest() -> None:
     scheduler.add([first, second])
     chunks = scheduler.schedule()
     assert [c.request for c in chunks] == [first, second] and blocks.num_used == 4  # 2 blocks each
-    for chunk in chunks:
-        chunk.request.num_computed += chunk.num_tokens
-        chunk.request.output_ids.append(0)
+    scheduler.update(chunks, [(c.request, 0) for c in chunks])
     for _ in range(2):  # decode up to 8 tokens: both fit in their 2 blocks
-        for c in scheduler.schedule():
-            c.request.num_computed += c.num_tokens
-            c.request.output_ids.append(0)
+        chunks = scheduler.schedule()
+        scheduler.update(chunks, [(c.request, 0) for c in chunks])
     chunks = scheduler.schedule()  # token 9 needs a third block each: the newest is preempted
     assert [c.request for c in chunks] == [first] and second.status is Status.WAITING
     assert second.num_computed == 0 and scheduler.waiting[0] is second and scheduler.preemptions == 1
@@ -76,8 +73,9 @@ def test_token_budget_chunks_a_long_prompt_and_running_requests_go_first() -> No
     scheduler = Scheduler(max_batch_tokens=10, max_num_seqs=4, blocks=blocks)
     long_one, short = request(0, list(range(25))), request(1, [1, 2, 3])
     scheduler.add([long_one])
-    assert [(c.request, c.num_tokens) for c in scheduler.schedule()] == [(long_one, 10)]
-    long_one.num_computed = 10
+    first = scheduler.schedule()
+    assert [(c.request, c.num_tokens) for c in first] == [(long_one, 10)]
+    scheduler.update(first)  # its first 10 tokens are computed
     scheduler.add([short])
     chunks = scheduler.schedule()
     assert [(c.request, c.num_tokens) for c in chunks] == [(long_one, 10)]  # the budget is spent on it first
