@@ -22,29 +22,28 @@ import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
-from typing import Any, Literal, NamedTuple, overload
+from typing import Any, Literal, overload
 
 import torch
 
-from . import fanout, loader, penalties
+from . import fanout, loader
 from .adapters import AdapterPool
 from .backends import cuda as cuda_backend
 from .backends.cuda_graphs import DecodeGraphs
 from .blocks import BlockManager, BlockTable
 from .delivery import Delivery, hand_text
-from .errors import ConstraintError, EngineClosedError, InvalidRequestError, KevError, PassFailedError
+from .errors import EngineClosedError, InvalidRequestError, KevError, PassFailedError
 from .forward import run_model
-from .grammar import Grammars, mask_logits
+from .grammar import Grammars
 from .invariance import exact_or_why
 from .kernels import choose as choose_kernels
 from .kv_pool import KVPool
-from .logprobs import TokenLogprob, TokenTexts
-from .logprobs import compute as compute_logprobs
+from .logprobs import TokenTexts
 from .model_setup import check_packable, claim_model, context_length, eos_ids, prepare_model, release_model
 from .pack import PackedBatch, Segment, pack
 from .params import Defaults, SamplingParams, check_temperature, coerce_sampling
 from .request import Completion, Request, Status, TextPiece, failed_future, resolve_future
-from .sample import sample
+from .sample import Draw, draw_tokens
 from .schedule import Chunk, Scheduler
 from .threads import run_on_passing_thread
 from .tokenize import Prompt, check_prompt_list, encode_prompt
@@ -62,16 +61,6 @@ IDLE_RECHECK_S = 0.05  # a pass that could schedule nothing waits this long (or 
 
 
 log = logging.getLogger("kev")
-
-
-class Draw(NamedTuple):
-    """What one sampled row gave its request: a token (or the error that ends it) and, when asked
-    for, its logprobs; `row` is its row of the pass's logits."""
-
-    request: Request
-    row: int
-    token: int | BaseException
-    logprob: TokenLogprob | None
 
 
 _live_engines: weakref.WeakSet[Engine] = weakref.WeakSet()
@@ -674,49 +663,13 @@ class Engine:
         token of an n > 1 request, for each of its other samples forked from that prefill: they
         draw from the same row.
 
-        Each row is penalised by its own tokens (`penalties`), then masked to what its grammar
-        allows, sampled, and given its logprobs if it asked (`logprobs`). A constrained request's
-        matcher accepts the token drawn; a grammar that allows nothing fails its own request only.
+        How a row is drawn (penalties, grammar mask, the draw, logprobs) is `sample.draw_tokens`'s.
         """
         plan = [(c.request, batch.logits_rows[i][0]) for i, c in enumerate(chunks) if c.samples]
         if not plan:
             return []
         plan += [(sibling, row) for request, row in plan if request.siblings for sibling in self._fork(request)]
-        requests = [request for request, _ in plan]
-        settings = [r.sampling for r in requests]
-        device = logits.device
-        selected = logits[[row for _, row in plan]]  # [R, vocab], a copy: masking it leaves captured logits raw
-        penalties.apply(selected, penalties.build(requests, selected.shape[-1], self.eos_ids, device))
-        dead = set(mask_logits(selected, [r.matcher for r in requests], self._grammars.vocab_size))
-        temperature = torch.tensor([s.temperature for s in settings], dtype=torch.float32, device=device)
-        drawn = sample(
-            selected,
-            temperature=temperature,
-            top_p=torch.tensor([s.top_p for s in settings], dtype=torch.float32, device=device),
-            top_k=torch.tensor([s.top_k for s in settings], dtype=torch.long, device=device),
-            generators=[r.generator for r in requests],
-            min_p=torch.tensor([s.min_p for s in settings], dtype=torch.float32, device=device)
-            if any(s.min_p for s in settings) else None,
-        )  # [R]
-        asked = [i for i, s in enumerate(settings) if s.logprobs]
-        every = len(asked) == len(settings)  # then no [R, vocab] copy of the rows that asked
-        logprobs: dict[int, TokenLogprob] = dict(zip(asked, compute_logprobs(
-            selected if every else selected[asked], temperature if every else temperature[asked],
-            drawn if every else drawn[asked], [settings[i].top_logprobs for i in asked],
-            self._token_texts))) if asked else {}
-        draws = []
-        for i, ((request, row), token) in enumerate(zip(plan, drawn.tolist())):
-            outcome: int | BaseException = token
-            if request.matcher is not None and (i in dead or not request.matcher.accept_token(token)):
-                kind = request.sampling.constraint[0] if request.sampling.constraint else "constraint"
-                early = len(request.output_ids) < settings[i].min_tokens
-                short = " (min_tokens bans ending before then)" if early else ""
-                outcome = ConstraintError(
-                    f"the {kind} constraint allows no further token after {len(request.output_ids)} generated "
-                    f"tokens{short} ({request.text[-80:]!r}); it cannot be satisfied from here"
-                )
-            draws.append(Draw(request, row, outcome, logprobs.get(i)))
-        return draws
+        return draw_tokens(plan, logits, self.eos_ids, self._grammars.vocab_size, self._token_texts)
 
     def _fork(self, leader: Request) -> list[Request]:
         """The samples waiting on `leader` that start from its prefill now (see `fanout`); those

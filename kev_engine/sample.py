@@ -1,5 +1,10 @@
 """Sample: one next token per question from the logits at its segment end.
 
+`draw_tokens` is the whole per-request step the engine calls after a pass: each row penalised by
+its own tokens (`penalties`), masked to what its grammar allows, drawn (`sample`, below), given
+its logprobs if it asked (`logprobs`); a constrained request's matcher accepts the token drawn,
+and a grammar that allows nothing fails its own request only.
+
 Settings arrive as per-row tensors so mixed temperatures / min_p / top_p / top_k share one call.
 The logits arrive penalised and masked (`penalties`, then the constraint's grammar); random rows
 are divided by their temperature, cut by min_p (vLLM's order: before top-k / top-p), then by
@@ -16,11 +21,69 @@ samples the same tokens whatever it is packed with — or from the engine's gene
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
+from typing import NamedTuple
 
 import torch
 
+from . import penalties
+from .errors import ConstraintError
+from .grammar import mask_logits
+from .logprobs import TokenLogprob, TokenTexts
+from .logprobs import compute as compute_logprobs
 from .params import GREEDY_BELOW
+from .request import Request
+
+
+class Draw(NamedTuple):
+    """What one sampled row gave its request: a token (or the error that ends it) and, when asked
+    for, its logprobs; `row` is its row of the pass's logits."""
+
+    request: Request
+    row: int
+    token: int | BaseException
+    logprob: TokenLogprob | None
+
+
+def draw_tokens(plan: Sequence[tuple[Request, int]], logits: torch.Tensor, eos_ids: Collection[int],
+                vocab_size: int, token_texts: TokenTexts) -> list[Draw]:
+    """One token for each (request, row of `logits`) of `plan`; several requests may share a row
+    (an n > 1 request's samples at their first token)."""
+    requests = [request for request, _ in plan]
+    settings = [r.sampling for r in requests]
+    device = logits.device
+    selected = logits[[row for _, row in plan]]  # [R, vocab], a copy: masking it leaves captured logits raw
+    penalties.apply(selected, penalties.build(requests, selected.shape[-1], eos_ids, device))
+    dead = set(mask_logits(selected, [r.matcher for r in requests], vocab_size))
+    temperature = torch.tensor([s.temperature for s in settings], dtype=torch.float32, device=device)
+    drawn = sample(
+        selected,
+        temperature=temperature,
+        top_p=torch.tensor([s.top_p for s in settings], dtype=torch.float32, device=device),
+        top_k=torch.tensor([s.top_k for s in settings], dtype=torch.long, device=device),
+        generators=[r.generator for r in requests],
+        min_p=torch.tensor([s.min_p for s in settings], dtype=torch.float32, device=device)
+        if any(s.min_p for s in settings) else None,
+    )  # [R]
+    asked = [i for i, s in enumerate(settings) if s.logprobs]
+    every = len(asked) == len(settings)  # then no [R, vocab] copy of the rows that asked
+    logprobs: dict[int, TokenLogprob] = dict(zip(asked, compute_logprobs(
+        selected if every else selected[asked], temperature if every else temperature[asked],
+        drawn if every else drawn[asked], [settings[i].top_logprobs for i in asked],
+        token_texts))) if asked else {}
+    draws = []
+    for i, ((request, row), token) in enumerate(zip(plan, drawn.tolist())):
+        outcome: int | BaseException = token
+        if request.matcher is not None and (i in dead or not request.matcher.accept_token(token)):
+            kind = request.sampling.constraint[0] if request.sampling.constraint else "constraint"
+            early = len(request.output_ids) < settings[i].min_tokens
+            short = " (min_tokens bans ending before then)" if early else ""
+            outcome = ConstraintError(
+                f"the {kind} constraint allows no further token after {len(request.output_ids)} generated "
+                f"tokens{short} ({request.text[-80:]!r}); it cannot be satisfied from here"
+            )
+        draws.append(Draw(request, row, outcome, logprobs.get(i)))
+    return draws
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
