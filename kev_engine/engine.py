@@ -35,6 +35,7 @@ from .delivery import Delivery, hand_text
 from .errors import EngineClosedError, InvalidRequestError, KevError, PassFailedError
 from .forward import run_model
 from .grammar import Grammars
+from .intake import AdapterArg, Intake, Prepared, SamplingArg, raise_refused
 from .invariance import exact_or_why
 from .kernels import choose as choose_kernels
 from .kv_pool import KVPool
@@ -46,12 +47,9 @@ from .request import Completion, Request, Status, TextPiece, failed_future, reso
 from .sample import Draw, draw_tokens
 from .schedule import Chunk, Scheduler
 from .threads import run_on_passing_thread
-from .tokenize import Prompt, check_prompt_list, encode_prompt
+from .tokenize import Prompt, check_prompt_list
 from .unpack import append_token, text_delta
 
-SamplingArg = SamplingParams | dict[str, Any] | None
-AdapterArg = str | None
-Prepared = tuple[list[int], SamplingParams, AdapterArg, Any] | BaseException  # Any: its compiled grammar
 STAT_KEYS = (
     "requests", "prefill_passes", "decode_steps", "forward_passes", "prompt_tokens", "generated_tokens",
     "cancelled", "prefix_hit_tokens", "kv_cache_peak_bytes", "forked_samples",
@@ -211,6 +209,7 @@ class Engine:
         self._grammars = Grammars(tokenizer, _logits_width(model), self.eos_ids)
         self._token_texts = TokenTexts(tokenizer)  # logprobs name their tokens
         self._cond = threading.Condition()
+        self._intake = Intake(tokenizer, self.max_context, self._kv, self._grammars, self._adapters, self._cond)
         self._step_lock = threading.Lock()  # one step at a time, whoever runs it
         self._stepping = threading.local()  # .active while this thread runs step(): a model hook runs in a pass
         self._delivery = Delivery("kev")  # on_text and results reach callers from here, never from a pass
@@ -252,7 +251,7 @@ class Engine:
 
     def encode(self, prompt: Prompt) -> list[int]:
         """The exact token ids the engine feeds for `prompt` (chat template applied to messages)."""
-        return encode_prompt(self.tokenizer, prompt, self.max_context)
+        return self._intake.encode(prompt)
 
     def submit(
         self,
@@ -268,7 +267,7 @@ class Engine:
         delays only its own request. An exception it raises fails this request alone. Cancelling
         the future stops the request at the next pass and frees what it holds.
         """
-        return self._enqueue(self._prepare([prompt], [sampling], [adapter]), on_text=[on_text])[0]
+        return self._enqueue(self._intake.prepare([prompt], [sampling], [adapter]), on_text=[on_text])[0]
 
     def submit_many(
         self,
@@ -282,13 +281,10 @@ class Engine:
         For callers that wait on their own terms (a server, an actor): each prompt gets its own
         future, a bad one an already-failed future; `on_text[i]` streams prompt i.
         """
-        prompts = self._check_prompts(prompts)
+        prompts = check_prompt_list(prompts)
         if on_text is not None and len(on_text) != len(prompts):
             raise InvalidRequestError(f"got {len(on_text)} on_text callbacks for {len(prompts)} prompts")
-        prepared = self._prepare(
-            prompts, self._per_prompt(sampling, len(prompts), "sampling settings"),
-            self._per_prompt(adapters, len(prompts), "adapters"),
-        )
+        prepared = self._intake.prepare_many(prompts, sampling, adapters)
         return self._enqueue(prepared, on_text=on_text)
 
     def has_grammar(self, sampling: SamplingParams) -> bool:
@@ -363,15 +359,12 @@ class Engine:
         If this call ends early (an error, Ctrl-C), the requests it queued are cancelled.
         """
         self._refuse_on_scheduler_thread("generate")
-        prompts = self._check_prompts(prompts)
+        prompts = check_prompt_list(prompts)
         if not prompts:
             return []
-        prepared = self._prepare(
-            prompts, self._per_prompt(sampling, len(prompts), "sampling settings"),
-            self._per_prompt(adapters, len(prompts), "adapters"),
-        )
+        prepared = self._intake.prepare_many(prompts, sampling, adapters)
         if not return_exceptions:
-            self._raise_refused(prepared)
+            raise_refused(prepared)
         return self._wait(self._enqueue(prepared), return_exceptions)
 
     def generate_with_logits(
@@ -384,14 +377,11 @@ class Engine:
         the model's own (before penalties, grammar masks and temperature). What `kev verify`
         compares packed against alone; one sample per prompt (n = 1). Bad input raises first."""
         self._refuse_on_scheduler_thread("generate_with_logits")
-        prompts = self._check_prompts(prompts)
+        prompts = check_prompt_list(prompts)
         if not prompts:
             return []
-        prepared = self._prepare(
-            prompts, self._per_prompt(sampling, len(prompts), "sampling settings"),
-            self._per_prompt(adapters, len(prompts), "adapters"),
-        )
-        self._raise_refused(prepared)
+        prepared = self._intake.prepare_many(prompts, sampling, adapters)
+        raise_refused(prepared)
         for item in prepared:
             if not isinstance(item, BaseException) and item[1].n != 1:
                 raise InvalidRequestError(f"n={item[1].n} is not allowed with generate_with_logits; "
@@ -409,12 +399,11 @@ class Engine:
         never start from a cached prefix: every position's logits are computed.
         """
         self._refuse_on_scheduler_thread("prompt_logits")
-        prompts = self._check_prompts(prompts)
+        prompts = check_prompt_list(prompts)
         if not prompts:
             return []
-        names = self._per_prompt(adapters, len(prompts), "adapters")
-        prepared = self._prepare(prompts, [None] * len(prompts), names)
-        self._raise_refused(prepared)
+        prepared = self._intake.prepare_many(prompts, None, adapters)
+        raise_refused(prepared)
         return self._wait(self._enqueue(prepared, logits_only=True), return_exceptions=False)
 
     def stats(self) -> dict[str, Any]:
@@ -788,65 +777,6 @@ class Engine:
                 f"Engine.{what}() was called from an engine callback (on_text or a future's done callback) or "
                 "inside a pass; it would wait on the engine from the engine's own threads, possibly forever. "
                 "Use submit() there, or hand the work to another thread"
-            )
-
-    @staticmethod
-    def _check_prompts(prompts: Any) -> list[Any]:
-        return check_prompt_list(prompts)
-
-    @staticmethod
-    def _per_prompt(value: Any, count: int, what: str) -> list[Any]:
-        """One value for every prompt, or a list with one each."""
-        if isinstance(value, (list, tuple)):
-            if len(value) != count:
-                raise InvalidRequestError(f"got {len(value)} {what} for {count} prompts; give one or one each")
-            return list(value)
-        return [value] * count
-
-    def _prepare(self, prompts: Sequence[Any], samplings: Sequence[Any], adapters: Sequence[Any]) -> list[Prepared]:
-        """Tokenize and validate each request on its own: a bad one becomes its exception."""
-        prepared: list[Prepared] = []
-        for prompt, sampling, adapter in zip(prompts, samplings, adapters):
-            try:
-                if adapter is not None and not isinstance(adapter, str):
-                    raise InvalidRequestError(f"adapter={adapter!r} is not allowed; use an adapter name or None")
-                with self._cond:
-                    self._adapters.check(adapter)
-                params = coerce_sampling(sampling)
-                self._check_token_ids(params)
-                ids = self.encode(prompt)
-                self._check_fits(len(ids), params.max_tokens)
-                # compiled here, on the caller's thread: a bad grammar fails this request alone
-                compiled = self._grammars.compile(params.constraint, params.cache_salt) if params.constraint else None
-                prepared.append((ids, params, adapter, compiled))
-            except KevError as exc:
-                prepared.append(exc)
-        return prepared
-
-    @staticmethod
-    def _raise_refused(prepared: Sequence[Prepared]) -> None:
-        """Raise the first refused request's error (callers that want all or nothing)."""
-        for item in prepared:
-            if isinstance(item, BaseException):
-                raise item
-
-    def _check_token_ids(self, params: SamplingParams) -> None:
-        """Token ids a request names must be rows of this model's logits."""
-        width = self._grammars.vocab_size
-        for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]), ("stop_token_ids", params.stop_token_ids)):
-            outside = [t for t in ids if t >= width]
-            if outside:
-                raise InvalidRequestError(f"{name} names token id {outside[0]}, outside this model's vocabulary "
-                                          f"(ids 0..{width - 1})")
-
-    def _check_fits(self, num_prompt: int, max_tokens: int) -> None:
-        """A request that could never fit in the KV pool is refused now, not left waiting forever."""
-        need = min(num_prompt + max_tokens, self.max_context)
-        if need > self._kv.capacity_tokens:
-            raise InvalidRequestError(
-                f"this request may reach {need} tokens (prompt {num_prompt} + max_tokens {max_tokens}); "
-                f"the KV pool holds {self._kv.capacity_tokens} tokens (kv_cache_bytes={self._kv.budget_bytes}). "
-                "Lower max_tokens, shorten the prompt, or give the engine a larger kv_cache_bytes"
             )
 
     def _enqueue(

@@ -21,6 +21,7 @@ from conftest import QUESTIONS, chat, make_adapter, reference_copy, tiny_model
 from peft import PeftModel
 
 import kev_engine.engine as engine_module
+import kev_engine.sample as sample_module
 from kev_engine import Engine, EngineClosedError, InvalidRequestError, SamplingParams
 from kev_engine.errors import PassFailedError
 from kev_engine.lora import MultiLoRALinear
@@ -485,7 +486,7 @@ def test_stream_never_splits_a_character(engine: Engine, tokenizer: Any, monkeyp
     def scripted(logits: torch.Tensor, **_: Any) -> torch.Tensor:
         return torch.tensor([next(drawn) for _ in range(logits.shape[0])])
 
-    monkeypatch.setattr(engine_module, "sample", scripted)
+    monkeypatch.setattr(sample_module, "sample", scripted)
     pieces = list(engine.stream(QUESTIONS[0], SamplingParams(max_tokens=len(script) + 5)))
     assert len(pieces) > 3 and not any("\ufffd" in p for p in pieces)
     assert "".join(pieces) == text

@@ -18,7 +18,7 @@ import torch
 from conftest import tiny_model
 from server_util import serving
 
-import kev_engine.engine as engine_module
+import kev_engine.sample as sample_module
 from kev_engine import Engine
 from kev_integrations.server import ServerConfig, build_app
 from kev_integrations.shared import clear_shared_engines
@@ -122,7 +122,7 @@ def url(engine: Engine) -> Iterator[str]:
 @pytest.fixture
 def script(tokenizer: Any, monkeypatch: pytest.MonkeyPatch) -> Script:
     scripted = Script(tokenizer)
-    monkeypatch.setattr(engine_module, "sample", scripted)
+    monkeypatch.setattr(sample_module, "sample", scripted)
     return scripted
 
 
