@@ -1,8 +1,10 @@
 """The engine: requests in, completions out, every pass packed and isolated.
 
-    tokenize → schedule → pack → forward → sample → unpack        (see the README's "How it works")
+    intake → schedule → pack → forward → sample → update → deliver      (docs/architecture.md)
 
-`Engine.step()` is that whole flow once, as named stages. A scheduler thread runs `step()`
+`Engine.step()` is that whole flow once, as named stages; each stage's work lives in its own
+module (`intake`, `schedule`, `pack`, `forward`, `sample`, `unpack`, `delivery`) and this file
+composes them. A scheduler thread runs `step()`
 while there is work, so callers of `submit()` on other threads (LangChain's thread pools,
 LlamaIndex's `asyncio.gather`) coalesce into the same passes, and waiting questions join
 running ones between decode steps (continuous batching). The engine owns the KV memory: a
