@@ -805,7 +805,7 @@ class Engine:
                 samples = fanout.sample_settings(resolved) if resolved.n > 1 else [resolved]
                 try:
                     for _ in samples:
-                        self._adapters.ref(adapter)  # unloaded since _prepare? then this request fails alone
+                        self._adapters.ref(adapter)  # unloaded since intake? then this request fails alone
                 except KevError as exc:
                     out.append(failed_future(exc))
                     continue

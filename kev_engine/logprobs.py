@@ -1,6 +1,6 @@
 """Logprobs: each generated token's log-probability, and the most likely alternatives.
 
-Where this sits: `Engine._sample` calls `compute` on the rows that asked for logprobs, with the
+Where this sits: `sample.draw_tokens` calls `compute` on the rows that asked for logprobs, with the
 logits the token was drawn from — after penalties, logit_bias and the constraint's mask, divided
 by the row's temperature (greedy rows: by 1) — and before top-k / top-p / min-p truncation. That
 is the distribution OpenAI's `logprobs` describe: the truncation only decides which tokens may be

@@ -1,6 +1,6 @@
 """Penalties and biases: each row's logits adjusted by its own request's tokens and settings.
 
-Where this sits: `Engine._sample` builds `Penalties` for the rows it samples, applies them, then
+Where this sits: `sample.draw_tokens` builds `Penalties` for the rows it samples, applies them, then
 the constraint's mask (so no bias can bring back a token the grammar forbids), then `sample`.
 The order is vLLM's: `logit_bias` and `min_tokens`' ban on ending, then `repetition_penalty`
 (transformers' semantics, over the prompt and the answer so far), then `presence_penalty` and
@@ -62,7 +62,7 @@ def build(rows: Sequence[Penalized], vocab: int, end_ids: Collection[int], devic
 
     `end_ids`: the model's end-of-sequence ids, banned (with each row's stop_token_ids; without
     them under ignore_eos, where they end nothing) while a row has fewer than its min_tokens.
-    Token ids are the engine's to check against the vocabulary (`Engine._prepare`)."""
+    Token ids are the engine's to check against the vocabulary (`intake.Intake`)."""
     if not any(r.sampling.penalized for r in rows):
         return None
     bias_index: list[int] = []
