@@ -48,7 +48,7 @@ def _calls(message: Mapping[str, Any], index: int) -> tuple[ToolCall, ...]:
     for j, call in enumerate(raw):
         function = call.get("function") if isinstance(call, Mapping) else None
         if not isinstance(function, Mapping) or not isinstance(function.get("name"), str) or not isinstance(
-                call.get("id", ""), str):
+                call.get("id") or "", str):  # an id of null is no id
             raise bad_request(f"{where}[{j}] must be {{'id': str, 'type': 'function', 'function': {{'name': str, "
                               "'arguments': JSON text}}}}", param=where)
         try:
