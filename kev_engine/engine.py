@@ -360,14 +360,7 @@ class Engine:
         with it, each bad request comes back as its exception and the others are answered.
         If this call ends early (an error, Ctrl-C), the requests it queued are cancelled.
         """
-        self._refuse_on_scheduler_thread("generate")
-        prompts = check_prompt_list(prompts)
-        if not prompts:
-            return []
-        prepared = self._intake.prepare_many(prompts, sampling, adapters)
-        if not return_exceptions:
-            raise_refused(prepared)
-        return self._wait(self._enqueue(prepared), return_exceptions)
+        return self._answer("generate", prompts, sampling, adapters, return_exceptions)
 
     def generate_with_logits(
         self,
@@ -378,17 +371,7 @@ class Engine:
         """`generate`, each answer with the logits its tokens were drawn from: [tokens, vocab] fp32,
         the model's own (before penalties, grammar masks and temperature). What `kev verify`
         compares packed against alone; one sample per prompt (n = 1). Bad input raises first."""
-        self._refuse_on_scheduler_thread("generate_with_logits")
-        prompts = check_prompt_list(prompts)
-        if not prompts:
-            return []
-        prepared = self._intake.prepare_many(prompts, sampling, adapters)
-        raise_refused(prepared)
-        for item in prepared:
-            if not isinstance(item, BaseException) and item[1].n != 1:
-                raise InvalidRequestError(f"n={item[1].n} is not allowed with generate_with_logits; "
-                                          "it keeps one answer's logits per prompt (n=1)")
-        return self._wait(self._enqueue(prepared, capture_logits=True), return_exceptions=False)
+        return self._answer("generate_with_logits", prompts, sampling, adapters, capture_logits=True)
 
     def prompt_logits(
         self, prompts: Sequence[Prompt], adapters: AdapterArg | Sequence[AdapterArg] = None
@@ -400,13 +383,7 @@ class Engine:
         for any request, and each result is its own tensor (not a view of a whole pass). They
         never start from a cached prefix: every position's logits are computed.
         """
-        self._refuse_on_scheduler_thread("prompt_logits")
-        prompts = check_prompt_list(prompts)
-        if not prompts:
-            return []
-        prepared = self._intake.prepare_many(prompts, None, adapters)
-        raise_refused(prepared)
-        return self._wait(self._enqueue(prepared, logits_only=True), return_exceptions=False)
+        return self._answer("prompt_logits", prompts, None, adapters, logits_only=True)
 
     def stats(self) -> dict[str, Any]:
         """Counters since start (requests, passes, tokens, prefix hits), the KV memory now, and how
@@ -832,13 +809,31 @@ class Engine:
                     request.mailbox = leader.mailbox  # one on_text: the samples' pieces and results in one order
                     request.future.add_done_callback(functools.partial(_wake_if_cancelled, self._cond))
                 group.append(leader)
-                assert len(requests) == 1 or not capture_logits, "kev verify compares single answers"
                 out.append(fanout.gather([r.future for r in requests]) if len(requests) > 1 else leader.future)
             self._scheduler.add(group)
             self._stats["requests"] += len(group)
             self._start_thread()
             self._cond.notify_all()
         return out
+
+    def _answer(self, what: str, prompts: Sequence[Prompt], sampling: Any, adapters: Any,
+                return_exceptions: bool = False, capture_logits: bool = False, logits_only: bool = False) -> list[Any]:
+        """The blocking calls' one path: prepare every prompt, queue them as one group, wait for all.
+        Without `return_exceptions` a refused prompt raises before anything is queued."""
+        self._refuse_on_scheduler_thread(what)
+        prompts = check_prompt_list(prompts)
+        if not prompts:
+            return []
+        prepared = self._intake.prepare_many(prompts, sampling, adapters)
+        if not return_exceptions:
+            raise_refused(prepared)
+        if capture_logits:
+            for item in prepared:
+                if not isinstance(item, BaseException) and item[1].n != 1:
+                    raise InvalidRequestError(f"n={item[1].n} is not allowed with {what}; "
+                                              "it keeps one answer's logits per prompt (n=1)")
+        queued = self._enqueue(prepared, capture_logits=capture_logits, logits_only=logits_only)
+        return self._wait(queued, return_exceptions)
 
     def _wait(self, futures: list[Future[Any]], return_exceptions: bool) -> list[Any]:
         """Collect results in order; if this caller stops early, cancel what it queued."""
