@@ -18,16 +18,14 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
-from dataclasses import fields
 from types import MappingProxyType
 from typing import Any
 
-from kev_engine import SamplingParams
-from kev_engine.params import CONSTRAINT_FIELDS
+from kev_engine.params import CONSTRAINT_FIELDS, SETTING_FIELDS
 
 # every engine setting but the constraints (per call, below) and n (LlamaIndex answers once),
 # derived so a new engine setting reaches LlamaIndex too
-SAMPLING_KEYS = tuple(f.name for f in fields(SamplingParams) if f.name not in (*CONSTRAINT_FIELDS, "n"))
+SAMPLING_KEYS = tuple(name for name in SETTING_FIELDS if name != "n")
 SETTING_KEYS = (*SAMPLING_KEYS, "adapter")
 # a reply constraint belongs to one call (its schema, its tools), never to a scope or a field
 CALL_KEYS = (*SETTING_KEYS, *CONSTRAINT_FIELDS)
