@@ -4,6 +4,10 @@ What must hold: the `openai` client gets the same answers as the engine run here
 an adapter land on the replica holding it (loads counted per replica); a disconnect reaches the
 replica's engine; a replica killed mid-run loses nothing silently (retried, or an error event),
 and Serve's replacement serves. Every wait is bounded.
+
+Where a test must act while a request is in a known place (queued, or one token into its answer),
+it pauses the replicas (`KevReplica.pause`: no pass starts) and steps them by hand, so no request
+can finish before the test has acted, however fast or slow the machine.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import asyncio
 import json
 import shutil
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +37,7 @@ KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 OTHER_TENANT = {"Authorization": "Bearer other-tenant-key"}
 DEPLOY_TIMEOUT_S = 240
-LONG = 600  # tokens: seconds of decoding on the tiny model, time to act while a request runs
+LONG = 600  # tokens, ignoring EOS: more passes than a test ever steps a paused replica by hand
 
 
 @dataclass
@@ -58,6 +63,18 @@ class Fleet:
         prompt = [{"role": "user", "content": content}]
         return self.reference.generate([prompt], SamplingParams(temperature=0, max_tokens=max_tokens),
                                        adapters=adapter)[0].text
+
+    def on_replicas(self, method: str) -> list[Any]:
+        """`KevReplica.<method>()` on every live replica (Serve's broadcast, bounded); a dead one is left out."""
+        from ray import serve
+
+        handle = serve.get_deployment_handle("KevReplica", app_name="kev")
+        results = handle.broadcast(method).results(timeout_s=60, return_exceptions=True)
+        return [r for r in results if not isinstance(r, BaseException)]
+
+    def totals(self, key: str, replica: str | None = None) -> int:
+        """An engine counter summed over the replicas (or of one), e.g. "running", "waiting", "cancelled"."""
+        return sum(r["stats"][key] for r in self.replicas()["replicas"] if replica in (None, r["replica"]))
 
     def holder(self, adapter: str) -> str:
         """The replica the ingress routes `adapter` to, once its router has learnt it (bounded wait)."""
@@ -185,30 +202,49 @@ def test_another_key_never_reads_a_tenants_prefix_through_the_ingress(fleet: Fle
     assert hits >= 256 and replica == holder  # A's own repeat is still a hit
 
 
+def step_until(fleet: Fleet, done: Callable[[], bool], what: str) -> None:
+    """Step the paused replicas by hand, one pass at a time, until `done()` (bounded)."""
+    def stepped() -> bool:
+        if done():
+            return True
+        fleet.on_replicas("step")
+        return done()
+
+    wait_for(stepped, 60, what)
+
+
 def test_a_client_that_leaves_cancels_the_replicas_work(fleet: Fleet) -> None:
-    def cancelled_total() -> int:
-        return sum(r["stats"]["cancelled"] for r in fleet.replicas()["replicas"])
-
-    def running() -> int:
-        return sum(r["stats"]["running"] for r in fleet.replicas()["replicas"])
-
-    before = cancelled_total()
     body = {"model": fleet.model, "messages": [{"role": "user", "content": "a long one"}], "max_tokens": LONG,
-            "temperature": 0}
+            "temperature": 0, "ignore_eos": True}
+    before = fleet.totals("cancelled")
 
-    async def leave_mid_request() -> None:  # non-streamed: the client hangs up while the replica works
+    def let_go(count: int) -> bool:  # a step takes the cancelled first; until the cancel arrives, each runs one token
+        return fleet.totals("cancelled") > count and fleet.totals("running") + fleet.totals("waiting") == 0
+
+    async def leave_while_queued() -> None:  # non-streamed: the client hangs up while the request is queued
         async with httpx.AsyncClient(timeout=120) as client:
             task = asyncio.ensure_future(client.post(fleet.url + "/v1/chat/completions", json=body, headers=AUTH))
-            await asyncio.to_thread(wait_for, lambda: running() >= 1, 60, "the request to run on a replica")
+            await asyncio.to_thread(wait_for, lambda: fleet.totals("waiting") >= 1, 60,
+                                    "the request to queue on a replica")
             task.cancel()
 
-    asyncio.run(leave_mid_request())
-    wait_for(lambda: cancelled_total() > before and running() == 0, 60, "the replica to cancel the request")
+    def first_event() -> str:  # streamed: hang up after the first event (leaving the with block closes it)
+        with httpx.stream("POST", fleet.url + "/v1/chat/completions", json={**body, "stream": True},
+                          headers=AUTH, timeout=120) as response:
+            return next(line for line in response.iter_lines() if line.startswith("data:"))
 
-    with httpx.stream("POST", fleet.url + "/v1/chat/completions", json={**body, "stream": True}, headers=AUTH,
-                      timeout=120) as response:  # streamed: hang up after the first event
-        next(line for line in response.iter_lines() if line.startswith("data:"))
-    wait_for(lambda: cancelled_total() > before + 1 and running() == 0, 60, "the replica to cancel the stream")
+    fleet.on_replicas("pause")
+    try:
+        asyncio.run(leave_while_queued())
+        step_until(fleet, lambda: let_go(before), "the replica to cancel the request")
+        with ThreadPoolExecutor(1) as pool:
+            streamed = pool.submit(first_event)
+            wait_for(lambda: fleet.totals("waiting") >= 1, 60, "the stream's request to queue on a replica")
+            step_until(fleet, streamed.done, "the stream's first event")  # one pass: one token into its answer
+            assert '"delta"' in streamed.result()
+        step_until(fleet, lambda: let_go(before + 1), "the replica to cancel the stream")
+    finally:
+        fleet.on_replicas("resume")
 
 
 def test_a_killed_replica_loses_nothing_silently_and_is_replaced(fleet: Fleet) -> None:
@@ -220,22 +256,38 @@ def test_a_killed_replica_loses_nothing_silently_and_is_replaced(fleet: Fleet) -
     old_ids = {r["replica"] for r in replicas}
     actor_name = next(r["actor_name"] for r in replicas if r["replica"] == victim)
     expected_long = fleet.expected("keep going", "A", LONG)
+    under_way = threading.Event()
 
-    with ThreadPoolExecutor(1) as pool:
+    def stream() -> tuple[str, list[str]]:
+        """The stream's replica and every event it sends; `under_way` once the first has arrived."""
         with httpx.stream("POST", fleet.url + "/v1/chat/completions", headers=AUTH, timeout=120, json={
                 "model": "A", "messages": [{"role": "user", "content": "a stream"}], "max_tokens": LONG,
-                "temperature": 0, "stream": True}) as stream:
-            assert stream.headers["x-kev-replica"] == victim
-            lines = stream.iter_lines()
-            next(line for line in lines if line.startswith("data:"))  # the stream is under way
+                "temperature": 0, "ignore_eos": True, "stream": True}) as response:
+            events = []
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[len("data: "):])
+                    under_way.set()
+            return response.headers["x-kev-replica"], events
+
+    fleet.on_replicas("pause")  # both requests stay on the victim, unfinished, until it is killed
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            streamed = pool.submit(stream)
+            wait_for(lambda: fleet.totals("waiting", victim) >= 1, 60, "the stream to queue on the victim")
+            step_until(fleet, under_way.is_set, "the stream's first event")  # it has sent tokens
             pending = pool.submit(fleet.chat, "A", "keep going", LONG)  # and a non-streamed one, also on the victim
-            wait_for(lambda: next(r["stats"]["running"] for r in fleet.replicas()["replicas"]
-                                  if r["replica"] == victim) >= 2, 60, "both requests to run on the victim")
+            wait_for(lambda: fleet.totals("running", victim) + fleet.totals("waiting", victim) >= 2, 60,
+                     "both requests to be on the victim")
             ray.kill(ray.get_actor(actor_name, namespace="serve"), no_restart=True)
-            events = [line[len("data: "):] for line in lines if line.startswith("data: ")]
-        response = pending.result(timeout=180)
+            fleet.on_replicas("resume")  # the survivor answers the retry
+            replica, events = streamed.result(timeout=180)
+            response = pending.result(timeout=180)
+    finally:
+        fleet.on_replicas("resume")
 
     # the stream had already sent tokens: it ends with an error that says so, not a silent cut
+    assert replica == victim
     error = json.loads(events[-1])["error"]
     assert error["code"] == "replica_died" and victim in error["message"]
     # the non-streamed request had sent nothing yet: it was retried on the other replica

@@ -23,6 +23,7 @@ says so — never a silently truncated answer.
 
 # No `from __future__ import annotations`: Serve's class-based FastAPI views must see `Request` itself.
 import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator, Collection
 from pathlib import Path
@@ -98,6 +99,7 @@ class KevReplica:
 
         self.max_adapters = max_adapters
         self._hold = serve.multiplexed(max_num_models_per_replica=max_adapters)(hold)
+        self._paused: contextlib.ExitStack | None = None
 
     async def forward(self, request: HTTPRequest, adapters: list[str]) -> AsyncIterator[ResponseStart | bytes]:
         """The app's response to `request`, after loading the adapters it names (routed here by the first)."""
@@ -136,6 +138,23 @@ class KevReplica:
         return {"replica": self.replica, "actor_name": self.actor_name, "loads": dict(self.leases.loads),
                 "adapters": self.engine.adapters, "torch_threads": torch.get_num_threads(),
                 "stats": self.engine.stats(), "metrics": self.app.state.kev.metrics.snapshot()}
+
+    def pause(self) -> None:
+        """Start no pass until `resume()`; requests still arrive and queue, and a pass under way
+        finishes (`Engine.hold`). For operators holding a replica still, and tests that must act
+        while a request is in a known place. Pausing a paused replica changes nothing."""
+        if self._paused is None:
+            self._paused = contextlib.ExitStack()
+            self._paused.enter_context(self.engine.hold())
+
+    def resume(self) -> None:
+        if self._paused is not None:
+            self._paused.close()
+            self._paused = None
+
+    def step(self) -> int:
+        """One pass by hand, paused or not (`Engine.step`): the number of tokens it ran."""
+        return self.engine.step()
 
     def check_health(self) -> None:
         """Serve restarts a replica whose engine has stopped."""
