@@ -27,7 +27,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from workload import load_rag, rag_messages  # noqa: E402
 
-from kev_engine import Engine, attention  # noqa: E402
+from kev_engine import Engine  # noqa: E402
+from kev_engine.backends.compiled import CompiledBackend  # noqa: E402
+from kev_engine.backends.reference import TorchBackend  # noqa: E402
 from kev_engine.blocks import blocks_for  # noqa: E402
 from kev_engine.kernels import load_kernels  # noqa: E402
 from kev_engine.pack import Segment, pack  # noqa: E402
@@ -68,11 +70,10 @@ def time_paths(rows: list[tuple[list[int], int]], repeat: int) -> dict[str, floa
     query = torch.randn(len(rows), HEADS, DIM)
     segments = [Segment(i, [1], n - 1, True, block_ids=table) for i, (table, n) in enumerate(rows)]
     kernels = load_kernels()
-    pools = {path: SimpleNamespace(block_size=BLOCK, flash_layout=False, keys=keys, values=values,
-                                   paged_decode=kernels.paged_decode if path == "compiled" else None)
-             for path in ("compiled", "torch")}
-    layouts = {path: pack(segments, kv=kv).decode for path, kv in pools.items()}
-    outputs = {path: attention.decode_rows(query, layouts[path], kv, 0, None) for path, kv in pools.items()}
+    pool = SimpleNamespace(block_size=BLOCK, keys=keys, values=values)
+    backends = {"compiled": CompiledBackend(kernels).bind(pool), "torch": TorchBackend().bind(pool)}
+    layouts = {path: pack(segments, backend=backend).attention for path, backend in backends.items()}
+    outputs = {path: backend.decode_rows(query, layouts[path], 0, None) for path, backend in backends.items()}
     # the exact pool keeps each block's keys transposed; one row per segment, past = its tokens before
     keys_t = [k.transpose(2, 3).contiguous() for k in keys]
     tables = torch.tensor([t + [0] * (max(len(x) for x, _ in rows) - len(t)) for t, _ in rows], dtype=torch.int32)
@@ -84,8 +85,9 @@ def time_paths(rows: list[tuple[list[int], int]], repeat: int) -> dict[str, floa
 
     outputs["exact"] = exact(0)
     difference = max((outputs[p] - outputs["torch"]).abs().max().item() for p in ("compiled", "exact"))
-    steps = {path: (lambda layout=layouts[path], kv=kv: [attention.decode_rows(query, layout, kv, layer, None)
-                                                         for layer in range(LAYERS)]) for path, kv in pools.items()}
+    steps = {path: (lambda layout=layouts[path], backend=backend: [backend.decode_rows(query, layout, layer, None)
+                                                                   for layer in range(LAYERS)])
+             for path, backend in backends.items()}
     steps["exact"] = lambda: [exact(layer) for layer in range(LAYERS)]
     runs: dict[str, list[float]] = {path: [] for path in steps}
     for _ in range(repeat):  # alternate, so drift hits every path alike

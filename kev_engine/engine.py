@@ -1,115 +1,48 @@
 """The engine: requests in, completions out, every pass packed and isolated.
 
-    intake → schedule → pack → forward → sample → update → deliver      (docs/architecture.md)
+    intake → schedule → pack → forward → sample → record → deliver      (docs/architecture.md)
 
-`Engine.step()` is that whole flow once, as named stages; each stage's work lives in its own
-module (`intake`, `schedule`, `pack`, `forward`, `sample`, `unpack`, `delivery`) and this file
-composes them. A scheduler thread runs `step()`
-while there is work, so callers of `submit()` on other threads (LangChain's thread pools,
-LlamaIndex's `asyncio.gather`) coalesce into the same passes, and waiting questions join
-running ones between decode steps (continuous batching). The engine owns the KV memory: a
+This file composes the components and keeps the public API; each stage's work is theirs:
+`intake` (prompts and settings → checked requests, or each its own error), `lifecycle` (every
+request from queued to delivered, and what it holds), `schedule` (which tokens run next, under
+the token and KV budgets), `runner` (pack and forward on the attention backend that owns the KV
+memory, `backends`), `sample` (each row's draw), `worker` (the thread that runs `step()` while
+there is work, so concurrent callers coalesce into the same passes). The KV memory is a
 budgeted pool of blocks, shared between questions that start with the same tokens.
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
-import functools
-import itertools
 import logging
 import queue
 import threading
-import time
-import weakref
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from typing import Any, Literal, overload
 
 import torch
 
-from . import fanout, loader
+from . import backends, loader
 from .adapters import AdapterPool
 from .backends import cuda as cuda_backend
-from .backends.cuda_graphs import DecodeGraphs
-from .blocks import BlockManager, BlockTable
-from .delivery import Delivery, hand_text
-from .errors import EngineClosedError, InvalidRequestError, KevError, PassFailedError
-from .forward import run_model
+from .blocks import BlockManager
+from .errors import EngineClosedError, InvalidRequestError, KevError
 from .grammar import Grammars
 from .intake import AdapterArg, Intake, Prepared, SamplingArg, raise_refused
 from .invariance import exact_or_why
 from .kernels import choose as choose_kernels
-from .kv_pool import KVPool
-from .logprobs import TokenTexts
+from .lifecycle import Lifecycle
 from .model_setup import check_packable, claim_model, context_length, eos_ids, prepare_model, release_model
-from .pack import PackedBatch, Segment, pack
 from .params import Defaults, SamplingParams, check_temperature, coerce_sampling
-from .request import Completion, Request, Status, TextPiece, failed_future, resolve_future
-from .sample import Draw, draw_tokens
-from .schedule import Chunk, Scheduler
+from .request import Completion
+from .runner import ModelRunner
+from .schedule import Scheduler
 from .threads import run_on_passing_thread
 from .tokenize import Prompt, check_prompt_list
-from .unpack import append_token, text_delta
-
-STAT_KEYS = (
-    "requests", "prefill_passes", "decode_steps", "forward_passes", "prompt_tokens", "generated_tokens",
-    "cancelled", "prefix_hit_tokens", "kv_cache_peak_bytes", "forked_samples",
-)
-EXIT_JOIN_S = 10.0  # at interpreter exit, a scheduler thread stuck in a pass (a model hook, say) is left behind
-IDLE_RECHECK_S = 0.05  # a pass that could schedule nothing waits this long (or for news) before retrying
-
+from .worker import Worker
 
 log = logging.getLogger("kev")
-
-
-_live_engines: weakref.WeakSet[Engine] = weakref.WeakSet()
-
-
-@atexit.register
-def _close_live_engines() -> None:
-    """Stop scheduler threads before the interpreter tears down torch's thread pools."""
-    for engine in list(_live_engines):
-        engine.close(timeout=EXIT_JOIN_S)
-
-
-def _wake_if_cancelled(cond: threading.Condition, future: Future) -> None:
-    """A caller cancelled: wake the scheduler so the request frees what it holds now."""
-    if future.cancelled():
-        with cond:
-            cond.notify_all()
-
-
-def _scheduler_loop(engine_ref: weakref.ref[Engine], cond: threading.Condition) -> None:
-    """The scheduler thread. It holds the engine only weakly between passes, so an engine dropped
-    without close() is collected (its finalizer wakes this loop, which then ends)."""
-    was_idle = True
-    while True:
-        with cond:
-            while True:
-                engine = engine_ref()
-                if engine is None:
-                    return
-                if engine._closed or (not engine._holds and engine._scheduler.has_work()):
-                    break
-                was_idle = True
-                del engine  # never wait holding it
-                cond.wait()
-            if engine._closed:
-                engine._drain()
-                return
-        if was_idle and engine.coalesce_s:
-            time.sleep(engine.coalesce_s)  # let callers arriving together share the first pass
-        was_idle = False
-        try:
-            ran = engine.step()
-        except BaseException as exc:  # noqa: BLE001 - a failed pass fails its requests, not the loop
-            engine._fail_running(exc)
-            ran = 1
-        if not ran:
-            with cond:  # nothing could run (e.g. waiting on adapter slots): wait for news, bounded
-                cond.wait(IDLE_RECHECK_S)
-        del engine
 
 
 class Engine:
@@ -172,56 +105,37 @@ class Engine:
         if not isinstance(cuda_graphs, bool):
             raise TypeError(f"cuda_graphs={cuda_graphs!r} is not allowed; use True or False")
         paged = cuda_backend.choose(cuda_attention, parameter.device, parameter.dtype)
-        flash_layout = paged is not None
         # before claiming the model: a bad mode, a failed "compiled" build or a model Kev cannot
         # pack (or not batch-invariantly, when that was asked for) leaves it as it came
         check_packable(model)
-        kernels = choose_kernels(decode_kernel, parameter.device, flash_layout)
+        kernels = choose_kernels(decode_kernel, parameter.device, paged is not None)
         self._exact = exact_or_why(batch_invariant, model, kernels, parameter, paged)
         claim_model(model, self)
         torch_elementwise, lora_products = prepare_model(model, kernels, self._exact)
         if torch_elementwise:  # said, not hidden: these keep torch's activation, whose last bit may move
             log.warning("Kev: batch-invariant, except that %s keep torch's own elementwise code (a last-bit "
                         "difference between packs is possible there)", ", ".join(torch_elementwise[:4]))
-        self.dtype = parameter.dtype
-        self.model = model
-        self.tokenizer = tokenizer
-        self.device = parameter.device
+        self.model, self.tokenizer = model, tokenizer
+        self.dtype, self.device = parameter.dtype, parameter.device
         self.max_context = context_length(model, tokenizer)
         self.eos_ids = eos_ids(model, tokenizer)
-        self.coalesce_s = max(0.0, coalesce_ms) / 1000
         self._defaults = Defaults.from_env()
-        self._kv = KVPool(model, self.device, parameter.dtype, kv_cache_bytes, block_size,
-                          flash_layout=flash_layout, useful_tokens=2 * max_num_seqs * self.max_context,
-                          kernels=kernels, exact=self._exact and not flash_layout)  # CUDA: varlen_attn reads it
-        self._graphs: DecodeGraphs | None = None
-        if paged is not None:
-            paged.check_block_size(self._kv.block_size)
-            paged.num_splits = 1 if self._exact else None  # one key order per query: what invariance needs
-            self._kv.paged_attention = paged
-            if cuda_graphs:
-                trash = self._kv.reserve_last_block()
-                self._kv.zero([trash])
-                self._graphs = DecodeGraphs(functools.partial(run_model, model), self._kv, max_num_seqs,
-                                            self.max_context, trash, capture=self.device.type == "cuda")
-        self._blocks = BlockManager(self._kv.num_blocks, self._kv.block_size)
-        self._scheduler = Scheduler(max_batch_tokens, max_num_seqs, self._blocks, max_logits_tokens)
+        self._backend = backends.choose(kernels, paged, self._exact)
+        self._kv = self._backend.allocate(model, self.device, self.dtype, kv_cache_bytes, block_size,
+                                          useful_tokens=2 * max_num_seqs * self.max_context)
         self._adapters = AdapterPool(model, self.device, max_adapters)
         self._adapters.router.kernels = lora_products  # LoRA deltas: the same products as the layers
+        self._runner = ModelRunner(model, self._backend, self._adapters, device=self.device, cuda_graphs=cuda_graphs,
+                                   max_rows=max_num_seqs, max_context=self.max_context)  # may reserve a block
+        self._blocks = BlockManager(self._kv.num_blocks, self._kv.block_size)
+        self._scheduler = Scheduler(max_batch_tokens, max_num_seqs, self._blocks, max_logits_tokens)
         self._grammars = Grammars(tokenizer, _logits_width(model), self.eos_ids)
-        self._token_texts = TokenTexts(tokenizer)  # logprobs name their tokens
-        self._cond = threading.Condition()
+        self._cond = threading.Condition()  # the engine's one lock: requests, blocks, adapters, the worker
         self._intake = Intake(tokenizer, self.max_context, self._kv, self._grammars, self._adapters, self._cond)
-        self._step_lock = threading.Lock()  # one step at a time, whoever runs it
-        self._stepping = threading.local()  # .active while this thread runs step(): a model hook runs in a pass
-        self._delivery = Delivery("kev")  # on_text and results reach callers from here, never from a pass
-        self._forward_lock = threading.Lock()  # one forward at a time; adapters install between passes
-        self._stats = dict.fromkeys(STAT_KEYS, 0)
-        self._request_ids = itertools.count()
-        self._groups = itertools.count()
-        self._thread: threading.Thread | None = None
-        self._holds = 0  # > 0 while inside hold(): no new pass starts
-        _live_engines.add(self)
+        self._life = Lifecycle(cond=self._cond, scheduler=self._scheduler, blocks=self._blocks, adapters=self._adapters,
+                               grammars=self._grammars, backend=self._backend, tokenizer=tokenizer,
+                               eos_ids=self.eos_ids, max_context=self.max_context, device=self.device)
+        self._worker = Worker(self, self._cond, max(0.0, coalesce_ms) / 1000)
 
     @classmethod
     def from_pretrained(
@@ -309,7 +223,7 @@ class Engine:
 
         One answer: a request with n > 1 is refused here (submit it with an `on_text`, whose pieces
         say which sample they belong to in `TextPiece.sample_index`)."""
-        self._refuse_on_scheduler_thread("stream")
+        self._worker.refuse_blocking("stream", self._life.delivery)
         try:
             samples = coerce_sampling(sampling).n
         except KevError:
@@ -390,7 +304,7 @@ class Engine:
         this engine computes (its dtype, and whether packed equals alone bit for bit)."""
         with self._cond:
             return {
-                **self._stats,
+                **self._life.stats,
                 "dtype": str(self.dtype).removeprefix("torch."),
                 "batch_invariant": self._exact,
                 "running": len(self._scheduler.running),
@@ -414,19 +328,14 @@ class Engine:
 
     @property
     def decode_attention(self) -> str:
-        """Which attention serves decode rows: "exact" (the batch-invariant CPU kernel, prefill rows
-        too), "varlen" or "flash-attn" (the paged CUDA kernel, prefill rows too), "compiled" (the CPU
-        decode kernel) or "torch"."""
-        if self._kv.exact is not None:
-            return "exact"
-        if self._kv.paged_attention is not None:
-            return str(self._kv.paged_attention.name)
-        return "compiled" if self._kv.paged_decode is not None else "torch"
+        """The attention backend (`backends`): "exact" (the batch-invariant CPU kernel), "varlen" or
+        "flash-attn" (the paged CUDA kernel), "compiled" (the CPU decode kernel) or "torch"."""
+        return self._backend.name
 
     @property
     def cuda_graphs(self) -> bool:
         """Whether decode passes replay CUDA graphs (see `backends.cuda_graphs`)."""
-        return self._graphs is not None
+        return self._runner.graphs is not None
 
     @property
     def adapters(self) -> list[str]:
@@ -446,7 +355,7 @@ class Engine:
                 return
         # disk + validation, outside every lock, on a thread that ends (no OpenMP team left here)
         adapter = run_on_passing_thread(lambda: self._adapters.read(name, path), "kev-load-adapter")
-        with self._forward_lock, self._cond:
+        with self._runner.lock, self._cond:
             self._adapters.install(adapter)
 
     def unload_adapter(self, name: str) -> None:
@@ -467,8 +376,8 @@ class Engine:
     def wait_for_unload(self, name: str, timeout: float) -> bool:
         """Wait up to `timeout` s for a draining adapter's last request; True once `name` is gone
         (at once for a name that is not draining), False if it is still draining."""
-        self._refuse_on_scheduler_thread("wait_for_unload")  # it would wait for the requests it blocks
-        with self._cond:  # every finished request notifies the condition (`_free`)
+        self._worker.refuse_blocking("wait_for_unload", self._life.delivery)  # it would wait for the requests it blocks
+        with self._cond:  # every finished request notifies the condition (`Lifecycle.free`)
             return self._cond.wait_for(lambda: name not in self._adapters.unloading, timeout)
 
     @property
@@ -482,6 +391,10 @@ class Engine:
             self._defaults = Defaults(temperature=value, version=self._defaults.version + 1)
             return self._defaults
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     @contextlib.contextmanager
     def hold(self) -> Iterator[None]:
         """Start no new pass while inside: everything submitted meanwhile shares the next pass.
@@ -489,18 +402,8 @@ class Engine:
         Coalescing without a clock: tests (and callers that know a burst is coming) submit under
         `hold()` and the pack is formed when the block exits. A pass already running finishes.
         """
-        with self._cond:
-            self._holds += 1
-        try:
+        with self._worker.hold():
             yield
-        finally:
-            with self._cond:
-                self._holds -= 1
-                self._cond.notify_all()
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
 
     def close(self, timeout: float | None = None) -> None:
         """Stop the scheduler thread; requests still queued or running fail with EngineClosedError.
@@ -511,21 +414,18 @@ class Engine:
         Callbacks still being delivered run on after it returns.
         """
         with self._cond:
-            if self._closed and self._thread is None:
+            if self._closed and self._worker.thread is None:
                 return
             self._closed = True
             self._cond.notify_all()
-        thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout)
-            if thread.is_alive():
-                return
-        with self._forward_lock, self._cond:
-            self._drain()
+        if not self._worker.join(timeout):
+            return
+        with self._runner.lock, self._cond:
+            self._life.drain()
             self._adapters.restore_model()
             release_model(self.model)
-            self._thread = None
-        self._delivery.close()
+            self._worker.thread = None
+        self._life.delivery.close()
 
     def __enter__(self) -> Engine:
         return self
@@ -536,227 +436,40 @@ class Engine:
     # ---- the flow ---------------------------------------------------------------------------
 
     def step(self) -> int:
-        """One pass: cancel → schedule → pack → forward → sample → postprocess → finish.
+        """One pass: cancel → schedule → pack → forward → sample → record → finish.
 
         Returns the number of tokens it ran (0: nothing could run). Passes never overlap: a caller
         stepping by hand (inside `hold()`) waits for the scheduler thread's pass to end.
         """
-        with self._step_lock:
-            self._stepping.active = True
-            try:
-                return self._step()
-            finally:
-                self._stepping.active = False
+        return self._worker.run_pass(self._step)
 
     def _step(self) -> int:
-        self._cancel()
-        chunks = self._schedule()
+        life = self._life
+        life.cancel()
+        chunks = life.schedule()
         if not chunks:
             return 0
         try:
-            batch = self._pack(chunks)
-            logits = self._forward(batch)  # [K, vocab]
+            batch = self._runner.pack(chunks)
+            logits = self._runner.forward(batch, life.resident_adapters())  # [K, vocab]
         finally:
-            with self._cond:
-                self._blocks.end_pass()
-        tokens = self._sample(chunks, batch, logits)
-        finished = self._postprocess(chunks, batch, logits, tokens)
-        self._finish(finished)
+            life.end_pass()
+        draws = life.sample(chunks, batch, logits)
+        life.finish(life.record(chunks, batch, logits, draws))
         return batch.num_tokens
 
-    def _cancel(self) -> None:
-        """Requests whose caller cancelled them leave now and free what they hold."""
-        with self._cond:
-            for request in self._scheduler.take_cancelled():
-                self._free(request)
-                self._stats["cancelled"] += request.future.cancelled()  # not those failed by their on_text
+    # what the worker drives (`worker.Stepped`)
 
-    def _schedule(self) -> list[Chunk]:
-        """This pass's chunks; each admitted request gets its KV blocks and its adapter's slot."""
-        with self._cond:
-            chunks = self._scheduler.schedule(self._admit, lambda r: self._adapters.release(r.adapter))
-            fresh = self._blocks.take_fresh()
-            used = self._blocks.num_used * self._kv.block_bytes
-            self._stats["kv_cache_peak_bytes"] = max(self._stats["kv_cache_peak_bytes"], used)
-        self._kv.zero(fresh)  # before this pass's forward (steps never overlap)
-        chunks.sort(key=lambda c: (c.request.adapter is not None, c.request.adapter or ""))  # adapter rows contiguous
-        return chunks
+    def has_work(self) -> bool:
+        return self._scheduler.has_work()
 
-    def _admit(self, request: Request) -> bool:
-        """Called under self._cond when a request's KV fits: take its adapter slot, or wait."""
-        if not self._adapters.acquire(request.adapter):
-            return False
-        self._seed(request)
-        if request.num_admissions == 0:
-            self._stats["prompt_tokens"] += len(request.prompt_ids)
-        self._stats["prefix_hit_tokens"] += request.num_computed
-        request.num_admissions += 1
-        return True
+    def drain(self) -> None:
+        self._life.drain()
 
-    def _seed(self, request: Request) -> None:
-        """A seeded request's own generator, made once (a preempted one keeps drawing from it)."""
-        if request.sampling.seed is not None and request.generator is None:
-            request.generator = torch.Generator(device=self.device).manual_seed(request.sampling.seed)
-
-    def _pack(self, chunks: list[Chunk]) -> PackedBatch:
-        segments = []
-        for chunk in chunks:
-            request, start = chunk.request, chunk.request.num_computed
-            segments.append(Segment(
-                request_id=request.request_id,
-                token_ids=request.all_ids[start : start + chunk.num_tokens],
-                past_len=start,
-                needs_logits=chunk.samples,
-                block_ids=request.blocks.block_ids,
-                adapter=request.adapter,
-                all_logits=request.logits_only,
-            ))
-        return pack(segments, self.device, self._kv)
-
-    def _forward(self, batch: PackedBatch) -> torch.Tensor:
-        """The model on one pack, with each segment's adapter routed to its rows."""
-        with self._forward_lock:
-            with self._cond:
-                resident = self._adapters.resident_map()
-            self._adapters.router.set_routes(batch.cu_seqlens_list, batch.adapters, resident)
-            try:
-                if self._graphs is not None and self._graphs.fits(batch):
-                    return self._graphs.run(batch)
-                return run_model(self.model, batch)
-            finally:
-                self._adapters.router.clear()
-
-    def _sample(self, chunks: list[Chunk], batch: PackedBatch, logits: torch.Tensor) -> list[Draw]:
-        """One token for every chunk that reached its request's last known token — and, at the first
-        token of an n > 1 request, for each of its other samples forked from that prefill: they
-        draw from the same row.
-
-        How a row is drawn (penalties, grammar mask, the draw, logprobs) is `sample.draw_tokens`'s.
-        """
-        plan = [(c.request, batch.logits_rows[i][0]) for i, c in enumerate(chunks) if c.samples]
-        if not plan:
-            return []
-        plan += [(sibling, row) for request, row in plan if request.siblings for sibling in self._fork(request)]
-        return draw_tokens(plan, logits, self.eos_ids, self._grammars.vocab_size, self._token_texts)
-
-    def _fork(self, leader: Request) -> list[Request]:
-        """The samples waiting on `leader` that start from its prefill now (see `fanout`); those
-        that cannot for now (no free block or sequence slot) queue as requests of their own."""
-        forked: list[Request] = []
-        queued: list[Request] = []
-        copies: list[tuple[int, int]] = []
-        with self._cond:
-            siblings, leader.siblings = leader.siblings, []
-            for sibling in siblings:
-                if sibling.future.done():  # its set was cancelled or failed meanwhile
-                    self._free(sibling)
-                    continue
-                pairs = None
-                if len(self._scheduler.running) < self._scheduler.max_num_seqs:
-                    pairs = self._blocks.fork(leader.blocks, sibling.blocks, len(leader.prompt_ids))
-                if pairs is None:
-                    queued.append(sibling)
-                    continue
-                copies += pairs
-                self._adapters.acquire(sibling.adapter)  # pinned by the leader already: never refused
-                self._seed(sibling)
-                sibling.num_computed = sibling.cached_tokens = len(sibling.prompt_ids)
-                sibling.num_admissions = 1  # its prompt tokens were counted with the leader's
-                self._scheduler.adopt(sibling)
-                forked.append(sibling)
-            self._scheduler.requeue(queued)
-            self._stats["forked_samples"] += len(forked)
-        fanout.copy_blocks(self._kv, copies)  # before the next pass writes into the copies
-        return forked
-
-    def _postprocess(
-        self, chunks: list[Chunk], batch: PackedBatch, logits: torch.Tensor, draws: list[Draw]
-    ) -> list[tuple[Request, BaseException | None]]:
-        """Advance each request by what this pass computed; return those that are done."""
-        finished: list[tuple[Request, BaseException | None]] = []
-        has_prefill = any(c.request.in_prefill for c in chunks)
-        has_decode = any(not c.request.in_prefill for c in chunks)
-        with self._cond:
-            self._scheduler.update(chunks)
-            self._stats["forward_passes"] += 1
-            self._stats["prefill_passes"] += has_prefill
-            self._stats["decode_steps"] += has_decode
-            self._stats["generated_tokens"] += len(draws)
-        for i, chunk in enumerate(chunks):
-            request = chunk.request
-            if request.logits_only:
-                first, last = batch.logits_rows[i]
-                request.logits.append(logits[first:last].clone())  # its own memory, not a view of the pass
-                if not request.in_prefill:
-                    finished.append((request, None))
-        for request, row, token, logprob in draws:
-            if isinstance(token, BaseException):
-                finished.append((request, token))
-                continue
-            if request.capture_logits:
-                request.logits.append(logits[row].clone())
-            if logprob is not None and request.logprobs is not None:
-                request.logprobs.append(logprob)
-            if append_token(request, token, self.eos_ids, self.tokenizer):
-                finished.append((request, None))
-            self._stream(request)
-        return finished
-
-    def _finish(self, finished: list[tuple[Request, BaseException | None]]) -> None:
-        """Free what finished requests hold, then hand each caller its result (outside the lock)."""
-        with self._cond:
-            for request, _ in finished:
-                self._scheduler.finish(request)
-                self._free(request)
-        for request, error in finished:
-            self._deliver(request, request.result() if error is None else None, error)
-
-    def _free(self, request: Request) -> None:
-        """Everything a request holds, given back in one place (call under self._cond). Samples still
-        waiting to fork from it hold only their adapter references; their set's future settles them."""
-        for sibling in request.siblings:
-            self._free(sibling)
-        request.siblings = []
-        if request.status is Status.FINISHED:
-            return
-        if request.status is Status.RUNNING:
-            self._blocks.free(request.blocks)
-            self._adapters.release(request.adapter)
-        self._adapters.unref(request.adapter)
-        request.status = Status.FINISHED
-        self._cond.notify_all()
-
-    def _stream(self, request: Request) -> None:
-        """Post a request's new text to its `on_text` (run by the delivery threads, after what it
-        was posted before: this pass never waits for the callback). If the callback raises, the
-        request's future fails and the next pass frees it (`Scheduler.take_cancelled`). The piece
-        carries its sample's index and the logprobs of the tokens since the previous piece."""
-        if request.on_text is not None and (delta := text_delta(request)):
-            logprobs = None
-            if request.logprobs is not None:
-                logprobs = request.logprobs[request.logprobs_streamed:]
-                request.logprobs_streamed = len(request.logprobs)
-            piece = TextPiece(delta, request.sample_index, logprobs)
-            self._delivery.post(request.mailbox, functools.partial(hand_text, request.future, request.on_text, piece))
-
-    def _deliver(self, request: Request, result: Any, exc: BaseException | None = None) -> None:
-        """Resolve a request's future after every piece of text it streamed (its done callbacks
-        then run on a delivery thread, not in a pass)."""
-        self._delivery.post(request.mailbox, functools.partial(resolve_future, request.future, result, exc))
+    def fail_pass(self, exc: BaseException) -> None:
+        self._life.fail_running(exc)
 
     # ---- requests in ------------------------------------------------------------------------
-
-    def _refuse_on_scheduler_thread(self, what: str) -> None:
-        """A blocking call from inside a pass (a model hook) waits for the pass it blocks. From a
-        delivery thread (an on_text or future callback) it holds a thread that answers need: once
-        every delivery thread waits like that, its own answer can never be delivered."""
-        on_scheduler = self._thread is not None and threading.current_thread() is self._thread
-        if on_scheduler or getattr(self._stepping, "active", False) or self._delivery.owns_current_thread():
-            raise InvalidRequestError(
-                f"Engine.{what}() was called from an engine callback (on_text or a future's done callback) or "
-                "inside a pass; it would wait on the engine from the engine's own threads, possibly forever. "
-                "Use submit() there, or hand the work to another thread"
-            )
 
     def _enqueue(
         self,
@@ -766,61 +479,19 @@ class Engine:
         capture_logits: bool = False,
     ) -> list[Future[Any]]:
         """Queue all valid requests as one group; a refused one gets an already-failed future."""
-        out: list[Future[Any]] = []
         with self._cond:
             if self._closed:
                 raise EngineClosedError("the engine is closed")
-            defaults = self._defaults  # one snapshot for the whole group: an update never splits it
-            group_id = next(self._groups)
-            group: list[Request] = []
-            for i, item in enumerate(prepared):
-                if isinstance(item, BaseException):
-                    out.append(failed_future(item))
-                    continue
-                ids, params, adapter, compiled = item
-                resolved = params.with_defaults(defaults)
-                samples = fanout.sample_settings(resolved) if resolved.n > 1 else [resolved]
-                try:
-                    for _ in samples:
-                        self._adapters.ref(adapter)  # unloaded since intake? then this request fails alone
-                except KevError as exc:
-                    out.append(failed_future(exc))
-                    continue
-                requests = [Request(
-                    request_id=next(self._request_ids),
-                    prompt_ids=ids,
-                    sampling=sample,
-                    settings_version=defaults.version,
-                    max_total=len(ids) + 1 if logits_only else min(len(ids) + params.max_tokens, self.max_context),
-                    adapter=adapter,
-                    prefix_key=(self._adapters.prefix_key(adapter), params.cache_salt),
-                    logits_only=logits_only,
-                    capture_logits=capture_logits,
-                    blocks=BlockTable(cacheable=not logits_only),
-                    group=group_id,
-                    on_text=on_text[i] if on_text is not None else None,
-                    matcher=None if compiled is None or logits_only else self._grammars.matcher(compiled),
-                    logprobs=[] if sample.logprobs else None,
-                    sample_index=index,
-                ) for index, sample in enumerate(samples)]
-                leader = requests[0]
-                leader.siblings = requests[1:]  # they fork from its prefill (see `fanout`)
-                for request in requests:
-                    request.mailbox = leader.mailbox  # one on_text: the samples' pieces and results in one order
-                    request.future.add_done_callback(functools.partial(_wake_if_cancelled, self._cond))
-                group.append(leader)
-                out.append(fanout.gather([r.future for r in requests]) if len(requests) > 1 else leader.future)
-            self._scheduler.add(group)
-            self._stats["requests"] += len(group)
-            self._start_thread()
+            futures = self._life.enqueue(prepared, self._defaults, on_text, logits_only, capture_logits)
+            self._worker.start()
             self._cond.notify_all()
-        return out
+        return futures
 
     def _answer(self, what: str, prompts: Sequence[Prompt], sampling: Any, adapters: Any,
                 return_exceptions: bool = False, capture_logits: bool = False, logits_only: bool = False) -> list[Any]:
         """The blocking calls' one path: prepare every prompt, queue them as one group, wait for all.
         Without `return_exceptions` a refused prompt raises before anything is queued."""
-        self._refuse_on_scheduler_thread(what)
+        self._worker.refuse_blocking(what, self._life.delivery)
         prompts = check_prompt_list(prompts)
         if not prompts:
             return []
@@ -852,44 +523,9 @@ class Engine:
             raise
         return results
 
-    # ---- the scheduler thread ---------------------------------------------------------------
-
-    def _start_thread(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(
-                target=_scheduler_loop, args=(weakref.ref(self), self._cond), name="kev-scheduler", daemon=True
-            )
-            weakref.finalize(self, _notify, self._cond)
-            self._thread.start()
-
-    def _drain(self) -> None:
-        """Fail every request still queued or running (call under self._cond, engine closed)."""
-        pending = self._scheduler.drain()
-        for request in pending:
-            self._free(request)
-        for request in pending:
-            self._deliver(request, None, EngineClosedError("the engine was closed before this request finished"))
-
-    def _fail_running(self, exc: BaseException) -> None:
-        """A pass raised: its requests fail, each with its own error chained to the cause."""
-        with self._cond:
-            failed = list(self._scheduler.running)
-            for request in failed:
-                self._scheduler.finish(request)
-                self._free(request)
-        for request in failed:
-            error = PassFailedError(f"the forward pass this request was in failed: {type(exc).__name__}: {exc}")
-            error.__cause__ = exc
-            self._deliver(request, None, error)
-
 
 def _logits_width(model: Any) -> int:
     """How many logits the model emits per position (its lm_head rows; may exceed the tokenizer)."""
     head = model.get_output_embeddings()
     weight = getattr(head, "weight", None)
     return int(weight.shape[0]) if weight is not None else int(model.config.vocab_size)
-
-
-def _notify(cond: threading.Condition) -> None:
-    with cond:
-        cond.notify_all()

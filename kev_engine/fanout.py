@@ -1,10 +1,10 @@
 """n samples of one prompt: one prefill, then n decode rows reading the same prompt blocks.
 
-Where this sits: `Engine._enqueue` turns a request with ``n`` > 1 into n requests — its samples —
+Where this sits: `Lifecycle.enqueue` turns a request with ``n`` > 1 into n requests — its samples —
 and queues only the first; the others wait on it (`Request.siblings`). When the first samples
-its first token, the prompt's KV is complete: `Engine._sample` forks the others from it
+its first token, the prompt's KV is complete: `Lifecycle.sample` forks the others from it
 (`BlockManager.fork` shares the full prompt blocks and gives each a copy of a partly filled
-last block, `copy_blocks` copies that block's KV) and every sample draws its first token from
+last block, `KVPool.copy_blocks` copies that block's KV) and every sample draws its first token from
 the same logits row, with its own generator. From then on they are ordinary running requests.
 A sample that cannot be forked for now (no free block or sequence slot) is queued as a request
 of its own instead: it computes what the prefix cache does not hold, and answers the same.
@@ -21,8 +21,6 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import replace
 from typing import Any
-
-import torch
 
 from .params import SEED_MAX, SamplingParams
 from .request import Completion, resolve_future
@@ -76,15 +74,3 @@ def gather(futures: Sequence[Future[Any]]) -> Future[Completion]:
     for future in futures:
         future.add_done_callback(on_done)
     return outer
-
-
-def copy_blocks(kv: Any, pairs: Sequence[tuple[int, int]]) -> None:
-    """Copy the KV of each (source, target) block pair, every layer. Blocks are dim 0 of every
-    layout the pool has (CPU, exact, flash), so one indexed copy per tensor does it."""
-    if not pairs:
-        return
-    device = kv.keys[0].device
-    source = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=device)
-    target = torch.tensor([t for _, t in pairs], dtype=torch.long, device=device)
-    for tensor in (*kv.keys, *kv.values):
-        tensor[target] = tensor[source]

@@ -1,10 +1,13 @@
 """Forward: one packed batch through the model, logits only where they are needed.
 
-`use_cache=False` keeps transformers from creating its own cache (Kev's KV pool travels in
-the pack), and explicit `position_ids` give every question its own positions.
+`use_cache=False` keeps transformers from creating its own cache (Kev's KV pool is the
+attention backend's, which travels beside the pack to `attention.kev_attention`), and explicit
+`position_ids` give every question its own positions.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
@@ -12,8 +15,12 @@ from .pack import PackedBatch
 
 
 @torch.inference_mode()
-def run_model(model: torch.nn.Module, batch: PackedBatch, all_logits: bool = False) -> torch.Tensor:
+def run_model(
+    model: torch.nn.Module, batch: PackedBatch, backend: Any = None, all_logits: bool = False
+) -> torch.Tensor:
     """Return fp32 logits: [K, vocab] at `batch.logits_indices`, or [T, vocab] with `all_logits`.
+
+    `backend`: the attention backend `batch` was packed for (None: a pack without KV memory).
 
     With no index to keep the pass still runs: it fills the KV blocks of prefill chunks.
     """
@@ -24,5 +31,6 @@ def run_model(model: torch.nn.Module, batch: PackedBatch, all_logits: bool = Fal
         use_cache=False,
         logits_to_keep=keep,
         kev_pack=batch,
+        kev_backend=backend,
     )
     return out.logits[0].float()  # [K or T, vocab]

@@ -27,11 +27,13 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
+from .backends.base import AttentionBackend
 from .blocks import BlockManager, BlockTable, blocks_for
 from .errors import InvalidRequestError
 from .pack import PackedBatch, Segment, pack
@@ -53,12 +55,14 @@ def tint(colour: tuple[int, int, int]) -> tuple[int, int, int]:
     return tuple(round(c + 0.55 * (255 - c)) for c in colour)  # type: ignore[return-value]
 
 
-@dataclass(frozen=True)
-class _NoPool:
-    """What `pack()` reads of a KV pool to place tokens in blocks; a drawing writes no KV."""
+class _Drawing(AttentionBackend):
+    """A backend that only places tokens in blocks (what `pack()` asks of one); a drawing runs no model."""
 
-    block_size: int
-    flash_layout: bool = True  # per-segment block tables: the keys each segment is given
+    name = "drawing"
+
+    def __init__(self, block_size: int) -> None:
+        super().__init__()
+        self.bind(SimpleNamespace(block_size=block_size))
 
 
 @dataclass
@@ -115,7 +119,7 @@ def layout_pack(
         shared.append(reused)
         reads.append(ranges)
         cursor += len(token_ids) - reused
-    return PackLayout(pack(segments, kv=_NoPool(block_size)), ids, shared, reads)
+    return PackLayout(pack(segments, backend=_Drawing(block_size)), ids, shared, reads)
 
 
 def _rows(layout: PackLayout) -> list[dict[str, Any]]:

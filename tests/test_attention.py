@@ -10,6 +10,7 @@ kernel, is checked the same way in tests/test_cuda_backend.py.
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -19,8 +20,11 @@ from conftest import QUESTIONS, chat, reference_copy, reference_greedy, tiny_mod
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from kev_engine import Engine, SamplingParams, attention, kernels
-from kev_engine import pack as pack_module
 from kev_engine.backends import cuda as cuda_backend
+from kev_engine.backends import reference
+from kev_engine.backends.compiled import CompiledBackend
+from kev_engine.backends.reference import TorchBackend
+from kev_engine.kv_pool import kv_shape
 from kev_engine.pack import Segment, pack
 
 
@@ -56,7 +60,7 @@ def test_flash_attn_paged_path_matches_solo(tokenizer, monkeypatch) -> None:
         calls.append(1)
         return varlen_reference(*args, **kwargs)
 
-    kernel = cuda_backend.PagedAttention("flash-attn", counting_reference, page_multiple=16)
+    kernel = cuda_backend.CudaBackend("flash-attn", counting_reference, page_multiple=16)
     monkeypatch.setattr(cuda_backend, "choose", lambda mode, device, dtype: kernel)
     # a small budget chunks the prefill: new chunks attend to their own cached blocks
     engine = Engine(model, tokenizer, max_batch_tokens=40, max_num_seqs=8, block_size=16, cuda_graphs=False)
@@ -93,7 +97,7 @@ def test_no_dense_mask_reaches_the_attention(tokenizer, monkeypatch) -> None:
 def test_segment_attention_with_prefix_is_bottom_right_causal() -> None:
     torch.manual_seed(0)
     q, k, v = torch.randn(4, 3, 8), torch.randn(2, 7, 8), torch.randn(2, 7, 8)  # 3 new queries over 4 cached
-    out = attention._segment_attention(q, k, v, past_len=4, scaling=None)
+    out = reference.segment_attention(q, k, v, past_len=4, scaling=None)
     full_q = torch.cat([torch.randn(4, 4, 8), q], dim=1)
     expected = F.scaled_dot_product_attention(full_q[None], k[None], v[None], is_causal=True, enable_gqa=True)[0, :, 4:]
     torch.testing.assert_close(out, expected)
@@ -111,10 +115,10 @@ def test_model_used_outside_the_engine_fails_loudly(tokenizer) -> None:
 
 
 def test_pack_round_trip() -> None:
-    kv = SimpleNamespace(block_size=4, flash_layout=False, paged_decode=None)
+    backend = TorchBackend().bind(SimpleNamespace(block_size=4))
     segments = [Segment(0, [5, 6, 7], 0, True, block_ids=[3]), Segment(1, [9], 4, True, block_ids=[0, 1]),
                 Segment(2, [1, 2], 0, False, block_ids=[2])]
-    batch = pack(segments, kv=kv)
+    batch = pack(segments, backend=backend)
     assert batch.input_ids.tolist() == [5, 6, 7, 9, 1, 2]
     assert batch.position_ids.tolist() == [0, 1, 2, 4, 0, 1]  # restart per question; decode continues its own
     assert batch.cu_seqlens.tolist() == [0, 3, 4, 6] and batch.max_seqlen == 3
@@ -122,7 +126,7 @@ def test_pack_round_trip() -> None:
     assert batch.segment_lengths() == [3, 1, 2] and batch.past_lens == [0, 4, 0]
     assert batch.slot_blocks.tolist() == [3, 3, 3, 1, 2, 2]  # position 4 of request 1 is block 1, offset 0
     assert batch.slot_offsets.tolist() == [0, 1, 2, 0, 0, 1]
-    assert batch.decode is not None and batch.decode.row_segments == [1]
+    assert batch.attention is not None and batch.attention.row_segments == [1]  # the torch backend's decode rows
     with pytest.raises(ValueError, match="KV pool"):
         pack([Segment(1, [9], 4, True)])
 
@@ -141,8 +145,8 @@ def test_batched_decode_equals_attention_per_row(grouping: str, monkeypatch) -> 
     for each way the blocks can be grouped. Blocks no row reads are NaN: a range viewed in place
     reads them, and they must stay masked out."""
     (cost, gather), in_place = GROUPINGS[grouping]
-    monkeypatch.setattr(pack_module, "GROUP_COST_BLOCKS", cost)
-    monkeypatch.setattr(pack_module, "GATHER_COST", gather)
+    monkeypatch.setattr(reference, "GROUP_COST_BLOCKS", cost)
+    monkeypatch.setattr(reference, "GATHER_COST", gather)
     torch.manual_seed(0)
     kv_heads, heads, dim, block = 2, 4, 8, 4
     keys, values = torch.randn(12, kv_heads, block, dim), torch.randn(12, kv_heads, block, dim)
@@ -151,10 +155,10 @@ def test_batched_decode_equals_attention_per_row(grouping: str, monkeypatch) -> 
     for hole in (3, 4, 6, 8, 10, 11):
         keys[hole], values[hole] = float("nan"), float("nan")
     segments = [Segment(i, [1], p, True, block_ids=t) for i, (t, p) in enumerate(zip(tables, past))]
-    batch = pack(segments, kv=SimpleNamespace(block_size=block, flash_layout=False, paged_decode=None))
-    assert [g.block_ids is None for g in batch.decode.groups] == in_place
+    batch = pack(segments, backend=TorchBackend().bind(SimpleNamespace(block_size=block)))
+    assert [g.block_ids is None for g in batch.attention.groups] == in_place
     query = torch.randn(len(tables), heads, dim)
-    out = attention.batched_decode(query, batch.decode, keys, values, scaling=None)
+    out = reference.batched_decode(query, batch.attention, keys, values, scaling=None)
     for i, (table, p) in enumerate(zip(tables, past)):
         k = keys[table].transpose(0, 1).reshape(kv_heads, -1, dim)[:, : p + 1]
         v = values[table].transpose(0, 1).reshape(kv_heads, -1, dim)[:, : p + 1]
@@ -167,27 +171,30 @@ def count_attention_kernels(engine: Engine, num_questions: int) -> tuple[int, in
     in a decode step of `num_questions` questions — the same in every layer and step."""
     prompts = [chat(f"Question number {i}: tell me something about the number {i * 7}.") for i in range(num_questions)]
     calls = []
-    original = attention.decode_rows
+    backend = engine._backend
+    original = backend.decode_rows
+    kernels_in_use = getattr(backend, "kernels", None)
 
-    def counted(rows, decode, kv, layer, scaling):
+    def counted(rows, decode, layer, scaling):
         compiled = [0]
-        kernel = kv.paged_decode
 
         def counting_kernel(*args):
             compiled[0] += 1
-            return kernel(*args)
+            return kernels_in_use.paged_decode(*args)
 
-        kv.paged_decode = counting_kernel if kernel is not None else None
+        if kernels_in_use is not None:
+            backend.kernels = SimpleNamespace(paged_decode=counting_kernel)
         try:
             with KernelCounter() as counter:
-                out = original(rows, decode, kv, layer, scaling)
+                out = original(rows, decode, layer, scaling)
         finally:
-            kv.paged_decode = kernel
+            if kernels_in_use is not None:
+                backend.kernels = kernels_in_use
         calls.append((counter.count, compiled[0]))
         return out
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(attention, "decode_rows", counted)
+        patch.setattr(backend, "decode_rows", counted)
         engine.generate(prompts, SamplingParams(temperature=0, max_tokens=3))  # prefill, then 2 decode steps
     per_layer = set(calls)
     assert len(calls) == 2 * engine.model.config.num_hidden_layers and len(per_layer) == 1, calls
@@ -241,13 +248,13 @@ def test_compiled_decode_kernel_equals_attention_per_row(shape, dtype) -> None:
             keys[block_id, :, :n] = torch.randn(kv_heads, n, dim)
             values[block_id, :, :n] = torch.randn(kv_heads, n, dim)
     keys, values = keys.to(dtype), values.to(dtype)
-    kv = SimpleNamespace(block_size=block, flash_layout=False, paged_decode=kernels.load_kernels().paged_decode,
-                         keys=[keys], values=[values])
+    backend = CompiledBackend(kernels.load_kernels()).bind(SimpleNamespace(block_size=block, keys=[keys],
+                                                                          values=[values]))
     segments = [Segment(i, [1], n - 1, True, block_ids=t) for i, (t, n) in enumerate(zip(tables, lengths))]
-    batch = pack(segments, kv=kv)
-    assert batch.decode.tables is not None and not batch.decode.groups
+    batch = pack(segments, backend=backend)
+    assert batch.attention.tables is not None and not batch.attention.groups
     query = torch.randn(len(tables), heads, dim).to(dtype)
-    out = attention.decode_rows(query, batch.decode, kv, 0, scaling=None)
+    out = backend.decode_rows(query, batch.attention, 0, scaling=None)
     assert out.dtype == dtype and out.shape == query.shape
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     for i, (table, n) in enumerate(zip(tables, lengths)):
@@ -325,3 +332,39 @@ def test_decode_kernel_mode_is_checked_and_a_failed_build_is_said(tokenizer, mon
     answer = engine.generate([chat("Hi")], SamplingParams(temperature=0, max_tokens=3))[0]
     assert answer.token_ids == reference_greedy(reference, engine.encode(chat("Hi")), 3, tokenizer.eos_token_id)
     engine.close()
+
+
+BACKEND_OPTIONS = {"exact": {}, "compiled": {"batch_invariant": False}, "torch": {"decode_kernel": "torch"}}
+
+
+@pytest.mark.parametrize("kind", list(BACKEND_OPTIONS))
+def test_each_backend_owns_its_pool_and_a_pack_is_plain_data(tokenizer, kind: str) -> None:
+    """The backend allocates the pool in its own layout and is bound to it; a pass's PackedBatch
+    carries tensors, lists and the backend's plain plan — never the pool or the backend."""
+    engine = Engine(tiny_model("llama", tokenizer), tokenizer, block_size=32, **BACKEND_OPTIONS[kind])
+    backend, pool = engine._backend, engine._kv
+    assert engine.decode_attention == kind == backend.name and backend.pool is pool
+    _, kv_heads, head_dim = kv_shape(engine.model)
+    key_shape, value_shape = backend.layout(pool.num_blocks, kv_heads, 32, head_dim)
+    assert pool.keys[0].shape == key_shape and pool.values[0].shape == value_shape
+    assert (key_shape == value_shape) == (kind != "exact")  # the exact kernel keeps keys transposed
+    packs = []
+    forward = engine._runner.forward
+
+    def recorded(batch, resident):
+        packs.append(batch)
+        return forward(batch, resident)
+
+    engine._runner.forward = recorded
+    engine.generate(QUESTIONS[:2], SamplingParams(temperature=0, max_tokens=3))
+    engine.close()
+    assert len(packs) == 3 and packs[-1].attention is not None  # a decode pass always has the backend's plan
+
+    def plain(value) -> bool:
+        if dataclasses.is_dataclass(value):
+            return all(plain(getattr(value, f.name)) for f in dataclasses.fields(value))
+        if isinstance(value, (list, tuple)):
+            return all(plain(v) for v in value)
+        return value is None or isinstance(value, (torch.Tensor, int, str))
+
+    assert all(plain(batch) for batch in packs)

@@ -26,8 +26,8 @@ from varlen_contract import VarlenContract
 
 from kev_engine import Engine
 from kev_engine.backends import cuda as cuda_backend
+from kev_engine.backends.cuda import PagedTables
 from kev_engine.blocks import blocks_for
-from kev_engine.pack import PagedTables
 
 pytestmark = pytest.mark.cuda
 
@@ -50,14 +50,14 @@ def test_defaults_on_a_gpu(cuda) -> None:
     try:
         assert engine.dtype == torch.bfloat16 and engine.device.type == "cuda"
         assert engine.decode_attention == "varlen" and engine.cuda_graphs and engine.batch_invariant
-        assert engine._kv.paged_attention.num_splits == 1
+        assert engine._backend.num_splits == 1
     finally:
         engine.close()
 
 
 def paged_case(cuda: torch.device, segments: list[tuple[int, int]], heads: int = 8, kv_heads: int = 2,
                head_dim: int = 64, page: int = 256, seed: int = 0):
-    """A pool of pages (NaN wherever no segment reads) and a pack of (past, new) segments over it."""
+    """A pool of pages (NaN wherever no segment reads), a pack of (past, new) segments over it, and its queries."""
     generator = torch.Generator().manual_seed(seed)
     lengths = [past + new for past, new in segments]
     num_pages = sum(blocks_for(n, page) for n in lengths) + 3
@@ -87,13 +87,18 @@ def paged_case(cuda: torch.device, segments: list[tuple[int, int]], heads: int =
     def int32(values: list) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int32, device=cuda)
 
+    pool = SimpleNamespace(keys=[keys.to(cuda)], values=[values.to(cuda)], block_size=page)
     batch = SimpleNamespace(
-        kv=SimpleNamespace(keys=[keys.to(cuda)], values=[values.to(cuda)]),
         cu_seqlens=int32(cu_q), max_seqlen=max(news),
-        paged=PagedTables(cu_seqlens_k=int32(cu_k), max_seqlen_k=max(lengths),
+        attention=PagedTables(cu_seqlens_k=int32(cu_k), max_seqlen_k=max(lengths),
                           block_table=int32([t + [0] * (width - len(t)) for t in tables]), seqused_k=int32(lengths)),
     )
-    return batch, query.to(cuda)
+    return batch, pool, query.to(cuda)
+
+
+def attend(backend: cuda_backend.CudaBackend, pool, batch, query: torch.Tensor) -> torch.Tensor:
+    """The backend's one call of layer 0 on `pool` (the new keys are in it already)."""
+    return backend.bind(pool).attend(0, batch, query, None, None, None)
 
 
 SEGMENTS = [(0, 37), (300, 1), (0, 1), (700, 64), (255, 1), (1024, 1), (10, 300)]  # prefill, chunks, decode rows
@@ -103,32 +108,30 @@ SEGMENTS = [(0, 37), (300, 1), (0, 1), (700, 64), (255, 1), (1024, 1), (10, 300)
 def test_varlen_paged_matches_sdpa_per_segment(cuda, num_splits) -> None:
     """torch's kernel through the block table (pages scattered, NaN where nothing is read, GQA,
     bottom-right causal) against SDPA per segment in float32."""
-    batch, query = paged_case(cuda, SEGMENTS)
-    kernel = cuda_backend.PagedAttention("varlen", cuda_backend.varlen_function()[0], num_splits=num_splits)
-    out = kernel(batch, 0, query, None)
-    reference = VarlenContract()
-    kv = SimpleNamespace(keys=[batch.kv.keys[0].float()], values=[batch.kv.values[0].float()])
-    expected = cuda_backend.PagedAttention("varlen", reference)(SimpleNamespace(**{**vars(batch), "kv": kv}), 0,
-                                                                query.float(), None)
+    batch, pool, query = paged_case(cuda, SEGMENTS)
+    kernel = cuda_backend.CudaBackend("varlen", cuda_backend.varlen_function()[0], num_splits=num_splits)
+    out = attend(kernel, pool, batch, query)
+    fp32 = SimpleNamespace(keys=[pool.keys[0].float()], values=[pool.values[0].float()], block_size=pool.block_size)
+    expected = attend(cuda_backend.CudaBackend("varlen", VarlenContract()), fp32, batch, query.float())
     assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
     torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2)
 
 
 def test_varlen_unsplit_is_the_same_alone_and_among_others(cuda) -> None:
     """num_splits=1: each segment's output has the same bits whatever else is in the call."""
-    kernel = cuda_backend.PagedAttention("varlen", cuda_backend.varlen_function()[0], num_splits=1)
-    batch, query = paged_case(cuda, SEGMENTS)
-    together = kernel(batch, 0, query, None)
+    kernel = cuda_backend.CudaBackend("varlen", cuda_backend.varlen_function()[0], num_splits=1)
+    batch, pool, query = paged_case(cuda, SEGMENTS)
+    together = attend(kernel, pool, batch, query)
     cu = batch.cu_seqlens.tolist()
     for i in range(len(SEGMENTS)):
-        paged = batch.paged
+        paged = batch.attention
         one = SimpleNamespace(
-            kv=batch.kv, cu_seqlens=torch.tensor([0, cu[i + 1] - cu[i]], dtype=torch.int32, device=cuda),
+            cu_seqlens=torch.tensor([0, cu[i + 1] - cu[i]], dtype=torch.int32, device=cuda),
             max_seqlen=cu[i + 1] - cu[i],
-            paged=PagedTables(cu_seqlens_k=torch.stack([paged.cu_seqlens_k[0] * 0, paged.seqused_k[i]]),
+            attention=PagedTables(cu_seqlens_k=torch.stack([paged.cu_seqlens_k[0] * 0, paged.seqused_k[i]]),
                               max_seqlen_k=int(paged.seqused_k[i]), block_table=paged.block_table[i: i + 1],
                               seqused_k=paged.seqused_k[i: i + 1]))
-        alone_out = kernel(one, 0, query[:, cu[i]: cu[i + 1]], None)
+        alone_out = attend(kernel, pool, one, query[:, cu[i]: cu[i + 1]])
         assert torch.equal(alone_out, together[cu[i]: cu[i + 1]]), f"segment {i} {SEGMENTS[i]}"
 
 
@@ -218,8 +221,8 @@ def test_graph_replay_equals_eager_bitwise(cuda, tokenizer) -> None:
         assert graphed.cuda_graphs and not eager.cuda_graphs
         found = differences(answers(graphed, prompts, greedy(11, 20)), answers(eager, prompts, greedy(11, 20)))
         assert found == []
-        assert graphed._graphs.replays > 0 and all(graphed._graphs.statics[b].graph is not None
-                                                    for b in graphed._graphs.captured)
+        assert graphed._runner.graphs.replays > 0 and all(graphed._runner.graphs.statics[b].graph is not None
+                                                    for b in graphed._runner.graphs.captured)
     finally:
         graphed.close()
         eager.close()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import inspect
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -32,7 +33,7 @@ def varlen_engine(tokenizer, monkeypatch, *, graphs: bool, **kwargs) -> tuple[En
     """An engine on the paged CUDA path with the contract stand-in; 16-token pages so prompts cross many."""
     kernel = VarlenContract()
     monkeypatch.setattr(cuda_backend, "choose",
-                        lambda mode, device, dtype: cuda_backend.PagedAttention("varlen", kernel, page_multiple=16))
+                        lambda mode, device, dtype: cuda_backend.CudaBackend("varlen", kernel, page_multiple=16))
     model = tiny_model("llama", tokenizer)
     engine = Engine(model, tokenizer, block_size=16, cuda_graphs=graphs, **kwargs)
     for keys, values in zip(engine._kv.keys, engine._kv.values):  # stale memory: NaN wherever nobody wrote
@@ -61,8 +62,8 @@ def test_varlen_path_matches_solo(tokenizer, monkeypatch, graphs) -> None:
     assert any(call["new_tokens"] == call["segments"] for call in kernel.calls)
     assert min(call["max_q"] for call in kernel.calls) == 2
     if graphs:
-        assert engine._graphs.replays > 0 and engine._graphs.captured
-        assert {call["max_k"] for call in kernel.calls if call["segments"] in engine._graphs.captured} >= {
+        assert engine._runner.graphs.replays > 0 and engine._runner.graphs.captured
+        assert {call["max_k"] for call in kernel.calls if call["segments"] in engine._runner.graphs.captured} >= {
             engine.max_context}  # a bucket's bound is the context length
     engine.close()
 
@@ -70,18 +71,19 @@ def test_varlen_path_matches_solo(tokenizer, monkeypatch, graphs) -> None:
 def test_graph_replay_equals_eager_logits(tokenizer, monkeypatch) -> None:
     """A decode pass through a bucket (padding rows on the trash block) gives the eager logits."""
     engine, _ = varlen_engine(tokenizer, monkeypatch, graphs=True)
-    kv, segments, block = engine._kv, [], 0
+    kv, backend, segments, block = engine._kv, engine._backend, [], 0
     for i, prompt in enumerate(QUESTIONS[:3]):  # 3 rows: a bucket of 4, one padding row
         ids = engine.encode(prompt)
         blocks = list(range(block, block + -(-(len(ids) + 1) // kv.block_size)))
         block = blocks[-1] + 1
-        engine._forward(pack([Segment(i, ids[:-1], 0, False, block_ids=blocks)], engine.device, kv))  # its prompt's KV
+        engine._runner.forward(pack([Segment(i, ids[:-1], 0, False, block_ids=blocks)], engine.device, backend),
+                               {})  # its prompt's KV
         segments.append(Segment(i, ids[-1:], len(ids) - 1, True, block_ids=blocks))
-    decode = pack(segments, engine.device, kv)
-    assert engine._graphs.fits(decode)
-    via_bucket = engine._graphs.run(decode)
-    torch.testing.assert_close(via_bucket, run_model(engine.model, decode), rtol=0, atol=0)
-    assert engine._graphs.captured == [4] and via_bucket.shape[0] == 3
+    decode = pack(segments, engine.device, backend)
+    assert engine._runner.graphs.fits(decode)
+    via_bucket = engine._runner.graphs.run(decode)
+    torch.testing.assert_close(via_bucket, run_model(engine.model, decode, backend), rtol=0, atol=0)
+    assert engine._runner.graphs.captured == [4] and via_bucket.shape[0] == 3
     engine.close()
 
 
@@ -95,43 +97,42 @@ def test_buckets_and_choice() -> None:
         cuda_graphs.buckets(0)
 
 
-def _decode_pack(kv, rows: list[tuple[int, list[int]]]):
-    """Decode rows (past_len, block_ids) on a fake pool of 16-token blocks."""
-    return pack([Segment(i, [7 + i], past, True, block_ids=blocks) for i, (past, blocks) in enumerate(rows)], kv=kv)
+def _decode_pack(backend, rows: list[tuple[int, list[int]]]):
+    """Decode rows (past_len, block_ids) on a stand-in pool of 16-token blocks."""
+    segments = [Segment(i, [7 + i], past, True, block_ids=blocks) for i, (past, blocks) in enumerate(rows)]
+    return pack(segments, backend=backend)
 
 
-class _Pool:
-    block_size = 16
-    flash_layout = True
-    paged_decode = None
-    keys = [torch.zeros(1)]
+def _paged_backend():
+    return cuda_backend.CudaBackend("varlen", VarlenContract(), page_multiple=16).bind(SimpleNamespace(block_size=16))
 
 
 def test_fill_copies_rows_and_pads_on_the_trash_block() -> None:
-    kv, trash = _Pool(), 99
-    static = cuda_graphs.static_pack(4, kv, max_context=100, device=torch.device("cpu"))
-    assert static.paged.block_table.shape == (4, 7)  # ceil(100 / 16) blocks: any row the model can hold
+    kv, trash = _paged_backend(), 99
+    static = cuda_graphs.static_pack(4, 16, max_context=100, device=torch.device("cpu"))
+    assert static.attention.block_table.shape == (4, 7)  # ceil(100 / 16) blocks: any row the model can hold
     cuda_graphs.fill(static, _decode_pack(kv, [(20, [3, 5]), (0, [8])]), trash)
     assert static.input_ids.tolist() == [7, 8, 0, 0]
     assert static.position_ids.tolist() == [20, 0, 0, 0]
     assert static.slot_blocks.tolist() == [5, 8, trash, trash] and static.slot_offsets.tolist() == [4, 0, 0, 0]
-    assert static.paged.seqused_k.tolist() == [21, 1, 1, 1]
-    assert static.paged.cu_seqlens_k.tolist() == [0, 21, 22, 23, 24]
-    assert static.paged.block_table[:, :2].tolist() == [[3, 5], [8, 0], [trash, 0], [trash, 0]]
+    assert static.attention.seqused_k.tolist() == [21, 1, 1, 1]
+    assert static.attention.cu_seqlens_k.tolist() == [0, 21, 22, 23, 24]
+    assert static.attention.block_table[:, :2].tolist() == [[3, 5], [8, 0], [trash, 0], [trash, 0]]
     assert static.cu_seqlens.tolist() == [0, 1, 2, 3, 4] and static.logits_indices.tolist() == [0, 1, 2, 3]
     cuda_graphs.fill(static, _decode_pack(kv, [(40, [1, 2, 6])]), trash)  # fewer rows: the others become padding
-    assert static.paged.seqused_k.tolist() == [41, 1, 1, 1] and static.slot_blocks.tolist() == [6, trash, trash, trash]
-    assert static.paged.block_table[1].tolist()[:1] == [trash]
+    assert static.attention.seqused_k.tolist() == [41, 1, 1, 1]
+    assert static.slot_blocks.tolist() == [6, trash, trash, trash]
+    assert static.attention.block_table[1].tolist()[:1] == [trash]
     with pytest.raises(ValueError, match="do not fit a bucket of 4"):
         cuda_graphs.fill(static, _decode_pack(kv, [(0, [i]) for i in range(5)]), trash)
 
 
 def test_which_passes_replay() -> None:
-    kv = _Pool()
+    kv = _paged_backend()
     assert cuda_graphs.why_not_graph(_decode_pack(kv, [(3, [0]), (5, [1])])) is None
-    prefill = pack([Segment(0, [1, 2, 3], 0, True, block_ids=[0])], kv=kv)
+    prefill = pack([Segment(0, [1, 2, 3], 0, True, block_ids=[0])], backend=kv)
     assert "prefill" in cuda_graphs.why_not_graph(prefill)
-    adapter = pack([Segment(0, [1], 3, True, block_ids=[0], adapter="a")], kv=kv)
+    adapter = pack([Segment(0, [1], 3, True, block_ids=[0], adapter="a")], backend=kv)
     assert "LoRA" in cuda_graphs.why_not_graph(adapter)
 
 
@@ -158,11 +159,11 @@ def test_decode_forward_never_reads_a_device_value(tokenizer, monkeypatch) -> No
 
     engine, _ = varlen_engine(tokenizer, monkeypatch, graphs=True)
     engine.generate(QUESTIONS[:2], SamplingParams(temperature=0, max_tokens=2))  # a bucket is prepared
-    static = engine._graphs.statics[2].batch
+    static = engine._runner.graphs.statics[2].batch
     monkeypatch.setattr(masking_utils, "is_tracing", lambda *args: True)
     spy = _SyncSpy()
     with spy:
-        engine._graphs.forward(static)
+        engine._runner.graphs.forward(static)
     assert spy.seen == []
     engine.close()
 
@@ -197,7 +198,7 @@ def test_varlen_needs_its_paged_form(monkeypatch) -> None:
 
 
 def test_block_size_must_suit_the_paged_kernel(tokenizer, monkeypatch) -> None:
-    kernel = cuda_backend.PagedAttention("varlen", VarlenContract())
+    kernel = cuda_backend.CudaBackend("varlen", VarlenContract())
     with pytest.raises(ValueError, match="block_size=128 is not allowed with cuda_attention='varlen'; use a multiple "
                                          "of 256"):
         kernel.check_block_size(128)

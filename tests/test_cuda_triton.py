@@ -72,12 +72,12 @@ ENGINE = textwrap.dedent("""
 
     tokenizer = AutoTokenizer.from_pretrained(str(loader.converted_gguf_dir(loader.embedded_gguf())))
     kernel = VarlenContract()
-    cuda_backend.choose = lambda mode, device, dtype: cuda_backend.PagedAttention("varlen", kernel, page_multiple=16)
+    cuda_backend.choose = lambda mode, device, dtype: cuda_backend.CudaBackend("varlen", kernel, page_multiple=16)
     base = tiny_model("llama", tokenizer)
     folder = make_adapter(base, pathlib.Path(tempfile.mkdtemp()) / "qv", seed=1)
     engine = Engine(base.to(torch.bfloat16), tokenizer, block_size=16, batch_invariant=True)
-    assert engine.batch_invariant and engine.cuda_graphs and engine._kv.exact is None
-    assert engine._kv.paged_attention.num_splits == 1
+    assert engine.batch_invariant and engine.cuda_graphs and engine.decode_attention == "varlen"
+    assert engine._backend.num_splits == 1
     assert cuda_invariant._is_ours(engine.model.lm_head.__dict__.get("forward"))
     assert cuda_invariant._is_ours(engine.model.model.norm.__dict__.get("forward"))
     engine.load_adapter("qv", str(folder))
@@ -87,7 +87,7 @@ ENGINE = textwrap.dedent("""
     assert engine.stats()["prefix_hit_tokens"] > 0
     assert differences(packed, alone(engine, prompts, greedy(4, 3), names)) == []
     assert len({tuple(tokens) for tokens, _ in packed}) > 1
-    assert {call["num_splits"] for call in kernel.calls} == {1} and engine._graphs.replays > 0
+    assert {call["num_splits"] for call in kernel.calls} == {1} and engine._runner.graphs.replays > 0
     engine.close()
     assert not any(cuda_invariant._is_ours(m.__dict__.get("forward")) for m in base.modules())
     print("engine ok")

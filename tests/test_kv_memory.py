@@ -14,10 +14,10 @@ from conftest import FAMILIES, chat, make_adapter, reference_copy, tiny_model
 from peft import PeftModel
 
 from kev_engine import Engine, InvalidRequestError, SamplingParams
-from kev_engine import pack as pack_module
+from kev_engine.backends import reference
+from kev_engine.backends.reference import TorchBackend
 from kev_engine.blocks import MIN_RUN, BlockManager, BlockTable, _runs_first
 from kev_engine.forward import run_model
-from kev_engine.kv_pool import KVPool
 from kev_engine.pack import Segment, pack
 from kev_engine.tokenize import encode_prompt
 
@@ -61,7 +61,8 @@ def test_shared_prefix_logits_equal_plain_forward(family, tokenizer) -> None:
     reference = reference_copy(model)
     Engine(model, tokenizer)  # switches the model to Kev's attention
     a_ids, b_ids = (encode_prompt(tokenizer, p, 1024) for p in DOC_QUESTIONS[:2])
-    kv = KVPool(model, torch.device("cpu"), torch.float32, kv_cache_bytes=8 << 20, block_size=16)
+    backend = TorchBackend()
+    kv = backend.allocate(model, torch.device("cpu"), torch.float32, kv_cache_bytes=8 << 20, block_size=16)
     blocks = BlockManager(kv.num_blocks, kv.block_size)
     a_table, b_table = BlockTable(), BlockTable()
     assert blocks.allocate(a_table, a_ids, None) == 0
@@ -69,8 +70,9 @@ def test_shared_prefix_logits_equal_plain_forward(family, tokenizer) -> None:
     shared = blocks.allocate(b_table, b_ids, None)
     assert shared and shared % 16 == 0 and a_table.block_ids[: shared // 16] == b_table.block_ids[: shared // 16]
     batch = pack([Segment(0, a_ids, 0, False, block_ids=a_table.block_ids, all_logits=True),
-                  Segment(1, b_ids[shared:], shared, False, block_ids=b_table.block_ids, all_logits=True)], kv=kv)
-    logits = run_model(model, batch)
+                  Segment(1, b_ids[shared:], shared, False, block_ids=b_table.block_ids, all_logits=True)],
+                 backend=backend)
+    logits = run_model(model, batch, backend)
     with torch.no_grad():
         expected_a = reference(input_ids=torch.tensor([a_ids])).logits[0]
         expected_b = reference(input_ids=torch.tensor([b_ids])).logits[0, shared:]
@@ -283,7 +285,7 @@ def test_a_fragmented_pool_is_still_read_in_place(tokenizer) -> None:
     for salt in ("a", "b", "c"):
         engine.generate(prompts, SamplingParams(temperature=0, max_tokens=5, cache_salt=salt))
     layouts = []
-    original = pack_module.decode_layout
+    original = reference.decode_layout
 
     def recorded(segments, *args, **kwargs):
         layout = original(segments, *args, **kwargs)
@@ -291,7 +293,7 @@ def test_a_fragmented_pool_is_still_read_in_place(tokenizer) -> None:
         return layout
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(pack_module, "decode_layout", recorded)
+        patch.setattr(reference, "decode_layout", recorded)
         engine.generate(prompts, SamplingParams(temperature=0, max_tokens=5, cache_salt="d"))
     engine.close()
     decodes = [(segments, layout) for segments, layout in layouts if layout is not None]

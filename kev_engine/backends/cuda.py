@@ -1,9 +1,9 @@
 """The CUDA attention: every segment of a pass, prefill and decode, in ONE paged kernel call per layer.
 
-Where this sits: chosen once when an `Engine` starts on a GPU (`choose`), then called by
-`attention.kev_attention` for each layer after the new keys/values went into the pool. The pool
-is [num_blocks, block_size, kv_heads, head_dim]; the pack's `PagedTables` say which blocks each
-segment reads (`block_table`) and how many of their tokens (`seqused_k`). No mask is built: the
+Where this sits: the attention backend (`backends.base`) of an `Engine` on a GPU, chosen once when
+it starts (`choose`). The pool is [num_blocks, block_size, kv_heads, head_dim]; the pack's
+`PagedTables` (its `plan`) say which blocks each segment reads (`block_table`) and how many of
+their tokens (`seqused_k`). No mask is built: the
 kernel's causal window (-1, 0) is bottom-right aligned, as a chunk continuing its own cached
 prefix needs, and a decode row (one query) sees its whole context.
 
@@ -24,11 +24,15 @@ from __future__ import annotations
 
 import inspect
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
+
+from ..kv_pool import Shape
+from ..pack import PackedBatch, Segment, padded_block_table
+from .base import AttentionBackend
 
 log = logging.getLogger("kev")
 
@@ -76,25 +80,69 @@ def why_not_device(device: torch.device, dtype: torch.dtype) -> str | None:
 
 
 @dataclass
-class PagedAttention:
-    """One paged kernel call per layer over the whole pack: query [H, T, D] → [T, H, D]."""
+class PagedTables:
+    """What a paged varlen kernel reads besides the pool.
 
-    name: str  # "varlen" or "flash-attn"
-    function: Callable[..., Any]
-    num_splits: int | None = None  # 1: the keys are never split (batch-invariant); None: the kernel decides
-    page_multiple: int = PAGE_MULTIPLE  # block sizes the kernel accepts
+    Segment i's keys are its first `seqused_k[i]` positions, read through `block_table[i]`; its
+    new tokens are the last ones of them, so the causal mask is bottom-right aligned. A CUDA graph
+    fills static tensors of the same shape (`backends.cuda_graphs`), with `max_seqlen_k` the
+    longest context any row can reach: the kernel only uses it as an upper bound.
+    """
 
-    def check_block_size(self, block_size: int) -> None:
-        """Flash attention's paged KV reads blocks of a multiple of 256 tokens."""
-        if block_size % self.page_multiple:
-            raise ValueError(f"block_size={block_size} is not allowed with cuda_attention={self.name!r}; "
-                             f"use a multiple of {self.page_multiple}")
+    cu_seqlens_k: torch.Tensor  # [S+1] int32: cumulative seqused_k
+    max_seqlen_k: int  # longest seqused_k this pass (or an upper bound of it)
+    block_table: torch.Tensor  # [S, max_blocks] int32, zero-padded
+    seqused_k: torch.Tensor  # [S] int32: tokens each segment attends to, its new ones included
 
-    def __call__(self, batch: Any, layer: int, query: torch.Tensor, scaling: float | None) -> torch.Tensor:
-        tables = batch.paged
-        assert tables is not None, "a pack on a CUDA pool carries its PagedTables"
+
+class CudaBackend(AttentionBackend):
+    """One paged kernel call per layer over the whole pack: query [H, T, D] → [T, H, D].
+
+    Pool layout [num_blocks, block_size, kv_heads, head_dim], keys and values alike. The kernel
+    reads whole pages and masks the slots past `seqused_k`: blocks just handed out are cleared
+    (0 × NaN from stale memory would be NaN)."""
+
+    name: str  # type: ignore[misc]  # "varlen" or "flash-attn", per instance
+    default_block_size: ClassVar[int] = PAGE_MULTIPLE
+
+    def __init__(self, name: str, function: Callable[..., Any], page_multiple: int = PAGE_MULTIPLE,
+                 num_splits: int | None = None) -> None:
+        super().__init__()
+        self.name = name
+        self.function = function
+        self.block_multiple = page_multiple
+        self.num_splits = num_splits  # 1: the keys are never split (batch-invariant); None: the kernel decides
+
+    def block_rule(self) -> str:
+        return f"with cuda_attention={self.name!r}"
+
+    def layout(self, num_blocks: int, kv_heads: int, block_size: int, head_dim: int) -> tuple[Shape, Shape]:
+        shape = (num_blocks, block_size, kv_heads, head_dim)
+        return shape, shape
+
+    def plan(self, segments: Sequence[Segment], cu_seqlens: list[int], device: torch.device | str) -> PagedTables:
+        lengths = [seg.past_len + len(seg.token_ids) for seg in segments]
+        cu = [0]
+        for n in lengths:
+            cu.append(cu[-1] + n)
+        return PagedTables(
+            cu_seqlens_k=torch.tensor(cu, dtype=torch.int32, device=device),
+            max_seqlen_k=max(lengths),
+            block_table=padded_block_table(segments, lengths, self.pool.block_size, device),
+            seqused_k=torch.tensor(lengths, dtype=torch.int32, device=device),
+        )
+
+    def write(self, layer: int, batch: PackedBatch, key: torch.Tensor, value: torch.Tensor) -> None:
+        self.pool.check_new(key)
+        self.pool.keys[layer][batch.slot_blocks, batch.slot_offsets] = key.transpose(0, 1)  # [T, kvH, D]
+        self.pool.values[layer][batch.slot_blocks, batch.slot_offsets] = value.transpose(0, 1)
+
+    def attend(self, layer: int, batch: PackedBatch, query: torch.Tensor, key: torch.Tensor,
+               value: torch.Tensor, scaling: float | None) -> torch.Tensor:
+        tables: PagedTables = batch.attention
+        assert isinstance(tables, PagedTables), "a pack on a CUDA pool carries its PagedTables"
         q = query.transpose(0, 1)  # [T, H, D]: a view of the projection's own layout
-        keys, values = batch.kv.keys[layer], batch.kv.values[layer]  # [num_blocks, block_size, kvH, D]
+        keys, values = self.pool.keys[layer], self.pool.values[layer]  # [num_blocks, block_size, kvH, D]
         if self.name == "flash-attn":  # never the batch-invariant path (cuda_invariant asks for varlen)
             return self.function(q, keys, values, batch.cu_seqlens, tables.cu_seqlens_k, batch.max_seqlen,
                                  tables.max_seqlen_k, softmax_scale=scaling, causal=True,
@@ -117,7 +165,7 @@ def resolve_mode(mode: str | None) -> str:
     return mode
 
 
-def choose(mode: str | None, device: torch.device, dtype: torch.dtype) -> PagedAttention | None:
+def choose(mode: str | None, device: torch.device, dtype: torch.dtype) -> CudaBackend | None:
     """The paged kernel for an engine on `device`, or None for torch's SDPA path (CPU engines,
     "torch", or an "auto" engine where no paged kernel can run — with a warning saying why)."""
     mode = resolve_mode(mode)
@@ -135,7 +183,7 @@ def choose(mode: str | None, device: torch.device, dtype: torch.dtype) -> PagedA
         why = why or why_not_device(device, dtype)
         if why is None:
             assert function is not None
-            return PagedAttention(name, function)
+            return CudaBackend(name, function)
         if mode == name:
             raise ValueError(f"cuda_attention={name!r} cannot be honoured: {why}")
         reasons.append(f"{name}: {why}")

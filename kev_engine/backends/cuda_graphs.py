@@ -1,6 +1,6 @@
 """Decode passes replayed as CUDA graphs, one per row-count bucket.
 
-Where this sits: `Engine._forward`, for a pass that is decode rows only (one new token each, no
+Where this sits: `ModelRunner.forward`, for a pass that is decode rows only (one new token each, no
 LoRA adapter) on the paged CUDA attention. A small pack's decode step is bound by kernel
 launches, not arithmetic: hundreds of small kernels per layer. vLLM and SGLang capture the decode
 forward once per batch-size bucket and replay it; Kev does the same, lazily, the first time a
@@ -28,7 +28,8 @@ from typing import Any
 import torch
 
 from ..blocks import blocks_for
-from ..pack import PackedBatch, PagedTables
+from ..pack import PackedBatch
+from .cuda import PagedTables
 
 WARMUP_PASSES = 2  # before a capture: lazy inits (cuBLAS handles, Triton compiles) must not be captured
 
@@ -50,7 +51,7 @@ def bucket_for(num_rows: int, sizes: list[int]) -> int | None:
 
 def why_not_graph(batch: PackedBatch) -> str | None:
     """Why this pass runs eagerly, or None when a decode graph can replay it."""
-    if batch.paged is None:
+    if not isinstance(batch.attention, PagedTables):
         return "the pack has no paged tables"
     if batch.num_tokens != batch.num_segments:
         return "a prefill chunk (more than one new token in a segment)"
@@ -61,12 +62,12 @@ def why_not_graph(batch: PackedBatch) -> str | None:
     return None
 
 
-def static_pack(rows: int, kv: Any, max_context: int, device: torch.device) -> PackedBatch:
+def static_pack(rows: int, block_size: int, max_context: int, device: torch.device) -> PackedBatch:
     """A pack of `rows` decode rows whose tensors are the bucket's static buffers (zeros until filled)."""
     def zeros(*shape: int, dtype: torch.dtype = torch.long) -> torch.Tensor:
         return torch.zeros(shape, dtype=dtype, device=device)
 
-    width = blocks_for(max_context, kv.block_size)
+    width = blocks_for(max_context, block_size)
     return PackedBatch(
         input_ids=zeros(rows),
         position_ids=zeros(rows),
@@ -79,10 +80,9 @@ def static_pack(rows: int, kv: Any, max_context: int, device: torch.device) -> P
         request_ids=list(range(rows)),
         adapters=[None] * rows,
         block_tables=[[] for _ in range(rows)],
-        kv=kv,
         slot_blocks=zeros(rows),
         slot_offsets=zeros(rows),
-        paged=PagedTables(
+        attention=PagedTables(
             cu_seqlens_k=zeros(rows + 1, dtype=torch.int32),
             max_seqlen_k=max_context,
             block_table=zeros(rows, width, dtype=torch.int32),
@@ -96,13 +96,14 @@ def fill(static: PackedBatch, live: PackedBatch | None, trash_block: int) -> Non
 
     `live=None` makes every row padding (the warm-up and capture passes)."""
     num_live = 0 if live is None else live.num_segments
-    tables = static.paged
-    assert tables is not None and static.slot_blocks is not None and static.slot_offsets is not None
+    tables = static.attention
+    assert isinstance(tables, PagedTables) and static.slot_blocks is not None and static.slot_offsets is not None
     if live is not None:
-        assert live.paged is not None and live.slot_blocks is not None and live.slot_offsets is not None
+        live_tables = live.attention
+        assert isinstance(live_tables, PagedTables) and live.slot_blocks is not None and live.slot_offsets is not None
         if num_live > static.num_segments:
             raise ValueError(f"{num_live} decode rows do not fit a bucket of {static.num_segments}")
-        width = live.paged.block_table.shape[1]
+        width = live_tables.block_table.shape[1]
         if width > tables.block_table.shape[1]:
             raise ValueError(f"a row reads {width} blocks; the graph's block table holds "
                              f"{tables.block_table.shape[1]} (the model's context length)")
@@ -110,8 +111,8 @@ def fill(static: PackedBatch, live: PackedBatch | None, trash_block: int) -> Non
         static.position_ids[:num_live].copy_(live.position_ids)
         static.slot_blocks[:num_live].copy_(live.slot_blocks)
         static.slot_offsets[:num_live].copy_(live.slot_offsets)
-        tables.seqused_k[:num_live].copy_(live.paged.seqused_k)
-        tables.block_table[:num_live, :width].copy_(live.paged.block_table)  # entries past width: never read
+        tables.seqused_k[:num_live].copy_(live_tables.seqused_k)
+        tables.block_table[:num_live, :width].copy_(live_tables.block_table)  # entries past width: never read
     # padding rows: token 0 at position 0, written to and read from slot 0 of the trash block
     static.input_ids[num_live:].zero_()
     static.position_ids[num_live:].zero_()
@@ -182,7 +183,7 @@ class DecodeGraphs:
         return logits[: batch.num_segments].clone()  # the next replay rewrites the static output
 
     def _prepare(self, rows: int) -> StaticDecode:
-        static = StaticDecode(static_pack(rows, self.kv, self.max_context, self.device))
+        static = StaticDecode(static_pack(rows, self.kv.block_size, self.max_context, self.device))
         if self.capture:
             self._capture(static)
         return static

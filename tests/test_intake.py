@@ -1,4 +1,4 @@
-"""Inputs a caller can get wrong fail early, alone and by name (issue 8, "Hardening").
+"""Inputs a caller can get wrong fail early, alone and by name (intake: params, adapters, loader, tokenize).
 
 Out-of-range sampling settings, near-zero temperatures, damaged or non-finite adapter files,
 missing model paths, malformed prompts: each is refused with an error naming the bad value
@@ -21,7 +21,7 @@ from kev_engine.lora import AdapterError
 from kev_engine.sample import sample
 from kev_engine.tokenize import check_prompt_list
 
-# ---- 1: seed and top_k must fit what torch takes ---------------------------------------------
+# ---- params: seed and top_k must fit what torch takes --------------------------------------------
 
 
 @pytest.mark.parametrize("kwargs, named", [
@@ -44,7 +44,7 @@ def test_an_out_of_range_seed_fails_alone_and_the_edges_run(tiny_engine: Engine)
     assert [r.completion_tokens for r in results[1:]] == [2, 2]  # the extreme allowed values sample fine
 
 
-# ---- 9a: a tiny temperature is greedy; no row ever draws from NaN ------------------------------
+# ---- sample: a tiny temperature is greedy; no row ever draws from NaN ----------------------------
 
 
 def test_a_tiny_temperature_gives_the_greedy_tokens(tiny_engine: Engine) -> None:
@@ -66,7 +66,7 @@ def test_sample_never_draws_from_non_finite_probabilities() -> None:
     assert tokens.tolist() == [int(logits[0].argmax()), 5, 7, 31]
 
 
-# ---- 9b, 14: adapter files that are damaged or non-finite --------------------------------------
+# ---- adapters: files that are damaged or non-finite ----------------------------------------------
 
 
 @pytest.fixture
@@ -154,7 +154,7 @@ def test_invalid_config_json_is_refused(adapter_folder) -> None:
     _refused(engine, folder, "cannot read")
 
 
-# ---- 10: another base model's name only warns when the shapes fit ------------------------------
+# ---- adapters: another base model's name only warns when the shapes fit --------------------------
 
 
 @pytest.mark.parametrize("adapter_base, engine_model, warns", [
@@ -181,7 +181,7 @@ def test_another_base_model_name_warns_but_loads(adapter_folder, caplog, adapter
         assert warnings == []
 
 
-# ---- 11: a missing model path fails at once; a hub id never waits on an unreachable hub --------
+# ---- loader: a missing model path fails at once; a hub id never waits on an unreachable hub ------
 
 
 @pytest.mark.parametrize("source", [
@@ -236,7 +236,7 @@ def test_a_hub_id_with_the_hub_unreachable_fails_with_a_clear_error(tmp_path, mo
         loader.load("kev-tests/no-such-model", device="cpu")
 
 
-# ---- 13: prompts with bad text, None content, templates that fail, the wrong nesting -----------
+# ---- tokenize: bad text, None content, templates that fail, the wrong nesting --------------------
 
 
 def test_a_lone_surrogate_is_refused_naming_its_position(tiny_engine: Engine) -> None:
@@ -313,7 +313,7 @@ def test_generate_names_bytes_and_one_conversation(tiny_engine: Engine) -> None:
         tiny_engine.generate(CONVERSATION, return_exceptions=True)
 
 
-# ---- 18: the converted-GGUF cache is keyed on content, not mtime --------------------------------
+# ---- loader: the converted-GGUF cache is keyed on content, not mtime -----------------------------
 
 
 def _fake_gguf(folder: Path, size: int, fill: int = 7) -> Path:

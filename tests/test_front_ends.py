@@ -1,4 +1,5 @@
-"""Issue 8 ("Hardening"), the integration defects: each test fails on the code before its fix.
+"""What the front ends must get right over the engine: adapters, token counts, arguments,
+prompts, caches, timeouts, shared engines, callbacks.
 
 All on a tiny random-weight Llama (greedy, CPU). Nothing waits on a clock: calls that must share
 a pass are submitted while the engine is held (`Engine.hold()`), and every wait is bounded.
@@ -80,7 +81,7 @@ def spy_submits(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> list[Future[
     return futures
 
 
-# ---- 8: one adapter name, two folders --------------------------------------------------------
+# ---- adapters: one adapter name, two folders -----------------------------------------------------
 
 
 def test_same_adapter_name_from_another_folder_is_an_error(engine: Engine, folders: tuple[str, str]) -> None:
@@ -106,7 +107,7 @@ def test_shared_engine_refuses_a_second_folder_for_a_name(
         ChatKev(adapters={"style2": b}).invoke("hi", adapter="style2")
 
 
-# ---- 12: token counts from the model, offline --------------------------------------------------
+# ---- token counts: from the model, offline -------------------------------------------------------
 
 
 def get_weather(city: str) -> str:
@@ -149,7 +150,7 @@ def test_token_counts_use_the_engines_tokenizer_and_template(engine: Engine, mon
     assert Kev(engine=engine).tokenizer(text) == ids  # for LlamaIndex's Settings.tokenizer
 
 
-# ---- 15: constructor arguments -------------------------------------------------------------------
+# ---- constructors: unknown or bad arguments ------------------------------------------------------
 
 
 @pytest.mark.parametrize(("model_class", "kwargs", "message"), [
@@ -173,7 +174,7 @@ def test_bad_sampling_values_fail_at_construction(model_class: type, field: str,
         model_class(**{field: value})  # no engine needed: nothing loads
 
 
-# ---- 21: one rule for a plain string ----------------------------------------------------------
+# ---- prompts: one rule for a plain string --------------------------------------------------------
 
 
 def test_a_plain_string_is_a_user_message_in_every_front_end(engine: Engine) -> None:
@@ -208,7 +209,7 @@ def test_chat_template_is_part_of_the_cache_key(engine: Engine) -> None:
         set_llm_cache(None)
 
 
-# ---- 22: a chat batch respects the LLM cache ---------------------------------------------------
+# ---- LangChain: a chat batch respects the LLM cache ----------------------------------------------
 
 
 def test_chat_batch_skips_cached_inputs_and_packs_the_rest(engine: Engine) -> None:
@@ -237,7 +238,7 @@ def test_chat_batch_skips_cached_inputs_and_packs_the_rest(engine: Engine) -> No
         set_llm_cache(None)
 
 
-# ---- 23: KevLLM's timeout ---------------------------------------------------------------------------
+# ---- LangChain: KevLLM's timeout -----------------------------------------------------------------
 
 
 @pytest.mark.parametrize("model_class", [KevLLM, ChatKev])
@@ -268,7 +269,7 @@ def test_timeout_cancels_every_prompt_of_a_generate(engine: Engine, monkeypatch:
     assert len(futures) == len(QUESTIONS) and all(f.cancelled() for f in futures)
 
 
-# ---- 25: spellings of one engine share it ---------------------------------------------------------
+# ---- shared engines: spellings of one engine share it --------------------------------------------
 
 
 def test_spellings_of_one_engine_share_it(isolated_shared: None, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -303,7 +304,7 @@ def test_a_local_folder_is_one_engine_whatever_its_spelling(
     assert shared.Engine.from_pretrained.call_count == 1
 
 
-# ---- 26: callbacks start before the pass -----------------------------------------------------------
+# ---- LangChain: callbacks start before the pass --------------------------------------------------
 
 
 class EventLog(BaseCallbackHandler):

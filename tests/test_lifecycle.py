@@ -1,4 +1,4 @@
-"""Engine hardening (issue 8): each test fails on the engine before its rewrite.
+"""A request's life in the engine when something goes wrong (lifecycle, worker, delivery, model setup).
 
 Callbacks that misbehave, passes that fail, callers that stop early, models shared between
 engines, engines dropped without close(). Everything that must share a pass is submitted
@@ -20,7 +20,7 @@ import torch
 from conftest import QUESTIONS, chat, make_adapter, reference_copy, tiny_model
 from peft import PeftModel
 
-import kev_engine.engine as engine_module
+import kev_engine.runner as runner_module
 import kev_engine.sample as sample_module
 from kev_engine import Engine, EngineClosedError, InvalidRequestError, SamplingParams
 from kev_engine.errors import PassFailedError
@@ -95,7 +95,7 @@ def solo_tokens(tokenizer: Any, prompts: list[Any], params: SamplingParams) -> l
         close_bounded(solo)
 
 
-# ---- 2: KeyboardInterrupt / SystemExit in one on_text ---------------------------------------------
+# ---- delivery: KeyboardInterrupt / SystemExit in one on_text -------------------------------------
 
 
 @pytest.mark.parametrize("error", [KeyboardInterrupt, SystemExit])
@@ -113,7 +113,7 @@ def test_base_exception_in_on_text_fails_only_its_request(engine: Engine, tokeni
     assert engine.generate([QUESTIONS[0]], GREEDY)[0].completion_tokens == 8  # the scheduler thread lives on
 
 
-# ---- 3: blocking calls from callbacks -------------------------------------------------------------
+# ---- worker: blocking calls from callbacks -------------------------------------------------------
 
 
 def test_blocking_calls_from_callbacks_are_refused_instead_of_deadlocking(engine: Engine) -> None:
@@ -172,7 +172,7 @@ def test_blocking_call_from_a_callback_during_a_hand_step_is_refused(engine: Eng
     assert len(outcomes) == 1 and isinstance(outcomes[0], InvalidRequestError), outcomes
 
 
-# ---- 4: prompt_logits with adapters goes through the scheduler ------------------------------------
+# ---- scheduler: prompt_logits with adapters goes through it --------------------------------------
 
 
 @pytest.fixture
@@ -239,7 +239,7 @@ def test_close_wakes_a_waiting_prompt_logits_caller(
     assert isinstance(caller.exception(timeout=TIMEOUT), EngineClosedError)
 
 
-# ---- 5: a caller that stops early cancels what it queued ------------------------------------------
+# ---- engine: a caller that stops early cancels what it queued ------------------------------------
 
 
 def test_wait_cancels_every_queued_future_when_it_raises(engine: Engine) -> None:
@@ -277,14 +277,14 @@ def test_generate_interrupted_while_waiting_cancels_its_requests(
     assert engine.generate([QUESTIONS[0]], GREEDY)[0].completion_tokens == 8
 
 
-# ---- 6: a forward that raises ---------------------------------------------------------------------
+# ---- lifecycle: a forward that raises ------------------------------------------------------------
 
 
 def test_a_failed_pass_fails_each_request_with_its_own_error(
     engine: Engine, tokenizer: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     boom = RuntimeError("device lost")
-    original = engine_module.run_model
+    original = runner_module.run_model
     calls = []
 
     def failing_once(*args: Any, **kwargs: Any) -> torch.Tensor:
@@ -293,7 +293,7 @@ def test_a_failed_pass_fails_each_request_with_its_own_error(
             raise boom
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(engine_module, "run_model", failing_once)
+    monkeypatch.setattr(runner_module, "run_model", failing_once)
     with engine.hold():
         futures = [engine.submit(q, GREEDY) for q in DOC_QUESTIONS]
     errors = [f.exception(timeout=TIMEOUT) for f in futures]
@@ -308,7 +308,7 @@ def test_a_failed_pass_fails_each_request_with_its_own_error(
     assert engine.stats()["kv_cache_bytes"] == 0
 
 
-# ---- 7: one model, one live engine; close() gives it back clean -----------------------------------
+# ---- model setup: one model, one live engine; close() gives it back clean ------------------------
 
 
 def test_a_model_serves_one_live_engine_and_comes_back_clean(tokenizer: Any, tmp_path: Path) -> None:
@@ -342,30 +342,14 @@ def test_a_model_serves_one_live_engine_and_comes_back_clean(tokenizer: Any, tmp
     close_bounded(second)
 
 
-# ---- 16: an engine dropped without close() --------------------------------------------------------
-
-
-class IdleSignal(threading.Condition):
-    """The engine's condition, instrumented: `idle` is set when the scheduler thread waits with
-    nothing to do (it has let go of the engine by then)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.idle = threading.Event()
-
-    def wait(self, timeout: float | None = None) -> bool:
-        if timeout is None and threading.current_thread().name == "kev-scheduler":
-            self.idle.set()
-        return super().wait(timeout)
+# ---- worker: an engine dropped without close() ---------------------------------------------------
 
 
 def test_an_engine_dropped_without_close_is_collected_and_its_thread_ends(tokenizer: Any) -> None:
     engine = make_engine(tokenizer)
-    signal = IdleSignal()
-    engine._cond = signal  # before the scheduler thread starts: it waits on this one
     assert engine.generate([QUESTIONS[0]], GREEDY)[0].completion_tokens == 8
-    thread = engine._thread
-    assert thread is not None and signal.idle.wait(TIMEOUT)
+    thread, idle = engine._worker.thread, engine._worker.idle
+    assert thread is not None and idle.wait(TIMEOUT)  # it waits with nothing to do: it has let go of the engine
     dropped = weakref.ref(engine)
     del engine
     gc.collect()
@@ -374,7 +358,7 @@ def test_an_engine_dropped_without_close_is_collected_and_its_thread_ends(tokeni
     assert not thread.is_alive()
 
 
-# ---- 17: a cancelled queued request lets go of its adapter at once --------------------------------
+# ---- lifecycle: a cancelled queued request lets go of its adapter at once ------------------------
 
 
 def test_cancelled_queued_request_releases_its_adapter_at_once(tokenizer: Any, tmp_path: Path) -> None:
@@ -398,7 +382,7 @@ def test_cancelled_queued_request_releases_its_adapter_at_once(tokenizer: Any, t
     close_bounded(engine)
 
 
-# ---- 19: prompt_logits after close() ---------------------------------------------------------------
+# ---- engine: prompt_logits after close() ---------------------------------------------------------
 
 
 def test_every_call_after_close_raises_engine_closed(engine: Engine) -> None:
@@ -457,13 +441,13 @@ def test_an_answer_reaching_the_context_ends_with_length(engine: Engine) -> None
 def test_max_num_seqs_bounds_every_pass(tokenizer: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     engine = make_engine(tokenizer, max_num_seqs=2)
     segments: list[int] = []
-    original = engine_module.run_model
+    original = runner_module.run_model
 
     def counting(model: Any, batch: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         segments.append(batch.num_segments)
         return original(model, batch, *args, **kwargs)
 
-    monkeypatch.setattr(engine_module, "run_model", counting)
+    monkeypatch.setattr(runner_module, "run_model", counting)
     lengths = (3, 5, 7, 2, 4)
     with engine.hold():
         futures = [engine.submit(q, SamplingParams(max_tokens=n)) for q, n in zip(QUESTIONS, lengths)]
