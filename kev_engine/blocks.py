@@ -112,9 +112,9 @@ class BlockManager:
         return taken
 
     def take_fresh(self) -> list[int]:
-        """Blocks handed out since the last call. Their slots past a row's length are read (and
-        masked) by the torch decode path, so the engine zeroes them (`KVPool.zero`): 0 x NaN from
-        stale memory is NaN."""
+        """Blocks handed out since the last call. Backends whose kernel reads whole blocks (and
+        masks the slots past a row's length) clear them first (`AttentionBackend.new_blocks`):
+        0 x NaN from stale memory is NaN."""
         fresh, self.fresh = self.fresh, []
         return fresh
 
