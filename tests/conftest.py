@@ -197,6 +197,13 @@ def ray_cluster() -> Any:
     import os
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # it would try to reach the internet
+    # Serve's router asks each replica its queue length before routing and gives up on an answer
+    # after 0.1 s; on a loaded 2-core machine a replica that holds an adapter then misses the
+    # deadline and the request goes to another replica, which loads the adapter too. The tests
+    # check where adapter traffic lands, so they give the replicas time to answer (the workers
+    # Ray starts inherit this environment).
+    os.environ.setdefault("RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S", "2")
+    os.environ.setdefault("RAY_SERVE_MAX_QUEUE_LENGTH_RESPONSE_DEADLINE_S", "10")
     import ray
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)

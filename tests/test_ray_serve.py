@@ -77,9 +77,17 @@ class Fleet:
         return sum(r["stats"][key] for r in self.replicas()["replicas"] if replica in (None, r["replica"]))
 
     def holder(self, adapter: str) -> str:
-        """The replica the ingress routes `adapter` to, once its router has learnt it (bounded wait)."""
+        """The one replica the ingress routes `adapter` to, once its router has learnt it (bounded wait).
+
+        Serve sends a request to a replica without the adapter when its holder is slow to answer
+        the router (a loaded machine), and that replica loads it too. A replica holds one adapter,
+        so a request for the other one sent meanwhile evicts the stray copy."""
+        other = next(name for name in ("A", "B") if name != adapter)
+
         def known() -> str | None:
             held = (self.replicas()["routing"] or {}).get(adapter, [])
+            if len(held) > 1:
+                assert self.chat(other, "make room").status_code == 200
             return held[0] if len(held) == 1 else None
         return wait_for(known, 60, f"the ingress's router to learn which replica holds {adapter}")
 
