@@ -31,6 +31,11 @@ class Segment:
     adapter: str | None = None
     all_logits: bool = False  # logits at every new token (prompt_logits), not only the last
 
+    @property
+    def end(self) -> int:
+        """Tokens this segment attends to once its new ones are in: past_len + its new tokens."""
+        return self.past_len + len(self.token_ids)
+
 
 @dataclass
 class PackedBatch:
@@ -84,7 +89,7 @@ def pack(segments: Sequence[Segment], device: torch.device | str = "cpu", backen
         assert seg.token_ids, f"empty segment for request {seg.request_id}"
         start = len(input_ids)
         input_ids.extend(seg.token_ids)
-        positions = range(seg.past_len, seg.past_len + len(seg.token_ids))
+        positions = range(seg.past_len, seg.end)
         position_ids.extend(positions)
         cu_seqlens.append(len(input_ids))
         first = len(logits_indices)

@@ -72,9 +72,10 @@ class Fleet:
         results = handle.broadcast(method).results(timeout_s=60, return_exceptions=True)
         return [r for r in results if not isinstance(r, BaseException)]
 
-    def totals(self, key: str, replica: str | None = None) -> int:
-        """An engine counter summed over the replicas (or of one), e.g. "running", "waiting", "cancelled"."""
-        return sum(r["stats"][key] for r in self.replicas()["replicas"] if replica in (None, r["replica"]))
+    def totals(self, *keys: str, replica: str | None = None) -> int:
+        """Engine counters summed over the replicas (or of one), from one look: e.g. "running", "waiting"."""
+        return sum(r["stats"][key] for r in self.replicas()["replicas"] if replica in (None, r["replica"])
+                   for key in keys)
 
     def holder(self, adapter: str) -> str:
         """The one replica the ingress routes `adapter` to, once its router has learnt it (bounded wait).
@@ -227,7 +228,8 @@ def test_a_client_that_leaves_cancels_the_replicas_work(fleet: Fleet) -> None:
     before = fleet.totals("cancelled")
 
     def let_go(count: int) -> bool:  # a step takes the cancelled first; until the cancel arrives, each runs one token
-        return fleet.totals("cancelled") > count and fleet.totals("running") + fleet.totals("waiting") == 0
+        stats = [r["stats"] for r in fleet.replicas()["replicas"]]  # one look at every replica
+        return sum(s["cancelled"] for s in stats) > count and sum(s["running"] + s["waiting"] for s in stats) == 0
 
     async def leave_while_queued() -> None:  # non-streamed: the client hangs up while the request is queued
         async with httpx.AsyncClient(timeout=120) as client:
@@ -282,10 +284,10 @@ def test_a_killed_replica_loses_nothing_silently_and_is_replaced(fleet: Fleet) -
     try:
         with ThreadPoolExecutor(2) as pool:
             streamed = pool.submit(stream)
-            wait_for(lambda: fleet.totals("waiting", victim) >= 1, 60, "the stream to queue on the victim")
+            wait_for(lambda: fleet.totals("waiting", replica=victim) >= 1, 60, "the stream to queue on the victim")
             step_until(fleet, under_way.is_set, "the stream's first event")  # it has sent tokens
             pending = pool.submit(fleet.chat, "A", "keep going", LONG)  # and a non-streamed one, also on the victim
-            wait_for(lambda: fleet.totals("running", victim) + fleet.totals("waiting", victim) >= 2, 60,
+            wait_for(lambda: fleet.totals("running", "waiting", replica=victim) >= 2, 60,
                      "both requests to be on the victim")
             ray.kill(ray.get_actor(actor_name, namespace="serve"), no_restart=True)
             fleet.on_replicas("resume")  # the survivor answers the retry

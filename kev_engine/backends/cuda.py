@@ -121,7 +121,7 @@ class CudaBackend(AttentionBackend):
         return shape, shape
 
     def plan(self, segments: Sequence[Segment], cu_seqlens: list[int], device: torch.device | str) -> PagedTables:
-        lengths = [seg.past_len + len(seg.token_ids) for seg in segments]
+        lengths = [seg.end for seg in segments]
         cu = [0]
         for n in lengths:
             cu.append(cu[-1] + n)

@@ -45,7 +45,7 @@ class ExactBackend(AttentionBackend):
         return (num_blocks, kv_heads, head_dim, block_size), (num_blocks, kv_heads, block_size, head_dim)
 
     def plan(self, segments: Sequence[Segment], cu_seqlens: list[int], device: torch.device | str) -> ExactTables:
-        lengths = [seg.past_len + len(seg.token_ids) for seg in segments]
+        lengths = [seg.end for seg in segments]
         past = torch.tensor([seg.past_len for seg in segments], dtype=torch.int32, device=device)
         return ExactTables(padded_block_table(segments, lengths, self.pool.block_size, device), past)
 
