@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import QUESTIONS, chat, reference_copy, reference_greedy, tiny_model
+from conftest import QUESTIONS, chat, reference_copy, reference_greedy, rounding_tolerance, tiny_model
 from torch.utils._python_dispatch import TorchDispatchMode
 from varlen_contract import VarlenContract
 
@@ -69,7 +69,8 @@ def test_varlen_path_matches_solo(tokenizer, monkeypatch, graphs) -> None:
 
 
 def test_graph_replay_equals_eager_logits(tokenizer, monkeypatch) -> None:
-    """A decode pass through a bucket (padding rows on the trash block) gives the eager logits."""
+    """A decode pass through a bucket (padding rows on the trash block) gives the eager logits, up to
+    the CPU's rounding."""
     engine, _ = varlen_engine(tokenizer, monkeypatch, graphs=True)
     kv, backend, segments, block = engine._kv, engine._backend, [], 0
     for i, prompt in enumerate(QUESTIONS[:3]):  # 3 rows: a bucket of 4, one padding row
@@ -82,7 +83,13 @@ def test_graph_replay_equals_eager_logits(tokenizer, monkeypatch) -> None:
     decode = pack(segments, engine.device, backend)
     assert engine._runner.graphs.fits(decode)
     via_bucket = engine._runner.graphs.run(decode)
-    torch.testing.assert_close(via_bucket, run_model(engine.model, decode, backend), rtol=0, atol=0)
+    eager = run_model(engine.model, decode, backend)
+    # not bitwise here: this stand-in engine is not batch-invariant, and torch's CPU BLAS may sum the
+    # bucket's 4 rows in another order than the eager pass's 3 (it does on some CPUs). Bitwise
+    # replay on the invariant path is a GPU claim: tests/test_cuda.py
+    tolerance = rounding_tolerance(eager)
+    torch.testing.assert_close(via_bucket, eager, rtol=0, atol=tolerance)
+    assert (via_bucket[0] - eager[1]).abs().max().item() > 10 * tolerance  # control: another row is far outside
     assert engine._runner.graphs.captured == [4] and via_bucket.shape[0] == 3
     engine.close()
 

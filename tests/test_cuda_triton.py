@@ -3,13 +3,14 @@
 `TRITON_INTERPRET=1` executes the kernels' Python on CPU tensors (numpy underneath), so their
 plumbing runs on every CI machine: strides, masks of partial tiles (M, N and K not multiples of
 64), bias, dtype casts, results equal to torch's ops up to rounding, and a row's result the same
-alone as among 1, 3, 70 or 130 rows because every launch uses one tile shape. Then the whole
-batch-invariant CUDA engine path with those kernels and varlen_attn's stand-in
-(tests/varlen_contract.py): installed on the model, num_splits=1, LoRA deltas by the same
-products, decode graphs' static path — packed equals alone bitwise with a shared document and an
-adapter, and the model comes back as it was. (The stand-in's attention is torch's CPU SDPA per
-segment, which gives these short prompts the same bits alone and packed but is no invariant
-kernel: with 400-word documents it differs; on a GPU varlen_attn(num_splits=1) is the claim.)
+alone as among 1, 3, 70 or 130 rows, within rounding. Then the whole batch-invariant CUDA
+engine path with those kernels and varlen_attn's stand-in (tests/varlen_contract.py): installed on
+the model, num_splits=1, LoRA deltas by the same products, decode graphs' static path — packed
+gives the same tokens as alone with a shared document and an adapter, logits within rounding,
+and the model comes back as it was. Not bitwise here: the interpreter computes `tl.dot` with
+numpy, whose BLAS may sum a row in another order by its place in the tile (it does on some
+CPUs), and the stand-in's attention is torch's CPU SDPA per segment, no invariant kernel. That
+the real kernels give packed == alone bit for bit is tests/test_cuda.py's claim, on a GPU.
 The interpreter must be set before Triton compiles anything, hence a fresh process. What the
 GPU's own arithmetic gives only `make gpu-check` shows (tests/test_cuda.py).
 """
@@ -35,11 +36,11 @@ CHECK = textwrap.dedent("""
         weight, bias = torch.randn(96, 80, dtype=dtype), torch.randn(96, dtype=dtype)
         rows = torch.randn(130, 80, dtype=dtype)
         alone = [cuda_triton.linear(rows[i:i + 1], weight, bias) for i in range(130)]
-        for m in (1, 3, 70, 130):
+        for m in (1, 3, 70, 130):  # a row alone and among others: close, not bitwise (see the docstring)
             out = cuda_triton.linear(rows[:m], weight, bias)
             torch.testing.assert_close(out.float(), F.linear(rows[:m].float(), weight.float(), bias.float()),
                                        rtol=tol, atol=tol)
-            assert all(torch.equal(out[i], alone[i][0]) for i in range(m)), (dtype, m)
+            torch.testing.assert_close(out, torch.cat(alone[:m]), rtol=tol, atol=tol)
         packed = cuda_triton.linear(rows.view(10, 13, 80), weight, None)  # [..., K] in, [..., N] out
         assert packed.shape == (10, 13, 96)
         torch.testing.assert_close(packed.float(), F.linear(rows.float(), weight.float()).view(10, 13, 96),
@@ -53,8 +54,8 @@ CHECK = textwrap.dedent("""
         hidden = torch.randn(1, 70, 72, dtype=dtype)
         out = cuda_triton.rms_norm(hidden, norm.weight, norm.variance_epsilon)
         torch.testing.assert_close(out.float(), norm(hidden).float(), rtol=tol, atol=tol)
-        assert all(torch.equal(out[0, i], cuda_triton.rms_norm(hidden[:, i:i + 1], norm.weight, 1e-6)[0, 0])
-                   for i in range(70))
+        torch.testing.assert_close(out[0], torch.cat([cuda_triton.rms_norm(hidden[:, i:i + 1], norm.weight, 1e-6)[0]
+                                                      for i in range(70)]), rtol=tol, atol=tol)
     print("kernels ok")
 """)
 
@@ -64,8 +65,8 @@ ENGINE = textwrap.dedent("""
     sys.path.insert(0, sys.argv[1])
     import torch
     from transformers import AutoTokenizer
-    from conftest import make_adapter, tiny_model
-    from test_invariance import alone, answers, differences, greedy, questions
+    from conftest import make_adapter, rounding_tolerance, tiny_model
+    from test_invariance import alone, answers, greedy, questions
     from varlen_contract import VarlenContract
     from kev_engine import Engine, loader
     from kev_engine.backends import cuda as cuda_backend, cuda_invariant
@@ -85,7 +86,10 @@ ENGINE = textwrap.dedent("""
     names = ["qv", None, "qv", None]
     packed = answers(engine, prompts, greedy(4, 3), names)
     assert engine.stats()["prefix_hit_tokens"] > 0
-    assert differences(packed, alone(engine, prompts, greedy(4, 3), names)) == []
+    solo = alone(engine, prompts, greedy(4, 3), names)
+    assert [tokens for tokens, _ in packed] == [tokens for tokens, _ in solo]
+    for (_, mine), (_, theirs) in zip(packed, solo):  # close: the emulation's products are numpy's
+        torch.testing.assert_close(mine, theirs, rtol=0, atol=rounding_tolerance(theirs, torch.bfloat16))
     assert len({tuple(tokens) for tokens, _ in packed}) > 1
     assert {call["num_splits"] for call in kernel.calls} == {1} and engine._runner.graphs.replays > 0
     engine.close()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import QUESTIONS, chat, fp32_tolerance, reference_copy, reference_greedy, tiny_model
+from conftest import QUESTIONS, chat, reference_copy, reference_greedy, rounding_tolerance, tiny_model
 
 from kev_engine import Engine, SamplingParams
 
@@ -44,17 +44,28 @@ def test_packed_greedy_tokens_equal_solo_generate(family_pair) -> None:
 
 def test_embedded_model_packed_equals_solo(embedded_engine: Engine, embedded_reference) -> None:
     prompts = QUESTIONS[:4]
-    rows = sum(len(embedded_engine.encode(p)) for p in prompts)
     for prompt, logits in zip(prompts, embedded_engine.prompt_logits(prompts)):
-        ids = embedded_engine.encode(prompt)
-        expected = reference_logits(embedded_reference, ids)
-        atol = fp32_tolerance(embedded_reference, ids, expected, rows, ATOL)  # 30 layers: BLAS rounding by row count
-        torch.testing.assert_close(logits, expected, atol=atol, rtol=0)
+        expected = reference_logits(embedded_reference, embedded_engine.encode(prompt))
+        torch.testing.assert_close(logits, expected, atol=rounding_tolerance(expected, embedded_engine.dtype), rtol=0)
     results = embedded_engine.generate(prompts, SamplingParams(temperature=0, max_tokens=16))
     eos = embedded_engine.tokenizer.eos_token_id
     for prompt, result in zip(prompts, results):
         assert result.token_ids == reference_greedy(embedded_reference, embedded_engine.encode(prompt), 16, eos)
     assert results[0].text.strip().startswith("The capital of France is Paris")
+
+
+def test_the_rounding_tolerance_still_sees_one_changed_token(embedded_engine: Engine, embedded_reference) -> None:
+    """The control for every comparison within `rounding_tolerance`: the logits of a question
+    whose context differs by one word are far outside it (as a leak from a neighbour would be),
+    while two correct computations of the same question are inside it."""
+    question = chat("Where is the lighthouse?", "The lighthouse stands on the northern cape of the island.")
+    changed = chat("Where is the lighthouse?", "The lighthouse stands on the southern cape of the island.")
+    expected = reference_logits(embedded_reference, embedded_engine.encode(question))
+    tolerance = rounding_tolerance(expected, embedded_engine.dtype)
+    other = reference_logits(embedded_reference, embedded_engine.encode(changed))
+    assert other.shape == expected.shape
+    assert (other - expected).abs().max().item() > 10 * tolerance
+    assert (embedded_engine.prompt_logits([question])[0] - expected).abs().max().item() <= tolerance
 
 
 def test_canary_secret_never_reaches_the_other_question(embedded_engine: Engine) -> None:
