@@ -12,9 +12,10 @@ Two builds, each with the compiler flags its sources need:
          path (`paged_decode`, `paged_write`), equal to torch's ops up to fp32 rounding.
 
 How: `torch.utils.cpp_extension.load` (a C++ compiler and ninja; `make setup` runs it through
-`kev build-kernel`) with `-march=native`. Each build lives in its own folder under
+`kev build-kernel`) with `-march=native`, less what `KEV_CPU_ISA` turns off (`cpu_isa`: AMX, or
+all of AVX-512, so one machine can build and test the paths of smaller CPUs). Each build lives in its own folder under
 `KEV_CACHE_DIR/kernels` (default `~/.cache/kev/kernels`), named by a hash of its sources, flags,
-the torch version and this CPU's flags, with the sources copied in: any checkout or virtual
+the torch version, this CPU's flags and the `KEV_CPU_ISA` level, with the sources copied in: any checkout or virtual
 environment on the machine with the same sources finds the same build, and a cache shared between
 machines never loads code built for another CPU. A build says so on the "kev" logger and every
 15 s while it runs; a process that finds another one building waits for it and says so.
@@ -42,6 +43,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from . import cpu_isa
 
 log = logging.getLogger("kev")
 
@@ -98,9 +101,15 @@ def _cpu_fingerprint() -> str:
     return f"{platform.machine()} {platform.processor()} {flags}"
 
 
+def build_flags(build: str) -> tuple[str, ...]:
+    """A build's compiler flags: its own, then what `KEV_CPU_ISA` turns off of -march=native."""
+    return BUILDS[build][2] + cpu_isa.compiler_flags()
+
+
 def build_name(build: str) -> str:
-    """A build's folder name: new sources, flags, torch or CPU get a new build."""
-    sources, headers, flags = BUILDS[build]
+    """A build's folder name: new sources, flags (`KEV_CPU_ISA` included), torch or CPU get a new build."""
+    sources, headers, _ = BUILDS[build]
+    flags = build_flags(build)
     digest = hashlib.sha256()
     for name in (*sources, *headers):
         digest.update(name.encode())
@@ -172,7 +181,8 @@ def _build(build: str) -> Any:
 
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
     name = build_name(build)
-    sources, headers, flags = BUILDS[build]
+    sources, headers, _ = BUILDS[build]
+    flags = build_flags(build)
     folder = build_root() / name
     folder.mkdir(parents=True, exist_ok=True)
     with _build_lock(folder, name):

