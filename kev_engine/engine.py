@@ -15,15 +15,17 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from typing import Any, Literal, overload
 
 import torch
 
-from . import backends, loader
+from . import backends, loader, pass_cost
 from .adapters import AdapterPool
 from .backends import cuda as cuda_backend
 from .blocks import BlockManager
@@ -52,7 +54,14 @@ class Engine:
         model: a transformers causal LM (its attention is switched to Kev's packed attention
             while this engine lives; `close()` gives it back as it came).
         tokenizer: its tokenizer; chat prompts use its chat template.
-        max_batch_tokens: token budget of one pass (prefill chunks + one token per decode).
+        max_batch_tokens: most tokens in one pass (prefill chunks + one token per decode): a hard cap.
+        pass_time_ms: the target duration of one pass (None: `KEV_PASS_TIME_MS`, else 300 on CPU,
+            100 on CUDA). The
+            scheduler learns what this model's work costs on this device (`pass_cost`) and fills
+            each pass up to this: every running answer gets its next token, a long prompt goes on
+            in chunks, and a short question queued behind it joins the next pass instead of
+            waiting for the whole prefill. A batch whose work fits is one pass; a larger one runs
+            in consecutive passes. `math.inf`: passes bounded by `max_batch_tokens` alone.
         max_num_seqs: most questions running at once.
         coalesce_ms: how long an idle engine waits for concurrent callers before a pass
             (`hold()` coalesces without a clock).
@@ -88,6 +97,7 @@ class Engine:
         *,
         name: str | None = None,
         max_batch_tokens: int = 8192,
+        pass_time_ms: float | None = None,
         max_num_seqs: int = 64,
         coalesce_ms: float = 5.0,
         max_adapters: int = 4,
@@ -128,7 +138,10 @@ class Engine:
         self._runner = ModelRunner(model, self._backend, self._adapters, device=self.device, cuda_graphs=cuda_graphs,
                                    max_rows=max_num_seqs, max_context=self.max_context)  # may reserve a block
         self._blocks = BlockManager(self._kv.num_blocks, self._kv.block_size)
-        self._scheduler = Scheduler(max_batch_tokens, max_num_seqs, self._blocks, max_logits_tokens)
+        self.pass_time_ms = pass_cost.target_ms(pass_time_ms, self.device)
+        self._scheduler = Scheduler(max_batch_tokens, max_num_seqs, self._blocks, max_logits_tokens,
+                                    cost=pass_cost.CostModel(pass_cost.Work.of(model)),
+                                    pass_time_s=self.pass_time_ms / 1000)
         self._grammars = Grammars(tokenizer, _logits_width(model), self.eos_ids)
         self._cond = threading.Condition()  # the engine's one lock: requests, blocks, adapters, the worker
         self._intake = Intake(tokenizer, self.max_context, self._kv, self._grammars, self._adapters, self._cond)
@@ -300,13 +313,18 @@ class Engine:
         return self._answer("prompt_logits", prompts, None, adapters, logits_only=True)
 
     def stats(self) -> dict[str, Any]:
-        """Counters since start (requests, passes, tokens, prefix hits), the KV memory now, and how
-        this engine computes (its dtype, and whether packed equals alone bit for bit)."""
+        """Counters since start (requests, passes, tokens, prefix hits), the KV memory now, how this
+        engine computes (its dtype, and whether packed equals alone bit for bit), its pass target,
+        and two latency histograms (`latency.Histogram.snapshot`): each pass's duration
+        (`pass_seconds`) and each request's wait from submission to its first pass (`queue_seconds`)."""
         with self._cond:
             return {
                 **self._life.stats,
                 "dtype": str(self.dtype).removeprefix("torch."),
                 "batch_invariant": self._exact,
+                "pass_time_ms": self.pass_time_ms if math.isfinite(self.pass_time_ms) else None,  # None: no bound
+                "pass_seconds": self._life.pass_seconds.snapshot(),
+                "queue_seconds": self._life.queue_seconds.snapshot(),
                 "running": len(self._scheduler.running),
                 "waiting": len(self._scheduler.waiting),
                 "preemptions": self._scheduler.preemptions,
@@ -449,13 +467,14 @@ class Engine:
         chunks = life.schedule()
         if not chunks:
             return 0
+        started = time.perf_counter()
         try:
             batch = self._runner.pack(chunks)
             logits = self._runner.forward(batch, life.resident_adapters())  # [K, vocab]
         finally:
             life.end_pass()
         draws = life.sample(chunks, batch, logits)
-        life.finish(life.record(chunks, batch, logits, draws))
+        life.finish(life.record(chunks, batch, logits, draws, time.perf_counter() - started))
         return batch.num_tokens
 
     # what the worker drives (`worker.Stepped`)

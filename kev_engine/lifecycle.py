@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import itertools
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
@@ -26,6 +27,7 @@ from .delivery import Delivery, hand_text
 from .errors import EngineClosedError, KevError, PassFailedError
 from .grammar import Grammars
 from .intake import Prepared
+from .latency import Histogram
 from .logprobs import TokenTexts
 from .pack import PackedBatch
 from .params import Defaults
@@ -60,6 +62,8 @@ class Lifecycle:
         self.token_texts = TokenTexts(tokenizer)  # logprobs name their tokens
         self.delivery = Delivery("kev")  # on_text and results reach callers from here, never from a pass
         self.stats = dict.fromkeys(STAT_KEYS, 0)
+        self.pass_seconds = Histogram()  # each pass, pack to draws
+        self.queue_seconds = Histogram()  # each request, submitted to first admitted
         self._request_ids = itertools.count()
         self._groups = itertools.count()
 
@@ -153,13 +157,17 @@ class Lifecycle:
         plan += [(sibling, row) for request, row in plan if request.siblings for sibling in self._fork(request)]
         return draw_tokens(plan, logits, self.eos_ids, self.grammars.vocab_size, self.token_texts)
 
-    def record(self, chunks: list[Chunk], batch: PackedBatch, logits: torch.Tensor, draws: list[Draw]) -> Finished:
-        """Advance each request by what this pass computed and drew; return those that are done."""
+    def record(self, chunks: list[Chunk], batch: PackedBatch, logits: torch.Tensor, draws: list[Draw],
+               seconds: float | None = None) -> Finished:
+        """Advance each request by what this pass computed and drew (in `seconds`: the scheduler's
+        cost model learns from it); return those that are done."""
         finished: Finished = []
         has_prefill = any(c.request.in_prefill for c in chunks)  # before update() moves them on
         has_decode = any(not c.request.in_prefill for c in chunks)
         with self.cond:
-            self.scheduler.update(chunks)
+            self.scheduler.update(chunks, seconds=seconds)
+            if seconds is not None:
+                self.pass_seconds.observe(seconds)
             self.stats["forward_passes"] += 1
             self.stats["prefill_passes"] += has_prefill
             self.stats["decode_steps"] += has_decode
@@ -222,6 +230,7 @@ class Lifecycle:
         self._seed(request)
         if request.num_admissions == 0:
             self.stats["prompt_tokens"] += len(request.prompt_ids)
+            self.queue_seconds.observe(time.monotonic() - request.queued_at)
         self.stats["prefix_hit_tokens"] += request.num_computed
         request.num_admissions += 1
         return True

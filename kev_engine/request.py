@@ -8,6 +8,7 @@ already in them, what it has generated, and the future its caller waits on.
 from __future__ import annotations
 
 import enum
+import time
 from collections.abc import Callable, Hashable
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field, fields
@@ -95,6 +96,7 @@ class Request:
     logits_only: bool = False  # prompt_logits: every prompt position's logits, no sampling
     capture_logits: bool = False  # kev verify: keep the logits each generated token was sampled from
     group: int = 0  # requests submitted together share a group and are admitted together
+    queued_at: float = field(default_factory=time.monotonic)  # when it was queued (its wait is a stat)
     status: Status = Status.WAITING
     output_ids: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens already in its KV blocks

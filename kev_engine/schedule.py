@@ -1,26 +1,37 @@
-"""Schedule: which tokens of which questions run in the next pass — under a token budget AND
-the KV memory budget.
+"""Schedule: which tokens of which questions run in the next pass — within a time budget, a token
+cap and the KV memory budget, fairly.
 
-Running questions go first (a decode is one token; a long prompt continues in chunks), so no
-admitted question starves; each gets the KV blocks its chunk needs, and when the pool is full
-the most recently admitted question is preempted (its blocks freed, its tokens recomputed
-later — cheaply, since its computed full blocks stay in the prefix cache). Then waiting
-questions join in arrival-group order, shortest bucket first inside a group, while the token
-budget, the sequence slots and the KV blocks last. A new question starts after the longest
-prefix of full blocks already computed — by an earlier pass, or by an earlier chunk of this
-one. Finished questions leave: nothing is computed for them again (continuous batching).
+A pass is bounded by a target duration (`pass_time_s`, predicted by the `pass_cost` model this
+engine learns as it runs) and by `max_batch_tokens`. What goes in, in this order:
+1. every running question's next token (a decode is one token): nobody who is answering stalls;
+2. prompts already under way continue in chunks — with everything the waiting prompts do not
+   need, but at least `LONG_SHARE` of the time left, so a long prompt always makes progress;
+3. waiting questions join in arrival-group order (shortest bucket first inside a group) while
+   time, tokens, sequence slots and KV blocks last: a short question queued behind a long prompt
+   is admitted in the very next pass, a group that fits is one pass, and a larger one runs in
+   consecutive passes, started in its order.
+Each chunk gets the KV blocks it needs; when the pool is full, the most recently admitted
+question not already in this pass is preempted (its blocks freed, its tokens recomputed later —
+cheaply, since its computed full blocks stay in the prefix cache). A new question starts after
+the longest prefix of full blocks already computed — by an earlier pass, or by an earlier chunk
+of this one. Finished questions leave: nothing is computed for them again (continuous batching).
+Where chunks end never changes a question's numbers on the batch-invariant path.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from .blocks import BlockManager
+from .pass_cost import CostModel, pairs
 from .request import Request, Status
 
 BUCKET = 128
 WATERMARK = 0.01  # share of blocks kept free at admission, so running decodes rarely preempt
+LONG_SHARE = 0.5  # of a pass's time left after decodes, what prompts under way keep while others wait
+MIN_CHUNK = 16  # tokens a prompt gets in a pass that has room for nothing else: progress, however slow
 
 
 def bucket_of(num_tokens: int) -> int:
@@ -41,8 +52,10 @@ class Chunk:
 
 class Scheduler:
     def __init__(
-        self, max_batch_tokens: int, max_num_seqs: int, blocks: BlockManager, max_logits_tokens: int = 1024
+        self, max_batch_tokens: int, max_num_seqs: int, blocks: BlockManager, max_logits_tokens: int = 1024,
+        cost: CostModel | None = None, pass_time_s: float = math.inf,
     ) -> None:
+        """`cost` predicts a pass's seconds; `pass_time_s` is the target (inf, or no `cost`: tokens only)."""
         if max_batch_tokens < max_num_seqs:
             raise ValueError(
                 f"max_batch_tokens={max_batch_tokens} must be >= max_num_seqs={max_num_seqs}: "
@@ -52,6 +65,9 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_logits_tokens = max_logits_tokens
         self.blocks = blocks
+        self.cost = cost
+        self.pass_time_s = pass_time_s
+        self.planned_flops = 0.0  # the work of the last pass planned, for `update` to time against
         self.watermark = int(blocks.num_blocks * WATERMARK)
         self.waiting: list[Request] = []
         self.running: list[Request] = []
@@ -82,42 +98,38 @@ class Scheduler:
     ) -> list[Chunk]:
         """Pick this pass's chunks and give each the KV it needs. `can_admit` reserves what else a
         waiting request needs (its adapter's slot); `on_preempt` gives that back."""
-        budget = self.max_batch_tokens
-        logits_budget = self.max_logits_tokens
-        chunks: list[Chunk] = []
-        index = 0
-        while index < len(self.running) and budget > 0:
-            request = self.running[index]
-            take = min(request.num_tokens - request.num_computed, budget)
-            if request.logits_only:
-                take = min(take, logits_budget)
-            if take <= 0:
-                index += 1
-                continue
-            while not self.blocks.grow(request.blocks, request.num_computed + take):
-                victim = self.running[-1]
-                self._preempt(victim, on_preempt)
-                if victim is request:
-                    break
-            if request.status is not Status.RUNNING:
-                break  # it was the last one and preempted itself: everything before it is planned
-            chunks.append(self._plan(request, take))
-            budget -= take
-            logits_budget -= take if request.logits_only else 0
-            index += 1
-        index = 0
-        while index < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+        plan = _Pass(self)
+        decoding = [r for r in self.running if r.num_tokens - r.num_computed == 1 and not r.in_prefill]
+        continuing = [r for r in self.running if r not in decoding]
+        for request in decoding:  # 1. every running answer's next token
+            if request.status is Status.RUNNING and plan.tokens_left > 0:
+                self._continue(plan, request, 1, on_preempt, decode=True)
+        if continuing:  # 2. prompts under way: what waiting prompts leave, at least LONG_SHARE
+            reserved = 0.0  # kept for waiting prompts
+            if math.isfinite(plan.flops_left):
+                reserved = min(plan.flops_left * (1 - LONG_SHARE), self._waiting_flops(len(self.running)))
+            for request in continuing:
+                if request.status is Status.RUNNING and plan.tokens_left > 0:
+                    want = plan.fit(request, plan.flops_left - reserved)
+                    self._continue(plan, request, max(want, plan.least(request)), on_preempt, decode=False)
+        index = 0  # 3. waiting questions, in order
+        while index < len(self.waiting) and plan.tokens_left > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[index]
             if request.future.done():  # cancelled (or failed by its own on_text)
                 self.cancelled.append(self.waiting.pop(index))
                 continue
-            if request.logits_only and logits_budget <= 0:
+            if request.logits_only and plan.logits_left <= 0:
                 index += 1
                 continue
             cached = self.blocks.allocate(request.blocks, request.all_ids, request.prefix_key, self.watermark)
             if cached is None:
                 break  # the pool is full: later requests wait too (first come, first served)
             request.num_computed = cached
+            take = max(plan.fit(request, plan.flops_left), plan.least(request))
+            if take <= 0:  # out of time for this pass: it is first in the next
+                self.blocks.free(request.blocks)
+                request.num_computed = 0
+                break
             request.cached_tokens = min(cached, len(request.prompt_ids))
             if not can_admit(request):
                 self.blocks.free(request.blocks)
@@ -127,13 +139,33 @@ class Scheduler:
             self.waiting.pop(index)
             self.running.append(request)
             request.status = Status.RUNNING
-            take = min(request.num_tokens - cached, budget)
-            if request.logits_only:
-                take = min(take, logits_budget)
-                logits_budget -= take
-            chunks.append(self._plan(request, take))
-            budget -= take
-        return chunks
+            plan.add(self._plan(request, take), decode=False)
+        self.planned_flops = plan.flops
+        return plan.chunks
+
+    def _continue(self, plan: _Pass, request: Request, take: int, on_preempt: Callable[[Request], None],
+                  decode: bool) -> None:
+        """Plan `take` more tokens of a running request (fewer if the caps say so), preempting the
+        most recently admitted request not yet in this pass while the pool lacks blocks."""
+        take = plan.clip(request, take)
+        if take <= 0:
+            return
+        while not self.blocks.grow(request.blocks, request.num_computed + take):
+            victim = next((r for r in reversed(self.running) if id(r) not in plan.requests), None)
+            if victim is None:
+                return  # every other holder is in this pass already: this one waits a pass
+            self._preempt(victim, on_preempt)
+            if victim is request:
+                return
+        plan.add(self._plan(request, take), decode)
+
+    def _waiting_flops(self, running: int) -> float:
+        """The work of admitting the waiting prompts that have sequence slots, whole."""
+        if self.cost is None:
+            return 0.0
+        slots = max(0, self.max_num_seqs - running)
+        work = self.cost.work
+        return sum(work.flops(len(r.prompt_ids), 1, pairs(0, len(r.prompt_ids))) for r in self.waiting[:slots])
 
     def _plan(self, request: Request, take: int) -> Chunk:
         # later chunks of this same pass may start after the full blocks this one writes
@@ -150,9 +182,11 @@ class Scheduler:
         self.waiting.insert(0, request)
         self.preemptions += 1
 
-    def update(self, chunks: Sequence[Chunk], draws: Sequence[tuple[Request, int]] = ()) -> None:
-        """A pass ran `chunks`: each request's tokens are in its KV now (its full blocks committed,
-        findable by later prompts), and each of `draws` adds its token to its request's output.
+    def update(self, chunks: Sequence[Chunk], draws: Sequence[tuple[Request, int]] = (),
+               seconds: float | None = None) -> None:
+        """A pass ran `chunks` in `seconds`: each request's tokens are in its KV now (its full blocks
+        committed, findable by later prompts), each of `draws` adds its token to its request's
+        output, and the cost model learns what the pass's work took.
 
         The engine records its draws itself (`unpack.append_token`: stop strings, the text) and
         passes none; a test driving the scheduler alone passes them."""
@@ -162,6 +196,8 @@ class Scheduler:
             self.blocks.commit(request.blocks, request.all_ids, request.prefix_key, request.num_computed)
         for request, token in draws:
             request.output_ids.append(token)
+        if self.cost is not None and seconds is not None:
+            self.cost.observe(self.planned_flops, seconds)
 
     def take_cancelled(self) -> list[Request]:
         """Requests whose future is done while they are still here, waiting or running: cancelled
@@ -183,3 +219,55 @@ class Scheduler:
         requests = self.waiting + self.running + self.cancelled
         self.waiting, self.running, self.cancelled = [], [], []
         return requests
+
+
+class _Pass:
+    """One pass being planned: its chunks and what is left of its token, logits and time budgets."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.chunks: list[Chunk] = []
+        self.requests: set[int] = set()  # ids of the requests in it
+        self.prefills = 0  # chunks that are not a single decode token
+        self.tokens_left = scheduler.max_batch_tokens
+        self.logits_left = scheduler.max_logits_tokens
+        cost = scheduler.cost
+        self.work = cost.work if cost is not None else None  # counted whenever there is a model: it learns from it
+        self.flops = 0.0
+        timed = cost is not None and cost.ready and math.isfinite(scheduler.pass_time_s)
+        self.cost = cost if timed else None  # predicts only with a finite target and a timed pass
+        self.flops_left = math.inf
+        if self.cost is not None:
+            self.flops_left = self.cost.flops_within(scheduler.pass_time_s - self.cost.fixed_s)
+
+    def clip(self, request: Request, take: int) -> int:
+        """`take` within what the request has left and the pass's token and logits caps."""
+        take = min(take, request.num_tokens - request.num_computed, self.tokens_left)
+        return min(take, self.logits_left) if request.logits_only else take
+
+    def fit(self, request: Request, flops: float) -> int:
+        """The longest next chunk of `request` whose work fits `flops` (the caps applied)."""
+        if self.cost is None or math.isinf(flops):
+            return self.clip(request, 1 << 40)
+        if request.logits_only:  # every position is a logits row too
+            share = self.cost.work.per_token / (self.cost.work.per_token + self.cost.work.per_row)
+            return self.clip(request, int(self.cost.tokens_within(flops * share, request.num_computed, 0)))
+        return self.clip(request, self.cost.tokens_within(flops, request.num_computed, 1))
+
+    def least(self, request: Request) -> int:
+        """What a prompt gets even when no time is left: MIN_CHUNK tokens if no prompt is in this pass
+        yet (the oldest prompt under way, or the first waiting one, always moves), else nothing."""
+        return self.clip(request, MIN_CHUNK) if not self.prefills else 0
+
+    def add(self, chunk: Chunk, decode: bool) -> None:
+        request = chunk.request
+        self.chunks.append(chunk)
+        self.requests.add(id(request))
+        self.prefills += not decode
+        self.tokens_left -= chunk.num_tokens
+        if request.logits_only:
+            self.logits_left -= chunk.num_tokens
+        if self.work is not None:
+            rows = chunk.num_tokens if request.logits_only else int(chunk.samples)
+            spent = self.work.flops(chunk.num_tokens, rows, pairs(request.num_computed, chunk.num_tokens))
+            self.flops += spent
+            self.flops_left -= spent

@@ -37,6 +37,7 @@ from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
+from kev_engine import latency
 from kev_integrations.server.app import check_key
 from kev_integrations.server.config import ServerConfig
 from kev_integrations.server.errors import APIError
@@ -222,8 +223,7 @@ class KevIngress:
         stats = None
         if infos:  # counters summed; what describes an engine (dtype, batch_invariant) from the first replica
             first = infos[0]["stats"]
-            stats = {key: sum(i["stats"][key] for i in infos) if isinstance(value, int) and not isinstance(value, bool)
-                     else value for key, value in first.items()}
+            stats = {key: _fleet_stat(key, value, infos) for key, value in first.items()}
         text = Metrics.merged([i["metrics"] for i in infos]).render(stats)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
@@ -398,3 +398,12 @@ def build_app(model: str | None = None, adapters: dict[str, str] | None = None, 
     return ingress.bind(replica.bind(model, adapters, config, name, max_adapters_per_replica, engine_kwargs),
                         sorted(adapters), config, retries)
 
+
+def _fleet_stat(key: str, first: Any, infos: list[dict[str, Any]]) -> Any:
+    """One engine stat over every replica: counters added, histograms merged; what describes an
+    engine (dtype, batch_invariant, the pass target) from the first."""
+    if isinstance(first, int) and not isinstance(first, bool):
+        return sum(i["stats"][key] for i in infos)
+    if isinstance(first, dict) and "buckets" in first:
+        return latency.merged([i["stats"][key] for i in infos])
+    return first

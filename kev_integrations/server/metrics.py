@@ -32,6 +32,10 @@ ENGINE_GAUGES = {
     "kv_cached_prefix_bytes": ("kev_kv_cached_prefix_bytes", "KV kept for reuse (LRU prefix cache)."),
     "grammar_cache_bytes": ("kev_grammar_cache_bytes", "Compiled grammars kept for reuse (LRU, bounded)."),
 }
+ENGINE_HISTOGRAMS = {  # engine stat (a latency.Histogram snapshot) → (metric, help)
+    "pass_seconds": ("kev_pass_duration_seconds", "Duration of each packed forward pass (target: pass_time_ms)."),
+    "queue_seconds": ("kev_queue_delay_seconds", "Time from a request's submission to its first pass."),
+}
 
 
 class Metrics:
@@ -97,4 +101,16 @@ class Metrics:
             for table, kind in ((ENGINE_COUNTERS, "counter"), (ENGINE_GAUGES, "gauge")):
                 for key, (name, help_text) in table.items():
                     lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {engine_stats[key]}"]
+            lines += ["# HELP kev_pass_target_seconds The pass duration the scheduler fills passes up to.",
+                      "# TYPE kev_pass_target_seconds gauge",
+                      f"kev_pass_target_seconds {_seconds(engine_stats['pass_time_ms'])}"]
+            for key, (name, help_text) in ENGINE_HISTOGRAMS.items():
+                histogram = engine_stats[key]
+                lines += [f"# HELP {name} {help_text}", f"# TYPE {name} histogram"]
+                lines += [f'{name}_bucket{{le="{bound}"}} {count}' for bound, count in histogram["buckets"]]
+                lines += [f"{name}_sum {histogram['sum']}", f"{name}_count {histogram['count']}"]
         return "\n".join(lines) + "\n"
+
+
+def _seconds(milliseconds: float | None) -> str:
+    return "+Inf" if milliseconds is None else str(milliseconds / 1000)

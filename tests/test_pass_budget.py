@@ -1,0 +1,290 @@
+"""Passes bounded in time, fairly: the cost model, the scheduler under a time budget, and the
+engine stepped by hand (`hold()` + `step()`). No clock is raced: every budget here is a cost
+model whose numbers are given, so what a pass holds is decided by arithmetic, not by this
+machine's speed."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+from conftest import QUESTIONS, chat, tiny_model
+
+from kev_engine import Engine, SamplingParams
+from kev_engine.blocks import BlockManager
+from kev_engine.latency import Histogram, merged
+from kev_engine.pass_cost import CostModel, Work, pairs, target_ms
+from kev_engine.request import Request
+from kev_engine.schedule import LONG_SHARE, MIN_CHUNK, Scheduler
+from kev_integrations.server.metrics import Metrics
+
+MS_PER_TOKEN = Work(per_token=1.0, per_row=0.0, per_pair=0.0)  # one flop a token: seconds_per_flop is per token
+
+
+def per_token(ms: float) -> CostModel:
+    return CostModel(MS_PER_TOKEN, seconds_per_flop=ms / 1000, learn=False)
+
+
+def request(i: int, length: int, max_tokens: int = 4) -> Request:
+    prompt = [1000 * (i + 1) + t for t in range(length)]  # no two requests share a block
+    return Request(request_id=i, prompt_ids=prompt, sampling=SamplingParams(temperature=0, max_tokens=max_tokens),
+                   settings_version=0, max_total=length + max_tokens)
+
+
+def scheduler(budget_ms: float = 100.0, ms: float = 1.0, max_num_seqs: int = 16) -> Scheduler:
+    """1 ms a token, `budget_ms` a pass: `budget_ms / ms` tokens fit a pass."""
+    return Scheduler(max_batch_tokens=8192, max_num_seqs=max_num_seqs, blocks=BlockManager(4096, 16),
+                     cost=per_token(ms), pass_time_s=budget_ms / 1000)
+
+
+def run(s: Scheduler) -> dict[Request, int]:
+    """One pass: its chunks applied, a token drawn for each chunk that reaches its request's end."""
+    chunks = s.schedule()
+    s.update(chunks, [(c.request, 7) for c in chunks if c.samples])
+    for c in chunks:
+        if c.samples and len(c.request.output_ids) >= c.request.sampling.max_tokens:
+            s.finish(c.request)
+    return {c.request: c.num_tokens for c in chunks}
+
+
+# ---- the cost model ----------------------------------------------------------------------------
+
+
+def test_the_fit_recovers_a_fixed_part_and_a_rate_from_timed_passes() -> None:
+    model = CostModel(Work(2.0, 10.0, 0.5))
+    assert not model.ready
+    for flops in (1e6, 5e6, 2e7, 3e5, 8e6):
+        model.observe(flops, 0.004 + 2e-9 * flops)
+    assert model.ready
+    assert model.fixed_s == pytest.approx(0.004) and model.seconds_per_flop == pytest.approx(2e-9)
+    assert model.predict(1e7) == pytest.approx(0.024)
+
+
+def test_one_pass_or_passes_of_one_size_give_a_rate_through_the_origin() -> None:
+    model = CostModel(MS_PER_TOKEN)
+    model.observe(1000, 0.5)
+    assert (model.fixed_s, model.seconds_per_flop) == (0.0, 0.0005)
+    model.observe(1000, 0.7)  # the same work twice: no spread to fit a slope on
+    assert model.fixed_s == 0.0 and model.seconds_per_flop == pytest.approx(0.0006)
+    frozen = per_token(2.0)
+    frozen.observe(10, 99.0)
+    assert frozen.seconds_per_flop == 0.002  # learn=False never moves
+
+
+def test_tokens_within_is_the_longest_chunk_whose_work_fits() -> None:
+    model = CostModel(Work(per_token=3.0, per_row=50.0, per_pair=0.25), seconds_per_flop=1.0)
+    for past in (0, 7, 300):
+        for flops in (0.0, 49.0, 60.0, 1234.5, 98765.0):
+            take = model.tokens_within(flops, past, rows=1)
+            def work(n: int, past: int = past) -> float:
+                return 3.0 * n + 50.0 + 0.25 * pairs(past, n)
+
+            assert take == 0 or work(take) <= flops
+            assert work(take + 1) > flops
+    assert pairs(0, 4) == 10 and pairs(5, 2) == 13  # 1+2+3+4; 6+7
+
+
+def test_work_counts_the_models_own_layers(tokenizer) -> None:
+    model = tiny_model("llama", tokenizer)
+    work = Work.of(model)
+    config = model.config
+    head = model.lm_head.weight.numel()
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear)) - head
+    assert work.per_token == 2 * linear and work.per_row == 2 * head
+    assert work.per_pair == 4 * config.num_attention_heads * config.head_dim * config.num_hidden_layers
+
+
+def test_histograms_count_by_upper_bound_and_merge() -> None:
+    first, second = Histogram((0.1, 1.0)), Histogram((0.1, 1.0))
+    for seconds in (0.05, 0.1, 0.5, 3.0):
+        first.observe(seconds)
+    second.observe(0.2)
+    assert first.snapshot() == {"count": 4, "sum": 3.65, "max": 3.0, "buckets": [[0.1, 2], [1.0, 3], ["+Inf", 4]]}
+    assert merged([first.snapshot(), second.snapshot()])["buckets"] == [[0.1, 2], [1.0, 4], ["+Inf", 5]]
+
+
+def test_pass_time_ms_is_checked_and_has_a_default_per_device(monkeypatch) -> None:
+    monkeypatch.delenv("KEV_PASS_TIME_MS", raising=False)
+    assert target_ms(None, torch.device("cpu")) == 300.0 and target_ms(None, torch.device("cuda")) == 100.0
+    assert target_ms(50, torch.device("cpu")) == 50.0 and target_ms(math.inf, torch.device("cpu")) == math.inf
+    for bad in (0, -5, "fast", True, float("nan")):
+        with pytest.raises(ValueError, match=rf"pass_time_ms={bad!r} is not allowed; use a number of milliseconds"):
+            target_ms(bad, torch.device("cpu"))  # type: ignore[arg-type]
+    monkeypatch.setenv("KEV_PASS_TIME_MS", "inf")
+    assert target_ms(None, torch.device("cpu")) == math.inf and target_ms(20, torch.device("cpu")) == 20.0
+    monkeypatch.setenv("KEV_PASS_TIME_MS", "soon")
+    with pytest.raises(ValueError, match="KEV_PASS_TIME_MS='soon' is not allowed"):
+        target_ms(None, torch.device("cpu"))
+
+
+# ---- the scheduler under a time budget ---------------------------------------------------------
+
+
+def test_a_batch_whose_work_fits_the_budget_is_one_pass() -> None:
+    s = scheduler(budget_ms=100)
+    group = [request(i, 20) for i in range(4)]  # 80 tokens: 80 ms
+    s.add(group)
+    assert run(s) == {r: 20 for r in group}
+
+
+def test_a_larger_batch_runs_in_consecutive_passes_its_questions_together_and_first() -> None:
+    s = scheduler(budget_ms=100)
+    group = [request(i, 60) for i in range(4)]  # 240 tokens: three passes
+    later = request(9, 10)
+    s.add(group)
+    s.add([later])
+    passes = [run(s) for _ in range(3)]
+    assert all(sum(p.values()) <= 100 for p in passes[:2])
+    assert passes[0] == {group[0]: 60, group[1]: 40}
+    assert all(r.num_computed >= 60 for r in group)  # the whole group prefilled in three passes
+    assert later.num_computed == 0 or passes[2].get(later) is not None  # the later group only after it
+
+
+def test_a_short_prompt_queued_behind_a_long_one_is_admitted_in_the_next_pass() -> None:
+    s = scheduler(budget_ms=100)
+    long_one = request(0, 5000)
+    s.add([long_one])
+    assert run(s) == {long_one: 100}  # nothing else waits: the whole pass is its
+    short = request(1, 12)
+    s.add([short])
+    second = run(s)
+    assert second[short] == 12 and second[long_one] == 88  # the short one whole, the long one the rest
+    assert short.output_ids == [7]  # its first token, in the very next pass
+    third = run(s)
+    assert third == {short: 1, long_one: 99}  # decode first, then the long prompt goes on
+
+
+def test_every_running_answer_gets_its_token_in_every_pass_and_a_long_prompt_still_moves() -> None:
+    s = scheduler(budget_ms=40, max_num_seqs=64)
+    answering = [request(i, 8, max_tokens=1000) for i in range(50)]  # 50 decodes outweigh the budget
+    s.add(answering)
+    while any(r.in_prefill for r in answering):
+        run(s)
+    long_one = request(99, 400)
+    s.add([long_one])
+    for _ in range(5):
+        ran = run(s)
+        assert all(ran[r] == 1 for r in answering)
+        assert ran[long_one] == MIN_CHUNK  # no time left after the decodes: the least, never nothing
+
+
+def test_a_long_prompt_finishes_under_a_stream_of_short_ones() -> None:
+    s = scheduler(budget_ms=100)
+    long_one = request(0, 1000)
+    s.add([long_one])
+    run(s)
+    passes = 0
+    rng = random.Random(0)
+    while long_one.in_prefill:
+        s.add([request(1000 + passes * 10 + k, rng.randint(30, 60), max_tokens=2) for k in range(3)])  # > budget
+        before = long_one.num_computed
+        run(s)
+        passes += 1
+        assert long_one.num_computed - before >= int(LONG_SHARE * 100) - len(s.running)  # its share at least
+    assert passes <= 1000 // int(LONG_SHARE * 100) + 2
+
+
+def test_without_a_timed_pass_or_with_an_infinite_budget_only_the_token_cap_bounds_a_pass() -> None:
+    fresh = Scheduler(max_batch_tokens=8192, max_num_seqs=8, blocks=BlockManager(1024, 16),
+                      cost=CostModel(MS_PER_TOKEN), pass_time_s=0.1)  # nothing timed yet
+    long_one = request(0, 3000)
+    fresh.add([long_one])
+    assert run(fresh) == {long_one: 3000}
+    assert fresh.planned_flops == 3000.0  # counted all the same: the first timing teaches the model
+    unbounded = scheduler(budget_ms=math.inf)
+    other = request(1, 3000)
+    unbounded.add([other])
+    assert run(unbounded) == {other: 3000}
+
+
+def test_the_scheduler_teaches_the_cost_model_each_pass() -> None:
+    s = Scheduler(max_batch_tokens=8192, max_num_seqs=8, blocks=BlockManager(1024, 16),
+                  cost=CostModel(MS_PER_TOKEN), pass_time_s=0.1)
+    s.add([request(0, 500)])
+    chunks = s.schedule()
+    s.update(chunks, seconds=1.0)  # 500 tokens in a second: 2 ms a token
+    assert s.cost is not None and s.cost.seconds_per_flop == pytest.approx(0.002)
+    s.add([request(1, 500)])
+    assert sum(c.num_tokens for c in s.schedule()) == 50  # 100 ms at 2 ms a token
+
+
+# ---- the engine, stepped by hand ---------------------------------------------------------------
+
+
+def budget_engine(tokenizer, budget_ms: float, ms: float, **kwargs) -> Engine:
+    engine = Engine(tiny_model("llama", tokenizer), tokenizer, pass_time_ms=budget_ms, **kwargs)
+    engine._scheduler.cost = per_token(ms)
+    return engine
+
+
+def step_until_done(engine: Engine, futures, on_pass=lambda: None) -> int:
+    """Passes by hand until nothing is left to run, then each result (delivered by the engine's
+    delivery threads, right after the pass that finished it)."""
+    passes = 0
+    while engine.has_work():
+        on_pass()
+        assert engine.step() > 0
+        passes += 1
+    for future in futures:
+        future.result(timeout=60)
+    return passes
+
+
+def test_through_the_engine_a_short_question_starts_in_the_pass_after_it_arrives(tokenizer) -> None:
+    engine = budget_engine(tokenizer, budget_ms=200, ms=1.0)  # 200 tokens a pass
+    try:
+        document = "The lighthouse keeper logged every ship that passed the granite point. " * 40
+        long_prompt = chat("Summarise the log.", document)
+        assert len(engine.encode(long_prompt)) > 500
+        with engine.hold():
+            slow = engine.submit(long_prompt, SamplingParams(temperature=0, max_tokens=2))
+            assert engine.step() == 200
+            quick = engine.submit(QUESTIONS[0], SamplingParams(temperature=0, max_tokens=1))
+            short = len(engine.encode(QUESTIONS[0]))
+            assert engine.step() == 200  # the short prompt whole, the long one the rest
+            # one token asked, one pass run since it arrived (and none can run while held): answered
+            assert quick.result(timeout=60).completion_tokens == 1
+            assert engine._scheduler.running[0].num_computed == 400 - short
+            step_until_done(engine, [slow])
+        stats = engine.stats()
+        assert stats["pass_time_ms"] == 200.0 and stats["prefill_passes"] == 3
+        assert stats["pass_seconds"]["count"] == stats["forward_passes"]
+        assert stats["queue_seconds"]["count"] == stats["requests"] == 2
+        assert stats["pass_seconds"]["buckets"][-1] == ["+Inf", stats["forward_passes"]]
+        text = Metrics().render(stats)
+        assert "kev_pass_target_seconds 0.2\n" in text
+        assert f'kev_pass_duration_seconds_bucket{{le="+Inf"}} {stats["forward_passes"]}\n' in text
+        assert "kev_queue_delay_seconds_count 2\n" in text
+    finally:
+        engine.close()
+
+
+def test_packed_equals_alone_bitwise_while_the_budget_changes_mid_prompt(tokenizer) -> None:
+    """Chunk boundaries move with the budget (a different one every pass): each question's tokens
+    and logits stay bitwise those it gets alone in an engine bounded by tokens only."""
+    from test_invariance import alone, questions
+
+    budgets = random.Random(3)
+    engine = budget_engine(tokenizer, budget_ms=50, ms=1.0)
+    whole = Engine(tiny_model("llama", tokenizer), tokenizer, pass_time_ms=math.inf)
+    try:
+        assert engine.batch_invariant and whole.batch_invariant
+        prompts = questions(1, 6, document_words=120)
+        params = SamplingParams(temperature=0, max_tokens=6)
+        with engine.hold():
+            futures = engine._enqueue(engine._intake.prepare_many(prompts, params, None), capture_logits=True)
+
+            def new_budget() -> None:
+                engine._scheduler.pass_time_s = budgets.choice([0.005, 0.02, 0.05, 0.3])
+
+            passes = step_until_done(engine, futures, new_budget)
+        packed = [(f.result()[0].token_ids, f.result()[1]) for f in futures]
+        assert passes > len(prompts) and engine.stats()["prefix_hit_tokens"] > 0
+        solo = alone(whole, prompts, [params] * len(prompts))
+        assert [p[0] for p in packed] == [s[0] for s in solo]
+        assert all(torch.equal(p[1], s[1]) for p, s in zip(packed, solo))
+    finally:
+        engine.close()
+        whole.close()
