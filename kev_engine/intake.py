@@ -19,7 +19,7 @@ from .errors import InvalidRequestError, KevError
 from .grammar import Grammars
 from .kv_pool import KVPool
 from .params import SamplingParams, coerce_sampling
-from .tokenize import Prompt, encode_prompt
+from .tokenize import Prompt, encode_prompt, longest_token
 
 SamplingArg = SamplingParams | dict[str, Any] | None
 AdapterArg = str | None
@@ -49,6 +49,7 @@ class Intake:
                  lock: threading.Condition) -> None:
         self.tokenizer = tokenizer
         self.max_context = max_context
+        self.longest_token = longest_token(tokenizer)  # a prompt too long by its characters is refused untokenized
         self._kv = kv
         self._grammars = grammars
         self._adapters = adapters
@@ -56,7 +57,7 @@ class Intake:
 
     def encode(self, prompt: Prompt) -> list[int]:
         """The exact token ids fed for `prompt` (chat template applied to messages)."""
-        return encode_prompt(self.tokenizer, prompt, self.max_context)
+        return encode_prompt(self.tokenizer, prompt, self.max_context, self.longest_token)
 
     def prepare_many(self, prompts: Sequence[Any], sampling: Any, adapters: Any) -> list[Prepared]:
         """`prompts` (checked by `check_prompt_list`), with one setting and adapter for all or one

@@ -147,9 +147,25 @@ def prompt_ids(tokenizer: Any, prompt: Any) -> tuple[str, list[int]]:
     return text, list(tokenizer(text, add_special_tokens=add_special)["input_ids"])
 
 
-def encode_prompt(tokenizer: Any, prompt: Any, max_context: int) -> list[int]:
-    """Tokenize one prompt; refuse it when it leaves no room for one new token."""
-    text, ids = prompt_ids(tokenizer, prompt)
+def longest_token(tokenizer: Any) -> int:
+    """Characters in the longest entry of the vocabulary (added tokens included): no token of a
+    text covers more, so a text of C characters is at least C / this many tokens."""
+    vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+    return max((len(token) for token in vocab), default=0)
+
+
+def encode_prompt(tokenizer: Any, prompt: Any, max_context: int, longest: int = 0) -> list[int]:
+    """Tokenize one prompt; refuse it when it leaves no room for one new token. With `longest`
+    (`longest_token`), a text too long to fit by its length alone is refused before it is
+    tokenized: tokenizing megabytes takes seconds that every other request would wait through.
+    The bound counts twice the characters a token can cover (normalizers may merge characters)."""
+    text, add_special = render_prompt(tokenizer, prompt)
+    if longest > 0 and len(text) > 2 * longest * max_context:
+        raise InvalidRequestError(
+            f"prompt is {len(text)} characters: at least {len(text) // (2 * longest)} tokens, more than the "
+            f"model's context of {max_context} tokens (a token here covers at most {longest} characters)"
+        )
+    ids = list(tokenizer(text, add_special_tokens=add_special)["input_ids"])
     if len(ids) == 0:
         raise InvalidRequestError(f"prompt={text[:60]!r} tokenizes to nothing; give some text")
     if len(ids) >= max_context:

@@ -355,3 +355,24 @@ def test_a_reinstalled_gguf_reuses_its_conversion(tmp_path, monkeypatch) -> None
     assert loader.converted_gguf_dir(gguf) == converted
     assert loader.converted_gguf_dir(_fake_gguf(tmp_path / "venv2", 1000)) == converted
     assert [p.name for p in (tmp_path / "cache").iterdir()] == [converted.name]  # no second conversion
+
+
+def test_a_prompt_too_long_by_its_characters_is_refused_before_it_is_tokenized(tiny_engine: Engine,
+                                                                                  monkeypatch) -> None:
+    """Megabytes of text would hold the caller's thread (and the server's) for seconds in the
+    tokenizer: past the bound set by the longest token, it is refused without that."""
+    intake = tiny_engine._intake
+    bound = 2 * intake.longest_token * tiny_engine.max_context
+    calls: list[int] = []
+    tokenizer = type(tiny_engine.tokenizer)
+    original = tokenizer.__call__
+    monkeypatch.setattr(tokenizer, "__call__", lambda self, text, **kw: calls.append(len(text)) or original(
+        self, text, **kw))
+    huge = "a" * (bound + 1)
+    with pytest.raises(InvalidRequestError, match=rf"prompt is {bound + 1} characters: at least \d+ tokens, more "
+                                                  r"than the model's context"):
+        tiny_engine.submit(huge).result(timeout=60)
+    assert calls == []  # never tokenized
+    with pytest.raises(InvalidRequestError, match="tokens; the model's context is"):
+        tiny_engine.encode("a " * (bound // 2))  # within the bound: tokenized, then refused by its count
+    assert calls == [bound - bound % 2]
