@@ -176,6 +176,17 @@ async def _api_error(_: Request, exc: APIError) -> JSONResponse:
     return exc.response()
 
 
+def _fleet_stat(key: str, first: Any, infos: list[dict[str, Any]]) -> Any:
+    """One engine stat over every replica: counters added, histograms merged; what describes an
+    engine (dtype, batch_invariant, the pass target) from the first. Defined above the ingress:
+    Serve pickles that class when it is decorated, with the globals it finds then."""
+    if isinstance(first, int) and not isinstance(first, bool):
+        return sum(i["stats"][key] for i in infos)
+    if isinstance(first, dict) and "buckets" in first:
+        return latency.merged([i["stats"][key] for i in infos])
+    return first
+
+
 def _first_line(exc: BaseException) -> str:
     return str(exc).strip().splitlines()[0] if str(exc).strip() else ""
 
@@ -398,12 +409,3 @@ def build_app(model: str | None = None, adapters: dict[str, str] | None = None, 
     return ingress.bind(replica.bind(model, adapters, config, name, max_adapters_per_replica, engine_kwargs),
                         sorted(adapters), config, retries)
 
-
-def _fleet_stat(key: str, first: Any, infos: list[dict[str, Any]]) -> Any:
-    """One engine stat over every replica: counters added, histograms merged; what describes an
-    engine (dtype, batch_invariant, the pass target) from the first."""
-    if isinstance(first, int) and not isinstance(first, bool):
-        return sum(i["stats"][key] for i in infos)
-    if isinstance(first, dict) and "buckets" in first:
-        return latency.merged([i["stats"][key] for i in infos])
-    return first
