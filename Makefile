@@ -7,7 +7,7 @@ TORCH ?= torch==2.13.0
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: run test bench setup gpu-check
+.PHONY: run test test-isa bench setup gpu-check
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,16 @@ run: setup
 
 test: setup
 	$(BIN)/python -m pytest -q
+
+# `make test-isa ISA=no-amx` or `ISA=no-avx512`: the kernel- and isolation-dependent tests as a CPU
+# without AMX (AMD Zen 4/5) or without AVX-512 runs them: Kev's kernels rebuilt without those
+# instructions (a build of their own), dtype auto and torch's dispatch capped to match (kev_engine/cpu_isa.py).
+ISA ?= no-avx512
+ISA_TESTS ?= tests/test_cpu_isa.py tests/test_cpu_linear.py tests/test_attention.py tests/test_inplace.py \
+	tests/test_invariance.py tests/test_isolation.py tests/test_lora.py tests/test_kv_memory.py tests/test_pass_budget.py
+test-isa: setup
+	$(BIN)/python -m kev_engine.cpu_isa $(ISA) -- $(BIN)/kev build-kernel
+	$(BIN)/python -m kev_engine.cpu_isa $(ISA) -- $(BIN)/python -m pytest -q $(ISA_TESTS)
 
 bench: setup
 	$(BIN)/python benchmarks/bench_engine.py --repeat 2
