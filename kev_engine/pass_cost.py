@@ -14,7 +14,8 @@ The model: a pass does floating-point work in three kinds, each counted from the
 and takes `fixed + seconds_per_flop x flops`. The two numbers are a least-squares fit over the
 last `WINDOW` passes (refreshed after each), so they follow the machine as it is now: a decode
 step is mostly `fixed` (the weights streamed once), a prefill mostly flops. Until a pass has
-been timed, nothing is predicted and passes are bounded by `max_batch_tokens` alone.
+been timed, nothing is predicted: the scheduler keeps that first pass short (`FIRST_PASS_TOKENS`)
+so the model learns at once.
 """
 
 from __future__ import annotations

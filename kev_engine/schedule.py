@@ -32,6 +32,7 @@ BUCKET = 128
 WATERMARK = 0.01  # share of blocks kept free at admission, so running decodes rarely preempt
 LONG_SHARE = 0.5  # of a pass's time left after decodes, what prompts under way keep while others wait
 MIN_CHUNK = 16  # tokens a prompt gets in a pass that has room for nothing else: progress, however slow
+FIRST_PASS_TOKENS = 256  # a time-bounded engine's passes before one was timed: short, so it learns at once
 
 
 def bucket_of(num_tokens: int) -> int:
@@ -229,8 +230,10 @@ class _Pass:
         self.requests: set[int] = set()  # ids of the requests in it
         self.prefills = 0  # chunks that are not a single decode token
         self.tokens_left = scheduler.max_batch_tokens
-        self.logits_left = scheduler.max_logits_tokens
         cost = scheduler.cost
+        if cost is not None and not cost.ready and math.isfinite(scheduler.pass_time_s):
+            self.tokens_left = min(self.tokens_left, max(FIRST_PASS_TOKENS, len(scheduler.running)))
+        self.logits_left = scheduler.max_logits_tokens
         self.work = cost.work if cost is not None else None  # counted whenever there is a model: it learns from it
         self.flops = 0.0
         timed = cost is not None and cost.ready and math.isfinite(scheduler.pass_time_s)
