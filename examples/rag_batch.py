@@ -1,7 +1,8 @@
 """The main job: a packed RAG batch on the embedded default model.
 
-Sixteen questions, each with its own retrieved passage, are answered in one packed
-prefill pass followed by shared decode steps; each answer depends only on its own passage.
+Sixteen questions, each with its own retrieved passage, are packed together: prefilled in
+one pass where their work fits the engine's pass budget (`pass_time_ms`; on a CPU, a few
+consecutive passes), then decoded in shared steps; each answer depends only on its own passage.
 
     python examples/rag_batch.py            # or: make run
 """
