@@ -11,6 +11,7 @@ it again changes nothing, and its name cannot be loaded again.
 from __future__ import annotations
 
 import itertools
+import re
 from collections import Counter, OrderedDict
 from pathlib import Path
 
@@ -21,6 +22,21 @@ from .errors import UnknownAdapterError
 from .lora import AdapterError, LoraAdapter, LoraRouter, MultiLoRALinear, load_adapter, wrap_targets
 
 _versions = itertools.count(1)  # one per load, process-wide: a reload under the same name is a new adapter
+# an adapter's name is a model id to clients (/v1/models, a URL path in DELETE /admin/adapters/NAME):
+# letters, digits and . _ -, starting with a letter or digit, so it is always one path segment
+NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+NAME_RULE = "1 to 64 letters, digits, '.', '_' or '-', starting with a letter or digit"
+
+
+def check_name(name: object, reserved: tuple[str, ...] = ()) -> str:
+    """An adapter name as every front end takes it: the pattern, and never a name that means
+    something else here (the served model's own: an adapter under it would answer its requests)."""
+    if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
+        raise AdapterError(f"adapter name {name!r} is not allowed; use {NAME_RULE}")
+    if name in reserved:
+        raise AdapterError(f"adapter name {name!r} is not allowed: it is the served model's own name; "
+                           "give the adapter a name of its own")
+    return name
 
 
 class AdapterPool:
@@ -51,8 +67,7 @@ class AdapterPool:
 
     def read(self, name: str, path: str | Path) -> LoraAdapter:
         """Load and validate from disk (slow; call outside the engine's forward lock)."""
-        if not isinstance(name, str) or not name:
-            raise AdapterError(f"adapter name {name!r} is not allowed; use a non-empty string")
+        check_name(name)
         if name in self.unloading:
             raise AdapterError(f"adapter {name!r} is still draining: {self.refs[name]} request(s) from before its "
                                "unload still use it; load it again once they finish (Engine.wait_for_unload)")

@@ -27,6 +27,7 @@ import torch
 
 from . import backends, loader, pass_cost
 from .adapters import AdapterPool
+from .adapters import check_name as check_adapter_name
 from .backends import cuda as cuda_backend
 from .blocks import BlockManager
 from .errors import EngineClosedError, InvalidRequestError, KevError
@@ -364,10 +365,13 @@ class Engine:
     def load_adapter(self, name: str, path: str) -> None:
         """Hot-load a PEFT LoRA adapter; running requests are not disturbed.
 
+        `name`: 1 to 64 letters, digits, '.', '_' or '-' (it becomes a model id and a URL path
+        segment in `kev serve`), never the engine's own `name`.
         Loading the same name from the same folder again is a no-op (integration objects sharing
         an engine each declare their adapters); the same name from another folder is an error.
         A reload (unload, then load) is a new adapter: no KV computed under the old one is reused.
         """
+        check_adapter_name(name, reserved=(self.name,))
         with self._cond:
             if self._adapters.loaded_from(name, path):
                 return

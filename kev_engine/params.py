@@ -16,6 +16,8 @@ from typing import Any
 
 from .errors import InvalidRequestError
 
+MAX_CACHE_SALT = 256  # characters: a salt names a tenant or a user, it is not a payload
+
 DEFAULT_TEMPERATURE = 0.0  # greedy: a QA engine should answer the same way twice
 GREEDY_BELOW = 1e-5  # a temperature under this samples greedily: logits / 1e-40 overflow to NaN
 DEFAULT_MAX_TOKENS = 256
@@ -242,6 +244,10 @@ class SamplingParams:
         if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
             raise InvalidRequestError(
                 f"cache_salt={self.cache_salt!r} is not allowed; use a non-empty string or None"
+            )
+        if self.cache_salt is not None and len(self.cache_salt) > MAX_CACHE_SALT:
+            raise InvalidRequestError(  # hashed with every request's blocks: a megabyte would cost every pass
+                f"cache_salt is {len(self.cache_salt)} characters; at most {MAX_CACHE_SALT} are allowed"
             )
         self._check_more()
         self._check_constraint()

@@ -35,6 +35,7 @@ pytestmark = pytest.mark.ray
 
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
+OPS = "ray-operator"  # --metrics-key: /metrics shows every tenant's activity
 OTHER_TENANT = {"Authorization": "Bearer other-tenant-key"}
 DEPLOY_TIMEOUT_S = 240
 LONG = 600  # tokens, ignoring EOS: more passes than a test ever steps a paused replica by hand
@@ -113,7 +114,7 @@ def fleet(ray_cluster: Any, tmp_path_factory: pytest.TempPathFactory, tokenizer:
     try:
         app = build_app(model_dir, adapters, num_replicas=2, max_adapters_per_replica=1,
                         ray_actor_options={"num_cpus": 1},
-                        config=ServerConfig(api_keys=(KEY, OTHER_TENANT["Authorization"].split()[1])))
+                        config=ServerConfig(api_keys=(KEY, OTHER_TENANT["Authorization"].split()[1]), metrics_key=OPS))
         deploying = threading.Thread(target=serve.run, args=(app,), kwargs={"name": "kev", "route_prefix": "/"},
                                      daemon=True)
         deploying.start()  # serve.run waits without limit (e.g. for resources that never free up)
@@ -180,7 +181,8 @@ def test_the_openai_client_gets_the_engines_answers(fleet: Fleet) -> None:
     with pytest.raises(openai.AuthenticationError):  # refused before any adapter is loaded for it
         stranger.chat.completions.create(model="B", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
     assert {r["replica"]: r["loads"] for r in fleet.replicas()["replicas"]} == loads
-    metrics = httpx.get(fleet.url + "/metrics", headers=AUTH, timeout=60).text
+    metrics = httpx.get(fleet.url + "/metrics", headers={"Authorization": f"Bearer {OPS}"}, timeout=60).text
+    assert httpx.get(fleet.url + "/metrics", headers=AUTH, timeout=60).status_code == 403  # a tenant's key
     assert 'kev_http_requests_total{endpoint="/v1/chat/completions",status="200"}' in metrics
     assert httpx.post(fleet.url + "/admin/defaults", json={"temperature": 1}, timeout=60).status_code == 501
 

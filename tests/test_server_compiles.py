@@ -22,7 +22,7 @@ from server_util import serving, wait_for
 from kev_engine import Engine
 from kev_integrations.server import ServerConfig, build_app
 
-KEY_A, KEY_B = "compile-a", "compile-b"
+KEY_A, KEY_B, OPS = "compile-a", "compile-b", "operator"
 MODEL = "tiny"
 
 
@@ -74,8 +74,8 @@ def refusal(response: httpx.Response, status: int) -> dict[str, Any]:
 
 def test_a_slow_compile_holds_only_its_own_key_and_gets_its_answer_at_the_budget(
         engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
-    config = ServerConfig(api_keys=(KEY_A, KEY_B), max_tokens_limit=16, compile_workers=1, max_compiles_per_key=1,
-                          compile_timeout_s=0.3)
+    config = ServerConfig(api_keys=(KEY_A, KEY_B), metrics_key=OPS, max_tokens_limit=16, compile_workers=1,
+                          max_compiles_per_key=1, compile_timeout_s=0.3)
     app = build_app(engine, config, model_name=MODEL)
     compiles = app.state.kev.compiles
     gate = Gate(monkeypatch)
@@ -91,7 +91,7 @@ def test_a_slow_compile_holds_only_its_own_key_and_gets_its_answer_at_the_budget
         assert "did not compile within 0.3 s" in error["message"]
         assert compiles.in_flight() == (1, 0)  # ... while its compile runs on, nobody waiting for it
         assert refusal(ask(base, KEY_A, schema(2)), 429)["code"] == "compiles_per_key"  # and holds A's slot
-        metrics = httpx.get(base + "/metrics", headers={"Authorization": f"Bearer {KEY_B}"}, timeout=30).text
+        metrics = httpx.get(base + "/metrics", headers={"Authorization": f"Bearer {OPS}"}, timeout=30).text
         assert "\nkev_grammar_compiles_in_flight 1\n" in metrics and "\nkev_grammar_cache_bytes " in metrics
         gate.open()
         wait_for(lambda: compiles.in_flight() == (0, 0), 30, "A's compile to finish")

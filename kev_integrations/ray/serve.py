@@ -38,7 +38,7 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, 
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from kev_engine import latency
-from kev_integrations.server.app import check_key
+from kev_integrations.server.app import check_key, check_metrics_key
 from kev_integrations.server.config import ServerConfig
 from kev_integrations.server.errors import APIError
 from kev_integrations.server.limits import body_too_large, body_too_slow
@@ -229,7 +229,7 @@ class KevIngress:
     @api.get("/metrics")
     async def metrics(self, request: Request) -> PlainTextResponse:
         """The fleet's counters and engine stats, summed over every replica running now."""
-        check_key(request, self.config.api_keys, "/metrics")
+        check_metrics_key(request, self.config)
         infos = await self._replica_infos()
         stats = None
         if infos:  # counters summed; what describes an engine (dtype, batch_invariant) from the first replica

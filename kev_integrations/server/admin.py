@@ -15,6 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from kev_engine import Engine, InvalidRequestError, KevError
+from kev_engine.adapters import check_name as check_adapter_name
 
 from .errors import APIError, bad_request
 
@@ -62,7 +63,12 @@ def add_admin_routes(app: FastAPI, state: ServerState, check_key: Callable[[Requ
         body = await json_body(request)
         name, path = body.get("name"), body.get("path")
         if not isinstance(name, str) or not isinstance(path, str):
-            raise bad_request("give {'name': <adapter name>, 'path': <PEFT folder on the server>}")
+            raise bad_request("give {'name': <adapter name>, 'path': <PEFT folder on the server>}",
+                              param="name" if not isinstance(name, str) else "path")
+        try:  # before any work: a name /v1/models lists for the model itself, or one no URL can unload
+            check_adapter_name(name, reserved=(state.model_name,))
+        except KevError as exc:
+            raise bad_request(str(exc), param="name") from None
         await wait_drained(engine, name, config.adapter_drain_wait_s)
         try:
             await asyncio.to_thread(engine.load_adapter, name, path)

@@ -134,12 +134,33 @@ def check_key(request: Request, keys: tuple[str, ...], what: str) -> str | None:
     return key
 
 
+def check_metrics_key(request: Request, config: ServerConfig) -> None:
+    """/metrics shows the whole engine's activity: operators' keys read it, and tenant keys only
+    where there is one tenant (several would each see what the others send: prompt lengths, prefix
+    hits, the queue). Without any key it is open, like the rest (loopback only)."""
+    if not config.api_keys:
+        return
+    operators = tuple(k for k in (config.metrics_key, config.admin_key) if k)
+    tenants = config.api_keys if len(config.api_keys) == 1 else ()
+    key = matching_key(request.headers.get("authorization", ""), operators + tenants)
+    if key is not None:
+        return
+    if matching_key(request.headers.get("authorization", ""), config.api_keys) is not None:
+        raise APIError(403, "/metrics shows every tenant's activity, so with several API keys a tenant's key "
+                       "cannot read it; use the server's --metrics-key (or --admin-key)", type="permission_error",
+                       code="metrics_for_operators")
+    check_key(request, operators + tenants, "/metrics")  # the usual 401
+
+
 async def _json_body(request: Request) -> dict[str, Any]:
     raw = await request.body()
     try:
         body = json.loads(raw)
-    except (ValueError, RecursionError) as exc:  # RecursionError: "[[[[..." nested past Python's limit
-        raise bad_request(f"the request body is not valid JSON: {type(exc).__name__}: {exc}") from None
+    except RecursionError:  # "[[[[..." nested past what the parser follows
+        raise bad_request("the request body nests JSON arrays or objects too deeply to read; "
+                          "no OpenAI request nests more than a few dozen levels") from None
+    except ValueError as exc:
+        raise bad_request(f"the request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
     return body
@@ -304,7 +325,7 @@ def build_app(engine: Engine | Callable[[], Engine], config: ServerConfig | None
 
     @app.get("/metrics")
     async def metrics(request: Request) -> PlainTextResponse:
-        check_key(request, config.api_keys, "/metrics")
+        check_metrics_key(request, config)
         stats = state.engine.stats() if state.engine is not None else None
         text = state.metrics.render(stats, compiling=state.compiles.in_flight()[0])
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")

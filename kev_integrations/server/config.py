@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 API_KEY_ENV = "KEV_API_KEY"  # comma-separated: several clients, several keys
 ADMIN_KEY_ENV = "KEV_ADMIN_KEY"
+METRICS_KEY_ENV = "KEV_METRICS_KEY"
 # the cores left to the engine matter more than compile throughput: half of them at most
 DEFAULT_COMPILE_WORKERS = max(1, min(4, (os.cpu_count() or 2) // 2))
 
@@ -29,6 +30,10 @@ class ServerConfig:
     """Bearer keys accepted on /v1 and /metrics; empty = no auth (loopback only, see check_exposure)."""
     admin_key: str | None = None
     """Bearer key of the admin endpoints (adapters, default temperature); None = they are disabled."""
+    metrics_key: str | None = None
+    """Bearer key of /metrics for operators. /metrics shows the whole engine's activity (tokens,
+    prefix hits, queue), so with several API keys a tenant's key is refused there (it would see the
+    others'); this key or the admin key reads it. With one API key, that key reads it too."""
     max_body_bytes: int = 4 * 1024 * 1024
     """Largest request body accepted (413 past it)."""
     max_prompts: int = 64
@@ -82,6 +87,8 @@ class ServerConfig:
             raise SystemExit("an API key is empty; give a non-empty --api-key (or KEV_API_KEY), or none at all")
         if self.admin_key is not None and not self.admin_key.strip():
             raise SystemExit("the admin key is empty; give a non-empty --admin-key (or KEV_ADMIN_KEY), or none")
+        if self.metrics_key is not None and not self.metrics_key.strip():
+            raise SystemExit("the metrics key is empty; give a non-empty --metrics-key (or KEV_METRICS_KEY), or none")
         for name in sorted(POSITIVE_LIMITS):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
@@ -89,12 +96,14 @@ class ServerConfig:
 
     @classmethod
     def from_env(cls, **overrides: object) -> ServerConfig:
-        """Keys from ``KEV_API_KEY`` / ``KEV_ADMIN_KEY`` unless given; other fields as passed."""
+        """Keys from ``KEV_API_KEY`` / ``KEV_ADMIN_KEY`` / ``KEV_METRICS_KEY`` unless given; other fields as passed."""
         if overrides.get("api_keys") is None:
             raw = os.environ.get(API_KEY_ENV, "")
             overrides["api_keys"] = tuple(k.strip() for k in raw.split(",") if k.strip())
         if overrides.get("admin_key") is None:
             overrides["admin_key"] = os.environ.get(ADMIN_KEY_ENV) or None
+        if overrides.get("metrics_key") is None:
+            overrides["metrics_key"] = os.environ.get(METRICS_KEY_ENV) or None
         return cls(**overrides)  # type: ignore[arg-type]
 
 

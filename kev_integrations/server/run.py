@@ -60,6 +60,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="accept this bearer key on /v1 and /metrics (repeatable; default: $KEV_API_KEY)")
     parser.add_argument("--admin-key", dest="admin_key", help="bearer key of /admin (default: $KEV_ADMIN_KEY; "
                         "without one the admin endpoints are off)")
+    parser.add_argument("--metrics-key", dest="metrics_key",
+                        help="bearer key of /metrics for operators (default: $KEV_METRICS_KEY). With several "
+                        "--api-key, tenant keys cannot read /metrics (it shows every tenant's activity): "
+                        "this key or --admin-key can")
     parser.add_argument("--insecure-no-auth", dest="no_auth", action="store_true",
                         help="allow a non-loopback --host without an API key")
     parser.add_argument("--shared-prefix-cache", dest="shared_prefix_cache", action="store_true",
@@ -181,6 +185,7 @@ def serve(args: Any) -> int:
         raise SystemExit(f"kev serve needs the server extra: pip install 'kev-llm[server]' ({exc})") from None
     config = ServerConfig.from_env(
         api_keys=tuple(args.api_keys) if args.api_keys else None, admin_key=args.admin_key,
+        metrics_key=args.metrics_key,
         max_queued=args.max_queued, max_tokens_limit=args.max_tokens_limit, max_prompts=args.max_prompts,
         request_timeout_s=args.request_timeout_s, shared_prefix_cache=args.shared_prefix_cache,
         max_requests_per_key=args.max_requests_per_key,

@@ -40,7 +40,9 @@ class Tenant:
         """The salt the engine sees: the tenant's namespace, subdivided by the client's own salt."""
         if self.salt is None:
             return client_salt
-        return self.salt if client_salt is None else f"{self.salt}/{client_salt}"
+        if client_salt is None:
+            return self.salt
+        return f"{self.salt}/{hashlib.sha256(client_salt.encode()).hexdigest()[:32]}"  # one length, whatever was sent
 
     def scoped(self, sampling: SamplingParams) -> SamplingParams:
         """`sampling` with its cache salt moved into this tenant's namespace."""
