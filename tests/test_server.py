@@ -125,11 +125,18 @@ def test_wrong_or_missing_key_is_401_in_openai_shape(url: str) -> None:
         ({"messages": [{"role": "assistant", "content": None, "tool_calls": "abc"}], "max_tokens": 4},
          "messages[0].tool_calls", "messages[0].tool_calls must be a list"),
         ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": 3}}]}], "max_tokens": 4},
-         "messages[0].tool_calls", "messages[0].tool_calls[0] must be"),
-        ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{x"}}]}],
-          "max_tokens": 4}, "messages[0].tool_calls", "arguments are not JSON"),
+         "messages[0].tool_calls[0]", "messages[0].tool_calls[0] must be"),
+        ({"messages": [{"role": "assistant", "tool_calls": [
+            {"id": "c1", "function": {"name": "f", "arguments": "{x"}}]}], "max_tokens": 4},
+         "messages[0].tool_calls[0].function.arguments", "arguments are not JSON"),
         ({"messages": [{"role": "tool", "tool_call_id": [1], "content": "x"}], "max_tokens": 4},
          "messages[0].tool_call_id", "tool_call_id must be a string, got list"),
+        # as OpenAI: a call without its id, a tool reply without the id it answers (both were accepted)
+        ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [
+            {"type": "function", "function": {"name": "f", "arguments": "{}"}}]}], "max_tokens": 4},
+         "messages[1].tool_calls[0].id", "tool_calls[0].id is missing"),
+        ({"messages": [{"role": "user", "content": "hi"}, {"role": "tool", "content": "sunny"}], "max_tokens": 4},
+         "messages[1].tool_call_id", "tool_call_id is missing"),
         ({"messages": CHAT, "max_tokens": 4, "tools": [{"type": "function", "function": {"name": "f"}}],
           "tool_choice": {"type": "function", "function": "f"}}, "messages", "unexpected shape"),
     ],

@@ -47,14 +47,17 @@ def _calls(message: Mapping[str, Any], index: int) -> tuple[ToolCall, ...]:
     calls = []
     for j, call in enumerate(raw):
         function = call.get("function") if isinstance(call, Mapping) else None
-        if not isinstance(function, Mapping) or not isinstance(function.get("name"), str) or not isinstance(
-                call.get("id") or "", str):  # an id of null is no id
+        if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
             raise bad_request(f"{where}[{j}] must be {{'id': str, 'type': 'function', 'function': {{'name': str, "
-                              "'arguments': JSON text}}}}", param=where)
+                              "'arguments': JSON text}}}}", param=f"{where}[{j}]")
+        if not isinstance(call.get("id"), str) or not call["id"]:  # as OpenAI: the tool reply names it
+            raise bad_request(f"{where}[{j}].id is missing: each tool call needs its id (a string), which the "
+                              "tool message answering it repeats as tool_call_id", param=f"{where}[{j}].id")
         try:
-            calls.append(ToolCall(function["name"], arguments_of(function.get("arguments", "{}")), call.get("id")))
+            calls.append(ToolCall(function["name"], arguments_of(function.get("arguments", "{}")), call["id"]))
         except ValueError as exc:
-            raise bad_request(f"{where}[{j}] has {exc}", param=where) from None
+            raise bad_request(f"{where}[{j}].function.arguments: {exc}",
+                              param=f"{where}[{j}].function.arguments") from None
     return tuple(calls)
 
 
@@ -71,7 +74,10 @@ def _turn(message: Any, index: int) -> Turn:
         return Turn("assistant", content, _calls(message, index))
     if role == "tool":
         call_id = message.get("tool_call_id")
-        if call_id is not None and not isinstance(call_id, str):
+        if call_id is None:  # as OpenAI: a tool reply says which call it answers
+            raise bad_request(f"messages[{index}].tool_call_id is missing: a tool message answers one tool call "
+                              "and names its id", param=f"messages[{index}].tool_call_id")
+        if not isinstance(call_id, str):
             raise bad_request(f"messages[{index}].tool_call_id must be a string, got {type(call_id).__name__}",
                               param=f"messages[{index}].tool_call_id")
         return Turn("tool", content, tool_call_id=call_id)
