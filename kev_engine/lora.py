@@ -100,6 +100,10 @@ def _pattern_value(patterns: dict[str, Any], module_name: str, default: Any) -> 
 
 
 def _read_config(name: str, folder: Path) -> dict[str, Any]:
+    if not folder.exists():
+        raise AdapterError(f"adapter {name!r}: no such folder {str(folder)!r}")
+    if not folder.is_dir():
+        raise AdapterError(f"adapter {name!r}: {str(folder)!r} is a file; give the PEFT adapter's folder")
     config_file = folder / "adapter_config.json"
     if not config_file.is_file():
         raise AdapterError(f"adapter {name!r}: no adapter_config.json in {str(folder)!r}")

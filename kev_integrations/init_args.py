@@ -26,7 +26,8 @@ RENAMED = {
 CONTEXT_WINDOW_NAMES = ("context_window", "num_ctx", "n_ctx", "context_length", "max_context")
 
 
-def _hint(name: str, allowed: Iterable[str], owner: str) -> str:
+def hint(name: str, allowed: Iterable[str], owner: str) -> str:
+    """What to write instead of `name` (a field of `owner` named differently elsewhere, or a close one)."""
     if name in CONTEXT_WINDOW_NAMES:
         return ("the context window is not a setting: it is read from the model's config "
                 "(engine.max_context; LlamaIndex's Kev reports it as llm.metadata.context_window)")
@@ -44,7 +45,7 @@ def refuse_unknown(owner: str, values: Any, allowed: Iterable[str]) -> None:
     allowed = set(allowed)
     unknown = sorted(set(values) - allowed)
     if unknown:
-        raise TypeError("; ".join(f"{owner}() got an unknown argument {name!r}: {_hint(name, allowed, owner)}"
+        raise TypeError("; ".join(f"{owner}() got an unknown argument {name!r}: {hint(name, allowed, owner)}"
                                   for name in unknown))
 
 

@@ -154,6 +154,8 @@ def test_chat_invoke_sends_messages_and_merged_settings(engine: FakeEngine) -> N
 def test_unknown_setting_is_an_error(engine: FakeEngine) -> None:
     with pytest.raises(TypeError, match="unknown Kev setting"):
         ChatKev(engine=engine).invoke("hi", temprature=0.1)
+    with pytest.raises(TypeError, match=r"'max_new_tokens'\] \(max_new_tokens: use max_tokens= instead\)"):
+        ChatKev(engine=engine).invoke("hi", max_new_tokens=4)  # per call, the hint construction gives
     with pytest.raises(InvalidRequestError, match="top_p"):
         KevLLM(engine=engine).invoke("hi", top_p=2.0)
 

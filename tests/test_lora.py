@@ -232,8 +232,11 @@ def test_non_linear_targets_and_missing_files_are_refused(tokenizer, tmp_path) -
     engine = Engine(reference_copy(base), tokenizer)
     with pytest.raises(AdapterError, match="adapter 'emb'.*not a LoRA A/B matrix of a linear layer"):
         engine.load_adapter("emb", str(folder))
-    with pytest.raises(AdapterError, match="no adapter_config.json"):
+    with pytest.raises(AdapterError, match="adapter 'missing': no such folder '.*nowhere'"):
         engine.load_adapter("missing", str(tmp_path / "nowhere"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(AdapterError, match="no adapter_config.json"):
+        engine.load_adapter("empty", str(tmp_path / "empty"))
     good = make_adapter(base, tmp_path / "good", 0, r=4, lora_alpha=8, target_modules=["q_proj"])
     engine.load_adapter("good", str(good))
     engine.load_adapter("good", str(good))  # the same folder again: a no-op

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from kev_engine import EngineLike, SamplingParams
 from kev_engine.loader import EMBEDDED_NAME
 
-from ..init_args import check_retries, check_sampling, refuse_unknown
+from ..init_args import check_retries, check_sampling, hint, refuse_unknown
 from ..shared import resolve_engine
 from ..tokens import text_token_ids
 
@@ -154,7 +154,8 @@ class KevFields(BaseModel):
         """Merge fields with per-call kwargs; an unknown kwarg is an error, not silently dropped."""
         unknown = sorted(set(kwargs) - set(SETTING_KEYS) - IGNORED_KWARGS)
         if unknown:
-            raise TypeError(f"unknown Kev setting(s) {unknown}; allowed: {list(SETTING_KEYS)}")
+            hints = "".join(f" ({name}: {hint(name, SETTING_KEYS, 'a call')})" for name in unknown)
+            raise TypeError(f"unknown Kev setting(s) {unknown}{hints}; allowed: {list(SETTING_KEYS)}")
         values = {key: getattr(self, key) for key in SETTING_KEYS}
         values.update({k: v for k, v in kwargs.items() if k in SETTING_KEYS})
         if stop is not None:  # an explicit `stop=` on the call beats the field
