@@ -12,7 +12,14 @@ class KevError(Exception):
 
 
 class InvalidRequestError(KevError, ValueError):
-    """A prompt or a sampling setting that Kev refuses (empty, too long, out of range...)."""
+    """A prompt or a sampling setting that Kev refuses (empty, too long, out of range...).
+
+    `param`: the argument it is about where that is one ("prompt", "logit_bias", "json_schema"...),
+    so a front end can name the field its caller sent (an OpenAI error's `param`)."""
+
+    def __init__(self, message: str = "", param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class ConstraintError(InvalidRequestError):

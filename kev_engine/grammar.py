@@ -132,7 +132,7 @@ class Grammars:
             lines = str(exc).strip().splitlines()
             message = _XGRAMMAR_LOCATION.sub("", lines[-1]) if lines else type(exc).__name__
             raise ConstraintError(
-                f"{kind} could not be compiled: {message}; the constraint was {text[:300]!r}"
+                f"{kind} could not be compiled: {message}; the constraint was {text[:300]!r}", param=kind
             ) from exc
         raise ConstraintError(f"unknown constraint kind {kind!r}")
 
@@ -143,7 +143,8 @@ class Grammars:
         xgr.GrammarMatcher(compiled).fill_next_token_bitmask(bitmask, 0)
         if not bool(bitmask.any()):
             kind, text = constraint
-            raise ConstraintError(f"{kind} allows no reply at all (no token can start it): {text[:300]!r}")
+            raise ConstraintError(f"{kind} allows no reply at all (no token can start it): {text[:300]!r}",
+                                  param=kind)
 
     def matcher(self, compiled: Any) -> Any:
         return _xgrammar().GrammarMatcher(compiled)

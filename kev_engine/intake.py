@@ -76,10 +76,13 @@ class Intake:
                     self._adapters.check(adapter)
                 params = coerce_sampling(sampling)
                 self._check_token_ids(params)
-                ids = self.encode(prompt)
+                ids = _about("prompt", self.encode, prompt)
                 self._check_fits(len(ids), params.max_tokens)
                 # compiled here, on the caller's thread: a bad grammar fails this request alone
-                compiled = self._grammars.compile(params.constraint, params.cache_salt) if params.constraint else None
+                compiled = None
+                if params.constraint:
+                    compiled = _about(params.constraint[0], self._grammars.compile, params.constraint,
+                                      params.cache_salt)
                 prepared.append((ids, params, adapter, compiled))
             except KevError as exc:
                 prepared.append(exc)
@@ -92,7 +95,7 @@ class Intake:
             outside = [t for t in ids if t >= width]
             if outside:
                 raise InvalidRequestError(f"{name} names token id {outside[0]}, outside this model's vocabulary "
-                                          f"(ids 0..{width - 1})")
+                                          f"(ids 0..{width - 1})", param=name)
 
     def _check_fits(self, num_prompt: int, max_tokens: int) -> None:
         """A request that could never fit in the KV pool is refused now, not left waiting forever."""
@@ -101,5 +104,15 @@ class Intake:
             raise InvalidRequestError(
                 f"this request may reach {need} tokens (prompt {num_prompt} + max_tokens {max_tokens}); "
                 f"the KV pool holds {self._kv.capacity_tokens} tokens (kv_cache_bytes={self._kv.budget_bytes}). "
-                "Lower max_tokens, shorten the prompt, or give the engine a larger kv_cache_bytes"
+                "Lower max_tokens, shorten the prompt, or give the engine a larger kv_cache_bytes", param="max_tokens"
             )
+
+
+def _about(param: str, call: Any, *args: Any) -> Any:
+    """`call(*args)`; an InvalidRequestError it raises without a `param` is about `param`."""
+    try:
+        return call(*args)
+    except InvalidRequestError as exc:
+        if exc.param is None:
+            exc.param = param
+        raise

@@ -315,7 +315,8 @@ class SamplingParams:
         constraint = self.constraint
         if constraint is not None and len(constraint[1]) > MAX_CONSTRAINT_CHARS:
             raise InvalidRequestError(
-                f"the {constraint[0]} constraint is {len(constraint[1])} characters; at most {MAX_CONSTRAINT_CHARS}"
+                f"the {constraint[0]} constraint is {len(constraint[1])} characters; at most {MAX_CONSTRAINT_CHARS}",
+                param=constraint[0],
             )
 
     @property

@@ -113,3 +113,41 @@ def test_a_cache_salt_is_bounded_and_a_deeply_nested_body_is_refused_in_plain_wo
         message = answer.json()["error"]["message"]
         assert "nests JSON arrays or objects too deeply" in message
         assert "Recursion" not in message and "recursion" not in message
+
+
+def tool(i: int) -> dict[str, Any]:
+    return {"type": "function", "function": {"name": f"tool_{i}", "description": "does a thing " * 4,
+                                             "parameters": {"type": "object", "properties": {
+                                                 "city": {"type": "string"}}, "required": ["city"]}}}
+
+
+HI = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize(("endpoint", "body", "param", "words"), [
+    ("chat", {"messages": HI, "logit_bias": {"999999": 5}}, "logit_bias", "outside this model's vocabulary"),
+    ("chat", {"messages": HI, "stop_token_ids": [10**9]}, "stop_token_ids", "outside this model's vocabulary"),
+    ("chat", {"messages": [{"role": "user", "content": "word " * 40_000}]}, "messages", "context"),
+    ("completions", {"prompt": "word " * 40_000}, "prompt", "context"),
+    ("chat", {"messages": [{"role": "user", "content": None}]}, "messages", "empty"),
+    ("chat", {"messages": HI, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "description": "d" * 200_000}}}}, "response_format", "characters"),
+    ("chat", {"messages": HI, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "bogus"}}}}, "response_format", "could not be compiled"),
+    ("completions", {"prompt": "hi", "response_format": {"type": "regex", "regex": "(unclosed"}}, "response_format",
+     "could not be compiled"),
+    ("chat", {"messages": HI, "response_format": {"type": "grammar", "grammar": "root ::= nothing_defined"}},
+     "response_format", "could not be compiled"),
+    ("chat", {"messages": HI, "tools": [tool(i) for i in range(2_000)], "tool_choice": "required"}, "tools",
+     "the tool-call constraint these tools make"),
+])
+def test_every_refusal_names_the_field_the_client_sent(setup, endpoint, body, param, words) -> None:
+    engine, _ = setup
+    config = ServerConfig(api_keys=(K1,), max_tokens_limit=8, max_body_bytes=8 * 1024 * 1024)
+    with serving(build_app(engine, config, model_name=MODEL)) as base:
+        path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
+        answer = httpx.post(base + path, headers=bearer(K1), json={"model": MODEL, "max_tokens": 2, **body}, timeout=120)
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert error["param"] == param and words in error["message"], error
+    assert "structural_tag" not in error["message"] or param != "tools"

@@ -166,13 +166,13 @@ async def _json_body(request: Request) -> dict[str, Any]:
     return body
 
 
-def _refused(futures: list[Future[Completion]]) -> None:
+def _refused(futures: list[Future[Completion]], fields: dict[str, str] | None = None) -> None:
     """Requests the engine refused at submission (bad settings, bad constraint) → 400 before any work."""
     for i, future in enumerate(futures):
         if future.done() and not future.cancelled() and future.exception() is not None:
             for other in futures:
                 other.cancel()
-            raise engine_error(future.exception(), i if len(futures) > 1 else None)  # type: ignore[arg-type]
+            raise engine_error(future.exception(), i if len(futures) > 1 else None, fields)  # type: ignore[arg-type]
 
 
 async def _disconnected(request: Request) -> None:
@@ -181,7 +181,8 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-async def _answers(request: Request, futures: list[Future[Completion]], timeout: float) -> list[Completion] | None:
+async def _answers(request: Request, futures: list[Future[Completion]], timeout: float,
+                   fields: dict[str, str] | None = None) -> list[Completion] | None:
     """Wait for every answer; None if the client left first. Leaving or timing out cancels the work."""
     gathered: asyncio.Future[list[Any]] = asyncio.gather(
         *(asyncio.wrap_future(f) for f in futures), return_exceptions=True)
@@ -207,7 +208,7 @@ async def _answers(request: Request, futures: list[Future[Completion]], timeout:
     results = gathered.result()
     for i, result in enumerate(results):
         if isinstance(result, BaseException):
-            raise engine_error(result, i if len(results) > 1 else None)
+            raise engine_error(result, i if len(results) > 1 else None, fields)
     return results
 
 
@@ -222,8 +223,8 @@ async def _events(state: ServerState, call: EngineCall, chat: bool, engine: Engi
         futures = await asyncio.to_thread(engine.submit_many, call.prompts, call.sampling, call.adapter,
                                           [pieces.feeder(i) for i in range(len(call.prompts))])
     except KevError as exc:  # refused as a whole (the engine closed meanwhile)
-        raise engine_error(exc, None) from None
-    _refused(futures)
+        raise engine_error(exc, None, call.fields) from None
+    _refused(futures, call.fields)
     for i, future in enumerate(futures):
         pieces.watch(i, future)
 
@@ -255,7 +256,7 @@ async def _events(state: ServerState, call: EngineCall, chat: bool, engine: Engi
                     continue
                 error = future.exception()
                 if error is not None:
-                    yield sse(engine_error(error, i if len(futures) > 1 else None).body())
+                    yield sse(engine_error(error, i if len(futures) > 1 else None, call.fields).body())
                     continue
                 completion = future.result()
                 finished.append(completion)
@@ -352,7 +353,7 @@ def build_app(engine: Engine | Callable[[], Engine], config: ServerConfig | None
         call.sampling = tenant.scoped(call.sampling)
         error = (await state.compiles.ensure(engine_now, tenant, [call.sampling]))[0]
         if error is not None:
-            raise engine_error(error, None)
+            raise engine_error(error, None, call.fields)
         places = len(call.prompts) * call.sampling.n  # each sample is a question in flight
         state.acquire(places, "n" if call.sampling.n > 1 else "prompt")  # 429 now, not mid-stream
         if call.stream:
@@ -366,9 +367,9 @@ def build_app(engine: Engine | Callable[[], Engine], config: ServerConfig | None
             try:
                 futures = await asyncio.to_thread(engine_now.submit_many, call.prompts, call.sampling, call.adapter)
             except KevError as exc:
-                raise engine_error(exc, None) from None
-            _refused(futures)
-            completions = await _answers(request, futures, config.request_timeout_s)
+                raise engine_error(exc, None, call.fields) from None
+            _refused(futures, call.fields)
+            completions = await _answers(request, futures, config.request_timeout_s, call.fields)
         finally:
             state.release(places)
         if completions is None:  # the client is gone; nobody reads a response

@@ -132,7 +132,7 @@ class Compiles:
                 raise ConstraintError(
                     f"the {sampling.constraint[0]} constraint did not compile within {self.timeout_s:g} s (this "
                     "server's compile time budget); simplify it. Its compile still finishes in the background, "
-                    "after which the same request is answered")
+                    "after which the same request is answered", param=sampling.constraint[0])
             compiling.result()  # a bad constraint raises its ConstraintError here
         finally:
             self._leave(job)

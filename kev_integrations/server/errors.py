@@ -6,6 +6,7 @@ shape to raise their own typed errors, so every refusal the server makes goes th
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from fastapi.responses import JSONResponse
@@ -42,11 +43,29 @@ def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param=param)
 
 
-def engine_error(exc: BaseException, index: int | None) -> APIError:
-    """A failed engine request as an HTTP error; the prompt's index is named for lists."""
+def engine_error(exc: BaseException, index: int | None, fields: Mapping[str, str] | None = None) -> APIError:
+    """A failed engine request as an HTTP error; the prompt's index is named for lists. `fields`:
+    the client's name for what the engine's error is about (its `param`: "prompt" was `messages`,
+    "json_schema" was `response_format`, "structural_tag" was `tools`)."""
     where = f"prompt {index}: " if index is not None else ""
-    if isinstance(exc, (InvalidRequestError, UnknownAdapterError)):
-        return bad_request(where + str(exc))
+    if isinstance(exc, InvalidRequestError):
+        param = client_field(exc.param, fields)
+        return bad_request(where + client_message(str(exc), param), param=param)
+    if isinstance(exc, UnknownAdapterError):
+        return bad_request(where + str(exc), param="model")
     if isinstance(exc, EngineClosedError):
         return APIError(503, where + str(exc), type="server_error")
     return APIError(500, f"{where}{type(exc).__name__}: {exc}", type="server_error")
+
+
+def client_field(param: str | None, fields: Mapping[str, str] | None) -> str | None:
+    """The field a client sent for the engine's `param` (the same name where not mapped)."""
+    return (fields or {}).get(param, param) if param is not None else None
+
+
+def client_message(message: str, field: str | None) -> str:
+    """The engine's words in the client's terms: a tool-call constraint is the client's tools."""
+    if field == "tools":
+        return message.replace("the structural_tag constraint", "the tool-call constraint these tools make").replace(
+            "structural_tag", "tool-call constraint")
+    return message

@@ -24,7 +24,7 @@ from kev_engine.params import MAX_TOP_LOGPROBS, SETTING_FIELDS
 from ..tool_format import tool_call_constraint
 from .chat_prompt import chat_prompt
 from .config import ServerConfig
-from .errors import bad_request
+from .errors import bad_request, client_field, client_message
 
 # fields accepted only at the value that means "off"
 NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
@@ -55,6 +55,8 @@ class EngineCall:
     include_usage: bool = False
     tool_names: list[str] = field(default_factory=list)
     endpoint: str = ""
+    fields: dict[str, str] = field(default_factory=dict)
+    """The body field each engine argument came from, for errors' `param` (`errors.engine_error`)."""
 
 
 def _check_fields(body: Mapping[str, Any], allowed: set[str]) -> None:
@@ -134,7 +136,8 @@ def _completion_logprobs(body: Mapping[str, Any]) -> dict[str, Any]:
     return {"logprobs": True, "top_logprobs": logprobs}
 
 
-def _sampling(body: Mapping[str, Any], config: ServerConfig, extra: Mapping[str, Any]) -> SamplingParams:
+def _sampling(body: Mapping[str, Any], config: ServerConfig, extra: Mapping[str, Any],
+              fields: Mapping[str, str] | None = None) -> SamplingParams:
     max_tokens = body.get("max_completion_tokens")
     if max_tokens is None:
         max_tokens = body.get("max_tokens")
@@ -146,9 +149,10 @@ def _sampling(body: Mapping[str, Any], config: ServerConfig, extra: Mapping[str,
     except InvalidRequestError as exc:
         message = str(exc)
         # the engine's messages open with the setting they refuse: "min_p=1.5 ...", "logit_bias[5]=..."
-        param = next((key for key in values if message.startswith((f"{key}=", f"{key}[", f"{key} "))),
-                     next((key for key in values if f"{key}=" in message), None))
-        raise bad_request(str(exc), param=param) from None
+        param = exc.param or next((key for key in values if message.startswith((f"{key}=", f"{key}[", f"{key} "))),
+                                  next((key for key in values if f"{key}=" in message), None))
+        param = client_field(param, fields)
+        raise bad_request(client_message(message, param), param=param) from None
     if sampling.max_tokens > config.max_tokens_limit:  # also when left out: the default may exceed the limit
         raise bad_request(f"max_tokens={sampling.max_tokens} is over this server's limit of "
                           f"{config.max_tokens_limit}", param="max_tokens")
@@ -181,11 +185,13 @@ def parse_chat(body: Mapping[str, Any], config: ServerConfig, base_model: str, a
     if tool_choice is not None and not tools:
         raise bad_request("tool_choice was given without tools", param="tool_choice")
     extra = _constraint(body.get("response_format"))
+    fields = {"prompt": "messages", **{kind: "response_format" for kind in extra}}
     if tools and extra:
         raise bad_request("give tools or response_format, not both", param="response_format")
     try:  # an unknown tool_choice name is refused by both, naming the bound tools
         prompt, names = chat_prompt(messages, tools, tool_choice, tokenizer)
         if names:
+            fields["structural_tag"] = "tools"
             extra = {"structural_tag": tool_call_constraint(
                 tools, tool_choice, tokenizer, parallel=body.get("parallel_tool_calls", True) is not False,
             )}
@@ -196,8 +202,8 @@ def parse_chat(body: Mapping[str, Any], config: ServerConfig, base_model: str, a
                           "see the OpenAI chat completions format", param="messages") from None
     stream, include_usage = _stream_options(body)
     extra = {**extra, **_chat_logprobs(body)}
-    return EngineCall([prompt], _sampling(body, config, extra), adapter, model, stream, include_usage,
-                      names if tool_choice != "none" else [])
+    return EngineCall([prompt], _sampling(body, config, extra, fields), adapter, model, stream, include_usage,
+                      names if tool_choice != "none" else [], fields=fields)
 
 
 def parse_completion(body: Mapping[str, Any], config: ServerConfig, base_model: str,
@@ -214,5 +220,7 @@ def parse_completion(body: Mapping[str, Any], config: ServerConfig, base_model: 
         raise bad_request(f"{len(prompts)} prompts in one request; this server takes at most {config.max_prompts}",
                           param="prompt")
     stream, include_usage = _stream_options(body)
-    sampling = _sampling(body, config, {**_constraint(body.get("response_format")), **_completion_logprobs(body)})
-    return EngineCall(prompts, sampling, adapter, model, stream, include_usage)
+    constraint = _constraint(body.get("response_format"))
+    fields = {kind: "response_format" for kind in constraint}
+    sampling = _sampling(body, config, {**constraint, **_completion_logprobs(body)}, fields)
+    return EngineCall(prompts, sampling, adapter, model, stream, include_usage, fields=fields)
