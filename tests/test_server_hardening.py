@@ -6,7 +6,6 @@ nested body. Each test failed on the server before these rules."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
