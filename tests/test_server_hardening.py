@@ -145,7 +145,8 @@ def test_every_refusal_names_the_field_the_client_sent(setup, endpoint, body, pa
     config = ServerConfig(api_keys=(K1,), max_tokens_limit=8, max_body_bytes=8 * 1024 * 1024)
     with serving(build_app(engine, config, model_name=MODEL)) as base:
         path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
-        answer = httpx.post(base + path, headers=bearer(K1), json={"model": MODEL, "max_tokens": 2, **body}, timeout=120)
+        answer = httpx.post(base + path, headers=bearer(K1), json={"model": MODEL, "max_tokens": 2, **body},
+                            timeout=120)
     assert answer.status_code == 400, answer.text
     error = answer.json()["error"]
     assert error["param"] == param and words in error["message"], error
