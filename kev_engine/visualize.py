@@ -24,6 +24,7 @@ adapter, shared prefix (tokens reused) and `[start, end)` in the packed pass.
 
 from __future__ import annotations
 
+import colorsys
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -48,6 +49,16 @@ MIN_SIDE = 512  # small packs are scaled up to this, so one token is several pix
 PAD, LINE, HATCH = 12, 18, 6
 COLUMNS = ("id", "adapter", "shared_prefix", "start", "end", "tokens")
 TEXT_COLUMNS = ("id", "adapter")  # left-aligned; numbers are right-aligned
+
+
+def colour(i: int) -> tuple[int, int, int]:
+    """Question i's colour: the palette's ten, then hues spread by the golden angle, so no two
+    questions of a pack share one however many there are."""
+    if i < len(PALETTE):
+        return PALETTE[i]
+    hue = (i * 0.618033988749895) % 1.0
+    r, g, b = colorsys.hsv_to_rgb(hue, 0.65 + 0.35 * ((i // 7) % 2), 0.85 - 0.25 * ((i // 3) % 2))
+    return round(r * 255), round(g * 255), round(b * 255)
 
 
 def tint(colour: tuple[int, int, int]) -> tuple[int, int, int]:
@@ -204,14 +215,16 @@ def draw_pack_mask(
 
     font = ImageFont.load_default(size=13)
     label_width = int(font.getlength(str(num_tokens)))
-    id_width = int(max(font.getlength(str(r["id"])) for r in rows))
+    id_width = int(max(font.getlength(_label(r)) for r in rows))
     left, top = PAD + LINE + label_width + 6, PAD + 3 * LINE  # room for titles and tick labels
     col_widths = [max(font.getlength(c), *(font.getlength(str(r[c])) for r in rows)) + 16 for c in COLUMNS]
     table_width = int(LINE + sum(col_widths))
-    legend = "hatched: a question reads a shared prefix block, computed once in these columns by an earlier question"
+    num_shared = sum(layout.shared)
+    legend = ("hatched: a question reads a shared prefix block, computed once in these columns by an earlier question"
+              if num_shared else "")  # nothing shared: nothing hatched to explain
     legend_width = int(PAD + LINE + font.getlength(legend) + PAD)
     width = max(left + side + 8 + id_width + PAD, PAD + table_width + PAD, legend_width)
-    height = top + side + PAD + LINE * (len(rows) + 2) + PAD
+    height = top + side + PAD + LINE * (len(rows) + 1 + bool(legend)) + PAD
     image = Image.new("RGB", (width, height), BACKGROUND)
     draw = ImageDraw.Draw(image)
 
@@ -219,9 +232,9 @@ def draw_pack_mask(
         row_box = (at(cu[i]), max(at(cu[i + 1]) - 1, at(cu[i])))
         for start, end in ranges:
             x0, x1 = at(start), max(at(end) - 1, at(start))
-            _hatch(image, (left + x0, top + row_box[0], left + x1, top + row_box[1]), tint(PALETTE[i % len(PALETTE)]))
+            _hatch(image, (left + x0, top + row_box[0], left + x1, top + row_box[1]), tint(colour(i)))
     for i, (start, end) in enumerate(zip(cu, cu[1:])):
-        draw.polygon(_segment_polygon(start, end, scale, (left, top)), fill=PALETTE[i % len(PALETTE)])
+        draw.polygon(_segment_polygon(start, end, scale, (left, top)), fill=colour(i))
     last_line = last_x = last_y = last_id = -(10**9)
     last_half = 0.0  # half the width of the last key label drawn
     ends = {end for ranges in layout.reads for _, end in ranges}  # where a shared prefix's keys end
@@ -242,12 +255,10 @@ def draw_pack_mask(
     for i, row in enumerate(rows):  # ids right of each question's rows, skipped where they would overlap
         middle = (at(row["start"]) + at(row["end"])) // 2
         if middle - last_id >= LINE - 4:
-            draw.text((left + side + 8, top + middle), str(row["id"]), fill=PALETTE[i % len(PALETTE)], font=font,
-                      anchor="lm")
+            draw.text((left + side + 8, top + middle), _label(row), fill=colour(i), font=font, anchor="lm")
             last_id = middle
     draw.rectangle([left - 1, top - 1, left + side, top + side], outline=INK)
 
-    num_shared = sum(layout.shared)
     title = f"{len(rows)} questions, {num_tokens} tokens computed in one packed pass"
     title += f", {num_shared} prompt tokens read from shared prefix blocks" if num_shared else ""
     draw.text((PAD, PAD), title, fill=INK, font=font)
@@ -258,12 +269,13 @@ def draw_pack_mask(
     image.paste(rotated, (PAD, top + max(0, (side - rotated.height) // 2)))
 
     y = top + side + PAD
-    _hatch(image, (PAD, y + 3, PAD + 11, y + 14), tint(PALETTE[0]))
-    draw.text((PAD + LINE, y), legend, fill=INK, font=font)
-    y += LINE
+    if legend:
+        _hatch(image, (PAD, y + 3, PAD + 11, y + 14), tint(PALETTE[0]))
+        draw.text((PAD + LINE, y), legend, fill=INK, font=font)
+        y += LINE
     for r, line in enumerate([dict(zip(COLUMNS, COLUMNS))] + rows):
         if r:  # a colour swatch ties each row to its triangle
-            draw.rectangle([PAD, y + 3, PAD + 11, y + 14], fill=PALETTE[(r - 1) % len(PALETTE)])
+            draw.rectangle([PAD, y + 3, PAD + 11, y + 14], fill=colour(r - 1))
         x = float(PAD + LINE)
         for column, w in zip(COLUMNS, col_widths):  # names left-aligned, numbers right-aligned
             anchor, text_x = ("la", x) if column in TEXT_COLUMNS else ("ra", x + w - 16)
@@ -272,3 +284,8 @@ def draw_pack_mask(
         y += LINE
     image.save(path, format="PNG")
     return rows
+
+
+def _label(row: dict[str, Any]) -> str:
+    """What is written right of a question's rows: its id, and its adapter where it has one."""
+    return str(row["id"]) if row["adapter"] == "base" else f"{row['id']} ({row['adapter']})"

@@ -171,3 +171,19 @@ def test_format_table_aligns_columns() -> None:
     assert len({len(line) for line in lines}) == 1
     assert lines[2].split() == ["1", "sql", "96", "7", "1200", "1193"]
     assert lines[1].startswith("museum-1") and lines[2].startswith("1 ")  # ids left-aligned
+
+
+def test_every_question_of_a_large_pack_has_its_own_colour_and_labels_name_adapters() -> None:
+    colours = [vis.colour(i) for i in range(200)]
+    assert len(set(colours)) == 200 and colours[:10] == vis.PALETTE  # not the palette again after ten
+    assert vis._label({"id": "q1", "adapter": "sql"}) == "q1 (sql)" and vis._label({"id": 3, "adapter": "base"}) == "3"
+
+
+def test_the_shared_prefix_legend_is_drawn_only_when_something_is_shared(tiny_engine: Engine, tmp_path) -> None:
+    heights = {}
+    for name, prompts in (("private", [QUESTIONS[0], QUESTIONS[3]]), ("shared", DOC_QUESTIONS[:2])):
+        rows = vis.draw_pack_mask(tiny_engine, prompts, tmp_path / f"{name}.png")
+        side = max(rows[-1]["end"], vis.MIN_SIDE)
+        table = vis.LINE * (len(rows) + 1)  # header and one line a question
+        heights[name] = Image.open(tmp_path / f"{name}.png").height - (vis.PAD + 3 * vis.LINE + side + 2 * vis.PAD + table)
+    assert heights == {"private": 0, "shared": vis.LINE}  # the hatch legend's line, only where a prefix is read
