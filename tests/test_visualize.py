@@ -185,5 +185,6 @@ def test_the_shared_prefix_legend_is_drawn_only_when_something_is_shared(tiny_en
         rows = vis.draw_pack_mask(tiny_engine, prompts, tmp_path / f"{name}.png")
         side = max(rows[-1]["end"], vis.MIN_SIDE)
         table = vis.LINE * (len(rows) + 1)  # header and one line a question
-        heights[name] = Image.open(tmp_path / f"{name}.png").height - (vis.PAD + 3 * vis.LINE + side + 2 * vis.PAD + table)
+        drawn = Image.open(tmp_path / f"{name}.png").height
+        heights[name] = drawn - (vis.PAD + 3 * vis.LINE + side + 2 * vis.PAD + table)
     assert heights == {"private": 0, "shared": vis.LINE}  # the hatch legend's line, only where a prefix is read
