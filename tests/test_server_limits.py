@@ -157,6 +157,25 @@ def test_headers_that_dribble_in_get_a_408_and_a_request_being_answered_is_not_c
             assert read_all(sock)[0] == 408
 
 
+def test_connections_past_the_cap_get_a_503_and_one_closing_frees_a_place(engine: Engine) -> None:
+    """Keys and the queue bound requests; idle keep-alive sockets are bounded by the connection cap."""
+    app = build_app(engine, ServerConfig(api_keys=(KEY_A,)), model_name=MODEL)
+    with serving(app, http=header_deadline_protocol(30, max_connections=2, retry_after_s=3)) as base:
+        first, second = connect(base), connect(base)
+        try:
+            for sock in (first, second):  # both served, both kept open (keep-alive)
+                sock.sendall(b"GET /health HTTP/1.1\r\nHost: test\r\n\r\n")
+                assert read_response(sock)[0] == 200
+            with connect(base) as third:
+                status, body = read_all(third)
+            assert status == 503 and body["error"]["code"] == "too_many_connections"
+            assert "2 connections open" in body["error"]["message"]
+        finally:
+            first.close()
+        wait_for(lambda: httpx.get(base + "/health", timeout=30).status_code == 200, 30, "a place to be free again")
+        second.close()
+
+
 def test_one_key_cannot_hold_more_than_its_share_of_requests(engine: Engine) -> None:
     config = ServerConfig(api_keys=(KEY_A, KEY_B), max_requests_per_key=2, body_timeout_s=60)
     app = build_app(engine, config, model_name=MODEL)

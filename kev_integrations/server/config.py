@@ -17,7 +17,7 @@ METRICS_KEY_ENV = "KEV_METRICS_KEY"
 DEFAULT_COMPILE_WORKERS = max(1, min(4, (os.cpu_count() or 2) // 2))
 
 
-POSITIVE_LIMITS = {"max_requests_per_key", "header_timeout_s", "body_timeout_s", "max_tokenize_bytes",
+POSITIVE_LIMITS = {"max_requests_per_key", "max_connections", "header_timeout_s", "body_timeout_s", "max_tokenize_bytes",
                    "tokenize_workers", "max_pending_tokenize", "compile_workers", "max_compiles_per_key",
                    "max_pending_compiles", "compile_timeout_s"}
 
@@ -59,6 +59,8 @@ class ServerConfig:
     it a 429. Without API keys this bounds all callers together."""
 
     # ---- what one request may hold ----
+    max_connections: int = 1024
+    """Most connections open at once (idle keep-alive ones included); past it a 503 with Retry-After."""
     header_timeout_s: float = 15.0
     """A connection whose request headers are not complete this long after it opened (or after its
     last response) is closed with a 408: slow senders cannot hold connections."""

@@ -1,4 +1,5 @@
-"""A deadline for request headers: uvicorn's HTTP protocol, closing connections whose headers dawdle.
+"""A deadline for request headers and a cap on open connections: uvicorn's HTTP protocol, closing
+connections whose headers dawdle and refusing those past `max_connections`.
 
 Why: uvicorn has no header timeout. Its keep-alive timer stops at the first byte a client sends,
 so a client that sends its headers a byte every few seconds (slow-loris) holds a connection for
@@ -7,6 +8,10 @@ as long as it likes, and a few hundred such clients hold the server. The app's o
 request's headers within `timeout_s` of opening, and again within `timeout_s` of each response;
 otherwise it gets a 408 in OpenAI's error shape and is closed. A request being answered is never
 cut: the deadline applies only while the connection waits for headers.
+
+The cap: per-key and queue limits bound requests, not sockets; idle keep-alive connections from
+many clients would still pile up. A connection past `max_connections` open at once gets a 503 in
+OpenAI's error shape with `Retry-After` and is closed at once.
 """
 
 from __future__ import annotations
@@ -26,16 +31,35 @@ def _timeout_response(timeout_s: float) -> bytes:
             b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
 
 
-def header_deadline_protocol(timeout_s: float, base: type[asyncio.Protocol] = AutoHTTPProtocol) -> type[Any]:
-    """uvicorn's HTTP protocol class (httptools or h11, as uvicorn picks) with a header deadline,
-    for ``uvicorn.Config(http=...)``."""
+def _full_response(max_connections: int, retry_after_s: int) -> bytes:
+    body = json.dumps({"error": {
+        "message": f"this server has {max_connections} connections open, its max_connections; retry shortly",
+        "type": "server_error", "param": None, "code": "too_many_connections"}}).encode()
+    return (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nconnection: close\r\n"
+            b"retry-after: " + str(retry_after_s).encode() + b"\r\ncontent-length: " + str(len(body)).encode()
+            + b"\r\n\r\n" + body)
+
+
+def header_deadline_protocol(timeout_s: float, base: type[asyncio.Protocol] = AutoHTTPProtocol,
+                             max_connections: int | None = None, retry_after_s: int = 1) -> type[Any]:
+    """uvicorn's HTTP protocol class (httptools or h11, as uvicorn picks) with a header deadline
+    and at most `max_connections` open connections (None: no cap), for ``uvicorn.Config(http=...)``."""
     response = _timeout_response(timeout_s)
+    full = _full_response(max_connections or 0, retry_after_s)
+    open_now = [0]  # this server's connections (one event loop: no lock)
 
     class HeaderDeadline(base):  # type: ignore[valid-type, misc]
         _deadline: asyncio.TimerHandle | None = None
+        _counted = False
 
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
+            if max_connections is not None and open_now[0] >= max_connections:
+                transport.write(full)
+                transport.close()
+                return
+            open_now[0] += 1
+            self._counted = True
             self._arm()
 
         def on_response_complete(self) -> None:
@@ -45,6 +69,9 @@ def header_deadline_protocol(timeout_s: float, base: type[asyncio.Protocol] = Au
         def connection_lost(self, exc: Exception | None) -> None:
             if self._deadline is not None:
                 self._deadline.cancel()
+            if self._counted:
+                open_now[0] -= 1
+                self._counted = False
             super().connection_lost(exc)
 
         def _arm(self) -> None:

@@ -73,6 +73,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "are one tenant)")
     parser.add_argument("--max-requests-per-key", dest="max_requests_per_key", type=int, default=128,
                         help="requests one API key may have in flight before 429 (default 128)")
+    parser.add_argument("--max-connections", dest="max_connections", type=int, default=1024,
+                        help="connections open at once (idle keep-alive ones too) before 503 (default 1024)")
     parser.add_argument("--max-queued", dest="max_queued", type=int, default=256,
                         help="questions in flight before 429 (default 256)")
     parser.add_argument("--max-tokens-limit", dest="max_tokens_limit", type=int, default=4096,
@@ -188,7 +190,7 @@ def serve(args: Any) -> int:
         metrics_key=args.metrics_key,
         max_queued=args.max_queued, max_tokens_limit=args.max_tokens_limit, max_prompts=args.max_prompts,
         request_timeout_s=args.request_timeout_s, shared_prefix_cache=args.shared_prefix_cache,
-        max_requests_per_key=args.max_requests_per_key,
+        max_requests_per_key=args.max_requests_per_key, max_connections=args.max_connections,
     )
     check_exposure(args.host, config, allow_no_auth=args.no_auth)
     adapters = parse_adapter_specs(args.adapter_specs)
@@ -229,6 +231,8 @@ def serve(args: Any) -> int:
     app = build_app(ready.loader(engine_factory(args.model, args.device, args.dtype, adapters)), config,
                     model_name=name)
     server = Server(uvicorn.Config(app, host=args.host, port=args.port, timeout_graceful_shutdown=args.grace,
-                                   log_level="info", http=header_deadline_protocol(config.header_timeout_s)))
+                                   log_level="info", http=header_deadline_protocol(
+                                       config.header_timeout_s, max_connections=config.max_connections,
+                                       retry_after_s=config.retry_after_s)))
     server.run()
     return LOAD_FAILED if ready.failure is not None else 0
