@@ -18,8 +18,8 @@ DEFAULT_COMPILE_WORKERS = max(1, min(4, (os.cpu_count() or 2) // 2))
 
 
 POSITIVE_LIMITS = {"max_requests_per_key", "max_connections", "header_timeout_s", "body_timeout_s",
-                   "max_tokenize_bytes", "tokenize_workers", "max_pending_tokenize", "compile_workers", "max_compiles_per_key",
-                   "max_pending_compiles", "compile_timeout_s"}
+                   "max_tokenize_bytes", "tokenize_workers", "max_pending_tokenize", "compile_workers",
+                   "max_compiles_per_key", "max_pending_compiles", "compile_timeout_s"}
 
 
 @dataclass(frozen=True)
