@@ -9,6 +9,7 @@ the outcome never depends on how long anything takes.
 from __future__ import annotations
 
 import json
+import signal
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -16,12 +17,14 @@ from typing import Any
 import httpx
 import openai
 import pytest
+import uvicorn
 from conftest import tiny_model
 from server_util import serving, wait_for
 
 from kev_engine import Engine
 from kev_integrations.server import ServerConfig, build_app
 from kev_integrations.server import app as server_app
+from kev_integrations.server.drain import DrainingServer
 from kev_integrations.server.responses import ChunkWriter
 
 MODEL = "tiny"
@@ -142,3 +145,36 @@ def test_an_unknown_path_or_method_is_an_error_in_openai_shape(engine: Engine) -
     assert "no such endpoint: POST /v1/embeddings" in unknown.json()["error"]["message"]
     assert wrong_method.status_code == 405 and wrong_method.headers["allow"] == "GET"
     assert "method not allowed: POST /v1/models" in wrong_method.json()["error"]["message"]
+
+
+def test_during_the_grace_new_requests_get_503_on_an_open_socket_while_running_ones_finish(engine: Engine) -> None:
+    """A SIGTERM (handle_exit) keeps the socket open: a new request is answered 503 shutting_down with
+    Retry-After (not refused at the socket), /health says shutting_down, the request in flight is
+    answered in full, and the server then stops by itself. `hold()` keeps that request queued until
+    the test lets it run: nothing here races a clock."""
+    app = build_app(engine, ServerConfig(), model_name=MODEL)
+    server = DrainingServer(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
+                                           timeout_graceful_shutdown=60), app.state.kev, grace=60)
+    thread = threading.Thread(target=server.run, name="test-uvicorn", daemon=True)
+    thread.start()
+    results: dict[str, Any] = {}
+    try:
+        wait_for(lambda: server.started, 30, "uvicorn to start")
+        url = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+        with engine.hold():
+            ask = lambda: httpx.post(url + "/v1/chat/completions", json=CHAT, timeout=60)  # noqa: E731
+            first = _in_thread(ask, results, "first")
+            wait_for(lambda: engine.stats()["waiting"] == 1, 30, "the first request to be queued")
+            server.handle_exit(signal.SIGTERM, None)
+            late = httpx.post(url + "/v1/chat/completions", json=CHAT, timeout=60)
+            assert late.status_code == 503 and late.headers["retry-after"] == "5"
+            assert late.json()["error"]["code"] == "shutting_down" and "takes no new requests" in late.text
+            health = httpx.get(url + "/health", timeout=30)
+            assert (health.status_code, health.json()) == (503, {"status": "shutting_down"})
+        first.join(60)
+        assert results["first"].status_code == 200 and results["first"].json()["choices"][0]["message"]["content"]
+        thread.join(30)
+        assert not thread.is_alive()  # nothing left in flight: it stopped without waiting out the grace
+    finally:
+        server.should_exit = True
+        thread.join(30)

@@ -64,6 +64,7 @@ class ServerState:
         self.metrics = Metrics()
         self.tenants = Tenants(config.api_keys, shared_cache=config.shared_prefix_cache)
         self.in_flight: Counter[str] = Counter()  # requests in flight by tenant id (PerKeyLimit counts them)
+        self.draining = False  # shutting down: new requests get 503 while those in flight finish (`drain`)
         self.compiles = Compiles(config)
         self.tokenize = Workers("tokenize", config.tokenize_workers, config.max_pending_tokenize,
                                 config.retry_after_s)
@@ -301,7 +302,8 @@ def build_app(engine: Engine | Callable[[], Engine], config: ServerConfig | None
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes, timeout_s=config.body_timeout_s)
     app.add_middleware(PerKeyLimit, tenants=state.tenants, counts=state.in_flight, limit=config.max_requests_per_key,
                        retry_after_s=config.retry_after_s)  # outside the body limit: a slow body counts against its key
-    app.add_middleware(Endings)  # added last: the outermost, so it sees how every request ended
+    app.add_middleware(Endings, draining=lambda: state.draining)  # added last: the outermost, so it sees
+    # how every request ended (and refuses new ones while the server drains)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -318,6 +320,8 @@ def build_app(engine: Engine | Callable[[], Engine], config: ServerConfig | None
 
     @app.get("/health")
     async def health() -> JSONResponse:
+        if state.draining:  # a load balancer takes this server out while its last requests finish
+            return JSONResponse({"status": "shutting_down"}, status_code=503)
         if state.engine is not None:
             return JSONResponse({"status": "ok"})
         if state.load_error is not None:

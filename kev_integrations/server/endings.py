@@ -7,6 +7,10 @@ cut connection, which OpenAI clients read as a bare failure (and retry blindly):
   `Exception`, so no handler sees it and uvicorn answers a plain-text 500.
 - An unexpected exception in a route: Starlette answers a plain-text 500, or cuts a stream.
 
+While the server drains at shutdown (`drain`), a new request gets that 503 at once (but /health,
+which says "shutting_down"): the socket stays open so clients and load balancers get an answer
+they retry elsewhere, not a refused connection.
+
 Here a request that has not started its response gets a JSON error in OpenAI's shape — 503 with
 ``Retry-After`` when shutting down, else 500 — and a started event stream gets one SSE error
 event and ``data: [DONE]``, so a client sees an error, never a stream that merely stops. Any
@@ -16,6 +20,7 @@ other response already under way is left as it is: nothing well-formed can follo
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +40,13 @@ def shutting_down() -> APIError:
                     headers={"Retry-After": str(SHUTDOWN_RETRY_AFTER_S)})
 
 
+def not_taken() -> APIError:
+    """The answer of a request that arrives while the server drains."""
+    return APIError(503, "the server is shutting down and takes no new requests; retry it (another server or "
+                    "replica, or this one once restarted)", type="server_error", code="shutting_down",
+                    headers={"Retry-After": str(SHUTDOWN_RETRY_AFTER_S)})
+
+
 @dataclass
 class _Progress:
     """How far the app got with its response."""
@@ -45,12 +57,15 @@ class _Progress:
 
 
 class Endings:
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Any, draining: Callable[[], bool] = lambda: False) -> None:
         self.app = app
+        self.draining = draining
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        if self.draining() and scope.get("path") != "/health":
+            return await not_taken().response()(scope, receive, send)
         progress = _Progress()
 
         async def tracked(message: Message) -> None:

@@ -3,10 +3,10 @@
 The socket listens at once (/health says "loading" meanwhile); once the model and every
 `--adapter` have loaded, a "ready" line with the URL goes to stderr. If either cannot load, the
 reason goes to stderr and the process exits 2, as `kev generate` does — never a server that
-answers 503 forever. SIGTERM / Ctrl-C: uvicorn stops accepting connections, lets running requests
-(streams too) finish for up to `--grace` seconds, answers what is still running with a 503 (an
-error event on streams), then the app's shutdown closes the engine. Nothing here binds beyond
-loopback without an API key.
+answers 503 forever. SIGTERM / Ctrl-C: running requests (streams too) get up to `--grace`
+seconds to finish while new ones are answered 503 `shutting_down` (`drain`: the socket stays
+open), then what is still running gets a 503 (an error event on streams) and the app's shutdown
+closes the engine. Nothing here binds beyond loopback without an API key.
 """
 
 from __future__ import annotations
@@ -182,6 +182,7 @@ def serve(args: Any) -> int:
         import uvicorn
 
         from .app import build_app
+        from .drain import DrainingServer
         from .header_deadline import header_deadline_protocol
     except ImportError as exc:
         raise SystemExit(f"kev serve needs the server extra: pip install 'kev-llm[server]' ({exc})") from None
@@ -206,7 +207,7 @@ def serve(args: Any) -> int:
         print(f"kev: error: {missing}", file=sys.stderr)
         return LOAD_FAILED
 
-    class Server(uvicorn.Server):
+    class Server(DrainingServer):
         async def startup(self, sockets: Any = None) -> None:
             await super().startup(sockets)
             if self.servers and self.servers[0].sockets:
@@ -233,6 +234,6 @@ def serve(args: Any) -> int:
     server = Server(uvicorn.Config(app, host=args.host, port=args.port, timeout_graceful_shutdown=args.grace,
                                    log_level="info", http=header_deadline_protocol(
                                        config.header_timeout_s, max_connections=config.max_connections,
-                                       retry_after_s=config.retry_after_s)))
+                                       retry_after_s=config.retry_after_s)), app.state.kev, args.grace)
     server.run()
     return LOAD_FAILED if ready.failure is not None else 0
