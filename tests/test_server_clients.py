@@ -84,3 +84,13 @@ def test_tool_calls_through_the_tools_field(url: str) -> None:
     calls = required.choices[0].message.tool_calls
     assert len(calls) == 1 and calls[0].function.name in ("get_weather", "add")
     json.loads(calls[0].function.arguments)
+    # OpenAI's tool loop with the server's defaults: one call a turn (parallel_tool_calls is opt-in, as
+    # in ChatKev: a small model repeats its call until max_tokens), and the history it sends back is taken
+    looped = client.chat.completions.create(model=MODEL, messages=messages, tools=tools, tool_choice="required",
+                                            max_tokens=64)
+    reply = looped.choices[0].message
+    assert looped.choices[0].finish_reason == "tool_calls" and len(reply.tool_calls) == 1
+    history = [*messages, reply.model_dump(exclude_none=True),
+               {"role": "tool", "tool_call_id": reply.tool_calls[0].id, "content": "Sunny, 24 C"}]
+    second = client.chat.completions.create(model=MODEL, messages=history, tools=tools, max_tokens=24)
+    assert second.choices[0].finish_reason in ("stop", "length", "tool_calls")

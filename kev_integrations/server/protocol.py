@@ -193,7 +193,7 @@ def parse_chat(body: Mapping[str, Any], config: ServerConfig, base_model: str, a
         if names:
             fields["structural_tag"] = "tools"
             extra = {"structural_tag": tool_call_constraint(
-                tools, tool_choice, tokenizer, parallel=body.get("parallel_tool_calls", True) is not False,
+                tools, tool_choice, tokenizer, parallel=body.get("parallel_tool_calls") is True,  # opt-in: see ChatKev
             )}
     except ValueError as exc:  # (APIError is not a ValueError: chat_prompt's own 400s pass through)
         raise bad_request(str(exc), param="tool_choice") from None
