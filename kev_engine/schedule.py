@@ -2,7 +2,10 @@
 cap and the KV memory budget, fairly.
 
 A pass is bounded by a target duration (`pass_time_s`, predicted by the `pass_cost` model this
-engine learns as it runs) and by `max_batch_tokens`. What goes in, in this order:
+engine learns as it runs) and by `max_batch_tokens`. While one submitted batch is all the engine
+has (nobody else waiting or answering), its passes may take `ALONE_FACTOR` targets: every pass
+streams all the weights once, so fewer, longer passes finish a batch sooner, and a question
+arriving meanwhile still starts within about three targets. What goes in, in this order:
 1. every running question's next token (a decode is one token): nobody who is answering stalls;
 2. prompts already under way continue in chunks — with everything the waiting prompts do not
    need, but at least `LONG_SHARE` of the time left, so a long prompt always makes progress;
@@ -32,6 +35,8 @@ BUCKET = 128
 WATERMARK = 0.01  # share of blocks kept free at admission, so running decodes rarely preempt
 LONG_SHARE = 0.5  # of a pass's time left after decodes, what prompts under way keep while others wait
 MIN_CHUNK = 16  # tokens a prompt gets in a pass that has room for nothing else: progress, however slow
+ALONE_FACTOR = 2.0  # a pass holding one batch alone: fewer passes (each streams the weights), a newcomer
+# still starts within about three targets
 FIRST_PASS_TOKENS = 256  # a time-bounded engine's passes before one was timed: short, so it learns at once
 
 
@@ -239,8 +244,10 @@ class _Pass:
         timed = cost is not None and cost.ready and math.isfinite(scheduler.pass_time_s)
         self.cost = cost if timed else None  # predicts only with a finite target and a timed pass
         self.flops_left = math.inf
-        if self.cost is not None:
-            self.flops_left = self.cost.flops_within(scheduler.pass_time_s - self.cost.fixed_s)
+        if self.cost is not None:  # one batch alone (nobody else waits or answers) may take ALONE_FACTOR targets
+            alone = len({r.group for r in scheduler.running} | {r.group for r in scheduler.waiting}) <= 1
+            target = scheduler.pass_time_s * (ALONE_FACTOR if alone else 1.0)
+            self.flops_left = self.cost.flops_within(target - self.cost.fixed_s)
 
     def clip(self, request: Request, take: int) -> int:
         """`take` within what the request has left and the pass's token and logits caps."""

@@ -17,7 +17,7 @@ from kev_engine.blocks import BlockManager
 from kev_engine.latency import Histogram, merged
 from kev_engine.pass_cost import CostModel, Work, pairs, target_ms
 from kev_engine.request import Request
-from kev_engine.schedule import FIRST_PASS_TOKENS, LONG_SHARE, MIN_CHUNK, Scheduler
+from kev_engine.schedule import ALONE_FACTOR, FIRST_PASS_TOKENS, LONG_SHARE, MIN_CHUNK, Scheduler
 from kev_integrations.server.metrics import Metrics
 
 MS_PER_TOKEN = Work(per_token=1.0, per_row=0.0, per_pair=0.0)  # one flop a token: seconds_per_flop is per token
@@ -27,10 +27,11 @@ def per_token(ms: float) -> CostModel:
     return CostModel(MS_PER_TOKEN, seconds_per_flop=ms / 1000, learn=False)
 
 
-def request(i: int, length: int, max_tokens: int = 4) -> Request:
+def request(i: int, length: int, max_tokens: int = 4, group: int | None = None) -> Request:
+    """Request i, a group of its own unless given one (a submitted batch shares its group)."""
     prompt = [1000 * (i + 1) + t for t in range(length)]  # no two requests share a block
     return Request(request_id=i, prompt_ids=prompt, sampling=SamplingParams(temperature=0, max_tokens=max_tokens),
-                   settings_version=0, max_total=length + max_tokens)
+                   settings_version=0, max_total=length + max_tokens, group=i if group is None else group)
 
 
 def scheduler(budget_ms: float = 100.0, ms: float = 1.0, max_num_seqs: int = 16) -> Scheduler:
@@ -124,14 +125,14 @@ def test_pass_time_ms_is_checked_and_has_a_default_per_device(monkeypatch) -> No
 
 def test_a_batch_whose_work_fits_the_budget_is_one_pass() -> None:
     s = scheduler(budget_ms=100)
-    group = [request(i, 20) for i in range(4)]  # 80 tokens: 80 ms
+    group = [request(i, 20, group=7) for i in range(4)]  # 80 tokens: 80 ms
     s.add(group)
     assert run(s) == {r: 20 for r in group}
 
 
 def test_a_larger_batch_runs_in_consecutive_passes_its_questions_together_and_first() -> None:
     s = scheduler(budget_ms=100)
-    group = [request(i, 60) for i in range(4)]  # 240 tokens: three passes
+    group = [request(i, 60, group=7) for i in range(4)]  # 240 tokens: three passes
     later = request(9, 10)
     s.add(group)
     s.add([later])
@@ -146,7 +147,7 @@ def test_a_short_prompt_queued_behind_a_long_one_is_admitted_in_the_next_pass() 
     s = scheduler(budget_ms=100)
     long_one = request(0, 5000)
     s.add([long_one])
-    assert run(s) == {long_one: 100}  # nothing else waits: the whole pass is its
+    assert run(s) == {long_one: int(100 * ALONE_FACTOR)}  # alone, it may take ALONE_FACTOR targets
     short = request(1, 12)
     s.add([short])
     second = run(s)
@@ -179,10 +180,11 @@ def test_a_long_prompt_finishes_under_a_stream_of_short_ones() -> None:
     rng = random.Random(0)
     while long_one.in_prefill:
         s.add([request(1000 + passes * 10 + k, rng.randint(30, 60), max_tokens=2) for k in range(3)])  # > budget
-        before = long_one.num_computed
+        before, decodes = long_one.num_computed, len(s.running) - 1
         run(s)
         passes += 1
-        assert long_one.num_computed - before >= int(LONG_SHARE * 100) - len(s.running)  # its share at least
+        share = int(LONG_SHARE * (100 - decodes))  # half of what the running answers' tokens leave
+        assert long_one.num_computed - before >= min(share, 1000 - before)  # its share at least
     assert passes <= 1000 // int(LONG_SHARE * 100) + 2
 
 
@@ -207,7 +209,7 @@ def test_the_scheduler_teaches_the_cost_model_each_pass() -> None:
     s.update(chunks, seconds=0.512)  # 256 tokens in 0.512 s: 2 ms a token
     assert s.cost is not None and s.cost.seconds_per_flop == pytest.approx(0.002)
     s.add([request(1, 500)])
-    assert sum(c.num_tokens for c in s.schedule()) == 50  # 100 ms at 2 ms a token
+    assert sum(c.num_tokens for c in s.schedule()) == 50  # 100 ms at 2 ms a token (two batches: not alone)
 
 
 # ---- the engine, stepped by hand ---------------------------------------------------------------
@@ -235,21 +237,21 @@ def step_until_done(engine: Engine, futures, on_pass=lambda: None) -> int:
 def test_through_the_engine_a_short_question_starts_in_the_pass_after_it_arrives(tokenizer) -> None:
     engine = budget_engine(tokenizer, budget_ms=200, ms=1.0)  # 200 tokens a pass
     try:
-        document = "The lighthouse keeper logged every ship that passed the granite point. " * 40
+        document = "The lighthouse keeper logged every ship that passed the granite point. " * 80
         long_prompt = chat("Summarise the log.", document)
-        assert len(engine.encode(long_prompt)) > 500
+        assert len(engine.encode(long_prompt)) > 1000
         with engine.hold():
             slow = engine.submit(long_prompt, SamplingParams(temperature=0, max_tokens=2))
-            assert engine.step() == 200
+            assert engine.step() == 400  # alone: ALONE_FACTOR targets
             quick = engine.submit(QUESTIONS[0], SamplingParams(temperature=0, max_tokens=1))
             short = len(engine.encode(QUESTIONS[0]))
             assert engine.step() == 200  # the short prompt whole, the long one the rest
             # one token asked, one pass run since it arrived (and none can run while held): answered
             assert quick.result(timeout=60).completion_tokens == 1
-            assert engine._scheduler.running[0].num_computed == 400 - short
+            assert engine._scheduler.running[0].num_computed == 600 - short
             step_until_done(engine, [slow])
         stats = engine.stats()
-        assert stats["pass_time_ms"] == 200.0 and stats["prefill_passes"] == 3
+        assert stats["pass_time_ms"] == 200.0 and stats["prefill_passes"] >= 3
         assert stats["pass_seconds"]["count"] == stats["forward_passes"]
         assert stats["queue_seconds"]["count"] == stats["requests"] == 2
         assert stats["pass_seconds"]["buckets"][-1] == ["+Inf", stats["forward_passes"]]
