@@ -11,9 +11,12 @@ The model: a pass does floating-point work in three kinds, each counted from the
   rows    each row whose logits are kept goes through the output head: 2 x hidden x vocab;
   pairs   each new token attends to every earlier position of its own question (and itself):
           4 x (query heads x head dim) x layers per query-key pair, scores and weighted values;
-and takes `fixed + seconds_per_flop x flops`. The two numbers are a least-squares fit over the
-last `WINDOW` passes (refreshed after each), so they follow the machine as it is now: a decode
-step is mostly `fixed` (the weights streamed once), a prefill mostly flops. Until a pass has
+and takes `fixed + seconds_per_flop x (dense flops + attention_ratio x attention flops)`: the
+Linear products and the attention kernel run at rates of their own (attention over a long past
+is slower per flop than a product). The three numbers are a least-squares fit over the last
+`WINDOW` passes (refreshed after each), so they follow the machine as it is now: a decode step
+is mostly `fixed` (the weights streamed once), a prefill mostly flops, a chunk of a long prompt
+mostly attention. Until a pass has
 been timed, nothing is predicted: the scheduler keeps that first pass short (`FIRST_PASS_TOKENS`)
 so the model learns at once.
 """
@@ -57,7 +60,11 @@ class Work:
                    per_pair=4.0 * heads * head_dim * layers)
 
     def flops(self, tokens: int, rows: int, pairs: int) -> float:
-        return self.per_token * tokens + self.per_row * rows + self.per_pair * pairs
+        return self.dense(tokens, rows) + self.per_pair * pairs
+
+    def dense(self, tokens: int, rows: int) -> float:
+        """The flops of the Linear products and the output head (attention's are per_pair x pairs)."""
+        return self.per_token * tokens + self.per_row * rows
 
 
 def target_ms(pass_time_ms: float | None, device: Any) -> float:
@@ -84,19 +91,25 @@ def pairs(past: int, take: int) -> int:
 
 
 class CostModel:
-    """Predicted seconds of a pass from its flops; `observe` each pass run to keep it current.
+    """Predicted seconds of a pass from its work; `observe` each pass run to keep it current.
 
-    `seconds_per_flop` and `fixed_s` given and `learn=False`: a model that never changes (tests,
-    scripted schedules).
+    Budgets are counted in dense-equivalent flops (`units`: attention's flops weighted by
+    `attention_ratio`). `seconds_per_flop` (and `fixed_s`, `attention_ratio`) given with
+    `learn=False`: a model that never changes (tests, scripted schedules).
     """
 
     def __init__(self, work: Work, *, seconds_per_flop: float | None = None, fixed_s: float = 0.0,
-                 learn: bool = True, window: int = WINDOW) -> None:
+                 attention_ratio: float = 1.0, learn: bool = True, window: int = WINDOW) -> None:
         self.work = work
         self.seconds_per_flop = seconds_per_flop
         self.fixed_s = fixed_s
+        self.attention_ratio = attention_ratio
         self.learn = learn
-        self.history: deque[tuple[float, float]] = deque(maxlen=window)  # (flops, seconds)
+        self.history: deque[tuple[float, float, float]] = deque(maxlen=window)  # (dense, attention, seconds)
+
+    def units(self, tokens: int, rows: int, pairs: int) -> float:
+        """A chunk's work in dense-equivalent flops: what the budget is counted in."""
+        return self.work.dense(tokens, rows) + self.attention_ratio * self.work.per_pair * pairs
 
     @property
     def ready(self) -> bool:
@@ -115,40 +128,58 @@ class CostModel:
     def tokens_within(self, flops: float, past: int, rows: int) -> int:
         """The longest chunk of one question, `past` tokens already computed, whose work (its tokens,
         `rows` logit rows, its attention pairs) stays within `flops`."""
-        w = self.work
+        w, per_pair = self.work, self.work.per_pair * self.attention_ratio
         left = flops - w.per_row * rows
         if left <= 0:
             return 0
         if math.isinf(left):
             return 1 << 40
         # per_token x + per_pair (x past + x (x + 1) / 2) <= left: the positive root, rounded down
-        a = w.per_pair / 2
-        b = w.per_token + w.per_pair * (past + 0.5)
+        a = per_pair / 2
+        b = w.per_token + per_pair * (past + 0.5)
         x = (-b + math.sqrt(b * b + 4 * a * left)) / (2 * a) if a > 0 else left / b
         take = max(0, int(x))
-        while take > 0 and w.per_token * take + w.per_pair * pairs(past, take) > left:
+        while take > 0 and w.per_token * take + per_pair * pairs(past, take) > left:
             take -= 1  # the float root may round up by one
         return take
 
-    def observe(self, flops: float, seconds: float) -> None:
-        """A pass of `flops` took `seconds`: refit over the recent passes."""
-        if not self.learn or flops <= 0 or not seconds > 0:
+    def observe(self, dense: float, attention: float, seconds: float) -> None:
+        """A pass of `dense` product flops and `attention` flops took `seconds`: refit."""
+        if not self.learn or dense + attention <= 0 or not seconds > 0:
             return
-        self.history.append((flops, seconds))
-        self.fixed_s, self.seconds_per_flop = _fit(self.history)
+        self.history.append((dense, attention, seconds))
+        self.fixed_s, self.seconds_per_flop, self.attention_ratio = _fit(self.history)
 
 
-def _fit(points: deque[tuple[float, float]]) -> tuple[float, float]:
-    """Least squares `seconds = fixed + rate x flops` with fixed >= 0 and rate > 0; one point, or
-    points whose flops barely differ, give the rate through the origin (the cautious reading:
-    all of a pass's time scales with its work)."""
-    n = len(points)
-    mean_f = sum(f for f, _ in points) / n
-    mean_s = sum(s for _, s in points) / n
-    spread = sum((f - mean_f) ** 2 for f, _ in points)
-    if n >= 2 and spread > (0.1 * mean_f) ** 2 * n:
-        rate = sum((f - mean_f) * (s - mean_s) for f, s in points) / spread
-        fixed = mean_s - rate * mean_f
-        if rate > 0 and fixed >= 0:
-            return fixed, rate
-    return 0.0, sum(s for _, s in points) / sum(f for f, _ in points)
+def _fit(points: deque[tuple[float, float, float]]) -> tuple[float, float, float]:
+    """Least squares `seconds = fixed + dense_rate x dense + attention_rate x attention`, every
+    number >= 0: the full fit where it is, else the best of the simpler ones (one rate for both
+    kinds, no fixed part); returns (fixed, dense_rate, attention_rate / dense_rate)."""
+    import numpy as np
+
+    data = np.array(points, dtype=np.float64)  # [n, 3]
+    dense, attention, seconds = data[:, 0], data[:, 1], data[:, 2]
+    scale = max(float(np.mean(dense + attention)), 1.0)  # conditioning: flops in units of a mean pass
+    ones = np.ones_like(dense)
+    candidates = [  # columns, and how (fixed, dense_rate, attention_rate) come from the solution
+        (np.stack([ones, dense / scale, attention / scale], 1), lambda c: (c[0], c[1], c[2])),
+        (np.stack([ones, (dense + attention) / scale], 1), lambda c: (c[0], c[1], c[1])),
+        (np.stack([dense / scale, attention / scale], 1), lambda c: (0.0, c[0], c[1])),
+        (np.stack([(dense + attention) / scale], 1), lambda c: (0.0, c[0], c[0])),
+    ]
+    best: tuple[float, tuple[float, float, float]] | None = None
+    for columns, unpack in candidates:
+        if len(points) < columns.shape[1] or np.linalg.matrix_rank(columns) < columns.shape[1]:
+            continue
+        solution, *_ = np.linalg.lstsq(columns, seconds, rcond=None)
+        fixed, dense_rate, attention_rate = unpack(solution)
+        if fixed < 0 or dense_rate <= 0 or attention_rate <= 0:
+            continue
+        error = float(np.sum((columns @ solution - seconds) ** 2))
+        if best is None or error < best[0] * 0.999:  # a simpler fit only when clearly better
+            best = (error, (float(fixed), float(dense_rate) / scale, float(attention_rate) / scale))
+    if best is None:  # nothing fits with positive rates: all time proportional to all work
+        total = float(np.sum(dense + attention))
+        return 0.0, float(np.sum(seconds)) / total, 1.0
+    fixed, dense_rate, attention_rate = best[1]
+    return fixed, dense_rate, attention_rate / dense_rate

@@ -73,7 +73,7 @@ class Scheduler:
         self.blocks = blocks
         self.cost = cost
         self.pass_time_s = pass_time_s
-        self.planned_flops = 0.0  # the work of the last pass planned, for `update` to time against
+        self.planned = (0.0, 0.0)  # (dense, attention) flops of the last pass planned, for `update` to time
         self.watermark = int(blocks.num_blocks * WATERMARK)
         self.waiting: list[Request] = []
         self.running: list[Request] = []
@@ -117,7 +117,8 @@ class Scheduler:
             for request in continuing:
                 if request.status is Status.RUNNING and plan.tokens_left > 0:
                     want = plan.fit(request, plan.flops_left - reserved)
-                    self._continue(plan, request, max(want, plan.least(request)), on_preempt, decode=False)
+                    self._continue(plan, request, max(want, plan.least(request, waiting=False)), on_preempt,
+                                   decode=False)
         index = 0  # 3. waiting questions, in order
         while index < len(self.waiting) and plan.tokens_left > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[index]
@@ -131,7 +132,7 @@ class Scheduler:
             if cached is None:
                 break  # the pool is full: later requests wait too (first come, first served)
             request.num_computed = cached
-            take = max(plan.fit(request, plan.flops_left), plan.least(request))
+            take = max(plan.fit(request, plan.flops_left), plan.least(request, waiting=True))
             if take <= 0:  # out of time for this pass: it is first in the next
                 self.blocks.free(request.blocks)
                 request.num_computed = 0
@@ -145,8 +146,8 @@ class Scheduler:
             self.waiting.pop(index)
             self.running.append(request)
             request.status = Status.RUNNING
-            plan.add(self._plan(request, take), decode=False)
-        self.planned_flops = plan.flops
+            plan.add(self._plan(request, take), decode=False, admitted=True)
+        self.planned = (plan.dense, plan.attention)
         return plan.chunks
 
     def _continue(self, plan: _Pass, request: Request, take: int, on_preempt: Callable[[Request], None],
@@ -170,8 +171,8 @@ class Scheduler:
         if self.cost is None:
             return 0.0
         slots = max(0, self.max_num_seqs - running)
-        work = self.cost.work
-        return sum(work.flops(len(r.prompt_ids), 1, pairs(0, len(r.prompt_ids))) for r in self.waiting[:slots])
+        cost = self.cost
+        return sum(cost.units(len(r.prompt_ids), 1, pairs(0, len(r.prompt_ids))) for r in self.waiting[:slots])
 
     def _plan(self, request: Request, take: int) -> Chunk:
         # later chunks of this same pass may start after the full blocks this one writes
@@ -203,7 +204,7 @@ class Scheduler:
         for request, token in draws:
             request.output_ids.append(token)
         if self.cost is not None and seconds is not None:
-            self.cost.observe(self.planned_flops, seconds)
+            self.cost.observe(*self.planned, seconds)
 
     def take_cancelled(self) -> list[Request]:
         """Requests whose future is done while they are still here, waiting or running: cancelled
@@ -233,14 +234,15 @@ class _Pass:
     def __init__(self, scheduler: Scheduler) -> None:
         self.chunks: list[Chunk] = []
         self.requests: set[int] = set()  # ids of the requests in it
-        self.prefills = 0  # chunks that are not a single decode token
+        self.continued = 0  # chunks of prompts already under way
+        self.admitted = 0  # requests admitted from the queue
         self.tokens_left = scheduler.max_batch_tokens
         cost = scheduler.cost
         if cost is not None and not cost.ready and math.isfinite(scheduler.pass_time_s):
             self.tokens_left = min(self.tokens_left, max(FIRST_PASS_TOKENS, len(scheduler.running)))
         self.logits_left = scheduler.max_logits_tokens
-        self.work = cost.work if cost is not None else None  # counted whenever there is a model: it learns from it
-        self.flops = 0.0
+        self.model = cost  # counts the work whenever there is one (it learns from it), predicts only when timed
+        self.dense = self.attention = 0.0
         timed = cost is not None and cost.ready and math.isfinite(scheduler.pass_time_s)
         self.cost = cost if timed else None  # predicts only with a finite target and a timed pass
         self.flops_left = math.inf
@@ -263,21 +265,25 @@ class _Pass:
             return self.clip(request, int(self.cost.tokens_within(flops * share, request.num_computed, 0)))
         return self.clip(request, self.cost.tokens_within(flops, request.num_computed, 1))
 
-    def least(self, request: Request) -> int:
-        """What a prompt gets even when no time is left: MIN_CHUNK tokens if no prompt is in this pass
-        yet (the oldest prompt under way, or the first waiting one, always moves), else nothing."""
-        return self.clip(request, MIN_CHUNK) if not self.prefills else 0
+    def least(self, request: Request, waiting: bool) -> int:
+        """What a prompt gets even when no time is left: MIN_CHUNK tokens for the oldest prompt under
+        way and for the first waiting one, so neither a long prompt nor the queue behind it ever
+        stalls (a mispredicted pass cannot starve either); nothing for the others."""
+        first = not self.admitted if waiting else not self.continued
+        return self.clip(request, MIN_CHUNK) if first else 0
 
-    def add(self, chunk: Chunk, decode: bool) -> None:
+    def add(self, chunk: Chunk, decode: bool, admitted: bool = False) -> None:
         request = chunk.request
         self.chunks.append(chunk)
         self.requests.add(id(request))
-        self.prefills += not decode
+        self.admitted += admitted
+        self.continued += not decode and not admitted
         self.tokens_left -= chunk.num_tokens
         if request.logits_only:
             self.logits_left -= chunk.num_tokens
-        if self.work is not None:
+        if self.model is not None:
             rows = chunk.num_tokens if request.logits_only else int(chunk.samples)
-            spent = self.work.flops(chunk.num_tokens, rows, pairs(request.num_computed, chunk.num_tokens))
-            self.flops += spent
-            self.flops_left -= spent
+            between = pairs(request.num_computed, chunk.num_tokens)
+            self.dense += self.model.work.dense(chunk.num_tokens, rows)
+            self.attention += self.model.work.per_pair * between
+            self.flops_left -= self.model.units(chunk.num_tokens, rows, between)

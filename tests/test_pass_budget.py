@@ -53,24 +53,26 @@ def run(s: Scheduler) -> dict[Request, int]:
 # ---- the cost model ----------------------------------------------------------------------------
 
 
-def test_the_fit_recovers_a_fixed_part_and_a_rate_from_timed_passes() -> None:
+def test_the_fit_recovers_a_fixed_part_and_the_rates_of_products_and_attention() -> None:
     model = CostModel(Work(2.0, 10.0, 0.5))
     assert not model.ready
-    for flops in (1e6, 5e6, 2e7, 3e5, 8e6):
-        model.observe(flops, 0.004 + 2e-9 * flops)
+    for dense, attention in ((1e6, 0.0), (5e6, 1e6), (2e7, 3e5), (3e5, 4e6), (8e6, 8e6), (1e7, 0.0)):
+        model.observe(dense, attention, 0.004 + 2e-9 * dense + 1e-8 * attention)  # attention 5x slower a flop
     assert model.ready
     assert model.fixed_s == pytest.approx(0.004) and model.seconds_per_flop == pytest.approx(2e-9)
+    assert model.attention_ratio == pytest.approx(5.0)
+    assert model.units(10, 1, 100) == pytest.approx(2.0 * 10 + 10.0 + 5.0 * 0.5 * 100)
     assert model.predict(1e7) == pytest.approx(0.024)
 
 
 def test_one_pass_or_passes_of_one_size_give_a_rate_through_the_origin() -> None:
     model = CostModel(MS_PER_TOKEN)
-    model.observe(1000, 0.5)
-    assert (model.fixed_s, model.seconds_per_flop) == (0.0, 0.0005)
-    model.observe(1000, 0.7)  # the same work twice: no spread to fit a slope on
+    model.observe(1000, 0.0, 0.5)
+    assert (model.fixed_s, model.seconds_per_flop) == (0.0, pytest.approx(0.0005))
+    model.observe(1000, 0.0, 0.7)  # the same work twice: no spread to fit a slope on
     assert model.fixed_s == 0.0 and model.seconds_per_flop == pytest.approx(0.0006)
     frozen = per_token(2.0)
-    frozen.observe(10, 99.0)
+    frozen.observe(10, 0.0, 99.0)
     assert frozen.seconds_per_flop == 0.002  # learn=False never moves
 
 
@@ -171,6 +173,21 @@ def test_every_running_answer_gets_its_token_in_every_pass_and_a_long_prompt_sti
         assert ran[long_one] == MIN_CHUNK  # no time left after the decodes: the least, never nothing
 
 
+def test_when_a_pass_is_mispredicted_to_hold_nothing_the_queue_still_moves() -> None:
+    """A cost model that thinks even one token overruns the pass (a long past's attention, a slow
+    machine): the oldest prompt under way and the first waiting one each still get MIN_CHUNK."""
+    s = scheduler(budget_ms=100)
+    long_one = request(0, 5000)
+    s.add([long_one])
+    run(s)
+    assert s.cost is not None
+    s.cost.seconds_per_flop = 10.0  # ten seconds a token, from now on
+    shorts = [request(1, 40), request(2, 40)]
+    s.add(shorts)
+    ran = run(s)
+    assert ran == {long_one: MIN_CHUNK, shorts[0]: MIN_CHUNK}  # the second short waits for the next pass
+
+
 def test_a_long_prompt_finishes_under_a_stream_of_short_ones() -> None:
     s = scheduler(budget_ms=100)
     long_one = request(0, 1000)
@@ -194,7 +211,7 @@ def test_before_any_pass_is_timed_a_pass_is_short_and_an_infinite_budget_leaves_
     long_one = request(0, 3000)
     fresh.add([long_one])
     assert run(fresh) == {long_one: FIRST_PASS_TOKENS}  # however slow this machine, the first pass is short
-    assert fresh.planned_flops == float(FIRST_PASS_TOKENS)  # and what it ran teaches the model
+    assert fresh.planned == (float(FIRST_PASS_TOKENS), 0.0)  # and what it ran teaches the model
     unbounded = scheduler(budget_ms=math.inf)
     other = request(1, 3000)
     unbounded.add([other])
