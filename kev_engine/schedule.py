@@ -7,8 +7,10 @@ has (nobody else waiting or answering), its passes may take `ALONE_FACTOR` targe
 streams all the weights once, so fewer, longer passes finish a batch sooner, and a question
 arriving meanwhile still starts within about three targets. What goes in, in this order:
 1. every running question's next token (a decode is one token): nobody who is answering stalls;
-2. prompts already under way continue in chunks — with everything the waiting prompts do not
-   need, but at least `LONG_SHARE` of the time left, so a long prompt always makes progress;
+2. prompts already under way continue in chunks, the shortest left first; the longest gets
+   everything the others (and the waiting prompts) do not need, but at least `LONG_SHARE` of the
+   time left and never under `MIN_CHUNK` tokens, so a long prompt always makes progress and a
+   short one admitted beside it is not held behind it;
 3. waiting questions join in arrival-group order (shortest bucket first inside a group) while
    time, tokens, sequence slots and KV blocks last: a short question queued behind a long prompt
    is admitted in the very next pass, a group that fits is one pass, and a larger one runs in
@@ -110,15 +112,21 @@ class Scheduler:
         for request in decoding:  # 1. every running answer's next token
             if request.status is Status.RUNNING and plan.tokens_left > 0:
                 self._continue(plan, request, 1, on_preempt, decode=True)
-        if continuing:  # 2. prompts under way: what waiting prompts leave, at least LONG_SHARE
-            reserved = 0.0  # kept for waiting prompts
+        if continuing:  # 2. prompts under way, the shortest left first; the longest keeps LONG_SHARE
+            continuing.sort(key=lambda r: r.num_tokens - r.num_computed)  # stable: older first among equals
+            *shorter, longest = continuing
+            kept = plan.flops_left  # for the longest: what the others (and the queue) leave, at least LONG_SHARE
             if math.isfinite(plan.flops_left):
-                reserved = min(plan.flops_left * (1 - LONG_SHARE), self._waiting_flops(len(self.running)))
-            for request in continuing:
+                others = self._waiting_flops(len(self.running)) + sum(self._need(r) for r in shorter)
+                kept = max(plan.flops_left * LONG_SHARE, plan.flops_left - others)
+            for request in shorter:
                 if request.status is Status.RUNNING and plan.tokens_left > 0:
-                    want = plan.fit(request, plan.flops_left - reserved)
+                    want = plan.fit(request, plan.flops_left - kept)
                     self._continue(plan, request, max(want, plan.least(request, waiting=False)), on_preempt,
                                    decode=False)
+            if longest.status is Status.RUNNING and plan.tokens_left > 0:  # never less than MIN_CHUNK: it moves
+                want = max(plan.fit(longest, min(kept, plan.flops_left)), plan.clip(longest, MIN_CHUNK))
+                self._continue(plan, longest, want, on_preempt, decode=False)
         index = 0  # 3. waiting questions, in order
         while index < len(self.waiting) and plan.tokens_left > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[index]
@@ -165,6 +173,13 @@ class Scheduler:
             if victim is request:
                 return
         plan.add(self._plan(request, take), decode)
+
+    def _need(self, request: Request) -> float:
+        """The work left of a prompt under way, whole (its attention over what it has computed)."""
+        if self.cost is None:
+            return 0.0
+        left = request.num_tokens - request.num_computed
+        return self.cost.units(left, 1, pairs(request.num_computed, left))
 
     def _waiting_flops(self, running: int) -> float:
         """The work of admitting the waiting prompts that have sequence slots, whole."""

@@ -173,6 +173,20 @@ def test_every_running_answer_gets_its_token_in_every_pass_and_a_long_prompt_sti
         assert ran[long_one] == MIN_CHUNK  # no time left after the decodes: the least, never nothing
 
 
+def test_a_short_prompt_admitted_in_part_is_not_held_behind_the_long_one_under_way() -> None:
+    """Prompts under way go shortest-left first: a short one that got only part of a pass finishes
+    its prefill in the next, instead of waiting for the long prompt admitted before it."""
+    s = scheduler(budget_ms=100)
+    long_one = request(0, 5000)
+    s.add([long_one])
+    run(s)
+    short = request(1, 60)
+    s.add([short])
+    assert run(s) == {long_one: 50, short: 50}  # the long one keeps LONG_SHARE: the short one gets the rest
+    assert run(s) == {short: 10, long_one: 90}  # now both are under way: the short one's 10 first
+    assert short.output_ids == [7]
+
+
 def test_when_a_pass_is_mispredicted_to_hold_nothing_the_queue_still_moves() -> None:
     """A cost model that thinks even one token overruns the pass (a long past's attention, a slow
     machine): the oldest prompt under way and the first waiting one each still get MIN_CHUNK."""
