@@ -66,7 +66,8 @@ class Stream:
 def short_prompt(i: int, items: list[dict]) -> list[dict]:
     item = items[i % len(items)]
     return [{"role": "system", "content": SYSTEM_PROMPT},
-            {"role": "user", "content": f"Question {i}: {item['question']} Answer in one sentence."}]
+            {"role": "user", "content": f"Question {i}: {item['question']} Answer in one short sentence, in plain "
+                                        "words, from what you know; no lists, no preamble."}]
 
 
 def long_prompt(i: int, items: list[dict], engine: Engine, target: int = 7900) -> list[dict]:
