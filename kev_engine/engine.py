@@ -57,12 +57,12 @@ class Engine:
         tokenizer: its tokenizer; chat prompts use its chat template.
         max_batch_tokens: most tokens in one pass (prefill chunks + one token per decode): a hard cap.
         pass_time_ms: the target duration of one pass (None: `KEV_PASS_TIME_MS`, else 300 on CPU,
-            100 on CUDA). The
-            scheduler learns what this model's work costs on this device (`pass_cost`) and fills
-            each pass up to this: every running answer gets its next token, a long prompt goes on
-            in chunks, and a short question queued behind it joins the next pass instead of
-            waiting for the whole prefill. A batch whose work fits is one pass; a larger one runs
-            in consecutive passes. `math.inf`: passes bounded by `max_batch_tokens` alone.
+            100 on CUDA). The scheduler learns what this model's work costs on this device
+            (`pass_cost`) and fills each pass up to this: every running answer gets its next token,
+            a long prompt goes on in chunks, and a short question queued behind it joins the next
+            pass instead of waiting for the whole prefill. A batch whose work fits is one pass; a
+            larger one runs in consecutive passes (up to twice the target while it is alone on the
+            engine). `math.inf`: passes bounded by `max_batch_tokens` alone.
         max_num_seqs: most questions running at once.
         coalesce_ms: how long an idle engine waits for concurrent callers before a pass
             (`hold()` coalesces without a clock).
