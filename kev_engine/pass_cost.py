@@ -16,9 +16,8 @@ Linear products and the attention kernel run at rates of their own (attention ov
 is slower per flop than a product). The three numbers are a least-squares fit over the last
 `WINDOW` passes (refreshed after each), so they follow the machine as it is now: a decode step
 is mostly `fixed` (the weights streamed once), a prefill mostly flops, a chunk of a long prompt
-mostly attention. Until a pass has
-been timed, nothing is predicted: the scheduler keeps that first pass short (`FIRST_PASS_TOKENS`)
-so the model learns at once.
+mostly attention. Until a pass has been timed, nothing is predicted: the scheduler keeps that
+first pass short (`schedule.FIRST_PASS_TOKENS`) so the model learns at once.
 """
 
 from __future__ import annotations
