@@ -8,6 +8,7 @@ shared-cache server is the control: the same probe does read A's prompt there.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -100,6 +101,7 @@ def test_a_tenants_salt_is_a_keyed_digest_never_the_key() -> None:
     a, b = tenants.of(KEY_A), tenants.of(KEY_B)
     assert a.salt != b.salt and KEY_A not in (a.salt or "") and KEY_A not in a.id
     assert again.of(KEY_A).salt != a.salt  # a per-process secret: not computable from the key alone
-    assert a.cache_salt("acme") == f"{a.salt}/acme" and b.cache_salt("acme") != a.cache_salt("acme")
+    digest = hashlib.sha256(b"acme").hexdigest()[:32]  # the client's salt, at one length whatever was sent
+    assert a.cache_salt("acme") == f"{a.salt}/{digest}" and b.cache_salt("acme") != a.cache_salt("acme")
     assert tenants.from_header(f"Bearer {KEY_B}") == b and tenants.from_header("Bearer nope") is None
     assert Tenants((KEY_A,), shared_cache=True).of(KEY_A).cache_salt("acme") == "acme"
