@@ -27,7 +27,8 @@ class ServerConfig:
     """Limits and keys of one `kev serve`."""
 
     api_keys: tuple[str, ...] = ()
-    """Bearer keys accepted on /v1 and /metrics; empty = no auth (loopback only, see check_exposure)."""
+    """Bearer keys accepted on /v1 (and /metrics where there is one: see `metrics_key`); empty = no
+    auth (loopback only, see check_exposure)."""
     admin_key: str | None = None
     """Bearer key of the admin endpoints (adapters, default temperature); None = they are disabled."""
     metrics_key: str | None = None
