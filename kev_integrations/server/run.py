@@ -57,7 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--api-key", dest="api_keys", action="append", metavar="KEY",
-                        help="accept this bearer key on /v1 (and /metrics with one key) (repeatable; default: $KEV_API_KEY)")
+                        help="accept this bearer key on /v1, and on /metrics if it is the only one "
+                        "(repeatable; default: $KEV_API_KEY)")
     parser.add_argument("--admin-key", dest="admin_key", help="bearer key of /admin (default: $KEV_ADMIN_KEY; "
                         "without one the admin endpoints are off)")
     parser.add_argument("--metrics-key", dest="metrics_key",
