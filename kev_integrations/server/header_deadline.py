@@ -18,34 +18,34 @@ from __future__ import annotations
 
 import asyncio
 import json
+from http import HTTPStatus
 from typing import Any
 
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
-
-def _timeout_response(timeout_s: float) -> bytes:
-    body = json.dumps({"error": {
-        "message": f"the request headers did not arrive within {timeout_s:g} s (this server's header_timeout_s)",
-        "type": "invalid_request_error", "param": None, "code": "header_timeout"}}).encode()
-    return (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
-            b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+from .errors import APIError
 
 
-def _full_response(max_connections: int, retry_after_s: int) -> bytes:
-    body = json.dumps({"error": {
-        "message": f"this server has {max_connections} connections open, its max_connections; retry shortly",
-        "type": "server_error", "param": None, "code": "too_many_connections"}}).encode()
-    return (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nconnection: close\r\n"
-            b"retry-after: " + str(retry_after_s).encode() + b"\r\ncontent-length: " + str(len(body)).encode()
-            + b"\r\n\r\n" + body)
+def _raw_response(error: APIError) -> bytes:
+    """`error` as the bytes of a whole HTTP/1.1 response that closes its connection: written to the
+    socket here, before (or without) any ASGI request."""
+    body = json.dumps(error.body()).encode()
+    head = [f"HTTP/1.1 {error.status} {HTTPStatus(error.status).phrase}", "content-type: application/json",
+            "connection: close", *(f"{k.lower()}: {v}" for k, v in (error.headers or {}).items()),
+            f"content-length: {len(body)}"]
+    return ("\r\n".join(head) + "\r\n\r\n").encode() + body
 
 
 def header_deadline_protocol(timeout_s: float, base: type[asyncio.Protocol] = AutoHTTPProtocol,
                              max_connections: int | None = None, retry_after_s: int = 1) -> type[Any]:
     """uvicorn's HTTP protocol class (httptools or h11, as uvicorn picks) with a header deadline
     and at most `max_connections` open connections (None: no cap), for ``uvicorn.Config(http=...)``."""
-    response = _timeout_response(timeout_s)
-    full = _full_response(max_connections or 0, retry_after_s)
+    response = _raw_response(APIError(
+        408, f"the request headers did not arrive within {timeout_s:g} s (this server's header_timeout_s)",
+        code="header_timeout"))
+    full = _raw_response(APIError(
+        503, f"this server has {max_connections} connections open, its max_connections; retry shortly",
+        type="server_error", code="too_many_connections", headers={"Retry-After": str(retry_after_s)}))
     open_now = [0]  # this server's connections (one event loop: no lock)
 
     class HeaderDeadline(base):  # type: ignore[valid-type, misc]
