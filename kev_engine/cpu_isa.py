@@ -46,12 +46,17 @@ def resolve(value: str | None = None) -> str:
     return isa
 
 
-def _proc_flags() -> list[str]:
+def flags_line() -> str:
+    """/proc/cpuinfo's line of CPU flags ("flags" on x86, "Features" on Arm) as it is, or ""."""
     try:
         with open("/proc/cpuinfo") as cpuinfo:
-            return next((line for line in cpuinfo if line.startswith(("flags", "Features"))), "").split()
+            return next((line for line in cpuinfo if line.startswith(("flags", "Features"))), "")
     except OSError:
-        return []
+        return ""
+
+
+def _proc_flags() -> list[str]:
+    return flags_line().split()
 
 
 def cpu_flags(isa: str | None = None) -> frozenset[str]:

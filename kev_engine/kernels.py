@@ -12,12 +12,13 @@ Two builds, each with the compiler flags its sources need:
          path (`paged_decode`, `paged_write`), equal to torch's ops up to fp32 rounding.
 
 How: `torch.utils.cpp_extension.load` (a C++ compiler and ninja; `make setup` runs it through
-`kev build-kernel`) with `-march=native`, less what `KEV_CPU_ISA` turns off (`cpu_isa`: AMX, or
-all of AVX-512, so one machine can build and test the paths of smaller CPUs). Each build lives in its own folder under
-`KEV_CACHE_DIR/kernels` (default `~/.cache/kev/kernels`), named by a hash of its sources, flags,
-the torch version, this CPU's flags and the `KEV_CPU_ISA` level, with the sources copied in: any checkout or virtual
-environment on the machine with the same sources finds the same build, and a cache shared between
-machines never loads code built for another CPU. A build says so on the "kev" logger and every
+`kev build-kernel`) with `-march=native`, less what `KEV_CPU_ISA` turns off (`cpu_isa`: AMX,
+or all of AVX-512, so one machine can build and test the paths of smaller CPUs). Each build
+lives in its own folder under `KEV_CACHE_DIR/kernels` (default `~/.cache/kev/kernels`), named by
+a hash of its sources, flags (the `KEV_CPU_ISA` level's included), the torch version and this
+CPU's flags, with the sources copied in: any checkout or virtual environment on the machine with
+the same sources finds the same build, and a cache shared between machines never loads code
+built for another CPU. A build says so on the "kev" logger and every
 15 s while it runs; a process that finds another one building waits for it and says so.
 
 Modes (`Engine(decode_kernel=...)`, else `KEV_DECODE_KERNEL`, else "auto"):
@@ -91,14 +92,8 @@ def resolve_mode(mode: str | None) -> str:
 
 
 def _cpu_fingerprint() -> str:
-    """What -march=native depends on: the machine and its CPU flags."""
-    flags = ""
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            flags = next((line for line in cpuinfo if line.startswith(("flags", "Features"))), "")
-    except OSError:
-        pass
-    return f"{platform.machine()} {platform.processor()} {flags}"
+    """What -march=native depends on: the machine and its CPU flags (the line as it is, all of it)."""
+    return f"{platform.machine()} {platform.processor()} {cpu_isa.flags_line()}"
 
 
 def build_flags(build: str) -> tuple[str, ...]:
