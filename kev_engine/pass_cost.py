@@ -58,9 +58,6 @@ class Work:
         return cls(per_token=2.0 * max(linear - head_weights, 1), per_row=2.0 * max(head_weights, 1),
                    per_pair=4.0 * heads * head_dim * layers)
 
-    def flops(self, tokens: int, rows: int, pairs: int) -> float:
-        return self.dense(tokens, rows) + self.per_pair * pairs
-
     def dense(self, tokens: int, rows: int) -> float:
         """The flops of the Linear products and the output head (attention's are per_pair x pairs)."""
         return self.per_token * tokens + self.per_row * rows

@@ -175,7 +175,7 @@ class Scheduler:
         plan.add(self._plan(request, take), decode)
 
     def _need(self, request: Request) -> float:
-        """The work left of a prompt under way, whole (its attention over what it has computed)."""
+        """The work left of a prompt, whole (its attention over what it has computed included)."""
         if self.cost is None:
             return 0.0
         left = request.num_tokens - request.num_computed
@@ -183,11 +183,7 @@ class Scheduler:
 
     def _waiting_flops(self, running: int) -> float:
         """The work of admitting the waiting prompts that have sequence slots, whole."""
-        if self.cost is None:
-            return 0.0
-        slots = max(0, self.max_num_seqs - running)
-        cost = self.cost
-        return sum(cost.units(len(r.prompt_ids), 1, pairs(0, len(r.prompt_ids))) for r in self.waiting[:slots])
+        return sum(self._need(r) for r in self.waiting[: max(0, self.max_num_seqs - running)])
 
     def _plan(self, request: Request, take: int) -> Chunk:
         # later chunks of this same pass may start after the full blocks this one writes
@@ -252,14 +248,14 @@ class _Pass:
         self.continued = 0  # chunks of prompts already under way
         self.admitted = 0  # requests admitted from the queue
         self.tokens_left = scheduler.max_batch_tokens
-        cost = scheduler.cost
-        if cost is not None and not cost.ready and math.isfinite(scheduler.pass_time_s):
-            self.tokens_left = min(self.tokens_left, max(FIRST_PASS_TOKENS, len(scheduler.running)))
         self.logits_left = scheduler.max_logits_tokens
+        cost = scheduler.cost
         self.model = cost  # counts the work whenever there is one (it learns from it), predicts only when timed
         self.dense = self.attention = 0.0
-        timed = cost is not None and cost.ready and math.isfinite(scheduler.pass_time_s)
-        self.cost = cost if timed else None  # predicts only with a finite target and a timed pass
+        bounded = cost if cost is not None and math.isfinite(scheduler.pass_time_s) else None
+        if bounded is not None and not bounded.ready:  # not timed yet: a short pass, so it learns at once
+            self.tokens_left = min(self.tokens_left, max(FIRST_PASS_TOKENS, len(scheduler.running)))
+        self.cost = bounded if bounded is not None and bounded.ready else None  # predicts: a target, a timed pass
         self.flops_left = math.inf
         if self.cost is not None:  # one batch alone (nobody else waits or answers) may take ALONE_FACTOR targets
             alone = len({r.group for r in scheduler.running} | {r.group for r in scheduler.waiting}) <= 1
@@ -281,9 +277,10 @@ class _Pass:
         return self.clip(request, self.cost.tokens_within(flops, request.num_computed, 1))
 
     def least(self, request: Request, waiting: bool) -> int:
-        """What a prompt gets even when no time is left: MIN_CHUNK tokens for the oldest prompt under
-        way and for the first waiting one, so neither a long prompt nor the queue behind it ever
-        stalls (a mispredicted pass cannot starve either); nothing for the others."""
+        """What a prompt gets even when no time is left: MIN_CHUNK tokens for the first prompt under
+        way planned (the one with the least left; the longest gets its own MIN_CHUNK in `schedule`)
+        and for the first waiting one, so neither the prompts under way nor the queue ever stall (a
+        mispredicted pass cannot starve them); nothing for the others."""
         first = not self.admitted if waiting else not self.continued
         return self.clip(request, MIN_CHUNK) if first else 0
 
