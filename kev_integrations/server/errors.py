@@ -49,8 +49,8 @@ def engine_error(exc: BaseException, index: int | None, fields: Mapping[str, str
     "json_schema" was `response_format`, "structural_tag" was `tools`)."""
     where = f"prompt {index}: " if index is not None else ""
     if isinstance(exc, InvalidRequestError):
-        param = client_field(exc.param, fields)
-        return bad_request(where + client_message(str(exc), param), param=param)
+        param = _client_field(exc.param, fields)
+        return bad_request(where + _client_message(str(exc), param), param=param)
     if isinstance(exc, UnknownAdapterError):
         return bad_request(where + str(exc), param="model")
     if isinstance(exc, EngineClosedError):
@@ -58,12 +58,12 @@ def engine_error(exc: BaseException, index: int | None, fields: Mapping[str, str
     return APIError(500, f"{where}{type(exc).__name__}: {exc}", type="server_error")
 
 
-def client_field(param: str | None, fields: Mapping[str, str] | None) -> str | None:
+def _client_field(param: str | None, fields: Mapping[str, str] | None) -> str | None:
     """The field a client sent for the engine's `param` (the same name where not mapped)."""
     return (fields or {}).get(param, param) if param is not None else None
 
 
-def client_message(message: str, field: str | None) -> str:
+def _client_message(message: str, field: str | None) -> str:
     """The engine's words in the client's terms: a tool-call constraint is the client's tools."""
     if field == "tools":
         return message.replace("the structural_tag constraint", "the tool-call constraint these tools make").replace(

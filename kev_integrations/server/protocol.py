@@ -24,7 +24,7 @@ from kev_engine.params import MAX_TOP_LOGPROBS, SETTING_FIELDS
 from ..tool_format import tool_call_constraint
 from .chat_prompt import chat_prompt
 from .config import ServerConfig
-from .errors import bad_request, client_field, client_message
+from .errors import bad_request, engine_error
 
 # fields accepted only at the value that means "off"
 NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
@@ -149,10 +149,9 @@ def _sampling(body: Mapping[str, Any], config: ServerConfig, extra: Mapping[str,
     except InvalidRequestError as exc:
         message = str(exc)
         # the engine's messages open with the setting they refuse: "min_p=1.5 ...", "logit_bias[5]=..."
-        param = exc.param or next((key for key in values if message.startswith((f"{key}=", f"{key}[", f"{key} "))),
-                                  next((key for key in values if f"{key}=" in message), None))
-        param = client_field(param, fields)
-        raise bad_request(client_message(message, param), param=param) from None
+        exc.param = exc.param or next((key for key in values if message.startswith((f"{key}=", f"{key}[", f"{key} "))),
+                                      next((key for key in values if f"{key}=" in message), None))
+        raise engine_error(exc, None, fields) from None  # the client's field and words, as for the engine's refusals
     if sampling.max_tokens > config.max_tokens_limit:  # also when left out: the default may exceed the limit
         raise bad_request(f"max_tokens={sampling.max_tokens} is over this server's limit of "
                           f"{config.max_tokens_limit}", param="max_tokens")
