@@ -29,6 +29,16 @@ class Histogram:
         self.sum += seconds
         self.max = max(self.max, seconds)
 
+    def add(self, snapshot: dict[str, Any]) -> None:
+        """Count in another histogram's `snapshot` (same bounds): several servers' as one."""
+        previous = 0
+        for i, (_, cumulative) in enumerate(snapshot["buckets"]):
+            self.counts[i] += cumulative - previous
+            previous = cumulative
+        self.count += snapshot["count"]
+        self.sum += snapshot["sum"]
+        self.max = max(self.max, snapshot["max"])
+
     def snapshot(self) -> dict[str, Any]:
         """{"count", "sum", "max", "buckets": [[le, cumulative count], ..., ["+Inf", count]]}."""
         buckets: list[list[Any]] = []
@@ -42,10 +52,14 @@ class Histogram:
 
 def merged(snapshots: list[dict[str, Any]]) -> dict[str, Any]:
     """One snapshot holding several engines' (Ray replicas with the same bounds): counts added."""
-    bounds = [bound for bound, _ in snapshots[0]["buckets"]]
-    return {
-        "count": sum(s["count"] for s in snapshots),
-        "sum": sum(s["sum"] for s in snapshots),
-        "max": max(s["max"] for s in snapshots),
-        "buckets": [[bound, sum(s["buckets"][i][1] for s in snapshots)] for i, bound in enumerate(bounds)],
-    }
+    total = Histogram(tuple(bound for bound, _ in snapshots[0]["buckets"][:-1]))
+    for snapshot in snapshots:
+        total.add(snapshot)
+    return total.snapshot()
+
+
+def prometheus(name: str, help_text: str, snapshot: dict[str, Any]) -> list[str]:
+    """A snapshot as Prometheus' text exposition of a histogram named `name`."""
+    return [f"# HELP {name} {help_text}", f"# TYPE {name} histogram",
+            *(f'{name}_bucket{{le="{bound}"}} {count}' for bound, count in snapshot["buckets"]),
+            f"{name}_sum {snapshot['sum']}", f"{name}_count {snapshot['count']}"]

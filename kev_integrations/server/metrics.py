@@ -6,10 +6,11 @@ library; names follow Prometheus conventions (`_total` counters, `_seconds` hist
 
 from __future__ import annotations
 
-import bisect
 import threading
 from collections import Counter
 from typing import Any
+
+from kev_engine.latency import Histogram, prometheus
 
 LATENCY_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 ENGINE_COUNTERS = {  # engine stat → (metric, help)
@@ -44,22 +45,20 @@ class Metrics:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.requests: Counter[tuple[str, int]] = Counter()
-        self.latency_counts = [0] * (len(LATENCY_BUCKETS_S) + 1)
-        self.latency_sum = 0.0
+        self.latency = Histogram(LATENCY_BUCKETS_S)
         self.queued = 0  # questions accepted by the server and not answered yet
 
     def observe(self, endpoint: str, status: int, seconds: float | None = None) -> None:
         with self._lock:
             self.requests[(endpoint, status)] += 1
             if seconds is not None:
-                self.latency_counts[bisect.bisect_left(LATENCY_BUCKETS_S, seconds)] += 1
-                self.latency_sum += seconds
+                self.latency.observe(seconds)
 
     def snapshot(self) -> dict[str, Any]:
         """The counts as plain data, to add up several servers' (Ray replicas) in one /metrics."""
         with self._lock:
-            return {"requests": list(self.requests.items()), "latency_counts": list(self.latency_counts),
-                    "latency_sum": self.latency_sum, "queued": self.queued}
+            return {"requests": list(self.requests.items()), "latency": self.latency.snapshot(),
+                    "queued": self.queued}
 
     @classmethod
     def merged(cls, snapshots: list[dict[str, Any]]) -> Metrics:
@@ -68,8 +67,7 @@ class Metrics:
         for snap in snapshots:
             for key, count in snap["requests"]:
                 total.requests[tuple(key)] += count  # type: ignore[index]
-            total.latency_counts = [a + b for a, b in zip(total.latency_counts, snap["latency_counts"])]
-            total.latency_sum += snap["latency_sum"]
+            total.latency.add(snap["latency"])
             total.queued += snap["queued"]
         return total
 
@@ -81,15 +79,9 @@ class Metrics:
             for (endpoint, status), count in sorted(self.requests.items()):
                 lines.append(f'kev_http_requests_total{{endpoint="{endpoint}",status="{status}"}} {count}')
             lines += ["# HELP kev_queued_questions Questions accepted and not yet answered.",
-                      "# TYPE kev_queued_questions gauge", f"kev_queued_questions {self.queued}",
-                      "# HELP kev_request_latency_seconds Time from request to full answer.",
-                      "# TYPE kev_request_latency_seconds histogram"]
-            cumulative = 0
-            for bound, count in zip([*map(str, LATENCY_BUCKETS_S), "+Inf"], self.latency_counts):
-                cumulative += count
-                lines.append(f'kev_request_latency_seconds_bucket{{le="{bound}"}} {cumulative}')
-            lines += [f"kev_request_latency_seconds_sum {self.latency_sum}",
-                      f"kev_request_latency_seconds_count {cumulative}"]
+                      "# TYPE kev_queued_questions gauge", f"kev_queued_questions {self.queued}"]
+            lines += prometheus("kev_request_latency_seconds", "Time from request to full answer.",
+                                self.latency.snapshot())
         if compiling is not None:
             lines += ["# HELP kev_grammar_compiles_in_flight Grammars compiling or waiting for a compile thread.",
                       "# TYPE kev_grammar_compiles_in_flight gauge", f"kev_grammar_compiles_in_flight {compiling}"]
@@ -105,10 +97,7 @@ class Metrics:
                       "# TYPE kev_pass_target_seconds gauge",
                       f"kev_pass_target_seconds {_seconds(engine_stats['pass_time_ms'])}"]
             for key, (name, help_text) in ENGINE_HISTOGRAMS.items():
-                histogram = engine_stats[key]
-                lines += [f"# HELP {name} {help_text}", f"# TYPE {name} histogram"]
-                lines += [f'{name}_bucket{{le="{bound}"}} {count}' for bound, count in histogram["buckets"]]
-                lines += [f"{name}_sum {histogram['sum']}", f"{name}_count {histogram['count']}"]
+                lines += prometheus(name, help_text, engine_stats[key])
         return "\n".join(lines) + "\n"
 
 
