@@ -25,9 +25,7 @@ import json
 import math
 import os
 import platform
-import socket
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -40,13 +38,13 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_prefix import doc_qa_messages  # noqa: E402
+from bench_server import KEY, free_port, server  # noqa: E402
 from workload import SYSTEM_PROMPT, load_rag, rag_messages  # noqa: E402
 
 from kev_engine import Engine, SamplingParams  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "bench_latency.md"
 SHORT_NEW, LONG_NEW = 16, 16
-KEY = "bench-key"
 
 
 @dataclass
@@ -161,34 +159,6 @@ def llama_sender(base: str, ids: dict[tuple[str, int], list[int]]) -> Callable[[
     return send
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def wait_healthy(process: subprocess.Popen, url: str, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"the server exited with {process.returncode}")
-        try:
-            if httpx.get(url, timeout=5, headers={"Authorization": f"Bearer {KEY}"}).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    raise RuntimeError(f"{url} did not answer 200 within {timeout} s")
-
-
-def stop(process: subprocess.Popen) -> None:
-    process.terminate()
-    try:
-        process.wait(60)
-    except subprocess.TimeoutExpired:
-        process.kill()
-
-
 def percentile(values: list[float], q: float) -> float:
     if not values:
         return math.nan
@@ -276,29 +246,17 @@ def main() -> None:
             row["pass_p99_s"] = _histogram_p99(stats["pass_seconds"])
             results.append(row)
         elif system == "serve":
-            port = free_port()
-            process = subprocess.Popen([sys.executable, "-m", "kev_integrations", "serve", "--port", str(port),
-                                        "--api-key", KEY], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            base = f"http://127.0.0.1:{port}"
-            try:
-                wait_healthy(process, base + "/health")
+            base = f"http://127.0.0.1:{(port := free_port())}"
+            with server([sys.executable, "-m", "kev_integrations", "serve", "--port", str(port), "--api-key", KEY],
+                        base + "/health"):
                 models = httpx.get(base + "/v1/models", headers={"Authorization": f"Bearer {KEY}"}).json()
-                model = models["data"][0]["id"]
-                streams, wall = drive(plan, serve_sender(base, prompts, model))
-            finally:
-                stop(process)
+                streams, wall = drive(plan, serve_sender(base, prompts, models["data"][0]["id"]))
             results.append(summary(system, streams, wall))
         elif system == "llama-server":
-            port = free_port()
-            process = subprocess.Popen([args.llama_server, "-m", args.gguf, "-np", "4", "-kvu", "-c", "20000",
-                                        "--host", "127.0.0.1", "--port", str(port), "--no-webui", "-lv", "0"],
-                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            base = f"http://127.0.0.1:{port}"
-            try:
-                wait_healthy(process, base + "/health")
+            base = f"http://127.0.0.1:{(port := free_port())}"
+            with server([args.llama_server, "-m", args.gguf, "-np", "4", "-kvu", "-c", "20000", "--host", "127.0.0.1",
+                         "--port", str(port), "--no-webui", "-lv", "0"], base + "/health"):
                 streams, wall = drive(plan, llama_sender(base, ids))
-            finally:
-                stop(process)
             results.append(summary(system, streams, wall))
         else:
             raise SystemExit(f"unknown system {system!r}; use engine, engine-unbound, serve")
