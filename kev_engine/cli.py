@@ -7,7 +7,7 @@
     kev show-pack "first question" "second question" --out pack.png
     kev show-pack --file examples/data/doc_qa.jsonl --out pack.png   # shared prefixes, ids, adapters
     kev verify --model DIR --file prompts.jsonl [--adapter NAME=PATH]   # packed == solo, exit 1 if not
-    kev build-kernel     # build Kev's CPU kernels now (once per machine; make setup does)
+    kev build-kernel     # build Kev's CPU kernels now (once per Python environment; make setup does)
 
 The installed `kev` command is these commands plus `kev serve`, which the integrations package
 adds through `Command` (the engine imports nothing of it).

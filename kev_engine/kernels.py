@@ -1,4 +1,4 @@
-"""Kev's compiled CPU kernels (`csrc/`): built once per machine, then loaded as one `Kernels` object.
+"""Kev's compiled CPU kernels (`csrc/`): built once per environment, then loaded as one `Kernels` object.
 
 Two builds, each with the compiler flags its sources need:
   exact  (`linear.cpp`, `attention.cpp`, `elementwise.cpp`, `rows_linear.cpp`) — no fast-math,
@@ -15,11 +15,13 @@ How: `torch.utils.cpp_extension.load` (a C++ compiler and ninja; `make setup` ru
 `kev build-kernel`) with `-march=native`, less what `KEV_CPU_ISA` turns off (`cpu_isa`: AMX,
 or all of AVX-512, so one machine can build and test the paths of smaller CPUs). Each build
 lives in its own folder under `KEV_CACHE_DIR/kernels` (default `~/.cache/kev/kernels`), named by
-a hash of its sources, flags (the `KEV_CPU_ISA` level's included), the torch version and this
-CPU's flags, with the sources copied in: any checkout or virtual environment on the machine with
-the same sources finds the same build, and a cache shared between machines never loads code
-built for another CPU. A build says so on the "kev" logger and every
-15 s while it runs; a process that finds another one building waits for it and says so.
+a hash of its sources, flags (the `KEV_CPU_ISA` level's included), the torch version, this
+CPU's flags and the environment's `toolchain()` (its paths are in ninja's command lines, and ninja
+rebuilds when a command line changes), with the sources copied in: any checkout in an environment
+finds that environment's build, each virtual environment sharing the cache has its own and never
+rebuilds another's, and a cache shared between machines never loads code built for another CPU.
+A build says so on the "kev" logger and every 15 s while it runs; a process that finds another
+one in its folder (`build_lock`) waits for it and says whose build it waits for and why.
 
 Modes (`Engine(decode_kernel=...)`, else `KEV_DECODE_KERNEL`, else "auto"):
   "auto"      use the kernels on CPU; if they cannot be built, say why (a warning on the
@@ -31,12 +33,12 @@ Modes (`Engine(decode_kernel=...)`, else `KEV_DECODE_KERNEL`, else "auto"):
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import logging
 import os
 import platform
 import shutil
+import sysconfig
 import threading
 import time
 from collections.abc import Iterator
@@ -45,7 +47,7 @@ from typing import Any
 
 import torch
 
-from . import cpu_isa
+from . import build_lock, cpu_isa
 
 log = logging.getLogger("kev")
 
@@ -59,7 +61,7 @@ BUILDS: dict[str, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]] = {
     "fast": (("paged_decode.cpp", "bind_fast.cpp"), (),
              ("-O3", "-march=native", "-ffast-math", "-fopenmp")),
 }
-LDFLAGS = ["-fopenmp"]  # resolves to the libgomp torch already loaded (same soname): one thread pool
+LDFLAGS = ("-fopenmp",)  # resolves to the libgomp torch already loaded (same soname): one thread pool
 PROGRESS_EVERY_S = 15.0
 
 _lock = threading.Lock()
@@ -101,51 +103,32 @@ def build_flags(build: str) -> tuple[str, ...]:
     return BUILDS[build][2] + cpu_isa.compiler_flags()
 
 
+def toolchain() -> tuple[str, ...]:
+    """What torch writes into a build's command lines besides Kev's flags and the build's name: the
+    compiler, torch's and Python's headers and torch's libraries, as this environment has them."""
+    from torch.utils import cpp_extension
+
+    python_include = sysconfig.get_path("include", scheme="posix_prefix") or ""  # the path torch passes
+    return (cpp_extension.get_cxx_compiler(), *cpp_extension.include_paths("cpu"), python_include,
+            *cpp_extension.library_paths("cpu"))
+
+
 def build_name(build: str) -> str:
-    """A build's folder name: new sources, flags (`KEV_CPU_ISA` included), torch or CPU get a new build."""
+    """A build's folder name: new sources, flags (`KEV_CPU_ISA` included), torch, CPU or environment
+    (`toolchain`) get a new build, so no environment opens another's folder and makes ninja rebuild it."""
     sources, headers, _ = BUILDS[build]
     flags = build_flags(build)
     digest = hashlib.sha256()
     for name in (*sources, *headers):
         digest.update(name.encode())
         digest.update((CSRC / name).read_bytes())
-    for text in (torch.__version__, _cpu_fingerprint(), " ".join(flags)):
+    for text in (torch.__version__, _cpu_fingerprint(), " ".join(flags), "\0".join(toolchain())):
         digest.update(text.encode())
     return f"kev_{build}_{digest.hexdigest()[:16]}"
 
 
 def build_root() -> Path:
     return Path(os.environ.get("KEV_CACHE_DIR") or Path.home() / ".cache" / "kev") / "kernels"
-
-
-@contextlib.contextmanager
-def _build_lock(folder: Path, name: str) -> Iterator[None]:
-    """One builder per build folder across processes; a waiter says whom it waits for.
-
-    torch's own lock file (`lock`, left behind by a build that was killed) would make every later
-    load wait forever without a word; holding this lock, no other Kev process is building here,
-    so such a file is stale and removed.
-    """
-    with open(folder / ".kev-build.lock", "w") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            log.warning("waiting for another process that is building Kev's CPU kernels (%s) in %s", name, folder)
-            started = time.monotonic()
-            while True:
-                try:
-                    fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    time.sleep(0.5)
-                    if time.monotonic() - started > PROGRESS_EVERY_S:
-                        log.warning("still waiting for the build of Kev's CPU kernels in %s", folder)
-                        started = time.monotonic()
-        (folder / "lock").unlink(missing_ok=True)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 @contextlib.contextmanager
@@ -180,16 +163,21 @@ def _build(build: str) -> Any:
     flags = build_flags(build)
     folder = build_root() / name
     folder.mkdir(parents=True, exist_ok=True)
-    with _build_lock(folder, name):
+    with build_lock.hold(folder, name, PROGRESS_EVERY_S) as note:
+        # torch's own lock file (`lock`, left behind by a build that was killed) would make every later
+        # load wait forever without a word; holding this lock, no other Kev process builds here
+        (folder / "lock").unlink(missing_ok=True)
         for source in (*sources, *headers):  # the build reads copies: its paths are the same for every checkout
             copy = folder / source
             if not copy.exists() or copy.read_bytes() != (CSRC / source).read_bytes():
                 shutil.copyfile(CSRC / source, copy)
         built = (folder / f"{name}.so").exists()
         if not built:
-            log.warning("building Kev's CPU kernels (%s) for this machine, once; about a minute", name)
+            note("building it")
+            log.warning("building Kev's CPU kernels (%s) for this machine and environment, once; about a minute", name)
         with _progress(name) if not built else contextlib.nullcontext():
-            return load(name, [str(folder / s) for s in sources], extra_cflags=list(flags), extra_ldflags=LDFLAGS,
+            # fresh lists: torch appends its own flags to them, and a shared one would change the link line
+            return load(name, [str(folder / s) for s in sources], extra_cflags=list(flags), extra_ldflags=list(LDFLAGS),
                         build_directory=str(folder), verbose=False)
 
 
