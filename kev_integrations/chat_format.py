@@ -51,10 +51,13 @@ def role_of(role: str) -> str:
 
 @dataclass(frozen=True)
 class ToolCall:
-    """A call an assistant turn made: its tool, its arguments as an object, its id (None: unnamed)."""
+    """A call an assistant turn made: its tool, its arguments, its id (None: unnamed).
+
+    `arguments` is an object — or, for a call cut by max_tokens before its arguments were complete
+    (a server reply carries it so, as OpenAI's does), the text written, sent back as it came."""
 
     name: str
-    arguments: dict[str, Any]
+    arguments: dict[str, Any] | str
     id: str | None = None
 
 

@@ -123,8 +123,11 @@ def tool_system_prompt(tools: Sequence[dict[str, Any]], tool_choice: Any = None)
     return "\n".join(lines)
 
 
-def format_tool_call(name: str, args: dict[str, Any]) -> str:
-    """A previous tool call written back into a history, in the format the model was taught."""
+def format_tool_call(name: str, args: dict[str, Any] | str) -> str:
+    """A previous tool call written back into a history, in the format the model was taught; a cut
+    call's arguments (text, see `ToolCall`) as they were written."""
+    if isinstance(args, str):
+        return f'<tool_call>{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": {args}</tool_call>'
     return "<tool_call>" + json.dumps({"name": name, "arguments": args}, ensure_ascii=False) + "</tool_call>"
 
 

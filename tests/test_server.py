@@ -127,8 +127,8 @@ def test_wrong_or_missing_key_is_401_in_openai_shape(url: str) -> None:
         ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": 3}}]}], "max_tokens": 4},
          "messages[0].tool_calls[0]", "messages[0].tool_calls[0] must be"),
         ({"messages": [{"role": "assistant", "tool_calls": [
-            {"id": "c1", "function": {"name": "f", "arguments": "{x"}}]}], "max_tokens": 4},
-         "messages[0].tool_calls[0].function.arguments", "arguments are not JSON"),
+            {"id": "c1", "function": {"name": "f", "arguments": [1]}}]}], "max_tokens": 4},
+         "messages[0].tool_calls[0].function.arguments", "must be a JSON object, got list"),
         ({"messages": [{"role": "tool", "tool_call_id": [1], "content": "x"}], "max_tokens": 4},
          "messages[0].tool_call_id", "tool_call_id must be a string, got list"),
         # as OpenAI: a call without its id, a tool reply without the id it answers (both were accepted)

@@ -94,3 +94,45 @@ def test_tool_calls_through_the_tools_field(url: str) -> None:
                {"role": "tool", "tool_call_id": reply.tool_calls[0].id, "content": "Sunny, 24 C"}]
     second = client.chat.completions.create(model=MODEL, messages=history, tools=tools, max_tokens=24)
     assert second.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+def test_the_openai_tool_loop_runs_five_turns_and_takes_back_its_own_cut_call(url: str) -> None:
+    """Five turns of OpenAI's tool loop, one of them cut by max_tokens inside its call: the reply
+    carries the cut call as OpenAI does (its arguments the text written, finish_reason "length"),
+    and the history holding it is accepted on the next turn — never a 4xx for the server's own output."""
+    client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+    messages: list[dict] = [{"role": "user", "content": "What is the weather in Paris?"}]
+    cut = None
+    for turn in range(5):
+        budget = 18 if turn == 1 else 48  # turn 1 is cut inside its arguments
+        reply = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], max_tokens=budget,
+                                               tool_choice="required" if turn < 3 else "auto")
+        choice = reply.choices[0]
+        messages.append(choice.message.model_dump(exclude_none=True))
+        for call in choice.message.tool_calls or []:
+            if turn == 1:
+                cut = (choice.finish_reason, call.function.arguments)
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": "Sunny, 24 C"})
+        if not choice.message.tool_calls:
+            messages.append({"role": "user", "content": "And tomorrow?"})
+    assert cut is not None and cut[0] == "length"
+    with pytest.raises(ValueError):
+        json.loads(cut[1])  # the control: this turn's call really was cut
+
+
+def test_chat_openai_bind_tools_loop_sends_back_a_cut_call(url: str) -> None:
+    from langchain_core.messages import HumanMessage, ToolMessage
+    from langchain_openai import ChatOpenAI
+
+    llm = ChatOpenAI(base_url=url + "/v1", api_key=KEY, model=MODEL, temperature=0, max_retries=0)
+    messages: list = [HumanMessage("What is the weather in Paris?")]
+    cut = llm.bind_tools([WEATHER], tool_choice="any").bind(max_tokens=18).invoke(messages)
+    assert cut.invalid_tool_calls and not cut.tool_calls  # langchain-openai could not parse the cut call
+    messages += [cut, ToolMessage("error: the call was cut; call again", tool_call_id=cut.invalid_tool_calls[0]["id"])]
+    again = llm.bind_tools([WEATHER], tool_choice="any").bind(max_tokens=48).invoke(messages)
+    assert again.tool_calls and again.tool_calls[0]["name"] == "get_weather"

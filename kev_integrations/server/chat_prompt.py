@@ -53,11 +53,16 @@ def _calls(message: Mapping[str, Any], index: int) -> tuple[ToolCall, ...]:
         if not isinstance(call.get("id"), str) or not call["id"]:  # as OpenAI: the tool reply names it
             raise bad_request(f"{where}[{j}].id is missing: each tool call needs its id (a string), which the "
                               "tool message answering it repeats as tool_call_id", param=f"{where}[{j}].id")
+        arguments = function.get("arguments", "{}")
         try:
-            calls.append(ToolCall(function["name"], arguments_of(function.get("arguments", "{}")), call["id"]))
+            calls.append(ToolCall(function["name"], arguments_of(arguments), call["id"]))
         except ValueError as exc:
-            raise bad_request(f"{where}[{j}].function.arguments: {exc}",
-                              param=f"{where}[{j}].function.arguments") from None
+            if not isinstance(arguments, str):
+                raise bad_request(f"{where}[{j}].function.arguments: {exc}",
+                                  param=f"{where}[{j}].function.arguments") from None
+            # text that is no JSON object: a call cut by max_tokens, as this server replies it; it goes
+            # back into the history as written (the tool message answering it says how it failed)
+            calls.append(ToolCall(function["name"], arguments, call["id"]))
     return tuple(calls)
 
 
