@@ -40,3 +40,18 @@ def text_logprobs(entries: Sequence[TokenLogprob] | None, offset: int = 0) -> di
     return {"tokens": [e.token for e in entries], "token_logprobs": [e.logprob for e in entries],
             "top_logprobs": [{a.token: a.logprob for a in e.top_logprobs} for e in entries],
             "text_offset": offsets}
+
+
+def echoed_text_logprobs(first_token: str, prompt: Sequence[TokenLogprob],
+                         answer: dict[str, Any] | None) -> dict[str, Any]:
+    """Completions' logprobs object of an echoed prompt followed by its `answer`'s (from
+    `text_logprobs`, offsets counted from where the prompt's text ends). The prompt's first
+    token has no logprob, nothing coming before it: null in `token_logprobs` and `top_logprobs`,
+    as OpenAI and vLLM write it."""
+    rest = text_logprobs(prompt, len(first_token))
+    assert rest is not None
+    parts = [{"tokens": [first_token], "token_logprobs": [None], "top_logprobs": [None], "text_offset": [0]}, rest]
+    if answer is not None:
+        parts.append(answer)
+    return {key: [value for part in parts for value in part[key]]
+            for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}

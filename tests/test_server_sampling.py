@@ -146,7 +146,7 @@ def test_chat_openai_reads_logprobs_and_n(url: str, engine: Engine) -> None:
     ("completions", {"logprobs": 21}, "logprobs", "logprobs=21"),
     ("completions", {"logprobs": True}, "logprobs", "logprobs=True"),
     ("completions", {"best_of": 3}, "best_of", "best_of=3 is not supported"),
-    ("completions", {"echo": True}, "echo", "echo=True is not supported"),
+    ("chat", {"echo": True}, "echo", "echo=True is not supported"),
     ("chat", {"n": 17}, "n", "17 questions"),  # over max_queued=16: it never fits, a 400 (not a 429)
 ])
 def test_bad_sampling_values_are_400_naming_the_field(url: str, endpoint: str, body: dict, param: str,

@@ -36,16 +36,19 @@ from kev_engine import Completion, Engine, KevError
 from .admin import add_admin_routes
 from .compiles import Compiles
 from .config import ServerConfig
+from .echo import echoed_prompts, on_passing_thread, unanswered
 from .endings import Endings
 from .errors import APIError, bad_request, engine_error
 from .inflight import PerKeyLimit
 from .limits import BodyLimit
 from .metrics import Metrics
+from .models import add_model_routes
 from .native import add_native_routes
 from .pieces import Pieces
 from .protocol import EngineCall, parse_chat, parse_completion
 from .responses import ChunkWriter, chat_response, completion_response, sse
 from .tenants import Tenant, Tenants, matching_key
+from .token_prompts import prompt_texts
 from .workers import Workers
 
 SHUTDOWN_CLOSE_S = 30.0  # after uvicorn's graceful drain, the engine gets this long to stop
@@ -182,9 +185,11 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-async def _answers(request: Request, futures: list[Future[Completion]], timeout: float,
-                   fields: dict[str, str] | None = None) -> list[Completion] | None:
-    """Wait for every answer; None if the client left first. Leaving or timing out cancels the work."""
+async def _answers(request: Request, futures: list[Future[Any]], timeout: float,
+                   fields: dict[str, str] | None = None, num_prompts: int | None = None) -> list[Any] | None:
+    """Wait for every answer; None if the client left first. Leaving or timing out cancels the work.
+    An error names its prompt where there are several (`num_prompts`, else one per future); a
+    future that fails with an `APIError` (already the request's answer) fails the request with it."""
     gathered: asyncio.Future[list[Any]] = asyncio.gather(
         *(asyncio.wrap_future(f) for f in futures), return_exceptions=True)
     gathered.add_done_callback(lambda f: f.cancelled() or f.exception())  # cancelled: no "never retrieved" log
@@ -208,8 +213,10 @@ async def _answers(request: Request, futures: list[Future[Completion]], timeout:
                        type="timeout_error", code="timeout")
     results = gathered.result()
     for i, result in enumerate(results):
+        if isinstance(result, APIError):
+            raise result
         if isinstance(result, BaseException):
-            raise engine_error(result, i if len(results) > 1 else None, fields)
+            raise engine_error(result, i if (num_prompts or len(results)) > 1 else None, fields)
     return results
 
 
@@ -228,10 +235,18 @@ async def _events(state: ServerState, call: EngineCall, chat: bool, engine: Engi
     _refused(futures, call.fields)
     for i, future in enumerate(futures):
         pieces.watch(i, future)
+    n = call.sampling.n  # choice index of prompt i's sample j: i * n + j
+    prompt_tokens = None  # each prompt's tokens, for usage on every chunk (the engine took them: they encode)
+    if call.continuous_usage:
+        try:
+            prompt_tokens = await asyncio.to_thread(lambda: [len(engine.encode(p)) for p in call.prompts])
+        except BaseException:
+            for future in futures:
+                future.cancel()
+            raise
 
     async def stream() -> AsyncIterator[str]:
-        writer = ChunkWriter(chat, call.model)
-        n = call.sampling.n  # choice index of prompt i's sample j: i * n + j
+        writer = ChunkWriter(chat, call.model, n, prompt_tokens, call.show_logprobs)
         opened = [False] * (len(futures) * n)
         finished: list[Completion] = []
         try:
@@ -335,13 +350,7 @@ def build_app(engine: Engine | Callable[[], Engine], config: ServerConfig | None
         text = state.metrics.render(stats, compiling=state.compiles.in_flight()[0])
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
-    @app.get("/v1/models")
-    async def models(request: Request) -> JSONResponse:
-        check_key(request, config.api_keys, "/v1")
-        ids = [state.model_name, *state.adapter_names()]
-        return JSONResponse({"object": "list", "data": [
-            {"id": i, "object": "model", "created": 0, "owned_by": "kev", "root": state.model_name,
-             "parent": None if i == state.model_name else state.model_name} for i in ids]})
+    add_model_routes(app, state, check_key)
 
     async def run(request: Request, chat: bool) -> Response:
         endpoint = _route(request)
@@ -353,12 +362,15 @@ def build_app(engine: Engine | Callable[[], Engine], config: ServerConfig | None
             call = parse_chat(body, config, state.model_name, state.adapter_names(), engine_now.tokenizer)
         else:
             call = parse_completion(body, config, state.model_name, state.adapter_names())
+            if not all(isinstance(p, str) for p in call.prompts):  # token ids: their text, checked on a tokenize thread
+                call.prompts = await state.tokenize.run(prompt_texts, engine_now, call.prompts)
         call.endpoint = endpoint
         call.sampling = tenant.scoped(call.sampling)
         error = (await state.compiles.ensure(engine_now, tenant, [call.sampling]))[0]
         if error is not None:
             raise engine_error(error, None, call.fields)
-        places = len(call.prompts) * call.sampling.n  # each sample is a question in flight
+        # each sample is a question in flight, and so is each prompt whose logprobs an echo computes
+        places = len(call.prompts) * (call.sampling.n * call.generate + (call.prompt_logprobs is not None))
         state.acquire(places, "n" if call.sampling.n > 1 else "prompt")  # 429 now, not mid-stream
         if call.stream:
             try:
@@ -368,21 +380,31 @@ def build_app(engine: Engine | Callable[[], Engine], config: ServerConfig | None
                 raise
             return StreamingResponse(events, media_type="text/event-stream")
         try:
-            try:
-                futures = await asyncio.to_thread(engine_now.submit_many, call.prompts, call.sampling, call.adapter)
-            except KevError as exc:
-                raise engine_error(exc, None, call.fields) from None
-            _refused(futures, call.fields)
-            completions = await _answers(request, futures, config.request_timeout_s, call.fields)
+            futures: list[Future[Any]] = []
+            if call.generate:
+                try:
+                    futures = await asyncio.to_thread(engine_now.submit_many, call.prompts, call.sampling,
+                                                      call.adapter)
+                except KevError as exc:
+                    raise engine_error(exc, None, call.fields) from None
+                _refused(futures, call.fields)
+            if call.echo:  # beside the answers: the prompts' own pass (logprobs) or only their token counts
+                futures.append(on_passing_thread(echoed_prompts, engine_now, call.prompts, call.adapter,
+                                                 call.prompt_logprobs, call.fields))
+            results = await _answers(request, futures, config.request_timeout_s, call.fields, len(call.prompts))
         finally:
             state.release(places)
-        if completions is None:  # the client is gone; nobody reads a response
+        if results is None:  # the client is gone; nobody reads a response
             state.metrics.observe(endpoint, 499)
             return Response(status_code=499)
         state.metrics.observe(endpoint, 200, time.perf_counter() - started)
         if chat:
-            return JSONResponse(chat_response(completions[0], call.model, call.tool_names))
-        return JSONResponse(completion_response(completions, call.model))
+            return JSONResponse(chat_response(results[0], call.model, call.tool_names))
+        echoed = results.pop() if call.echo else None
+        if not call.generate:
+            assert echoed is not None  # max_tokens 0 is refused without echo
+            results = unanswered(echoed, call.sampling.n, call.prompt_logprobs is not None)
+        return JSONResponse(completion_response(results, call.model, echoed))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:

@@ -3,13 +3,16 @@
 Every field is read on purpose. Fields Kev implements map to sampling settings — OpenAI's
 (``n``, ``logprobs``/``top_logprobs``, the penalties, ``logit_bias``...) and vLLM's extras
 (``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``top_k``);
-fields it does not implement are refused by name with a 400 unless they hold their no-op value
-(``best_of=1``, ``echo=false``): a client must never believe a setting took effect when it did
-not. Unknown fields are refused the same way.
+every field that constrains the reply (``response_format``, vLLM's ``guided_*`` and
+``structured_outputs``) becomes one engine constraint in `constraints`. Fields it does not
+implement are refused by name with a 400 unless they hold their no-op value (``best_of=1``,
+``suffix=""``, chat's ``echo=false``): a client must never believe a setting took effect when it
+did not. Unknown fields are refused the same way.
 
 The two endpoints spell logprobs differently: chat takes ``logprobs: bool`` and
 ``top_logprobs: 0..20``; completions takes ``logprobs: int`` (the number of alternatives, 0 =
-the chosen token's only).
+the chosen token's only). Completions also take token-id prompts (`token_prompts`) and
+``echo`` (`echo`), with ``max_tokens: 0`` allowed there: only the prompt, and its logprobs.
 """
 
 from __future__ import annotations
@@ -24,23 +27,25 @@ from kev_engine.params import MAX_TOP_LOGPROBS, SETTING_FIELDS
 from ..tool_format import tool_call_constraint
 from .chat_prompt import chat_prompt
 from .config import ServerConfig
+from .constraints import CONSTRAINT_FIELDS, reply_constraint
 from .errors import bad_request, engine_error
+from .token_prompts import prompt_list
 
 # fields accepted only at the value that means "off"
 NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
     "best_of": (None, 1),
-    "echo": (None, False),
     "suffix": (None, ""),
 }
+CHAT_NO_OP_VALUES = {**NO_OP_VALUES, "echo": (None, False)}  # vLLM's chat echo (of the last message): not here
 IDENTITY_FIELDS = {"user", "metadata", "store", "service_tier"}  # bookkeeping only, no effect on the answer
 # body fields that are SamplingParams fields of the same name and meaning; OpenAI names and shapes
 # the other three itself (max_completion_tokens, completions' `logprobs: k`)
 SAMPLING_FIELDS = set(SETTING_FIELDS) - {"max_tokens", "logprobs", "top_logprobs"}
-COMMON_FIELDS = ({"model", "stream", "stream_options", "adapter", "response_format", "max_tokens",
-                  "max_completion_tokens", "logprobs"} | SAMPLING_FIELDS)
+COMMON_FIELDS = ({"model", "stream", "stream_options", "adapter", "max_tokens", "max_completion_tokens",
+                  "logprobs"} | CONSTRAINT_FIELDS | SAMPLING_FIELDS | IDENTITY_FIELDS)
 CHAT_FIELDS = (COMMON_FIELDS | {"messages", "tools", "tool_choice", "parallel_tool_calls", "top_logprobs"}
-               | set(NO_OP_VALUES) | IDENTITY_FIELDS)
-COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"} | set(NO_OP_VALUES) | IDENTITY_FIELDS
+               | set(CHAT_NO_OP_VALUES))
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo"} | set(NO_OP_VALUES)
 
 
 @dataclass
@@ -57,13 +62,23 @@ class EngineCall:
     endpoint: str = ""
     fields: dict[str, str] = field(default_factory=dict)
     """The body field each engine argument came from, for errors' `param` (`errors.engine_error`)."""
+    continuous_usage: bool = False
+    """Every streamed chunk carries its choice's usage so far (vLLM's ``continuous_usage_stats``)."""
+    show_logprobs: bool = True
+    """False when the engine computes logprobs only to count streamed tokens (continuous usage)."""
+    echo: bool = False
+    """Completions: each choice's text (and logprobs) start with its prompt's."""
+    prompt_logprobs: int | None = None
+    """With echo and logprobs: alternatives per prompt token (the prompt's logprobs are computed)."""
+    generate: bool = True
+    """False for ``max_tokens: 0`` with echo: nothing is generated, `sampling.max_tokens` is unused."""
 
 
-def _check_fields(body: Mapping[str, Any], allowed: set[str]) -> None:
+def _check_fields(body: Mapping[str, Any], allowed: set[str], no_ops: Mapping[str, tuple[Any, ...]]) -> None:
     unknown = sorted(set(body) - allowed)
     if unknown:
         raise bad_request(f"unsupported field(s) {unknown}; Kev accepts {sorted(allowed)}", param=unknown[0])
-    for name, values in NO_OP_VALUES.items():
+    for name, values in no_ops.items():
         if name in body and body[name] not in values:
             raise bad_request(
                 f"{name}={body[name]!r} is not supported by Kev; leave it out (or use {values[-1]!r})", param=name
@@ -85,34 +100,6 @@ def _model_and_adapter(body: Mapping[str, Any], base_model: str, adapters: list[
     if model != base_model:
         raise bad_request(f"model={model!r} is not served here; use one of {[base_model, *adapters]}", param="model")
     return model, adapter
-
-
-def _constraint(response_format: Any) -> dict[str, Any]:
-    """OpenAI's `response_format` → the engine's constraint fields."""
-    if response_format is None:
-        return {}
-    if not isinstance(response_format, Mapping) or "type" not in response_format:
-        raise bad_request(f"response_format={response_format!r} is not allowed; use {{'type': ...}}",
-                          param="response_format")
-    kind = response_format["type"]
-    if kind == "text":
-        return {}
-    if kind == "json_object":
-        return {"json_object": True}
-    if kind == "json_schema":
-        spec = response_format.get("json_schema")
-        if not isinstance(spec, Mapping) or not isinstance(spec.get("schema"), Mapping):
-            raise bad_request("response_format json_schema needs {'json_schema': {'name': ..., 'schema': {...}}}",
-                              param="response_format")
-        return {"json_schema": dict(spec["schema"])}
-    if kind == "structural_tag":  # vLLM's extension: the whole object is xgrammar's structural tag
-        return {"structural_tag": dict(response_format)}
-    if kind in ("regex", "choice", "grammar"):  # Kev's extensions: {"type": "regex", "regex": "..."}
-        return {kind: response_format.get(kind)}
-    raise bad_request(
-        f"response_format type {kind!r} is not supported; use text, json_object, json_schema, regex, choice, "
-        "grammar or structural_tag", param="response_format",
-    )
 
 
 def _chat_logprobs(body: Mapping[str, Any]) -> dict[str, Any]:
@@ -158,21 +145,35 @@ def _sampling(body: Mapping[str, Any], config: ServerConfig, extra: Mapping[str,
     return sampling
 
 
-def _stream_options(body: Mapping[str, Any]) -> tuple[bool, bool]:
+def _stream_options(body: Mapping[str, Any]) -> tuple[bool, bool, bool]:
+    """(stream, include_usage, continuous_usage_stats); the usage options only take effect on a stream."""
     stream = body.get("stream") or False
     if not isinstance(stream, bool):
         raise bad_request(f"stream={stream!r} is not allowed; use true or false", param="stream")
     options = body.get("stream_options") or {}
-    if not isinstance(options, Mapping) or set(options) - {"include_usage", "continuous_usage_stats"}:
-        raise bad_request(f"stream_options={options!r} is not allowed; use {{'include_usage': true}}",
-                          param="stream_options")
-    return stream, bool(options.get("include_usage", False))
+    allowed = ("include_usage", "continuous_usage_stats")
+    if not isinstance(options, Mapping) or set(options) - set(allowed):
+        raise bad_request(f"stream_options={options!r} is not allowed; use {{'include_usage': true}} and/or "
+                          "{'continuous_usage_stats': true}", param="stream_options")
+    for name in allowed:
+        if options.get(name) is not None and not isinstance(options[name], bool):
+            raise bad_request(f"stream_options.{name}={options[name]!r} is not allowed; use true or false",
+                              param=f"stream_options.{name}")
+    return stream, stream and bool(options.get("include_usage")), stream and bool(options.get("continuous_usage_stats"))
+
+
+def _counted(logprobs: dict[str, Any], continuous: bool) -> tuple[dict[str, Any], bool]:
+    """The logprobs settings, switched on where continuous usage counts streamed tokens by them
+    (the engine reports no count per piece); and whether the client sees them."""
+    if not continuous or logprobs.get("logprobs"):
+        return logprobs, True
+    return {**logprobs, "logprobs": True}, False
 
 
 def parse_chat(body: Mapping[str, Any], config: ServerConfig, base_model: str, adapters: list[str],
                tokenizer: Any) -> EngineCall:
     """A /v1/chat/completions body → one chat prompt (tools rendered or described) and its settings."""
-    _check_fields(body, CHAT_FIELDS)
+    _check_fields(body, CHAT_FIELDS, CHAT_NO_OP_VALUES)
     model, adapter = _model_and_adapter(body, base_model, adapters)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -183,10 +184,10 @@ def parse_chat(body: Mapping[str, Any], config: ServerConfig, base_model: str, a
         raise bad_request("tools must be a list of {'type': 'function', 'function': {...}}", param="tools")
     if tool_choice is not None and not tools:
         raise bad_request("tool_choice was given without tools", param="tool_choice")
-    extra = _constraint(body.get("response_format"))
-    fields = {"prompt": "messages", **{kind: "response_format" for kind in extra}}
-    if tools and extra:
-        raise bad_request("give tools or response_format, not both", param="response_format")
+    extra, source = reply_constraint(body)
+    fields = {"prompt": "messages", **{kind: source for kind in extra if source}}
+    if tools and source:  # tools constrain the reply to their calls: a second constraint would fight them
+        raise bad_request(f"give tools or {source}, not both: both constrain the reply", param=source)
     try:  # an unknown tool_choice name is refused by both, naming the bound tools
         prompt, names = chat_prompt(messages, tools, tool_choice, tokenizer)
         if names:
@@ -199,27 +200,42 @@ def parse_chat(body: Mapping[str, Any], config: ServerConfig, base_model: str, a
     except (AttributeError, TypeError, KeyError) as exc:  # a field of the wrong JSON type somewhere inside
         raise bad_request(f"messages, tools or tool_choice have an unexpected shape ({type(exc).__name__}: {exc}); "
                           "see the OpenAI chat completions format", param="messages") from None
-    stream, include_usage = _stream_options(body)
-    extra = {**extra, **_chat_logprobs(body)}
-    return EngineCall([prompt], _sampling(body, config, extra, fields), adapter, model, stream, include_usage,
-                      names if tool_choice != "none" else [], fields=fields)
+    stream, include_usage, continuous = _stream_options(body)
+    logprobs, shown = _counted(_chat_logprobs(body), continuous)
+    return EngineCall([prompt], _sampling(body, config, {**extra, **logprobs}, fields), adapter, model, stream,
+                      include_usage, names if tool_choice != "none" else [], fields=fields,
+                      continuous_usage=continuous, show_logprobs=shown)
 
 
 def parse_completion(body: Mapping[str, Any], config: ServerConfig, base_model: str,
                      adapters: list[str]) -> EngineCall:
-    """A /v1/completions body → its prompt(s) as raw text: a list is one pack."""
-    _check_fields(body, COMPLETION_FIELDS)
+    """A /v1/completions body → its prompts (text, or token ids that `token_prompts` turns into
+    text once the tokenizer is at hand): a list is one pack."""
+    _check_fields(body, COMPLETION_FIELDS, NO_OP_VALUES)
     model, adapter = _model_and_adapter(body, base_model, adapters)
-    prompt = body.get("prompt")
-    prompts = [prompt] if isinstance(prompt, str) else prompt
-    if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) for p in prompts):
-        raise bad_request("prompt must be a string or a non-empty list of strings (token-id prompts are not "
-                          "supported)", param="prompt")
+    prompts = prompt_list(body.get("prompt"))
     if len(prompts) > config.max_prompts:
         raise bad_request(f"{len(prompts)} prompts in one request; this server takes at most {config.max_prompts}",
                           param="prompt")
-    stream, include_usage = _stream_options(body)
-    constraint = _constraint(body.get("response_format"))
-    fields = {kind: "response_format" for kind in constraint}
-    sampling = _sampling(body, config, {**constraint, **_completion_logprobs(body)}, fields)
-    return EngineCall(prompts, sampling, adapter, model, stream, include_usage, fields=fields)
+    stream, include_usage, continuous = _stream_options(body)
+    echo = body.get("echo") or False
+    if not isinstance(echo, bool):
+        raise bad_request(f"echo={echo!r} is not allowed; use true or false", param="echo")
+    if echo and stream:
+        raise bad_request("echo=true is not supported with stream=true; ask without streaming (the reply then "
+                          "starts with the prompt)", param="echo")
+    asked = body.get("max_completion_tokens")
+    asked = body.get("max_tokens") if asked is None else asked
+    nothing = isinstance(asked, int) and not isinstance(asked, bool) and asked == 0
+    if nothing and not echo:
+        raise bad_request("max_tokens=0 asks for no tokens, which only echo=true answers (with the prompt, and "
+                          "with logprobs its logprobs); use max_tokens >= 1 or echo=true", param="max_tokens")
+    constraint, source = reply_constraint(body)
+    fields = {kind: source for kind in constraint if source}
+    logprobs, shown = _counted(_completion_logprobs(body), continuous)
+    placeholder = {"max_tokens": 1} if nothing else {}  # checks the other settings; nothing is generated
+    sampling = _sampling(body, config, {**constraint, **logprobs, **placeholder}, fields)
+    top = logprobs.get("top_logprobs") if echo and logprobs else None
+    return EngineCall(prompts, sampling, adapter, model, stream, include_usage, fields=fields,
+                      continuous_usage=continuous, show_logprobs=shown, echo=echo, prompt_logprobs=top,
+                      generate=not nothing)

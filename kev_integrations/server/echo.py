@@ -1,0 +1,103 @@
+"""`echo` on /v1/completions: each choice's text starts with its prompt, and with `logprobs` the
+prompt's tokens come with logprobs too — the first with none (null: nothing precedes it), as
+OpenAI and vLLM write them. lm-eval's loglikelihood asks for exactly this: echo, `max_tokens` 0
+(only the prompt) or 1, and `logprobs` 1, then reads `token_logprobs` and `top_logprobs`.
+
+Where this sits: `app` runs `echoed_prompts` on a thread of its own beside the request's
+generation (when `max_tokens` > 0), and `responses` puts each prompt in front of its choices.
+
+A prompt's logprobs are the model's own distribution at each position (no penalty, bias,
+constraint or temperature applies to a prompt), from `Engine.prompt_logits`: computed on the
+engine's packed path, so where the engine is batch-invariant they are bitwise the same whatever
+the prompt is packed with. They never start from a cached prefix (every position is computed),
+so they cost a prefill of their own; a client that leaves meanwhile gets no answer, but that
+prefill runs to its end.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, replace
+from typing import Any, TypeVar
+
+import torch
+
+from kev_engine import Completion, Engine, KevError
+from kev_engine.logprobs import TokenLogprob, TokenTexts, compute
+
+from .errors import engine_error
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class EchoedPrompt:
+    """What a choice repeats of its prompt."""
+
+    text: str
+    num_tokens: int
+    first_token: str = ""
+    """The prompt's first token, which has no logprob (only with logprobs)."""
+    logprobs: list[TokenLogprob] | None = None
+    """Tokens 1.. of the prompt, each with its logprob given the tokens before it; None without logprobs."""
+
+
+def echoed_prompts(engine: Engine, prompts: Sequence[str], adapter: str | None,
+                   top_logprobs: int | None, fields: dict[str, str] | None = None) -> list[EchoedPrompt]:
+    """Each prompt's echo; with `top_logprobs` (0..20 alternatives per token), its logprobs.
+    A prompt the engine refuses raises the request's 400 (an `APIError`), naming it in a list."""
+    ids = []
+    for i, prompt in enumerate(prompts):
+        try:
+            ids.append(engine.encode(prompt))
+        except KevError as exc:
+            raise engine_error(exc, i if len(prompts) > 1 else None, fields) from None
+    if top_logprobs is None:
+        return [EchoedPrompt(text, len(token_ids)) for text, token_ids in zip(prompts, ids)]
+    try:
+        logits = engine.prompt_logits(list(prompts), adapter)  # [len_i, vocab] fp32 each
+    except KevError as exc:
+        raise engine_error(exc, None, fields) from None
+    texts = TokenTexts(engine.tokenizer)
+    return [EchoedPrompt(text, len(token_ids), texts(token_ids[0]), _logprobs(rows, token_ids, top_logprobs, texts))
+            for text, token_ids, rows in zip(prompts, ids, logits)]
+
+
+def _logprobs(rows: torch.Tensor, ids: list[int], top_logprobs: int, texts: TokenTexts) -> list[TokenLogprob]:
+    """Logprobs of prompt tokens 1.. from the prompt's logits (rows: [len, vocab]; row t is the
+    distribution of token t + 1, and the last row that of the token after the prompt)."""
+    assert rows.shape[0] == len(ids), (rows.shape, len(ids))
+    if len(ids) == 1:
+        return []
+    following = torch.tensor(ids[1:], device=rows.device)  # [len - 1]
+    greedy = torch.zeros(len(ids) - 1, device=rows.device)  # temperature 0: the logits as they are
+    return compute(rows[:-1], greedy, following, [top_logprobs] * (len(ids) - 1), texts)
+
+
+def unanswered(echoed: Sequence[EchoedPrompt], n: int, logprobs: bool) -> list[Completion]:
+    """The engine's answers for ``max_tokens: 0``: nothing generated, n choices per prompt, each
+    cut by its length (0) — so a response is written the same way with or without generation."""
+    def empty(echo: EchoedPrompt) -> Completion:
+        return Completion(text="", token_ids=[], finish_reason="length", prompt_tokens=echo.num_tokens,
+                          completion_tokens=0, logprobs=[] if logprobs else None)
+    return [replace(empty(e), samples=tuple(empty(e) for _ in range(n)) if n > 1 else ()) for e in echoed]
+
+
+def on_passing_thread(fn: Callable[..., T], *args: Any) -> Future[T]:
+    """`fn(*args)` on a new thread that ends with it, as a future (cancelling it before it starts
+    skips it). A thread that ends takes its OpenMP team with it: torch ops on a long-lived pool
+    thread would leave one beside the engine's and slow every pass (`kev_engine.threads`)."""
+    future: Future[T] = Future()
+
+    def body() -> None:
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            future.set_result(fn(*args))
+        except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the future
+            future.set_exception(exc)
+
+    threading.Thread(target=body, name="kev-echo", daemon=True).start()
+    return future
