@@ -7,7 +7,8 @@ This file composes the components and keeps the public API; each stage's work is
 request from queued to delivered, and what it holds), `schedule` (which tokens run next, under
 the token and KV budgets), `runner` (pack and forward on the attention backend that owns the KV
 memory, `backends`), `sample` (each row's draw), `worker` (the thread that runs `step()` while
-there is work, so concurrent callers coalesce into the same passes). The KV memory is a
+there is work, so concurrent callers coalesce into the same passes) with `arrivals` (when its first
+pass after idle starts). The KV memory is a
 budgeted pool of blocks, shared between questions that start with the same tokens.
 """
 
@@ -28,6 +29,7 @@ import torch
 from . import backends, loader, pass_cost
 from .adapters import AdapterPool
 from .adapters import check_name as check_adapter_name
+from .arrivals import Arrival, running_loop
 from .backends import cuda as cuda_backend
 from .blocks import BlockManager
 from .errors import EngineClosedError, InvalidRequestError, KevError
@@ -64,8 +66,10 @@ class Engine:
             larger one runs in consecutive passes (up to twice the target while it is alone on the
             engine). `math.inf`: passes bounded by `max_batch_tokens` alone.
         max_num_seqs: most questions running at once.
-        coalesce_ms: how long an idle engine waits for concurrent callers before a pass
-            (`hold()` coalesces without a clock).
+        coalesce_ms: the quiet window an idle engine waits for concurrent callers before its first
+            pass: it starts once nobody arrived for this long and no caller is still submitting, and
+            widens itself (up to 8 times) when a burst's stragglers missed it (`arrivals`). 0: start
+            at once. `hold()` coalesces without a clock.
         max_adapters: LoRA adapters resident on the model's device at once (others wait on the CPU).
         kv_cache_bytes: the KV memory budget (None: half the free GPU memory, or on CPU a fifth
             of the available memory up to 4 GiB — and never more than twice `max_num_seqs` full
@@ -73,7 +77,7 @@ class Engine:
         block_size: tokens per KV block (None: 32 on CPU, 256 on CUDA, where flash attention's paged
             KV needs a multiple of 256). Prefixes are shared in whole blocks.
         max_logits_tokens: most `prompt_logits` positions computed in one pass (each is a vocab row).
-        decode_kernel: Kev's compiled CPU kernels (see `kernels`): "auto" (built once per machine;
+        decode_kernel: Kev's compiled CPU kernels (see `kernels`): "auto" (built once per environment;
             if they cannot be built, a warning and torch's ops), "compiled" (the kernels or an
             error), "torch" (never build them). None: `KEV_DECODE_KERNEL`, else "auto".
         batch_invariant: every answer bitwise the same packed as alone (fp32 and bf16 on CPU, with
@@ -197,7 +201,8 @@ class Engine:
         delays only its own request. An exception it raises fails this request alone. Cancelling
         the future stops the request at the next pass and frees what it holds.
         """
-        return self._enqueue(self._intake.prepare([prompt], [sampling], [adapter]), on_text=[on_text])[0]
+        with self._arriving_now():
+            return self._enqueue(self._intake.prepare([prompt], [sampling], [adapter]), on_text=[on_text])[0]
 
     def submit_many(
         self,
@@ -214,8 +219,8 @@ class Engine:
         prompts = check_prompt_list(prompts)
         if on_text is not None and len(on_text) != len(prompts):
             raise InvalidRequestError(f"got {len(on_text)} on_text callbacks for {len(prompts)} prompts")
-        prepared = self._intake.prepare_many(prompts, sampling, adapters)
-        return self._enqueue(prepared, on_text=on_text)
+        with self._arriving_now():
+            return self._enqueue(self._intake.prepare_many(prompts, sampling, adapters), on_text=on_text)
 
     def has_grammar(self, sampling: SamplingParams) -> bool:
         """Whether `sampling`'s constraint is compiled and cached (or it has none): submitting is then quick."""
@@ -427,6 +432,37 @@ class Engine:
         with self._worker.hold():
             yield
 
+    def arriving(self) -> Arrival:
+        """Announce a request that is on its way: an idle engine's first pass waits for it until
+        `Arrival.end()` (or leaving its `with`), at most `arrivals.ANNOUNCED_MAX_S`.
+
+        For callers that know of a request before they can submit it (a server, as a request's
+        headers arrive): a burst of them then shares one pass instead of starting with the first.
+        `submit` announces itself already while it tokenizes, and an async caller's submit counts
+        as arriving until its event loop's next turn (see `arrivals`).
+        """
+        with self._cond:
+            return Arrival(self, self._worker.arrivals.announce())
+
+    def _end_arrival(self, token: int) -> None:
+        with self._cond:
+            self._worker.arrivals.end(token)
+            self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def _arriving_now(self) -> Iterator[None]:
+        """A submit is arriving while it runs; on an event loop's thread until the loop's next turn,
+        so that every task submitting in this turn (an `asyncio.gather`) shares the first pass."""
+        arrival = self.arriving()
+        try:
+            yield
+        finally:
+            loop = running_loop()
+            if loop is None:
+                arrival.end()
+            else:
+                loop.call_soon(arrival.end)
+
     def close(self, timeout: float | None = None) -> None:
         """Stop the scheduler thread; requests still queued or running fail with EngineClosedError.
         The model is given back as it came (its own attention, no LoRA wrappers).
@@ -506,6 +542,7 @@ class Engine:
             if self._closed:
                 raise EngineClosedError("the engine is closed")
             futures = self._life.enqueue(prepared, self._defaults, on_text, logits_only, capture_logits)
+            self._worker.arrivals.arrived()
             self._worker.start()
             self._cond.notify_all()
         return futures

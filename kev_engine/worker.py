@@ -2,9 +2,10 @@
 
 Where this sits: `Engine` starts it with the first request. It runs `step()` while there is
 work, so callers of `submit()` on other threads (LangChain's thread pools, LlamaIndex's
-`asyncio.gather`) coalesce into the same passes: an idle worker waits `coalesce_s` before its
-first pass, and `hold()` coalesces without a clock. Waiting questions join running ones between
-decode steps (continuous batching). A pass that raises fails its requests, never the thread.
+`asyncio.gather`, a server's requests) coalesce into the same passes: an idle worker starts its
+first pass when `arrivals` says the callers arriving together are in, and `hold()` coalesces
+without a clock. Waiting questions join running ones between decode steps (continuous
+batching). A pass that raises fails its requests, never the thread.
 
 It holds the engine only weakly between passes, so an engine dropped without `close()` is
 collected (its finalizer wakes the thread, which then ends); at interpreter exit every live
@@ -16,11 +17,11 @@ from __future__ import annotations
 import atexit
 import contextlib
 import threading
-import time
 import weakref
 from collections.abc import Iterator
 from typing import Any, Protocol
 
+from .arrivals import Arrivals
 from .errors import InvalidRequestError
 
 EXIT_JOIN_S = 10.0  # at interpreter exit, a thread stuck in a pass (a model hook, say) is left behind
@@ -56,6 +57,7 @@ class Worker:
     def __init__(self, owner: Stepped, cond: threading.Condition, coalesce_s: float) -> None:
         self.cond = cond  # the engine's lock: every state change notifies it
         self.coalesce_s = coalesce_s
+        self.arrivals = Arrivals(coalesce_s)  # under `cond`
         self.thread: threading.Thread | None = None
         self.idle = threading.Event()  # set while the thread waits with nothing to do
         self.holds = 0  # > 0 while inside hold(): no new pass starts
@@ -118,6 +120,7 @@ class Worker:
 def _loop(owner_ref: weakref.ref[Stepped], worker: Worker) -> None:
     """The thread: wait for work (holding the engine only weakly), coalesce, pass, repeat."""
     cond = worker.cond
+    arrivals = worker.arrivals
     was_idle = True
     while True:
         with cond:
@@ -125,8 +128,16 @@ def _loop(owner_ref: weakref.ref[Stepped], worker: Worker) -> None:
                 owner = owner_ref()
                 if owner is None:
                     return
-                if owner.closed or (not worker.holds and owner.has_work()):
+                if owner.closed:
                     break
+                if not worker.holds and owner.has_work():
+                    # the first pass after idle waits for the callers arriving together (`arrivals`)
+                    wait_s = arrivals.start_at() - arrivals.now() if was_idle and worker.coalesce_s else 0.0
+                    if wait_s <= 0:
+                        break
+                    del owner
+                    cond.wait(wait_s)
+                    continue
                 was_idle = True
                 del owner  # never wait holding it
                 worker.idle.set()
@@ -135,16 +146,19 @@ def _loop(owner_ref: weakref.ref[Stepped], worker: Worker) -> None:
             if owner.closed:
                 owner.drain()
                 return
-        if was_idle and worker.coalesce_s:
-            time.sleep(worker.coalesce_s)  # let callers arriving together share the first pass
+            first = was_idle
+            if first:
+                arrivals.first_pass(running=True)
         was_idle = False
         try:
             ran = owner.step()
         except BaseException as exc:  # noqa: BLE001 - a failed pass fails its requests, not the loop
             owner.fail_pass(exc)
             ran = 1
-        if not ran:
-            with cond:  # nothing could run (e.g. waiting on adapter slots): wait for news, bounded
+        with cond:
+            if first:
+                arrivals.first_pass(running=False)
+            if not ran:  # nothing could run (e.g. waiting on adapter slots): wait for news, bounded
                 cond.wait(IDLE_RECHECK_S)
         del owner
 
