@@ -32,6 +32,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kev_engine import Completion, Engine, KevError
+from kev_engine.arrivals import Arrival
 
 from .admin import add_admin_routes
 from .compiles import Compiles
@@ -221,7 +222,7 @@ async def _answers(request: Request, futures: list[Future[Any]], timeout: float,
 
 
 async def _events(state: ServerState, call: EngineCall, chat: bool, engine: Engine,
-                  started: float) -> AsyncIterator[str]:
+                  started: float, arrival: Arrival) -> AsyncIterator[str]:
     """Server-sent events of one streamed request; closing the stream cancels its requests.
 
     The caller has taken the request's queue places; the stream gives them back when it ends.
@@ -232,6 +233,7 @@ async def _events(state: ServerState, call: EngineCall, chat: bool, engine: Engi
                                           [pieces.feeder(i) for i in range(len(call.prompts))])
     except KevError as exc:  # refused as a whole (the engine closed meanwhile)
         raise engine_error(exc, None, call.fields) from None
+    arrival.end()
     _refused(futures, call.fields)
     for i, future in enumerate(futures):
         pieces.watch(i, future)
@@ -356,8 +358,18 @@ def build_app(engine: Engine | Callable[[], Engine], config: ServerConfig | None
         endpoint = _route(request)
         tenant = state.tenant(request, "/v1")
         started = time.perf_counter()
-        body = await _json_body(request)
         engine_now = state.ready()
+        # this request is on its way: an idle engine's first pass waits for it until it is queued, so a
+        # burst of requests shares one pass (`Engine.arriving`); ended on every path
+        arrival = engine_now.arriving()
+        try:
+            return await answer(request, chat, endpoint, tenant, started, engine_now, arrival)
+        finally:
+            arrival.end()
+
+    async def answer(request: Request, chat: bool, endpoint: str, tenant: Tenant, started: float,
+                     engine_now: Engine, arrival: Arrival) -> Response:
+        body = await _json_body(request)
         if chat:
             call = parse_chat(body, config, state.model_name, state.adapter_names(), engine_now.tokenizer)
         else:
@@ -374,7 +386,7 @@ def build_app(engine: Engine | Callable[[], Engine], config: ServerConfig | None
         state.acquire(places, "n" if call.sampling.n > 1 else "prompt")  # 429 now, not mid-stream
         if call.stream:
             try:
-                events = await _events(state, call, chat, engine_now, started)
+                events = await _events(state, call, chat, engine_now, started, arrival)
             except BaseException:
                 state.release(places)
                 raise
@@ -385,6 +397,7 @@ def build_app(engine: Engine | Callable[[], Engine], config: ServerConfig | None
                 try:
                     futures = await asyncio.to_thread(engine_now.submit_many, call.prompts, call.sampling,
                                                       call.adapter)
+                    arrival.end()
                 except KevError as exc:
                     raise engine_error(exc, None, call.fields) from None
                 _refused(futures, call.fields)
