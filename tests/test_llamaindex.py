@@ -355,3 +355,42 @@ def test_tools_reach_the_chat_template_and_tool_calls_parse(llm, record_submits)
     assert (selection.tool_name, selection.tool_kwargs) == ("add", {"a": 2, "b": 3})
     with pytest.raises(ValueError, match="expected a tool call"):
         llm.get_tool_calls_from_response(ChatResponse(message=assistant_message("no tools here")))
+
+
+def test_a_query_engine_gathering_four_queries_is_one_pass_without_holding(tokenizer, monkeypatch) -> None:
+    """LlamaIndex's own fan-out, no `hold()`: four queries gathered on a RetrieverQueryEngine reach
+    the engine from one event loop, and the engine's first pass waits for that loop's turn
+    (`kev_engine.arrivals`). The window is a microsecond, so only that decides; the control
+    (submits not waiting for the turn) takes several passes."""
+    from llama_index.core.query_engine import RetrieverQueryEngine
+    from llama_index.core.retrievers import BaseRetriever
+    from llama_index.core.schema import NodeWithScore
+
+    import kev_engine.engine as engine_module
+    from kev_engine import arrivals
+
+    monkeypatch.setattr(arrivals, "ANNOUNCED_MAX_S", TIMEOUT)  # only the announcements decide
+
+    class Nodes(BaseRetriever):  # a real retriever of LlamaIndex's, its nodes fixed
+        def _retrieve(self, query_bundle):
+            time.sleep(0.02)  # busy on the event loop before the LLM call, as a real index is
+            return [NodeWithScore(node=TextNode(text=NODES[len(query_bundle.query_str) % 4]), score=1.0)]
+
+    engine = Engine(tiny_model("llama", tokenizer), tokenizer, name="tiny-llama", coalesce_ms=0.001)
+    try:
+        llm = Kev(engine=engine, temperature=0, max_tokens=4)
+        query_engine = RetrieverQueryEngine.from_args(Nodes(), llm=llm, response_mode="compact", use_async=True)
+
+        async def gathered():
+            return await asyncio.wait_for(asyncio.gather(*(query_engine.aquery(q) for q in PROMPTS[:4])), TIMEOUT)
+
+        llm.complete("warm up")
+        before = engine.stats()
+        asyncio.run(gathered())
+        assert delta(engine, before)["requests"] == 4 and delta(engine, before)["prefill_passes"] == 1
+        monkeypatch.setattr(engine_module, "running_loop", lambda: None)  # the control
+        before = engine.stats()
+        asyncio.run(gathered())
+        assert delta(engine, before)["requests"] == 4 and delta(engine, before)["prefill_passes"] >= 2
+    finally:
+        engine.close()
