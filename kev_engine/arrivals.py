@@ -18,6 +18,15 @@ first of them leaves the rest to a second pass. Three things decide the start:
   time. Bursts without a straggler shrink it back towards `coalesce_ms`, so lone requests keep
   their latency.
 `hold()` coalesces without any clock; this is for callers that cannot say a burst is coming.
+
+**Agent rounds** are bursts too, spread by the engine itself: four agents' tool calls, asked in one
+pass, finish a few decode steps apart, and each agent's next question (after its tool ran) would
+start a pass of its own. A caller that knows it will come back (`Engine.expect_follow_up`: an
+agent integration, for a reply that calls a tool) says so; while such a follow-up is expected
+(its request still running, or answered less than `FOLLOW_UP_GRACE_S` ago and not yet followed
+up) and the engine is busy, newly queued requests wait — decodes go on — so the round's
+follow-ups are admitted together. None waits more than `FOLLOW_UP_WAIT_S`; each arrival counts as
+the follow-up of the longest-answered expectation.
 """
 
 from __future__ import annotations
@@ -33,6 +42,8 @@ ANNOUNCED_MAX_S = 0.25  # the longest one announced caller may hold an idle engi
 MAX_WINDOW_FACTOR = 8.0  # the quiet window grows to at most this many `coalesce_ms`
 GROWTH = 1.5  # a straggler's gap times this becomes the window (margin over the gap seen)
 DECAY = 0.8  # a burst without stragglers shrinks the window by this factor, down to the base
+FOLLOW_UP_GRACE_S = 0.25  # after an answer whose caller said it comes back: how long it is waited for
+FOLLOW_UP_WAIT_S = 0.5  # the longest a queued request waits for expected follow-ups to join it
 
 
 class Arrivals:
@@ -48,6 +59,8 @@ class Arrivals:
         self.last = -math.inf  # when the last caller arrived or was announced
         self._first_pass_after: float | None = None  # while a burst's first pass runs: its last arrival
         self._straggled = False
+        self._expected: dict[int, float] = {}  # follow-ups: id -> when it stops being waited for (inf: unanswered)
+        self._queued: dict[int, Callable[[], bool]] = {}  # follow-ups: id -> whether its request still waits
 
     def announce(self) -> int:
         """A caller is on its way: an idle engine's first pass waits for it (bounded)."""
@@ -62,9 +75,12 @@ class Arrivals:
         self._announced.pop(token, None)
 
     def arrived(self) -> None:
-        """Requests were queued now: the quiet window restarts, and a straggler of a burst's first
-        pass widens it for the next burst."""
+        """Requests were queued now: the quiet window restarts, a straggler of a burst's first
+        pass widens it for the next burst, and the longest-answered expected follow-up has come."""
         now = self._clock()
+        answered = [t for t, until in self._expected.items() if until < math.inf]
+        if answered:
+            self.unexpect(min(answered, key=self._expected.__getitem__))
         if self._first_pass_after is not None:
             gap = now - self._first_pass_after
             if gap <= self.max_window_s:
@@ -84,6 +100,36 @@ class Arrivals:
             at = max(at, min(max(self._announced.values()), now + ANNOUNCED_MAX_S))
         return at
 
+    def expect(self, queued: Callable[[], bool]) -> int:
+        """A follow-up is expected from the caller of a request now queued (`answered` once it is).
+        `queued()` says whether that request still waits: until admitted it holds nobody back (a
+        round's stragglers are never held for each other)."""
+        token = next(self._ids)
+        self._expected[token] = math.inf
+        self._queued[token] = queued
+        return token
+
+    def answered(self, token: int) -> None:
+        """The request was answered: its follow-up is waited for `FOLLOW_UP_GRACE_S` more."""
+        if token in self._expected:
+            self._expected[token] = self._clock() + FOLLOW_UP_GRACE_S
+
+    def unexpect(self, token: int) -> None:
+        """No follow-up will come (the answer called no tool, the caller gave up); idempotent."""
+        self._expected.pop(token, None)
+        self._queued.pop(token, None)
+
+    def defers(self, queued_at: float) -> bool:
+        """Whether a request queued at `queued_at` waits for expected follow-ups (while the engine
+        is busy: the scheduler asks only then)."""
+        now = self._clock()
+        for token, until in list(self._expected.items()):
+            if until <= now:
+                self.unexpect(token)
+        if now - queued_at >= FOLLOW_UP_WAIT_S:
+            return False
+        return any(until < math.inf or not self._queued[token]() for token, until in self._expected.items())
+
     def now(self) -> float:
         return self._clock()
 
@@ -99,17 +145,18 @@ class Arrivals:
 
 
 class Arrival:
-    """One announced caller (`Engine.arriving()`): `end()` once its requests are queued, or use it
-    as a context manager. Ending twice is harmless."""
+    """One announced caller (`Engine.arriving()`) or expected follow-up (`Engine.expect_follow_up`):
+    `end()` once its requests are queued (or none will come), or use it as a context manager.
+    Ending twice is harmless."""
 
-    def __init__(self, owner: Any, token: int) -> None:
-        self._owner: Any = owner
+    def __init__(self, owner: Any, token: int, ending: Callable[[int], None] | None = None) -> None:
+        self._ending: Callable[[int], None] | None = ending or owner._end_arrival
         self._token = token
 
     def end(self) -> None:
-        owner, self._owner = self._owner, None
-        if owner is not None:
-            owner._end_arrival(self._token)
+        ending, self._ending = self._ending, None
+        if ending is not None:
+            ending(self._token)
 
     def __enter__(self) -> Arrival:
         return self

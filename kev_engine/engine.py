@@ -40,7 +40,7 @@ from .kernels import choose as choose_kernels
 from .lifecycle import Lifecycle
 from .model_setup import check_packable, claim_model, context_length, eos_ids, prepare_model, release_model
 from .params import Defaults, SamplingParams, check_temperature, coerce_sampling
-from .request import Completion
+from .request import Completion, Status
 from .runner import ModelRunner
 from .schedule import Scheduler
 from .threads import run_on_passing_thread
@@ -444,6 +444,30 @@ class Engine:
         with self._cond:
             return Arrival(self, self._worker.arrivals.announce())
 
+    def expect_follow_up(self, future: Future[Any]) -> Arrival:
+        """Say that `future`'s caller will soon submit again after it is answered — an agent whose
+        reply calls a tool asks again once the tool ran — so that the round's follow-ups share a
+        pass: while one is expected and the engine is busy, newly queued requests wait (each at
+        most `arrivals.FOLLOW_UP_WAIT_S`; decodes go on). `end()` the handle when no follow-up will
+        come (the answer called no tool); after the answer it is waited for
+        `arrivals.FOLLOW_UP_GRACE_S` at most, and any request queued meanwhile counts as one.
+        """
+        with self._cond:
+            request = next((r for r in self._scheduler.waiting if r.future is future), None)
+            token = self._worker.arrivals.expect(lambda: request is not None and request.status is Status.WAITING)
+        handle = Arrival(self, token, ending=self._unexpect)
+
+        def answered(_: Future[Any]) -> None:
+            with self._cond:
+                self._worker.arrivals.answered(token)
+        future.add_done_callback(answered)
+        return handle
+
+    def _unexpect(self, token: int) -> None:
+        with self._cond:
+            self._worker.arrivals.unexpect(token)
+            self._cond.notify_all()
+
     def _end_arrival(self, token: int) -> None:
         with self._cond:
             self._worker.arrivals.end(token)
@@ -504,7 +528,7 @@ class Engine:
     def _step(self) -> int:
         life = self._life
         life.cancel()
-        chunks = life.schedule()
+        chunks = life.schedule(lambda r: self._worker.arrivals.defers(r.queued_at))
         if not chunks:
             return 0
         started = time.perf_counter()

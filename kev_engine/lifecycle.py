@@ -128,10 +128,11 @@ class Lifecycle:
                 self.free(request)
                 self.stats["cancelled"] += request.future.cancelled()  # not those failed by their on_text
 
-    def schedule(self) -> list[Chunk]:
-        """This pass's chunks; each admitted request gets its KV blocks and its adapter's slot."""
+    def schedule(self, defer: Callable[[Request], bool] = lambda r: False) -> list[Chunk]:
+        """This pass's chunks; each admitted request gets its KV blocks and its adapter's slot
+        (`defer`: see `Scheduler.schedule`)."""
         with self.cond:
-            chunks = self.scheduler.schedule(self._admit, lambda r: self.adapters.release(r.adapter))
+            chunks = self.scheduler.schedule(self._admit, lambda r: self.adapters.release(r.adapter), defer)
             fresh = self.blocks.take_fresh()
             used = self.blocks.num_used * self.backend.pool.block_bytes
             self.stats["kv_cache_peak_bytes"] = max(self.stats["kv_cache_peak_bytes"], used)

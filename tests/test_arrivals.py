@@ -136,3 +136,53 @@ def test_the_control_without_waiting_for_the_turn_the_tasks_take_several_passes(
     before = engine.stats()
     tasks_submitting(engine, spread_s=0.05)
     assert passes(engine, before) >= 2
+
+
+# ---- agent rounds: expected follow-ups ----------------------------------------------------------
+
+
+def test_an_expected_follow_up_defers_newcomers_once_its_request_runs_until_it_comes() -> None:
+    clock = Clock()
+    a = Arrivals(0.005, clock)
+    waiting = [True]
+    token = a.expect(lambda: waiting[0])
+    assert not a.defers(queued_at=clock.now)  # its request still queued: it holds nobody back
+    waiting[0] = False  # admitted: the round is under way
+    assert a.defers(queued_at=clock.now)
+    clock.now += arrivals.FOLLOW_UP_WAIT_S
+    assert not a.defers(queued_at=clock.now - arrivals.FOLLOW_UP_WAIT_S)  # nobody waits longer than this
+    a.answered(token)
+    clock.now += arrivals.FOLLOW_UP_GRACE_S / 2
+    assert a.defers(queued_at=clock.now)  # answered: its caller is running the tool
+    a.arrived()  # ... and here it is: the longest-answered expectation is met
+    assert not a.defers(queued_at=clock.now)
+
+
+def test_an_answer_nobody_follows_up_stops_deferring_after_the_grace_or_at_once() -> None:
+    clock = Clock()
+    a = Arrivals(0.005, clock)
+    first, second = a.expect(lambda: False), a.expect(lambda: False)
+    a.answered(first)
+    a.unexpect(second)  # the second answer called no tool: nobody comes back
+    a.unexpect(second)  # twice is harmless
+    assert a.defers(queued_at=clock.now)
+    clock.now += arrivals.FOLLOW_UP_GRACE_S
+    assert not a.defers(queued_at=clock.now)  # the first never came back: no longer waited for
+
+
+def test_a_deferred_request_stays_queued_only_while_others_run() -> None:
+    from test_schedule import request
+
+    from kev_engine.blocks import BlockManager
+    from kev_engine.schedule import Scheduler
+
+    scheduler = Scheduler(max_batch_tokens=64, max_num_seqs=8, blocks=BlockManager(num_blocks=16, block_size=4))
+    newcomer = request(0, [1, 2, 3])
+    scheduler.add([newcomer])
+    assert [c.request for c in scheduler.schedule(defer=lambda r: True)] == [newcomer]  # nobody runs: admitted
+    late = request(1, [4, 5, 6])
+    scheduler.add([late])
+    planned = [c.request for c in scheduler.schedule(defer=lambda r: r is late)]
+    assert planned == [newcomer] and scheduler.waiting == [late]  # the running one decodes, the late one waits
+    planned = [c.request for c in scheduler.schedule(defer=lambda r: False)]
+    assert late in planned and not scheduler.waiting

@@ -234,7 +234,7 @@ class ChatKev(KevFields, BaseChatModel):
         **kwargs: Any,
     ) -> ChatResult:
         request, names = self._request(messages, stop, kwargs)
-        return self._result(packing.complete(request, self.timeout), names)
+        return self._result(packing.complete(request, self.timeout, _follow_up(names)), names)
 
     async def _agenerate(
         self,
@@ -244,7 +244,7 @@ class ChatKev(KevFields, BaseChatModel):
         **kwargs: Any,
     ) -> ChatResult:
         request, names = self._request(messages, stop, kwargs)
-        return self._result(await packing.acomplete(request, self.timeout), names)
+        return self._result(await packing.acomplete(request, self.timeout, _follow_up(names)), names)
 
     def _chunk(self, piece: str | Completion, names: list[str], text: list[str],
                streamed: list[int]) -> ChatGenerationChunk:
@@ -388,3 +388,15 @@ class ChatKev(KevFields, BaseChatModel):
         if kwargs:
             raise ValueError(f"unsupported arguments {sorted(kwargs)}")
         return structured_output(self, schema, method, include_raw, strict)
+
+
+def _follow_up(tool_names: list[str]) -> Callable[[Completion], bool] | None:
+    """With tools offered, a call is an agent's step: an answer that calls a tool (or tried to)
+    brings its caller back once the tool ran, and agents side by side share that next pass."""
+    if not tool_names:
+        return None
+
+    def calls_a_tool(completion: Completion) -> bool:
+        _, calls, invalid = parse_tool_calls(completion.text, tool_names, completion.finish_reason)
+        return bool(calls or invalid)
+    return calls_a_tool

@@ -124,14 +124,46 @@ async def await_all(futures: Sequence[Future[Completion]], timeout: float | None
             future.cancel()
 
 
-def complete(request: EngineRequest, timeout: float | None = None) -> Completion:
-    """One answer; inside a batch, it joins the batch's pass."""
-    return wait(submit_all([request]), timeout)[0]
+def complete(request: EngineRequest, timeout: float | None = None,
+             follow_up: Callable[[Completion], bool] | None = None) -> Completion:
+    """One answer; inside a batch, it joins the batch's pass. `follow_up`: whether, given the
+    answer, its caller asks again soon (see `expect_follow_up`)."""
+    futures = submit_all([request])
+    with expect_follow_up(request.engine, futures[0], follow_up) as answered:
+        return answered(wait(futures, timeout)[0])
 
 
-async def acomplete(request: EngineRequest, timeout: float | None = None) -> Completion:
+async def acomplete(request: EngineRequest, timeout: float | None = None,
+                    follow_up: Callable[[Completion], bool] | None = None) -> Completion:
     """Truly async `complete`."""
-    return (await await_all(submit_all([request]), timeout))[0]
+    futures = submit_all([request])
+    with expect_follow_up(request.engine, futures[0], follow_up) as answered:
+        return answered((await await_all(futures, timeout))[0])
+
+
+@contextlib.contextmanager
+def expect_follow_up(engine: Any, future: Future[Completion],
+                     follow_up: Callable[[Completion], bool] | None) -> Iterator[Callable[[Completion], Completion]]:
+    """An agent's step: while its answer is computed, and briefly after, the engine expects this
+    caller back (`Engine.expect_follow_up`), so the follow-ups of agents running side by side
+    share a pass; an answer after which nobody comes back (`follow_up` says so) ends that at
+    once. Engines that do not coalesce this way (a remote one: its server coalesces) skip it."""
+    expect = getattr(engine, "expect_follow_up", None)
+    if follow_up is None or expect is None:
+        yield lambda completion: completion
+        return
+    expected = expect(future)
+    comes_back = follow_up
+
+    def answered(completion: Completion) -> Completion:
+        if not comes_back(completion):
+            expected.end()
+        return completion
+    try:
+        yield answered
+    except BaseException:
+        expected.end()
+        raise
 
 
 def stream(request: EngineRequest) -> Iterator[str | Completion]:
