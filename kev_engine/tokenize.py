@@ -8,6 +8,10 @@ Whatever a caller can put in a prompt fails as an `InvalidRequestError` naming t
 text that is not valid UTF-8 (a lone surrogate), a message the chat template cannot render —
 never as a tokenizer's or jinja's own exception. A message's `content=None` (an assistant
 turn that only calls tools) renders as "".
+
+A prompt may also be token ids, ``{"prompt_token_ids": [...]}`` (vLLM's `TokensPrompt` shape): fed
+exactly as given — an evaluation harness scores its own tokens, position by position — once
+each id is checked against the tokenizer's vocabulary.
 """
 
 from __future__ import annotations
@@ -124,7 +128,8 @@ def render_prompt(tokenizer: Any, prompt: Any) -> tuple[str, bool]:
         unknown = sorted(set(prompt) - {"messages", "tools"})
         if unknown or "messages" not in prompt:
             raise InvalidRequestError(
-                f"a dict prompt takes 'messages' (required) and 'tools'; got keys {sorted(prompt)}"
+                f"a dict prompt takes 'messages' (required) and 'tools', or 'prompt_token_ids' alone; "
+                f"got keys {sorted(prompt)}"
             )
         prompt, tools = prompt["messages"], prompt.get("tools") or None
     if isinstance(prompt, Sequence) and not isinstance(prompt, (bytes, bytearray)):
@@ -141,8 +146,31 @@ def render_prompt(tokenizer: Any, prompt: Any) -> tuple[str, bool]:
     )
 
 
+def is_token_prompt(prompt: Any) -> bool:
+    """Whether `prompt` is given as token ids (``{"prompt_token_ids": [...]}``)."""
+    return isinstance(prompt, Mapping) and "prompt_token_ids" in prompt
+
+
+def token_prompt_ids(tokenizer: Any, prompt: Mapping[str, Any]) -> list[int]:
+    """The ids of a token-id prompt, each checked to be a token of this tokenizer."""
+    if set(prompt) != {"prompt_token_ids"}:
+        raise InvalidRequestError(f"a token-id prompt takes only 'prompt_token_ids'; got keys {sorted(prompt)}")
+    ids = prompt["prompt_token_ids"]
+    if not isinstance(ids, Sequence) or isinstance(ids, (str, bytes)) or not ids:
+        raise InvalidRequestError("prompt_token_ids must be a non-empty list of token ids (integers)")
+    size = len(tokenizer)
+    for j, token in enumerate(ids):
+        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < size:
+            raise InvalidRequestError(f"prompt_token_ids[{j}]={token!r} is not a token id of this model "
+                                      f"(ids 0..{size - 1})")
+    return [int(t) for t in ids]
+
+
 def prompt_ids(tokenizer: Any, prompt: Any) -> tuple[str, list[int]]:
     """The rendered text and token ids of one prompt, whatever its length (token counting)."""
+    if is_token_prompt(prompt):
+        ids = token_prompt_ids(tokenizer, prompt)
+        return tokenizer.decode(ids), ids
     text, add_special = render_prompt(tokenizer, prompt)
     return text, list(tokenizer(text, add_special_tokens=add_special)["input_ids"])
 
@@ -159,13 +187,16 @@ def encode_prompt(tokenizer: Any, prompt: Any, max_context: int, longest: int = 
     (`longest_token`), a text too long to fit by its length alone is refused before it is
     tokenized: tokenizing megabytes takes seconds that every other request would wait through.
     The bound counts twice the characters a token can cover (normalizers may merge characters)."""
-    text, add_special = render_prompt(tokenizer, prompt)
-    if longest > 0 and len(text) > 2 * longest * max_context:
-        raise InvalidRequestError(
-            f"prompt is {len(text)} characters: at least {len(text) // (2 * longest)} tokens, more than the "
-            f"model's context of {max_context} tokens (a token here covers at most {longest} characters)"
-        )
-    ids = list(tokenizer(text, add_special_tokens=add_special)["input_ids"])
+    if is_token_prompt(prompt):
+        ids, text = token_prompt_ids(tokenizer, prompt), "token ids"
+    else:
+        text, add_special = render_prompt(tokenizer, prompt)
+        if longest > 0 and len(text) > 2 * longest * max_context:
+            raise InvalidRequestError(
+                f"prompt is {len(text)} characters: at least {len(text) // (2 * longest)} tokens, more than the "
+                f"model's context of {max_context} tokens (a token here covers at most {longest} characters)"
+            )
+        ids = list(tokenizer(text, add_special_tokens=add_special)["input_ids"])
     if len(ids) == 0:
         raise InvalidRequestError(f"prompt={text[:60]!r} tokenizes to nothing; give some text")
     if len(ids) >= max_context:

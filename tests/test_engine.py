@@ -309,3 +309,17 @@ def test_generate_with_logits_gives_the_logits_each_token_was_drawn_from(tiny_en
     assert (again.text, again.token_ids) == (completion.text, completion.token_ids)
     with pytest.raises(InvalidRequestError, match="n=2 is not allowed with generate_with_logits"):
         tiny_engine.generate_with_logits([prompt], SamplingParams(n=2, max_tokens=2))
+
+
+def test_a_token_id_prompt_is_fed_as_given(tiny_engine: Engine) -> None:
+    """{"prompt_token_ids": ids} (vLLM's TokensPrompt shape): the same answer as the text those ids
+    encode, fed without re-tokenizing; a bad id fails its own request, naming its position."""
+    text = "The capital of France is"
+    ids = tiny_engine.encode(text)
+    greedy = SamplingParams(max_tokens=5, temperature=0)
+    by_ids, by_text = tiny_engine.generate([{"prompt_token_ids": ids}, text], greedy)
+    assert by_ids.token_ids == by_text.token_ids and by_ids.prompt_tokens == len(ids)
+    assert tiny_engine.encode({"prompt_token_ids": ids[1:]}) == ids[1:]  # not what the text would give: as sent
+    bad = tiny_engine.generate([{"prompt_token_ids": [ids[0], -3]}, text], greedy, return_exceptions=True)
+    assert isinstance(bad[0], InvalidRequestError) and "prompt_token_ids[1]=-3" in str(bad[0])
+    assert bad[1].token_ids == by_text.token_ids

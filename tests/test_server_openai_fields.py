@@ -120,13 +120,18 @@ def test_malformed_prompts_are_400_naming_the_prompt(url: str, prompt: Any, word
     refused(post(url, "/v1/completions", {"prompt": prompt, "max_tokens": 2}), "prompt", *words)
 
 
-def test_ids_the_tokenizer_would_not_make_of_their_text_are_refused(url: str, tokenizer: Any) -> None:
-    # "hello" spelled letter by letter: the same text, but this tokenizer makes one token of it —
-    # feeding it would answer about other tokens than the client sent
+def test_token_ids_are_fed_exactly_as_sent(client: openai.OpenAI, engine: Engine, tokenizer: Any) -> None:
+    """"hello" spelled letter by letter: ids this tokenizer would never make of that text (it makes
+    one token of it). They are fed as sent — lm-eval scores its own tokens — and the echo's
+    logprobs are of exactly those tokens; the text "hello" (the control) is other tokens."""
     letters = [tokenizer.convert_tokens_to_ids(c) for c in "hello"]
     assert tokenizer("hello")["input_ids"] != letters
-    refused(post(url, "/v1/completions", {"prompt": letters, "max_tokens": 2}), "prompt",
-            "not what this tokenizer makes of their text", "position 0")
+    echoed = client.completions.create(model=MODEL, prompt=letters, max_tokens=0, echo=True, logprobs=1)
+    assert echoed.usage.prompt_tokens == 5 and echoed.choices[0].logprobs.tokens == list("hello")
+    rows = engine.prompt_logits([{"prompt_token_ids": letters}])[0].log_softmax(dim=-1)
+    assert echoed.choices[0].logprobs.token_logprobs[1:] == [rows[j - 1, letters[j]].item() for j in range(1, 5)]
+    as_text = client.completions.create(model=MODEL, prompt="hello", max_tokens=0, echo=True, logprobs=1)
+    assert as_text.usage.prompt_tokens != 5
 
 
 # ---- echo -------------------------------------------------------------------------------------

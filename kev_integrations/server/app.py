@@ -49,7 +49,7 @@ from .pieces import Pieces
 from .protocol import EngineCall, parse_chat, parse_completion
 from .responses import ChunkWriter, chat_response, completion_response, sse
 from .tenants import Tenant, Tenants, matching_key
-from .token_prompts import prompt_texts
+from .token_prompts import engine_prompts
 from .workers import Workers
 
 SHUTDOWN_CLOSE_S = 30.0  # after uvicorn's graceful drain, the engine gets this long to stop
@@ -374,8 +374,7 @@ def build_app(engine: Engine | Callable[[], Engine], config: ServerConfig | None
             call = parse_chat(body, config, state.model_name, state.adapter_names(), engine_now.tokenizer)
         else:
             call = parse_completion(body, config, state.model_name, state.adapter_names())
-            if not all(isinstance(p, str) for p in call.prompts):  # token ids: their text, checked on a tokenize thread
-                call.prompts = await state.tokenize.run(prompt_texts, engine_now, call.prompts)
+            call.prompts = engine_prompts(engine_now, call.prompts)  # token ids: fed as sent, once checked
         call.endpoint = endpoint
         call.sampling = tenant.scoped(call.sampling)
         error = (await state.compiles.ensure(engine_now, tenant, [call.sampling]))[0]

@@ -28,6 +28,7 @@ from kev_engine import Completion, Engine, KevError
 from kev_engine.logprobs import TokenLogprob, TokenTexts, compute
 
 from .errors import engine_error
+from .token_prompts import prompt_text
 
 T = TypeVar("T")
 
@@ -44,7 +45,7 @@ class EchoedPrompt:
     """Tokens 1.. of the prompt, each with its logprob given the tokens before it; None without logprobs."""
 
 
-def echoed_prompts(engine: Engine, prompts: Sequence[str], adapter: str | None,
+def echoed_prompts(engine: Engine, prompts: Sequence[Any], adapter: str | None,
                    top_logprobs: int | None, fields: dict[str, str] | None = None) -> list[EchoedPrompt]:
     """Each prompt's echo; with `top_logprobs` (0..20 alternatives per token), its logprobs.
     A prompt the engine refuses raises the request's 400 (an `APIError`), naming it in a list."""
@@ -55,14 +56,14 @@ def echoed_prompts(engine: Engine, prompts: Sequence[str], adapter: str | None,
         except KevError as exc:
             raise engine_error(exc, i if len(prompts) > 1 else None, fields) from None
     if top_logprobs is None:
-        return [EchoedPrompt(text, len(token_ids)) for text, token_ids in zip(prompts, ids)]
+        return [EchoedPrompt(prompt_text(engine, p), len(token_ids)) for p, token_ids in zip(prompts, ids)]
     try:
         logits = engine.prompt_logits(list(prompts), adapter)  # [len_i, vocab] fp32 each
     except KevError as exc:
         raise engine_error(exc, None, fields) from None
     texts = TokenTexts(engine.tokenizer)
     return [EchoedPrompt(text, len(token_ids), texts(token_ids[0]), _logprobs(rows, token_ids, top_logprobs, texts))
-            for text, token_ids, rows in zip(prompts, ids, logits)]
+            for text, token_ids, rows in zip([prompt_text(engine, p) for p in prompts], ids, logits)]
 
 
 def _logprobs(rows: torch.Tensor, ids: list[int], top_logprobs: int, texts: TokenTexts) -> list[TokenLogprob]:

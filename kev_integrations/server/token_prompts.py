@@ -1,25 +1,21 @@
-"""/v1/completions' prompt shapes, and token-id prompts turned into the text the engine takes.
+"""/v1/completions' prompt shapes, and token-id prompts as the engine takes them.
 
 Where this sits: `protocol` reads the four shapes OpenAI and vLLM accept (a string, a list of
 strings, a list of token ids, a list of such lists) with `prompt_list`; `app` then turns the
-token-id ones into text with `prompt_texts`, on a tokenize thread, before anything is queued.
-
-Why text: the engine takes a prompt as text (or chat messages) and tokenizes it itself, yet a
-client that sends ids must be answered about exactly those ids (lm-eval scores its own tokens,
-position by position). So ids become the text they decode to, kept only when the engine's own
-tokenization of that text gives back the same ids. Ids no tokenizer would make of their text
-(a word spelled letter by letter, a prompt without the BOS this tokenizer adds) are a 400
-naming the prompt and the first position that differs, never a prompt fed as other tokens.
+token-id ones into the engine's token prompts (``{"prompt_token_ids": ids}``) with
+`engine_prompts`, before anything is queued. Ids are fed exactly as sent (lm-eval scores its own
+tokens, position by position, BOS or not), once each is checked to be a token of this model: a
+bad one is a 400 naming the prompt and the position.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kev_engine import Engine, KevError
+from kev_engine import Engine
 
-from .errors import bad_request, engine_error
+from .errors import bad_request
 
 PROMPT_SHAPES = "a string, a list of strings, a list of token ids, or a list of lists of token ids"
 
@@ -53,40 +49,27 @@ def _kind(value: Any) -> str:
     return f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
 
 
-def prompt_texts(engine: Engine, prompts: Sequence[str | list[int]]) -> list[str]:
-    """Every prompt as the text the engine feeds; a token-id prompt is checked against the
-    vocabulary and must be what the engine's tokenizer makes of its decoded text (see above)."""
-    tokenizer = engine.tokenizer
-    added = list(tokenizer("", add_special_tokens=True)["input_ids"])  # what it puts before any text (a BOS)
-    texts = []
-    for i, prompt in enumerate(prompts):
-        where = f"prompt[{i}]" if len(prompts) > 1 else "prompt"
-        texts.append(prompt if isinstance(prompt, str) else _text_of(engine, prompt, added, where))
-    return texts
-
-
-def _text_of(engine: Engine, ids: list[int], added: list[int], where: str) -> str:
+def engine_prompts(engine: Engine, prompts: Sequence[str | list[int]]) -> list[str | dict[str, list[int]]]:
+    """Every prompt as the engine takes it: text as it is, token ids as a token prompt, each id
+    checked against the vocabulary."""
     size = len(engine.tokenizer)
-    for j, token in enumerate(ids):
-        if not 0 <= token < size:
-            raise bad_request(f"{where}[{j}]={token} is not a token id of this model (ids 0..{size - 1})",
-                              param="prompt")
-    # the tokenizer writes its own leading special tokens: decoding them too would double them
-    body = ids[len(added):] if added and ids[:len(added)] == added else ids
-    text = engine.tokenizer.decode(body, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-    try:
-        fed = engine.encode(text)
-    except KevError as exc:
-        error = engine_error(exc, None)
-        raise bad_request(f"{where} (token ids, as their text): {error.message}", param="prompt") from None
-    if fed == ids:
-        return text
-    if fed == added + ids:
-        raise bad_request(f"{where} lacks the token(s) {added} this tokenizer starts every prompt with; the "
-                          "engine feeds a prompt as its text, tokenized with them: put them first", param="prompt")
-    at = next((k for k, (a, b) in enumerate(zip(ids, fed)) if a != b), min(len(ids), len(fed)))
-    sent = ids[at] if at < len(ids) else "nothing"
-    made = fed[at] if at < len(fed) else "nothing"
-    raise bad_request(f"{where}: these {len(ids)} token ids are not what this tokenizer makes of their text "
-                      f"({len(fed)} ids; position {at} is {sent} here and {made} there). The engine feeds a prompt "
-                      "as its text, so send ids as the tokenizer encodes them, or the text itself", param="prompt")
+    out: list[str | dict[str, list[int]]] = []
+    for i, prompt in enumerate(prompts):
+        if isinstance(prompt, str):
+            out.append(prompt)
+            continue
+        where = f"prompt[{i}]" if len(prompts) > 1 else "prompt"
+        for j, token in enumerate(prompt):
+            if not 0 <= token < size:
+                raise bad_request(f"{where}[{j}]={token} is not a token id of this model (ids 0..{size - 1})",
+                                  param="prompt")
+        out.append({"prompt_token_ids": prompt})
+    return out
+
+
+def prompt_text(engine: Engine, prompt: str | Mapping[str, Any]) -> str:
+    """A prompt's text, as an echo repeats it (a token prompt: its ids decoded, special tokens kept)."""
+    if isinstance(prompt, str):
+        return prompt
+    return str(engine.tokenizer.decode(prompt["prompt_token_ids"], skip_special_tokens=False,
+                                       clean_up_tokenization_spaces=False))
