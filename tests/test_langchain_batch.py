@@ -109,3 +109,18 @@ def test_max_concurrency_bounds_the_pack(lora_engine: Engine) -> None:
     before = lora_engine.stats()
     chain.batch(questions, config={"max_concurrency": 3})
     assert lora_engine.stats()["prefill_passes"] - before["prefill_passes"] == 3  # packs of 3 + 3 + 2
+
+
+def test_batch_as_completed_is_one_pack_and_answers_as_batch(lora_engine: Engine) -> None:
+    """The engine here never coalesces by clock (coalesce_ms=0): one pass means the inputs were
+    packed. Every index comes once, with the answer `batch` gives it."""
+    llm = ChatKev(engine=lora_engine, max_tokens=6, temperature=0)
+    questions = [item["question"] for item in ITEMS[:5]]
+    expected = [m.content for m in llm.batch(questions)]
+    before = lora_engine.stats()["prefill_passes"]
+    done = dict(llm.batch_as_completed(questions))
+    assert lora_engine.stats()["prefill_passes"] - before == 1
+    assert sorted(done) == list(range(5)) and [done[i].content for i in range(5)] == expected
+    before = lora_engine.stats()["prefill_passes"]
+    chunks = dict(llm.batch_as_completed(questions, config={"max_concurrency": 2}))
+    assert lora_engine.stats()["prefill_passes"] - before == 3 and len(chunks) == 5  # packs of 2 + 2 + 1

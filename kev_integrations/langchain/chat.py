@@ -323,6 +323,20 @@ class ChatKev(KevFields, BaseChatModel):
         configs = get_config_list(config, len(inputs))
         return packing.batch_packed([self] * len(inputs), inputs, configs, return_exceptions, kwargs)
 
+    def batch_as_completed(  # type: ignore[override]  # Runnable overloads it on return_exceptions
+        self,
+        inputs: Sequence[LanguageModelInput],
+        config: RunnableConfig | Sequence[RunnableConfig] | None = None,
+        *,
+        return_exceptions: bool = False,
+        **kwargs: Any,
+    ) -> Iterator[tuple[int, AIMessage | Exception]]:
+        """(index, reply) as each is done, packed as `batch` is: one engine pass per
+        `max_concurrency` inputs, whatever the threads' timing."""
+        configs = get_config_list(config, len(inputs))
+        return packing.batch_as_completed_packed([self] * len(inputs), list(inputs), configs, return_exceptions,
+                                                 kwargs)
+
     async def abatch(
         self,
         inputs: list[LanguageModelInput],

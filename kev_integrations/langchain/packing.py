@@ -221,6 +221,19 @@ async def _ainvoke(arrival: _Arrival, model: PackingModel, input_: Any, config: 
         arrival()
 
 
+def _start_pack(pool: ThreadPoolExecutor, models: Sequence[PackingModel], inputs: Sequence[Any],
+                configs: Sequence[Any], chunk: range, kwargs: dict[str, Any]) -> dict[Future[Any], int]:
+    """The invokes of one pack started side by side on `pool`, the engines held until each has
+    submitted its request (or finished without one); each future's input index."""
+    all_arrived = threading.Event()
+    gate = _Gate(len(chunk), all_arrived.set)
+    with _held([models[i] for i in chunk]):
+        futures = {pool.submit(copy_context().run, _invoke, _Arrival(gate), models[i], inputs[i], configs[i],
+                               dict(kwargs)): i for i in chunk}
+        all_arrived.wait(GATHER_TIMEOUT_S)
+    return futures
+
+
 def batch_packed(
     models: Sequence[PackingModel], inputs: Sequence[Any], configs: Sequence[Any], return_exceptions: bool,
     kwargs: dict[str, Any],
@@ -228,24 +241,33 @@ def batch_packed(
     """`Runnable.batch` for Kev models: the invokes side by side, one packed pass per `max_concurrency` inputs."""
     results: list[Any] = []
     for chunk in _chunks(len(inputs), configs):
-        all_arrived = threading.Event()
-        gate = _Gate(len(chunk), all_arrived.set)
         with ThreadPoolExecutor(max_workers=max(1, len(chunk)), thread_name_prefix="kev-batch") as pool:
-            with _held([models[i] for i in chunk]):
-                futures = [
-                    pool.submit(copy_context().run, _invoke, _Arrival(gate), models[i], inputs[i], configs[i],
-                                dict(kwargs))
-                    for i in chunk
-                ]
-                all_arrived.wait(GATHER_TIMEOUT_S)
-            for future in futures:  # the invokes end with their answers; they bound their own waits
-                try:
+            for future in _start_pack(pool, models, inputs, configs, chunk, kwargs):
+                try:  # the invokes end with their answers; they bound their own waits
                     results.append(future.result())
                 except Exception as exc:
                     if not return_exceptions:
                         raise
                     results.append(exc)
     return results
+
+
+def batch_as_completed_packed(
+    models: Sequence[PackingModel], inputs: Sequence[Any], configs: Sequence[Any], return_exceptions: bool,
+    kwargs: dict[str, Any],
+) -> Iterator[tuple[int, Any]]:
+    """`Runnable.batch_as_completed` for Kev models: packed as `batch_packed`, each (index, answer)
+    yielded as soon as it is done."""
+    for chunk in _chunks(len(inputs), configs):
+        with ThreadPoolExecutor(max_workers=max(1, len(chunk)), thread_name_prefix="kev-batch") as pool:
+            started = _start_pack(pool, models, inputs, configs, chunk, kwargs)
+            for future in cf.as_completed(started):
+                try:
+                    yield started[future], future.result()
+                except Exception as exc:
+                    if not return_exceptions:
+                        raise
+                    yield started[future], exc
 
 
 async def abatch_packed(
