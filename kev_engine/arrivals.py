@@ -24,9 +24,10 @@ pass, finish a few decode steps apart, and each agent's next question (after its
 start a pass of its own. A caller that knows it will come back (`Engine.expect_follow_up`: an
 agent integration, for a reply that calls a tool) says so; while such a follow-up is expected
 (its request still running, or answered less than `FOLLOW_UP_GRACE_S` ago and not yet followed
-up) and the engine is busy, newly queued requests wait — decodes go on — so the round's
-follow-ups are admitted together. None waits more than `FOLLOW_UP_WAIT_S`; each arrival counts as
-the follow-up of the longest-answered expectation.
+up) and the engine is busy, a follow-up that came waits for the others — decodes go on — so the
+round's follow-ups are admitted together. None waits more than `FOLLOW_UP_WAIT_S`, and nobody
+else waits: a request counts as a follow-up when an answered expectation is open as it arrives
+(the longest-answered one is then met).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ MAX_WINDOW_FACTOR = 8.0  # the quiet window grows to at most this many `coalesce
 GROWTH = 1.5  # a straggler's gap times this becomes the window (margin over the gap seen)
 DECAY = 0.8  # a burst without stragglers shrinks the window by this factor, down to the base
 FOLLOW_UP_GRACE_S = 0.25  # after an answer whose caller said it comes back: how long it is waited for
-FOLLOW_UP_WAIT_S = 0.5  # the longest a queued request waits for expected follow-ups to join it
+FOLLOW_UP_WAIT_S = 1.0  # the longest a follow-up waits for its round's others to join it
 
 
 class Arrivals:
@@ -74,11 +75,12 @@ class Arrivals:
         """The caller has queued its requests (or given up); idempotent."""
         self._announced.pop(token, None)
 
-    def arrived(self) -> None:
+    def arrived(self) -> bool:
         """Requests were queued now: the quiet window restarts, a straggler of a burst's first
-        pass widens it for the next burst, and the longest-answered expected follow-up has come."""
+        pass widens it for the next burst, and the longest-answered expected follow-up has come —
+        True if these requests are that follow-up."""
         now = self._clock()
-        answered = [t for t, until in self._expected.items() if until < math.inf]
+        answered = [t for t, until in self._expected.items() if now < until < math.inf]
         if answered:
             self.unexpect(min(answered, key=self._expected.__getitem__))
         if self._first_pass_after is not None:
@@ -87,6 +89,7 @@ class Arrivals:
                 self.window_s = min(self.max_window_s, max(self.window_s, gap * GROWTH))
                 self._straggled = True
         self.last = now
+        return bool(answered)
 
     def start_at(self) -> float:
         """When the first pass may start (clock time): after the quiet window, once no announced
@@ -120,8 +123,8 @@ class Arrivals:
         self._queued.pop(token, None)
 
     def defers(self, queued_at: float) -> bool:
-        """Whether a request queued at `queued_at` waits for expected follow-ups (while the engine
-        is busy: the scheduler asks only then)."""
+        """Whether a follow-up queued at `queued_at` waits for its round's others, still expected
+        (the scheduler asks only while the engine is busy, and only for follow-ups)."""
         now = self._clock()
         for token, until in list(self._expected.items()):
             if until <= now:

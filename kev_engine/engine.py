@@ -447,10 +447,11 @@ class Engine:
     def expect_follow_up(self, future: Future[Any]) -> Arrival:
         """Say that `future`'s caller will soon submit again after it is answered — an agent whose
         reply calls a tool asks again once the tool ran — so that the round's follow-ups share a
-        pass: while one is expected and the engine is busy, newly queued requests wait (each at
-        most `arrivals.FOLLOW_UP_WAIT_S`; decodes go on). `end()` the handle when no follow-up will
-        come (the answer called no tool); after the answer it is waited for
-        `arrivals.FOLLOW_UP_GRACE_S` at most, and any request queued meanwhile counts as one.
+        pass: while other follow-ups of the round are still expected and the engine is busy, a
+        follow-up that came waits for them (at most `arrivals.FOLLOW_UP_WAIT_S`; decodes go on;
+        nobody else waits). `end()` the handle when no follow-up will come (the answer called no
+        tool); after the answer it is waited for `arrivals.FOLLOW_UP_GRACE_S` at most, and the next
+        request queued meanwhile counts as it.
         """
         with self._cond:
             request = next((r for r in self._scheduler.waiting if r.future is future), None)
@@ -528,7 +529,7 @@ class Engine:
     def _step(self) -> int:
         life = self._life
         life.cancel()
-        chunks = life.schedule(lambda r: self._worker.arrivals.defers(r.queued_at))
+        chunks = life.schedule(lambda r: r.follow_up and self._worker.arrivals.defers(r.queued_at))
         if not chunks:
             return 0
         started = time.perf_counter()
@@ -565,8 +566,8 @@ class Engine:
         with self._cond:
             if self._closed:
                 raise EngineClosedError("the engine is closed")
-            futures = self._life.enqueue(prepared, self._defaults, on_text, logits_only, capture_logits)
-            self._worker.arrivals.arrived()
+            follow_up = self._worker.arrivals.arrived()
+            futures = self._life.enqueue(prepared, self._defaults, on_text, logits_only, capture_logits, follow_up)
             self._worker.start()
             self._cond.notify_all()
         return futures

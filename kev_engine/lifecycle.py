@@ -71,10 +71,10 @@ class Lifecycle:
 
     def enqueue(self, prepared: Sequence[Prepared], defaults: Defaults,
                 on_text: Sequence[Callable[[str], None] | None] | None = None,
-                logits_only: bool = False, capture_logits: bool = False) -> list[Future[Any]]:
+                logits_only: bool = False, capture_logits: bool = False, follow_up: bool = False) -> list[Future[Any]]:
         """Queue every valid request as one group (one settings snapshot: an update never splits it);
         a refused one gets an already-failed future. An n > 1 request is its samples, the first
-        leading (`fanout`), behind one future."""
+        leading (`fanout`), behind one future. `follow_up`: the group is an expected follow-up."""
         out: list[Future[Any]] = []
         group_id = next(self._groups)
         group: list[Request] = []
@@ -103,6 +103,7 @@ class Lifecycle:
                 capture_logits=capture_logits,
                 blocks=BlockTable(cacheable=not logits_only),
                 group=group_id,
+                follow_up=follow_up,
                 on_text=on_text[i] if on_text is not None else None,
                 matcher=None if compiled is None or logits_only else self.grammars.matcher(compiled),
                 logprobs=[] if sample.logprobs else None,

@@ -96,6 +96,7 @@ class Request:
     logits_only: bool = False  # prompt_logits: every prompt position's logits, no sampling
     capture_logits: bool = False  # kev verify: keep the logits each generated token was sampled from
     group: int = 0  # requests submitted together share a group and are admitted together
+    follow_up: bool = False  # an answer's expected follow-up (`arrivals`): it may wait for its round's others
     queued_at: float = field(default_factory=time.monotonic)  # when it was queued (its wait is a stat)
     status: Status = Status.WAITING
     output_ids: list[int] = field(default_factory=list)

@@ -154,8 +154,9 @@ def test_an_expected_follow_up_defers_newcomers_once_its_request_runs_until_it_c
     a.answered(token)
     clock.now += arrivals.FOLLOW_UP_GRACE_S / 2
     assert a.defers(queued_at=clock.now)  # answered: its caller is running the tool
-    a.arrived()  # ... and here it is: the longest-answered expectation is met
+    assert a.arrived()  # ... and here it is, a follow-up: the longest-answered expectation is met
     assert not a.defers(queued_at=clock.now)
+    assert not a.arrived()  # nothing answered is open: the next arrival is nobody's follow-up
 
 
 def test_an_answer_nobody_follows_up_stops_deferring_after_the_grace_or_at_once() -> None:
@@ -170,7 +171,7 @@ def test_an_answer_nobody_follows_up_stops_deferring_after_the_grace_or_at_once(
     assert not a.defers(queued_at=clock.now)  # the first never came back: no longer waited for
 
 
-def test_a_deferred_request_stays_queued_only_while_others_run() -> None:
+def test_a_deferred_follow_up_stays_queued_only_while_others_run() -> None:
     from test_schedule import request
 
     from kev_engine.blocks import BlockManager
