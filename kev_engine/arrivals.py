@@ -13,6 +13,8 @@ first of them leaves the rest to a second pass. Three things decide the start:
   ends its own cannot hold the engine.
 - **A quiet window.** The pass starts once nobody arrived for `window_s`: a lone request waits
   exactly that (the engine's `coalesce_ms`), a burst waits until its last member.
+- **Follow-ups on their way.** An answer whose caller said it comes back (below) is waited for
+  until that caller's next request arrives, at most `FOLLOW_UP_GRACE_S` after the answer.
 - **Adaptation.** A request arriving during the first pass of a burst, within `MAX_WINDOW_FACTOR`
   windows of the last one admitted, missed that pass: the window grows to cover such a gap next
   time. Bursts without a straggler shrink it back towards `coalesce_ms`, so lone requests keep
@@ -24,8 +26,8 @@ pass, finish a few decode steps apart, and each agent's next question (after its
 start a pass of its own. A caller that knows it will come back (`Engine.expect_follow_up`: an
 agent integration, for a reply that calls a tool) says so; while such a follow-up is expected
 (its request still running, or answered less than `FOLLOW_UP_GRACE_S` ago and not yet followed
-up) and the engine is busy, a follow-up that came waits for the others — decodes go on — so the
-round's follow-ups are admitted together. None waits more than `FOLLOW_UP_WAIT_S`, and nobody
+up), a follow-up that came waits for the others — decodes go on — so the round's follow-ups are
+admitted together. None waits more than `FOLLOW_UP_WAIT_S`, and nobody
 else waits: a request counts as a follow-up when an answered expectation is open as it arrives
 (the longest-answered one is then met).
 """
@@ -43,7 +45,7 @@ ANNOUNCED_MAX_S = 0.25  # the longest one announced caller may hold an idle engi
 MAX_WINDOW_FACTOR = 8.0  # the quiet window grows to at most this many `coalesce_ms`
 GROWTH = 1.5  # a straggler's gap times this becomes the window (margin over the gap seen)
 DECAY = 0.8  # a burst without stragglers shrinks the window by this factor, down to the base
-FOLLOW_UP_GRACE_S = 0.25  # after an answer whose caller said it comes back: how long it is waited for
+FOLLOW_UP_GRACE_S = 0.5  # after an answer whose caller said it comes back: how long it is waited for
 FOLLOW_UP_WAIT_S = 1.0  # the longest a follow-up waits for its round's others to join it
 
 
@@ -101,6 +103,9 @@ class Arrivals:
         at = self.last + self.window_s
         if self._announced:
             at = max(at, min(max(self._announced.values()), now + ANNOUNCED_MAX_S))
+        answered = [until for until in self._expected.values() if now < until < math.inf]
+        if answered:  # a round's callers are running their tools: their follow-ups start together
+            at = max(at, max(answered))
         return at
 
     def expect(self, queued: Callable[[], bool]) -> int:
@@ -123,8 +128,8 @@ class Arrivals:
         self._queued.pop(token, None)
 
     def defers(self, queued_at: float) -> bool:
-        """Whether a follow-up queued at `queued_at` waits for its round's others, still expected
-        (the scheduler asks only while the engine is busy, and only for follow-ups)."""
+        """Whether a follow-up queued at `queued_at` waits for its round's others: still running,
+        or answered and on their way back (the scheduler asks only for follow-ups)."""
         now = self._clock()
         for token, until in list(self._expected.items()):
             if until <= now:

@@ -447,11 +447,11 @@ class Engine:
     def expect_follow_up(self, future: Future[Any]) -> Arrival:
         """Say that `future`'s caller will soon submit again after it is answered — an agent whose
         reply calls a tool asks again once the tool ran — so that the round's follow-ups share a
-        pass: while other follow-ups of the round are still expected and the engine is busy, a
-        follow-up that came waits for them (at most `arrivals.FOLLOW_UP_WAIT_S`; decodes go on;
-        nobody else waits). `end()` the handle when no follow-up will come (the answer called no
-        tool); after the answer it is waited for `arrivals.FOLLOW_UP_GRACE_S` at most, and the next
-        request queued meanwhile counts as it.
+        pass: while other follow-ups of the round are still expected (their requests running, or
+        answered and on their way back), a follow-up that came waits for them (at most
+        `arrivals.FOLLOW_UP_WAIT_S`; decodes go on; nobody else waits). `end()` the handle when no
+        follow-up will come (the answer called no tool); after the answer it is waited for
+        `arrivals.FOLLOW_UP_GRACE_S` at most, and the next request queued meanwhile counts as it.
         """
         with self._cond:
             request = next((r for r in self._scheduler.waiting if r.future is future), None)

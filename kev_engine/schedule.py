@@ -106,10 +106,9 @@ class Scheduler:
         defer: Callable[[Request], bool] = lambda r: False,
     ) -> list[Chunk]:
         """Pick this pass's chunks and give each the KV it needs. `can_admit` reserves what else a
-        waiting request needs (its adapter's slot); `on_preempt` gives that back. While others
-        run, a waiting request that `defer` names stays queued (expected follow-ups join it)."""
+        waiting request needs (its adapter's slot); `on_preempt` gives that back. A waiting
+        request that `defer` names stays queued this pass (the follow-ups it waits for join it)."""
         plan = _Pass(self)
-        busy = bool(self.running)
         decoding = [r for r in self.running if r.num_tokens - r.num_computed == 1 and not r.in_prefill]
         continuing = [r for r in self.running if r not in decoding]
         for request in decoding:  # 1. every running answer's next token
@@ -136,7 +135,7 @@ class Scheduler:
             if request.future.done():  # cancelled (or failed by its own on_text)
                 self.cancelled.append(self.waiting.pop(index))
                 continue
-            if (request.logits_only and plan.logits_left <= 0) or (busy and defer(request)):
+            if (request.logits_only and plan.logits_left <= 0) or defer(request):
                 index += 1
                 continue
             cached = self.blocks.allocate(request.blocks, request.all_ids, request.prefix_key, self.watermark)

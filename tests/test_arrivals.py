@@ -171,19 +171,34 @@ def test_an_answer_nobody_follows_up_stops_deferring_after_the_grace_or_at_once(
     assert not a.defers(queued_at=clock.now)  # the first never came back: no longer waited for
 
 
-def test_a_deferred_follow_up_stays_queued_only_while_others_run() -> None:
+def test_a_deferred_follow_up_stays_queued_for_that_pass() -> None:
     from test_schedule import request
 
     from kev_engine.blocks import BlockManager
     from kev_engine.schedule import Scheduler
 
     scheduler = Scheduler(max_batch_tokens=64, max_num_seqs=8, blocks=BlockManager(num_blocks=16, block_size=4))
-    newcomer = request(0, [1, 2, 3])
-    scheduler.add([newcomer])
-    assert [c.request for c in scheduler.schedule(defer=lambda r: True)] == [newcomer]  # nobody runs: admitted
-    late = request(1, [4, 5, 6])
-    scheduler.add([late])
-    planned = [c.request for c in scheduler.schedule(defer=lambda r: r is late)]
-    assert planned == [newcomer] and scheduler.waiting == [late]  # the running one decodes, the late one waits
+    running, follow_up = request(0, [1, 2, 3]), request(1, [4, 5, 6])
+    scheduler.add([running])
+    scheduler.schedule()
+    scheduler.add([follow_up])
+    planned = [c.request for c in scheduler.schedule(defer=lambda r: r is follow_up)]
+    assert planned == [running] and scheduler.waiting == [follow_up]  # the running one goes on, it waits
     planned = [c.request for c in scheduler.schedule(defer=lambda r: False)]
-    assert late in planned and not scheduler.waiting
+    assert follow_up in planned and not scheduler.waiting
+
+
+def test_an_idle_engine_waits_for_answered_callers_to_come_back() -> None:
+    """Agents whose answers came in one pass run their tools; the engine, idle meanwhile, starts
+    the next pass when all have asked again (or their grace ends), not with the first."""
+    clock = Clock()
+    a = Arrivals(0.005, clock)
+    first, second = a.expect(lambda: False), a.expect(lambda: False)
+    a.answered(first)
+    a.answered(second)
+    clock.now += 0.01
+    assert a.arrived()  # the first agent is back
+    assert a.start_at() == pytest.approx(100 + arrivals.FOLLOW_UP_GRACE_S)  # the second is awaited
+    clock.now += 0.01
+    assert a.arrived()  # ... and back
+    assert a.start_at() == pytest.approx(clock.now + 0.005)  # only the quiet window is left
