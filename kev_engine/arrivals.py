@@ -13,8 +13,6 @@ first of them leaves the rest to a second pass. Three things decide the start:
   ends its own cannot hold the engine.
 - **A quiet window.** The pass starts once nobody arrived for `window_s`: a lone request waits
   exactly that (the engine's `coalesce_ms`), a burst waits until its last member.
-- **Follow-ups on their way.** An answer whose caller said it comes back (below) is waited for
-  until that caller's next request arrives, at most `FOLLOW_UP_GRACE_S` after the answer.
 - **Adaptation.** A request arriving during the first pass of a burst, within `MAX_WINDOW_FACTOR`
   windows of the last one admitted, missed that pass: the window grows to cover such a gap next
   time. Bursts without a straggler shrink it back towards `coalesce_ms`, so lone requests keep
@@ -26,10 +24,10 @@ pass, finish a few decode steps apart, and each agent's next question (after its
 start a pass of its own. A caller that knows it will come back (`Engine.expect_follow_up`: an
 agent integration, for a reply that calls a tool) says so; while such a follow-up is expected
 (its request still running, or answered less than `FOLLOW_UP_GRACE_S` ago and not yet followed
-up), a follow-up that came waits for the others — decodes go on — so the round's follow-ups are
-admitted together. None waits more than `FOLLOW_UP_WAIT_S`, and nobody
-else waits: a request counts as a follow-up when an answered expectation is open as it arrives
-(the longest-answered one is then met).
+up), a follow-up that came (`submit(..., follow_up=True)`: it continues after a tool result) waits
+for the others — decodes go on, idle engine or busy — so the round's follow-ups are admitted
+together. None waits more than `FOLLOW_UP_WAIT_S`, and nobody else waits; each follow-up meets the
+longest-answered expectation, and waits only for those said before it came.
 """
 
 from __future__ import annotations
@@ -64,6 +62,7 @@ class Arrivals:
         self._straggled = False
         self._expected: dict[int, float] = {}  # follow-ups: id -> when it stops being waited for (inf: unanswered)
         self._queued: dict[int, Callable[[], bool]] = {}  # follow-ups: id -> whether its request still waits
+        self._since: dict[int, float] = {}  # follow-ups: id -> when it was said
 
     def announce(self) -> int:
         """A caller is on its way: an idle engine's first pass waits for it (bounded)."""
@@ -77,12 +76,12 @@ class Arrivals:
         """The caller has queued its requests (or given up); idempotent."""
         self._announced.pop(token, None)
 
-    def arrived(self) -> bool:
-        """Requests were queued now: the quiet window restarts, a straggler of a burst's first
-        pass widens it for the next burst, and the longest-answered expected follow-up has come —
-        True if these requests are that follow-up."""
+    def arrived(self, follow_up: bool = False) -> bool:
+        """Requests were queued now: the quiet window restarts, and a straggler of a burst's first
+        pass widens it for the next burst. A `follow_up` meets the longest-answered expectation;
+        True if there was one (the requests may then wait for their round's others)."""
         now = self._clock()
-        answered = [t for t, until in self._expected.items() if now < until < math.inf]
+        answered = [t for t, until in self._expected.items() if now < until < math.inf] if follow_up else []
         if answered:
             self.unexpect(min(answered, key=self._expected.__getitem__))
         if self._first_pass_after is not None:
@@ -103,9 +102,6 @@ class Arrivals:
         at = self.last + self.window_s
         if self._announced:
             at = max(at, min(max(self._announced.values()), now + ANNOUNCED_MAX_S))
-        answered = [until for until in self._expected.values() if now < until < math.inf]
-        if answered:  # a round's callers are running their tools: their follow-ups start together
-            at = max(at, max(answered))
         return at
 
     def expect(self, queued: Callable[[], bool]) -> int:
@@ -115,6 +111,7 @@ class Arrivals:
         token = next(self._ids)
         self._expected[token] = math.inf
         self._queued[token] = queued
+        self._since[token] = self._clock()
         return token
 
     def answered(self, token: int) -> None:
@@ -126,17 +123,20 @@ class Arrivals:
         """No follow-up will come (the answer called no tool, the caller gave up); idempotent."""
         self._expected.pop(token, None)
         self._queued.pop(token, None)
+        self._since.pop(token, None)
 
     def defers(self, queued_at: float) -> bool:
-        """Whether a follow-up queued at `queued_at` waits for its round's others: still running,
-        or answered and on their way back (the scheduler asks only for follow-ups)."""
+        """Whether a follow-up queued at `queued_at` waits for its round's others: said before it
+        came, and still running or answered and on their way back (the scheduler asks only for
+        follow-ups). Expectations said after it are a later round's, never waited for."""
         now = self._clock()
         for token, until in list(self._expected.items()):
             if until <= now:
                 self.unexpect(token)
         if now - queued_at >= FOLLOW_UP_WAIT_S:
             return False
-        return any(until < math.inf or not self._queued[token]() for token, until in self._expected.items())
+        return any(self._since[token] <= queued_at and (until < math.inf or not self._queued[token]())
+                   for token, until in self._expected.items())
 
     def now(self) -> float:
         return self._clock()

@@ -193,6 +193,7 @@ class Engine:
         sampling: SamplingArg = None,
         adapter: AdapterArg = None,
         on_text: Callable[[str], None] | None = None,
+        follow_up: bool = False,
     ) -> Future[Completion]:
         """Queue one question; a bad one gets a future that fails alone, never an exception here.
 
@@ -200,9 +201,13 @@ class Engine:
         threads (see `delivery`): in order, all before the future resolves, and a slow callback
         delays only its own request. An exception it raises fails this request alone. Cancelling
         the future stops the request at the next pass and frees what it holds.
+
+        `follow_up`: it comes back after an answer its caller was expected back from (an agent's
+        question after its tool ran, `expect_follow_up`); it may wait for its round's others.
         """
         with self._arriving_now():
-            return self._enqueue(self._intake.prepare([prompt], [sampling], [adapter]), on_text=[on_text])[0]
+            return self._enqueue(self._intake.prepare([prompt], [sampling], [adapter]), on_text=[on_text],
+                                 follow_up=follow_up)[0]
 
     def submit_many(
         self,
@@ -451,7 +456,7 @@ class Engine:
         answered and on their way back), a follow-up that came waits for them (at most
         `arrivals.FOLLOW_UP_WAIT_S`; decodes go on; nobody else waits). `end()` the handle when no
         follow-up will come (the answer called no tool); after the answer it is waited for
-        `arrivals.FOLLOW_UP_GRACE_S` at most, and the next request queued meanwhile counts as it.
+        `arrivals.FOLLOW_UP_GRACE_S` at most. The follow-up is a `submit(..., follow_up=True)`.
         """
         with self._cond:
             request = next((r for r in self._scheduler.waiting if r.future is future), None)
@@ -561,12 +566,13 @@ class Engine:
         on_text: Sequence[Callable[[str], None] | None] | None = None,
         logits_only: bool = False,
         capture_logits: bool = False,
+        follow_up: bool = False,
     ) -> list[Future[Any]]:
         """Queue all valid requests as one group; a refused one gets an already-failed future."""
         with self._cond:
             if self._closed:
                 raise EngineClosedError("the engine is closed")
-            follow_up = self._worker.arrivals.arrived()
+            follow_up = self._worker.arrivals.arrived(follow_up)
             futures = self._life.enqueue(prepared, self._defaults, on_text, logits_only, capture_logits, follow_up)
             self._worker.start()
             self._cond.notify_all()

@@ -186,9 +186,9 @@ def record_submits(engine, monkeypatch):
     calls: list[tuple] = []
     submit = engine.submit
 
-    def spy(prompt, sampling=None, adapter=None, on_text=None):
+    def spy(prompt, sampling=None, adapter=None, on_text=None, **options):
         calls.append((prompt, sampling, adapter))
-        return submit(prompt, sampling, adapter, on_text=on_text)
+        return submit(prompt, sampling, adapter, on_text=on_text, **options)
 
     monkeypatch.setattr(engine, "submit", spy)
     return calls

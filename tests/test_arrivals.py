@@ -154,9 +154,9 @@ def test_an_expected_follow_up_defers_newcomers_once_its_request_runs_until_it_c
     a.answered(token)
     clock.now += arrivals.FOLLOW_UP_GRACE_S / 2
     assert a.defers(queued_at=clock.now)  # answered: its caller is running the tool
-    assert a.arrived()  # ... and here it is, a follow-up: the longest-answered expectation is met
+    assert a.arrived(follow_up=True)  # ... and here it is: the longest-answered expectation is met
     assert not a.defers(queued_at=clock.now)
-    assert not a.arrived()  # nothing answered is open: the next arrival is nobody's follow-up
+    assert not a.arrived(follow_up=True)  # nothing answered is open: nobody's follow-up
 
 
 def test_an_answer_nobody_follows_up_stops_deferring_after_the_grace_or_at_once() -> None:
@@ -188,17 +188,27 @@ def test_a_deferred_follow_up_stays_queued_for_that_pass() -> None:
     assert follow_up in planned and not scheduler.waiting
 
 
-def test_an_idle_engine_waits_for_answered_callers_to_come_back() -> None:
-    """Agents whose answers came in one pass run their tools; the engine, idle meanwhile, starts
-    the next pass when all have asked again (or their grace ends), not with the first."""
+def test_only_a_follow_up_meets_an_expectation() -> None:
     clock = Clock()
     a = Arrivals(0.005, clock)
-    first, second = a.expect(lambda: False), a.expect(lambda: False)
-    a.answered(first)
-    a.answered(second)
+    token = a.expect(lambda: False)
+    a.answered(token)
+    assert not a.arrived()  # another caller's question: the expectation stays open
+    assert a.arrived(follow_up=True)  # the agent's next question meets it
+    assert not a.arrived(follow_up=True)
+
+
+def test_a_follow_up_never_waits_for_expectations_said_after_it_came() -> None:
+    """An answer nobody followed up (an agent that stopped after its tool) leaves its expectation
+    open for the grace: the next request counts as its follow-up, and must not then wait for the
+    requests that arrived with it (a later round, expected only after it came)."""
+    clock = Clock()
+    a = Arrivals(0.005, clock)
+    stale = a.expect(lambda: False)
+    a.answered(stale)
     clock.now += 0.01
-    assert a.arrived()  # the first agent is back
-    assert a.start_at() == pytest.approx(100 + arrivals.FOLLOW_UP_GRACE_S)  # the second is awaited
-    clock.now += 0.01
-    assert a.arrived()  # ... and back
-    assert a.start_at() == pytest.approx(clock.now + 0.005)  # only the quiet window is left
+    assert a.arrived(follow_up=True)
+    queued_at = clock.now
+    clock.now += 0.001
+    a.expect(lambda: False)  # its neighbours', said after it came
+    assert not a.defers(queued_at)

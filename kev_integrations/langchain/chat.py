@@ -9,7 +9,7 @@ from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackMana
 from langchain_core.language_models import BaseChatModel, LanguageModelInput
 from langchain_core.language_models.base import LangSmithParams
 from langchain_core.language_models.model_profile import ModelProfile
-from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
+from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, ToolMessage
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from langchain_core.runnables import Runnable, RunnableConfig
 from langchain_core.runnables.config import get_config_list
@@ -195,7 +195,8 @@ class ChatKev(KevFields, BaseChatModel):
         system_extra = schema_instruction(schema) if kind != "text" else ""
         prompt = build_prompt(messages, tools, tool_choice, engine.tokenizer, system_extra)
         names = [t["function"]["name"] for t in offered_tools(tools, tool_choice)]
-        return EngineRequest(engine, prompt, sampling, adapter), names
+        follow_up = bool(messages) and isinstance(messages[-1], ToolMessage)  # an agent's next question
+        return EngineRequest(engine, prompt, sampling, adapter, follow_up), names
 
     def get_num_tokens_from_messages(self, messages: list[BaseMessage], tools: Sequence[Any] | None = None) -> int:
         """Exactly the prompt tokens `invoke(messages)` (with these tools bound) feeds the model:
@@ -234,7 +235,7 @@ class ChatKev(KevFields, BaseChatModel):
         **kwargs: Any,
     ) -> ChatResult:
         request, names = self._request(messages, stop, kwargs)
-        return self._result(packing.complete(request, self.timeout, _follow_up(names)), names)
+        return self._result(packing.complete(request, self.timeout, names), names)
 
     async def _agenerate(
         self,
@@ -244,7 +245,7 @@ class ChatKev(KevFields, BaseChatModel):
         **kwargs: Any,
     ) -> ChatResult:
         request, names = self._request(messages, stop, kwargs)
-        return self._result(await packing.acomplete(request, self.timeout, _follow_up(names)), names)
+        return self._result(await packing.acomplete(request, self.timeout, names), names)
 
     def _chunk(self, piece: str | Completion, names: list[str], text: list[str],
                streamed: list[int]) -> ChatGenerationChunk:
@@ -286,7 +287,7 @@ class ChatKev(KevFields, BaseChatModel):
         request, names = self._request(messages, stop, kwargs)
         text: list[str] = []
         streamed = [0]  # logprob entries already on a chunk
-        for piece in packing.stream(request):
+        for piece in packing.stream(request, names):
             chunk = self._chunk(piece, names, text, streamed)
             if run_manager and isinstance(piece, str) and not names:
                 run_manager.on_llm_new_token(piece, chunk=chunk)
@@ -302,7 +303,7 @@ class ChatKev(KevFields, BaseChatModel):
         request, names = self._request(messages, stop, kwargs)
         text: list[str] = []
         streamed = [0]  # logprob entries already on a chunk
-        async for piece in packing.astream(request):
+        async for piece in packing.astream(request, names):
             chunk = self._chunk(piece, names, text, streamed)
             if run_manager and isinstance(piece, str) and not names:
                 await run_manager.on_llm_new_token(piece, chunk=chunk)
@@ -403,14 +404,3 @@ class ChatKev(KevFields, BaseChatModel):
             raise ValueError(f"unsupported arguments {sorted(kwargs)}")
         return structured_output(self, schema, method, include_raw, strict)
 
-
-def _follow_up(tool_names: list[str]) -> Callable[[Completion], bool] | None:
-    """With tools offered, a call is an agent's step: an answer that calls a tool (or tried to)
-    brings its caller back once the tool ran, and agents side by side share that next pass."""
-    if not tool_names:
-        return None
-
-    def calls_a_tool(completion: Completion) -> bool:
-        _, calls, invalid = parse_tool_calls(completion.text, tool_names, completion.finish_reason)
-        return bool(calls or invalid)
-    return calls_a_tool

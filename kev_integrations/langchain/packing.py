@@ -26,6 +26,7 @@ from typing import Any, Protocol
 
 from kev_engine import Completion, EngineLike, SamplingParams
 
+from ..follow_ups import FollowUp, submit_options
 from ..streaming import astream_answer, stream_answer
 
 # Bounds the wait for a batch's invokes to reach the engine. They only convert messages and run
@@ -42,6 +43,7 @@ class EngineRequest:
     prompt: Any  # str | list[message dict] | {"messages": [...], "tools": [...]}
     sampling: SamplingParams
     adapter: str | None
+    follow_up: bool = False  # it continues after a tool result (an agent's next question, `follow_ups`)
 
 
 class _Gate:
@@ -96,7 +98,8 @@ def submit_all(requests: Sequence[EngineRequest]) -> list[Future[Completion]]:
     with contextlib.ExitStack() as stack:
         for engine in {id(r.engine): r.engine for r in requests}.values():
             stack.enter_context(engine.hold())
-        futures = [r.engine.submit(r.prompt, r.sampling, r.adapter) for r in requests]
+        futures = [r.engine.submit(r.prompt, r.sampling, r.adapter, **submit_options(r.engine, r.follow_up))
+                   for r in requests]
     arrive()
     return futures
 
@@ -124,56 +127,39 @@ async def await_all(futures: Sequence[Future[Completion]], timeout: float | None
             future.cancel()
 
 
-def complete(request: EngineRequest, timeout: float | None = None,
-             follow_up: Callable[[Completion], bool] | None = None) -> Completion:
-    """One answer; inside a batch, it joins the batch's pass. `follow_up`: whether, given the
-    answer, its caller asks again soon (see `expect_follow_up`)."""
+def complete(request: EngineRequest, timeout: float | None = None, tool_names: Sequence[str] = ()) -> Completion:
+    """One answer; inside a batch, it joins the batch's pass. With `tool_names` offered, an
+    answer that calls one expects its caller back (`follow_ups`)."""
     futures = submit_all([request])
-    with expect_follow_up(request.engine, futures[0], follow_up) as answered:
-        return answered(wait(futures, timeout)[0])
-
-
-async def acomplete(request: EngineRequest, timeout: float | None = None,
-                    follow_up: Callable[[Completion], bool] | None = None) -> Completion:
-    """Truly async `complete`."""
-    futures = submit_all([request])
-    with expect_follow_up(request.engine, futures[0], follow_up) as answered:
-        return answered((await await_all(futures, timeout))[0])
-
-
-@contextlib.contextmanager
-def expect_follow_up(engine: Any, future: Future[Completion],
-                     follow_up: Callable[[Completion], bool] | None) -> Iterator[Callable[[Completion], Completion]]:
-    """An agent's step: while its answer is computed, and briefly after, the engine expects this
-    caller back (`Engine.expect_follow_up`), so the follow-ups of agents running side by side
-    share a pass; an answer after which nobody comes back (`follow_up` says so) ends that at
-    once. Engines that do not coalesce this way (a remote one: its server coalesces) skip it."""
-    expect = getattr(engine, "expect_follow_up", None)
-    if follow_up is None or expect is None:
-        yield lambda completion: completion
-        return
-    expected = expect(future)
-    comes_back = follow_up
-
-    def answered(completion: Completion) -> Completion:
-        if not comes_back(completion):
-            expected.end()
-        return completion
+    follow_up = FollowUp(request.engine, futures[0], tool_names)
     try:
-        yield answered
+        return follow_up.answered(wait(futures, timeout)[0])
     except BaseException:
-        expected.end()
+        follow_up.abandon()
         raise
 
 
-def stream(request: EngineRequest) -> Iterator[str | Completion]:
+async def acomplete(request: EngineRequest, timeout: float | None = None, tool_names: Sequence[str] = ()) -> Completion:
+    """Truly async `complete`."""
+    futures = submit_all([request])
+    follow_up = FollowUp(request.engine, futures[0], tool_names)
+    try:
+        return follow_up.answered((await await_all(futures, timeout))[0])
+    except BaseException:
+        follow_up.abandon()
+        raise
+
+
+def stream(request: EngineRequest, tool_names: Sequence[str] = ()) -> Iterator[str | Completion]:
     """Text pieces as the engine makes them, then the `Completion`."""
-    return stream_answer(request.engine, request.prompt, request.sampling, request.adapter, on_submitted=arrive)
+    return stream_answer(request.engine, request.prompt, request.sampling, request.adapter, on_submitted=arrive,
+                         tool_names=tool_names, follow_up=request.follow_up)
 
 
-def astream(request: EngineRequest) -> AsyncIterator[str | Completion]:
+def astream(request: EngineRequest, tool_names: Sequence[str] = ()) -> AsyncIterator[str | Completion]:
     """Async `stream`."""
-    return astream_answer(request.engine, request.prompt, request.sampling, request.adapter, on_submitted=arrive)
+    return astream_answer(request.engine, request.prompt, request.sampling, request.adapter, on_submitted=arrive,
+                          tool_names=tool_names, follow_up=request.follow_up)
 
 
 class PackingModel(Protocol):
