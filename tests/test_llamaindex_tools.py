@@ -127,7 +127,9 @@ def test_a_reply_cut_by_max_tokens_is_a_parse_error_naming_length(llm) -> None:
     cut = llm.chat_with_tools(tools, user_msg="Paint it.", tool_required=True, max_tokens=4)
     assert cut.raw["finish_reason"] == "length"
     with pytest.raises(ReplyParseError, match="does not parse.*cut inside.*finish_reason='length'"):
-        llm.get_tool_calls_from_response(cut, error_on_no_tool_call=False)  # never a silent "no call"
+        llm.get_tool_calls_from_response(cut)  # a call was required: never a silent "no call"
+    (failed,) = llm.get_tool_calls_from_response(cut, error_on_no_tool_call=False)  # an agent's way
+    assert failed.tool_name.startswith("tool call (not run: cut inside the <tool_call> tag")
     cut = llm.chat_with_tools(tools, user_msg="Paint it.", tool_required=True, max_tokens=12)  # inside the JSON
     with pytest.raises(ReplyParseError, match="cut by max_tokens.*finish_reason='length'"):
         llm.get_tool_calls_from_response(cut)

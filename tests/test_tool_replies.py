@@ -185,7 +185,9 @@ def test_llamaindex_reports_the_cut_call_with_its_arguments_text(engine: Engine,
     assert reply.message.additional_kwargs["invalid_tool_calls"] == [
         {"name": "add", "arguments": CUT_ARGUMENTS, "error": CUT_BY_MAX_TOKENS}]
     with pytest.raises(ReplyParseError, match=r"tool call 'add' with arguments '\{\"a\": 3,' does not parse"):
-        llm.get_tool_calls_from_response(reply, error_on_no_tool_call=False)
+        llm.get_tool_calls_from_response(reply)
+    selections = llm.get_tool_calls_from_response(reply, error_on_no_tool_call=False)  # an agent's way
+    assert [s.tool_name for s in selections] == ["add", f"add (not run: {CUT_BY_MAX_TOKENS})"]
     script.restart()
     chunks = list(llm.stream_chat_with_tools(tools, user_msg="3 + 4?", tool_required=True,
                                              allow_parallel_tool_calls=True))

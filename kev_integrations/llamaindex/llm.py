@@ -8,8 +8,10 @@ questions join running ones between decode steps — so the gather becomes packe
 
 Tool calls and structured output ride on the same calls: bound tools become a structural-tag
 constraint on that one request (`messages.py`), an output class a JSON-schema one
-(`structured.py`), so every reply parses by construction and constrained and free calls pack
-together.
+(`structured.py`), a prompt whose output parser Kev knows (sub-questions, router selections) the
+schema that parser reads (`parsers.py`), so every reply parses by construction and constrained
+and free calls pack together. A constraint is also a setting like any other (a field,
+`with_settings`, `scoped`, a call kwarg), the closest one winning.
 """
 
 from __future__ import annotations
@@ -31,24 +33,26 @@ from llama_index.core.base.llms.types import (
     LogProb,
     MessageRole,
 )
-from llama_index.core.bridge.pydantic import Field, PrivateAttr, model_validator
+from llama_index.core.bridge.pydantic import BaseModel, Field, PrivateAttr, field_validator, model_validator
 from llama_index.core.chat_engine.types import AgentChatResponse
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.function_calling import FunctionCallingLLM
 from llama_index.core.llms.llm import ToolSelection
+from llama_index.core.prompts import BasePromptTemplate
 from llama_index.core.tools.types import BaseTool
 
 from kev_engine import Completion, EngineLike, SamplingParams
-from kev_engine.params import CONSTRAINT_FIELDS
 
 from ..chat_format import offered_tools
+from ..follow_ups import FollowUp, submit_options
 from ..init_args import check_retries, check_sampling, refuse_unknown
 from ..shared import resolve_engine
 from ..streaming import astream_answer, stream_answer
 from ..tokens import text_token_ids
 from ..tool_format import split_tool_calls, tool_call_constraint, visible_text
 from .messages import assistant_message, chat_prompt, tool_schemas, tool_selections
-from .scoped import CALL_KEYS, SAMPLING_KEYS, check_settings, current_overrides
+from .parsers import parser_constraint
+from .scoped import SETTING_KEYS, check_settings, constrains, current_overrides, merge_settings, scoped
 from .structured import StructuredOutput
 
 
@@ -149,13 +153,38 @@ class Kev(StructuredOutput, FunctionCallingLLM):
                                   allow_parallel_tool_calls=False)   # one call per step for small models
             await asyncio.gather(*(agent.run(q) for q in questions))   # their LLM calls share passes
 
+    A tool call cut by max_tokens: ``predict_and_call`` raises `ReplyParseError`; an agent
+    (FunctionAgent) gets it as a failed call — an error result naming the cut — and goes on.
+
     Structured output (the reply constrained to the class's JSON schema; cut by max_tokens, it
     raises `ReplyParseError` saying finish_reason='length'):
         .. code-block:: python
 
             city = llm.structured_predict(City, PromptTemplate("Where is {place}?"), place="the Louvre")
             llm.as_structured_llm(City).chat(messages)
-            llm.complete("Yes or no?", choice=["yes", "no"])   # or json_schema= / regex= / grammar= per call
+
+    Constraints (json_schema, json_object, regex, choice, grammar, structural_tag; one per reply)
+    are settings: a field, ``with_settings``, ``scoped`` or a call kwarg, the closest winning
+    (bound tools and an output class win over a scope's or a field's):
+        .. code-block:: python
+
+            llm.complete("Yes or no?", choice=["yes", "no"])
+            classifier = llm.with_settings(choice=["positive", "negative"])
+            with scoped(json_schema=City):
+                query_engine.query("...")
+
+    Components that read JSON from the reply's text — LLMQuestionGenerator, LLMSingleSelector,
+    LLMMultiSelector, a PydanticOutputParser — get their parser's schema as the constraint (see
+    `parsers.py`), so they parse on any model. SubQuestionQueryEngine's default generator needs
+    OpenAI's package; pass core's (a budget of its own: the sub-question list is longer than an
+    answer):
+        .. code-block:: python
+
+            question_gen = LLMQuestionGenerator.from_defaults(llm=llm.with_settings(max_tokens=256))
+            SubQuestionQueryEngine.from_defaults(tools, llm=llm, question_gen=question_gen)
+            # the default selector is a tool call whose free-text reason a 135M model writes until
+            # max_tokens; LLMSingleSelector's reason is bounded (parsers.MAX_TEXT_CHARS)
+            RouterQueryEngine.from_defaults(tools, llm=llm, selector=LLMSingleSelector.from_defaults(llm=llm))
     """
 
     model: str | None = Field(default=None, description="Model source; None = embedded SmolLM2-135M-Instruct.")
@@ -196,6 +225,16 @@ class Kev(StructuredOutput, FunctionCallingLLM):
     stop_token_ids: list[int] | None = Field(default=None, description="Token ids that end an answer as EOS does.")
     min_tokens: int | None = Field(default=None, ge=0, description="No end before this many tokens.")
     ignore_eos: bool | None = Field(default=None, description="End-of-sequence does not end an answer.")
+    json_schema: dict[str, Any] | str | None = Field(
+        default=None, description="Every reply satisfies this JSON schema (a dict, its JSON text or a pydantic class)."
+    )
+    json_object: bool = Field(default=False, description="Every reply is one JSON object (OpenAI's JSON mode).")
+    regex: str | None = Field(default=None, description="Every reply matches this regular expression.")
+    choice: list[str] | None = Field(default=None, description="Every reply is exactly one of these strings.")
+    grammar: str | None = Field(default=None, description="Every reply matches this EBNF grammar (rule `root`).")
+    structural_tag: dict[str, Any] | str | None = Field(
+        default=None, description="Every reply matches this xgrammar structural tag. At most one constraint."
+    )
     engine: EngineLike | None = Field(
         default=None, exclude=True,
         description="An engine (kev_engine.Engine or anything EngineLike); None = the shared one (loaded lazily)."
@@ -221,9 +260,17 @@ class Kev(StructuredOutput, FunctionCallingLLM):
         refuse_unknown(cls.__name__, values, cls.model_fields)
         return values
 
+    @field_validator("json_schema", mode="before")
+    @classmethod
+    def _kev_schema_of_class(cls, value: Any) -> Any:
+        """A pydantic class is kept as its JSON schema: the field then serializes like any other."""
+        if isinstance(value, type) and issubclass(value, BaseModel):
+            return value.model_json_schema()
+        return value
+
     @model_validator(mode="after")
     def _kev_check_sampling(self) -> Kev:
-        check_sampling({key: getattr(self, key) for key in SAMPLING_KEYS})
+        check_sampling({key: getattr(self, key) for key in SETTING_KEYS if key != "adapter"})
         check_retries(self.max_retries, self.base_url)
         return self
 
@@ -246,9 +293,10 @@ class Kev(StructuredOutput, FunctionCallingLLM):
         return self._loaded
 
     def with_settings(self, **settings: Any) -> Kev:
-        """A cheap copy with other defaults (adapter, temperature, ...) sharing this engine."""
+        """A cheap copy with other defaults (adapter, temperature, a reply constraint...) sharing
+        this engine. A constraint given here replaces the one the original has (a reply takes one)."""
         check_settings(settings)
-        copy = type(self)(**{**dict(self), **settings})  # validated, unlike model_copy
+        copy = type(self)(**merge_settings(dict(self), settings))  # validated, unlike model_copy
         copy._loaded = self._loaded
         return copy
 
@@ -268,32 +316,46 @@ class Kev(StructuredOutput, FunctionCallingLLM):
     # ---- the one primitive: a prompt and settings → an engine future ---------------------------
 
     def _settings(self, kwargs: Mapping[str, Any]) -> tuple[SamplingParams, str | None]:
-        """Resolve settings: fields < `scoped` block < call kwargs (a constraint only from the call)."""
-        check_settings(kwargs, "call argument", CALL_KEYS)
-        settings = {key: getattr(self, key) for key in (*SAMPLING_KEYS, "adapter")}
-        settings.update(current_overrides())
-        settings.update(kwargs)
+        """Resolve settings: fields < `scoped` block < call kwargs, the reply's one constraint
+        from the closest of them that gives one (`merge_settings`)."""
+        check_settings(kwargs, "call argument")
+        fields = {key: getattr(self, key) for key in SETTING_KEYS}
+        settings = merge_settings(fields, current_overrides(), kwargs)
         adapter = settings.pop("adapter")
         return SamplingParams.from_dict(settings), adapter  # None fields take the engine's defaults
 
-    def _submit(self, prompt: Any, kwargs: Mapping[str, Any]) -> Future[Completion]:
-        return self.get_engine().submit(prompt, *self._settings(kwargs))
+    def _submit(self, prompt: Any, kwargs: Mapping[str, Any], follow_up: bool = False) -> Future[Completion]:
+        engine = self.get_engine()
+        return engine.submit(prompt, *self._settings(kwargs), **submit_options(engine, follow_up))
 
-    def _run(self, prompt: Any, kwargs: Mapping[str, Any]) -> Completion:
-        future = self._submit(prompt, kwargs)
+    def _run(self, prompt: Any, kwargs: Mapping[str, Any], tool_names: Sequence[str] = (),
+             follow_up: bool = False) -> Completion:
+        """One answer. With `tool_names` offered, an answer that calls one expects its caller back;
+        `follow_up`: the question continues after a tool result (`follow_ups`: an agent's round
+        shares its next pass)."""
+        future = self._submit(prompt, kwargs, follow_up)
+        expected = FollowUp(self.get_engine(), future, tool_names)
         try:
-            return future.result()
+            return expected.answered(future.result())
         finally:
+            expected.abandon()  # interrupted: nobody comes back (a no-op once answered)
             future.cancel()  # interrupted while waiting: stop computing (no-op once finished)
 
-    async def _arun(self, prompt: Any, kwargs: Mapping[str, Any]) -> Completion:
-        # wrap_future: awaitable on whatever loop runs us; cancelling the task cancels the request
-        return await asyncio.wrap_future(self._submit(prompt, kwargs))
+    async def _arun(self, prompt: Any, kwargs: Mapping[str, Any], tool_names: Sequence[str] = (),
+                    follow_up: bool = False) -> Completion:
+        future = self._submit(prompt, kwargs, follow_up)
+        expected = FollowUp(self.get_engine(), future, tool_names)
+        try:  # wrap_future: awaitable on whatever loop runs us; cancelling the task cancels the request
+            return expected.answered(await asyncio.wrap_future(future))
+        finally:
+            expected.abandon()
 
-    def _stream(self, prompt: Any, kwargs: Mapping[str, Any]) -> Iterator[tuple[str, str, Completion | None]]:
+    def _stream(self, prompt: Any, kwargs: Mapping[str, Any], tool_names: Sequence[str] = (),
+                follow_up: bool = False) -> Iterator[tuple[str, str, Completion | None]]:
         """(text so far, new piece, None) as the answer grows, then (text, "", the `Completion`)."""
         text = ""
-        for item in stream_answer(self.get_engine(), prompt, *self._settings(kwargs)):
+        for item in stream_answer(self.get_engine(), prompt, *self._settings(kwargs), tool_names=tool_names,
+                                  follow_up=follow_up):
             if isinstance(item, str):
                 text += item
                 yield text, item, None
@@ -301,10 +363,11 @@ class Kev(StructuredOutput, FunctionCallingLLM):
                 yield text, "", item
 
     async def _astream(
-        self, prompt: Any, kwargs: Mapping[str, Any]
+        self, prompt: Any, kwargs: Mapping[str, Any], tool_names: Sequence[str] = (), follow_up: bool = False
     ) -> AsyncIterator[tuple[str, str, Completion | None]]:
         text = ""
-        async for item in astream_answer(self.get_engine(), prompt, *self._settings(kwargs)):
+        async for item in astream_answer(self.get_engine(), prompt, *self._settings(kwargs), tool_names=tool_names,
+                                         follow_up=follow_up):
             if isinstance(item, str):
                 text += item
                 yield text, item, None
@@ -332,7 +395,7 @@ class Kev(StructuredOutput, FunctionCallingLLM):
         parallel = kwargs.pop("parallel_tool_calls", True)
         tokenizer = self.get_engine().tokenizer
         prompt = chat_prompt(messages, tools, tool_choice, tokenizer)
-        if tools and not any(kwargs.get(key) for key in CONSTRAINT_FIELDS):
+        if tools and not constrains(kwargs):  # the tool-call format beats a scope's or a field's constraint
             kwargs["structural_tag"] = tool_call_constraint(tools, tool_choice, tokenizer, parallel=parallel)
         return prompt, kwargs, [t["function"]["name"] for t in offered_tools(tools, tool_choice)]
 
@@ -383,24 +446,40 @@ class Kev(StructuredOutput, FunctionCallingLLM):
     @llm_chat_callback()
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
         prompt, settings, names = self._chat_request(messages, kwargs)
-        completion = self._run(prompt, settings)
+        completion = self._run(prompt, settings, names, _after_tool(messages))
         return self._chat_response(completion.text, None, completion, names)
 
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
         prompt, settings, names = self._chat_request(messages, kwargs)
-        completion = await self._arun(prompt, settings)
+        completion = await self._arun(prompt, settings, names, _after_tool(messages))
         return self._chat_response(completion.text, None, completion, names)
 
     @llm_chat_callback()
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
         prompt, settings, names = self._chat_request(messages, kwargs)
-        return (self._chat_response(*item, names) for item in self._stream(prompt, settings))
+        items = self._stream(prompt, settings, names, _after_tool(messages))
+        return (self._chat_response(*item, names) for item in items)
 
     @llm_chat_callback()
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
         prompt, settings, names = self._chat_request(messages, kwargs)
-        return (self._chat_response(*item, names) async for item in self._astream(prompt, settings))
+        items = self._astream(prompt, settings, names, _after_tool(messages))
+        return (self._chat_response(*item, names) async for item in items)
+
+    # ---- components that parse the reply themselves ---------------------------------------------
+
+    def predict(self, prompt: BasePromptTemplate, **prompt_args: Any) -> str:
+        """LlamaIndex's `predict`, the reply constrained to what the prompt's output parser reads
+        (`parsers.parser_constraint`): LLMQuestionGenerator's sub-questions and LLMSingleSelector's
+        choice parse whatever the model. That constraint wins over a scope's: the parser needs it."""
+        with scoped(**parser_constraint(prompt.output_parser or self.output_parser, prompt_args)):
+            return super().predict(prompt, **prompt_args)
+
+    async def apredict(self, prompt: BasePromptTemplate, **prompt_args: Any) -> str:
+        """`predict` awaiting the engine: a SubQuestionQueryEngine's gathered calls share passes."""
+        with scoped(**parser_constraint(prompt.output_parser or self.output_parser, prompt_args)):
+            return await super().apredict(prompt, **prompt_args)
 
     # ---- function calling ---------------------------------------------------------------------
 
@@ -430,7 +509,10 @@ class Kev(StructuredOutput, FunctionCallingLLM):
     def get_tool_calls_from_response(
         self, response: ChatResponse, error_on_no_tool_call: bool = True, **kwargs: Any
     ) -> list[ToolSelection]:
-        """The reply's calls; a call cut short raises `ReplyParseError` naming the finish reason."""
+        """The reply's calls. A call cut short raises `ReplyParseError` naming the finish reason
+        when a call is required; with ``error_on_no_tool_call=False`` (FunctionAgent) it is a
+        selection no tool answers to, so the agent gets an error result and goes on
+        (`messages.failed_selection`)."""
         return tool_selections(response.message, response.raw, error_on_no_tool_call)
 
     def predict_and_call(
@@ -455,3 +537,8 @@ class Kev(StructuredOutput, FunctionCallingLLM):
         kwargs.setdefault("tool_required", error_on_no_tool_call)
         return await super().apredict_and_call(tools, user_msg, chat_history, verbose, allow_parallel_tool_calls,
                                                error_on_no_tool_call, error_on_tool_error, **kwargs)
+
+
+def _after_tool(messages: Sequence[ChatMessage]) -> bool:
+    """Whether a chat continues after a tool result: an agent's next question (`follow_ups`)."""
+    return bool(messages) and messages[-1].role == MessageRole.TOOL

@@ -11,7 +11,9 @@ see earlier calls written as ``<tool_call>`` text — the rules of every front e
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import hashlib
+import json
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from llama_index.core.base.llms.types import ChatMessage, MessageRole, ToolCallBlock
@@ -97,15 +99,30 @@ def assistant_message(text: str, tool_names: Sequence[str] = (), finish_reason: 
     return ChatMessage(role=MessageRole.ASSISTANT, content=rest, additional_kwargs=extra)
 
 
+def failed_selection(bad: Mapping[str, Any]) -> ToolSelection:
+    """A call that did not parse (an ``invalid_tool_calls`` entry), as a selection no tool answers
+    to: it must never run (its arguments were cut), yet an agent must see it fail rather than die.
+    Its name — the tool's, then why it was not run — has spaces, so it is no tool's name, and
+    LlamaIndex's agents answer it as they answer any unknown tool: an error result (`is_error`)
+    that names it, and another turn for the model. Its id is derived from the call, so asking
+    twice for one reply's selections (FunctionAgent does) gives the same id."""
+    name = f"{bad['name'] or 'tool call'} (not run: {bad['error']})"
+    digest = hashlib.sha256(json.dumps(dict(bad), sort_keys=True).encode()).hexdigest()
+    return ToolSelection(tool_id=f"call_{digest[:24]}", tool_name=name, tool_kwargs={})
+
+
 def tool_selections(
     message: ChatMessage, raw: Any, error_on_no_tool_call: bool
 ) -> list[ToolSelection]:
-    """The `ToolSelection`s of a reply. A call that did not parse raises `ReplyParseError`
-    saying why the reply ended (never dropped silently); no call at all raises only when
-    `error_on_no_tool_call`."""
+    """The `ToolSelection`s of a reply. A call that did not parse is never dropped silently: when
+    a call is required (`error_on_no_tool_call`, as `predict_and_call` asks) it raises
+    `ReplyParseError` saying why the reply ended; otherwise (FunctionAgent's way) it comes back
+    after the valid calls as a `failed_selection`, which the agent answers with an error result.
+    No call at all raises only when `error_on_no_tool_call`."""
     raw = raw if isinstance(raw, dict) else {}
     usage = raw.get("usage") or {}
-    if invalid := message.additional_kwargs.get("invalid_tool_calls"):
+    invalid = message.additional_kwargs.get("invalid_tool_calls") or []
+    if invalid and error_on_no_tool_call:
         reason = cut_reason(raw.get("finish_reason"), usage.get("completion_tokens"))
         bad = invalid[0]
         what = f"tool call {bad['name']!r}" if bad["name"] else "a tool call"
@@ -114,4 +131,6 @@ def tool_selections(
     calls = _calls_of(message)
     if not calls and error_on_no_tool_call:
         raise ValueError(f"expected a tool call in the answer, got: {message.content!r}")
-    return [ToolSelection(tool_id=c.id or "", tool_name=c.name, tool_kwargs=c.arguments) for c in calls]
+    # `_calls_of` gives objects; arguments_of narrows ToolCall.arguments (dict | str) for the type checker
+    return ([ToolSelection(tool_id=c.id or "", tool_name=c.name, tool_kwargs=arguments_of(c.arguments)) for c in calls]
+            + [failed_selection(bad) for bad in invalid])

@@ -1,10 +1,13 @@
 """Per-call settings for LlamaIndex code that passes no kwargs to the LLM.
 
 Query engines, synthesizers and sub-question engines call `llm.predict` / `llm.apredict` with
-no settings of their own, so a per-query adapter or temperature has to travel beside the call:
+no settings of their own, so a per-query adapter, temperature or reply constraint has to travel
+beside the call:
 
     with scoped(adapter="legal", temperature=0.0):
         engine.query("...")            # every Kev call inside uses these settings
+    with scoped(regex=r"(yes|no)"):
+        engine.query("...")            # every reply inside matches the regex
 
 The settings live in a `ContextVar`. asyncio tasks copy the context when they are created, and
 LlamaIndex's `asyncio_run` (the fresh loop behind sync `use_async=True` paths, run on a helper
@@ -23,34 +26,51 @@ from typing import Any
 
 from kev_engine.params import CONSTRAINT_FIELDS, SETTING_FIELDS
 
-# every engine setting but the constraints (per call, below) and n (LlamaIndex answers once),
-# derived so a new engine setting reaches LlamaIndex too
+# every engine setting but the constraints and n (LlamaIndex answers once), derived so a new
+# engine setting reaches LlamaIndex too
 SAMPLING_KEYS = tuple(name for name in SETTING_FIELDS if name != "n")
-SETTING_KEYS = (*SAMPLING_KEYS, "adapter")
-# a reply constraint belongs to one call (its schema, its tools), never to a scope or a field
-CALL_KEYS = (*SETTING_KEYS, *CONSTRAINT_FIELDS)
+# what a field, a `scoped` block or a call may set: the same names everywhere
+SETTING_KEYS = (*SAMPLING_KEYS, "adapter", *CONSTRAINT_FIELDS)
 
 _EMPTY: Mapping[str, Any] = MappingProxyType({})
 _overrides: ContextVar[Mapping[str, Any]] = ContextVar("kev_llamaindex_overrides", default=_EMPTY)
 
 
-def check_settings(
-    settings: Mapping[str, Any], where: str = "setting", allowed: tuple[str, ...] = SETTING_KEYS
-) -> None:
+def check_settings(settings: Mapping[str, Any], where: str = "setting") -> None:
     """Refuse names Kev does not know, naming them and the allowed ones."""
-    unknown = sorted(set(settings) - set(allowed))
+    unknown = sorted(set(settings) - set(SETTING_KEYS))
     if unknown:
-        raise ValueError(f"unknown Kev {where}(s) {unknown}; allowed: {list(allowed)}")
+        raise ValueError(f"unknown Kev {where}(s) {unknown}; allowed: {list(SETTING_KEYS)}")
+
+
+def constrains(settings: Mapping[str, Any]) -> bool:
+    """Whether `settings` constrain the reply (a constraint set to None or False is none)."""
+    return any(settings.get(name) not in (None, False) for name in CONSTRAINT_FIELDS)
+
+
+def merge_settings(*layers: Mapping[str, Any]) -> dict[str, Any]:
+    """Layers of settings, farthest first (fields, scopes, the call): each setting from the
+    closest layer that gives it. A reply takes one constraint, so a layer that constrains the
+    reply replaces every constraint of the layers before it instead of joining them: a call's
+    `json_schema` (structured_predict) or bound tools win over a scope's `regex`."""
+    merged: dict[str, Any] = {}
+    for layer in layers:
+        if constrains(layer):
+            for name in CONSTRAINT_FIELDS:
+                merged.pop(name, None)
+        merged.update(layer)
+    return merged
 
 
 @contextmanager
 def scoped(**settings: Any) -> Iterator[None]:
     """Apply `settings` (adapter, temperature, top_p, top_k, max_tokens, stop, seed, the
-    penalties...: `SETTING_KEYS`) to every Kev call made inside the block. Nested scopes merge,
-    the inner one winning; call kwargs still win over the scope, and the scope over the LLM's
-    own fields."""
+    penalties..., or one reply constraint — json_schema, json_object, regex, choice, grammar,
+    structural_tag: `SETTING_KEYS`) to every Kev call made inside the block. Nested scopes merge,
+    the inner one winning (an inner constraint replaces an outer one); call kwargs still win over
+    the scope, and the scope over the LLM's own fields."""
     check_settings(settings)
-    token = _overrides.set(MappingProxyType({**_overrides.get(), **settings}))
+    token = _overrides.set(MappingProxyType(merge_settings(_overrides.get(), settings)))
     try:
         yield
     finally:
