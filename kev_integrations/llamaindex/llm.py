@@ -2,9 +2,11 @@
 
 LlamaIndex has no batch API: query engines fan out with `asyncio.gather` of `apredict` /
 `acomplete` / `achat`. Here every call is one `engine.submit()`; async methods await its future
-with `asyncio.wrap_future` (any event loop, cancellation included), sync ones block on it. The
-engine coalesces whatever arrives within `engine.coalesce_s` into one pass, and waiting
-questions join running ones between decode steps — so the gather becomes packed passes.
+with `asyncio.wrap_future` (any event loop, cancellation included), sync ones block on it. Every
+task that submits in one turn of the event loop is one group for the engine (`kev_engine.arrivals`),
+threads arriving together share its first pass, and waiting questions join running ones between
+decode steps — so the gather becomes packed passes. An agent's calls say when its caller comes back
+(`follow_ups`), so a round of agents shares its next pass too.
 
 Tool calls and structured output ride on the same calls: bound tools become a structural-tag
 constraint on that one request (`messages.py`), an output class a JSON-schema one

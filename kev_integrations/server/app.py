@@ -2,7 +2,8 @@
 
 Where this sits: every request becomes engine work through `submit_many` — a list of prompts
 in one /v1/completions request is one group, packed together — and concurrent requests from
-any number of clients coalesce in the engine's scheduler like any other callers. The HTTP
+any number of clients coalesce in the engine's scheduler like any other callers; each is
+announced as it arrives (`Engine.arriving()`), so a burst shares the idle engine's first pass. The HTTP
 layer adds what exposing a model needs: keys, limits, backpressure, disconnects, metrics.
 
 - /health answers 503 while the model loads (in a thread, so the server is up meanwhile).
