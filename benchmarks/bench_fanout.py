@@ -5,7 +5,8 @@ announcements and follow-up expectations as shipped; `pass_time_ms=inf` so that 
 the callers' coalescing alone, not the pass budget's chunks), each `--trials` times:
 
   llamaindex-gather4   4 queries gathered on a LlamaIndex RetrieverQueryEngine (BM25-like nodes)
-  agent-batch4         a two-round LangGraph tool agent (a call forced, then the answer), batch(4)
+  agent-batch4         examples/langchain_agent.py's two-round tool agent (a call forced, then the
+                       answer), batch(4)
   openai-threads8      8 threads of the `openai` client against `kev serve` on loopback
   chatopenai-batch6    langchain-openai's ChatOpenAI.batch(6) against the same server
 
@@ -34,6 +35,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "examples"))  # the LangGraph agent of examples/langchain_agent.py
 
 RESULTS = Path(__file__).resolve().parent / "results" / "bench_fanout.md"
 QUESTIONS = ["What is the capital of France?", "Name a primary colour.", "What is 2 + 2?", "Who wrote Hamlet?",
@@ -72,13 +74,13 @@ def llamaindex_gather(engine: Any) -> Callable[[], Any]:
 
 
 def agent_batch(engine: Any) -> Callable[[], Any]:
-    from test_agent_rounds import QUESTIONS as AGENT_QUESTIONS
-    from test_agent_rounds import tool_agent
+    from langchain_agent import QUESTIONS as AGENT_QUESTIONS
+    from langchain_agent import run
 
     from kev_integrations.langchain import ChatKev
 
-    agent = tool_agent(ChatKev(engine=engine, temperature=0, max_tokens=48))
-    return lambda: agent.batch([{"messages": [("user", q)]} for q in AGENT_QUESTIONS], config={"recursion_limit": 6})
+    llm = ChatKev(engine=engine, temperature=0, max_tokens=48)
+    return lambda: run(llm, AGENT_QUESTIONS)
 
 
 def openai_threads(url: str) -> Callable[[], Any]:
