@@ -37,7 +37,6 @@ import itertools
 import math
 import time
 from collections.abc import Callable
-from typing import Any
 
 ANNOUNCED_MAX_S = 0.25  # the longest one announced caller may hold an idle engine's first pass
 MAX_WINDOW_FACTOR = 8.0  # the quiet window grows to at most this many `coalesce_ms`
@@ -157,8 +156,8 @@ class Arrival:
     `end()` once its requests are queued (or none will come), or use it as a context manager.
     Ending twice is harmless."""
 
-    def __init__(self, owner: Any, token: int, ending: Callable[[int], None] | None = None) -> None:
-        self._ending: Callable[[int], None] | None = ending or owner._end_arrival
+    def __init__(self, token: int, ending: Callable[[int], None]) -> None:
+        self._ending: Callable[[int], None] | None = ending  # called once with the token
         self._token = token
 
     def end(self) -> None:

@@ -447,7 +447,7 @@ class Engine:
         as arriving until its event loop's next turn (see `arrivals`).
         """
         with self._cond:
-            return Arrival(self, self._worker.arrivals.announce())
+            return Arrival(self._worker.arrivals.announce(), self._end_arrival)
 
     def expect_follow_up(self, future: Future[Any]) -> Arrival:
         """Say that `future`'s caller will soon submit again after it is answered — an agent whose
@@ -461,7 +461,7 @@ class Engine:
         with self._cond:
             request = next((r for r in self._scheduler.waiting if r.future is future), None)
             token = self._worker.arrivals.expect(lambda: request is not None and request.status is Status.WAITING)
-        handle = Arrival(self, token, ending=self._unexpect)
+        handle = Arrival(token, self._unexpect)
 
         def answered(_: Future[Any]) -> None:
             with self._cond:

@@ -81,7 +81,7 @@ def test_a_burst_waits_for_a_request_still_arriving(engine: Engine) -> None:
 
 def test_the_control_without_announcements_the_held_request_comes_alone(
         engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(Engine, "arriving", lambda self: Arrival(self, -1, ending=lambda token: None))
+    monkeypatch.setattr(Engine, "arriving", lambda self: Arrival(-1, lambda token: None))
     with serving(build_app(engine, ServerConfig(api_keys=(KEY,)), model_name=MODEL)) as url:
         before = engine.stats()
         sock = held_request(url)
