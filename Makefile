@@ -18,7 +18,7 @@ $(BIN)/.installed: pyproject.toml
 	@command -v c++ >/dev/null || command -v g++ >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null \
 		&& echo "no C++ compiler: installing Debian's g++ for Kev's CPU kernels" \
 		&& apt-get update -qq && apt-get install -y -qq g++ >/dev/null; } || true
-	$(BIN)/kev build-kernel  # Kev's CPU kernels, built once for this machine (~3 min)
+	$(BIN)/kev build-kernel  # Kev's CPU kernels, built once per environment (a few minutes)
 	touch $@
 
 setup: $(BIN)/.installed
@@ -31,13 +31,13 @@ test: setup
 
 # `make test-isa ISA=no-amx` or `ISA=no-avx512`: the kernel- and isolation-dependent tests as a CPU
 # without AMX (AMD Zen 4/5) or without AVX-512 runs them: Kev's kernels rebuilt without those
-# instructions (a build of their own), dtype auto and torch's dispatch capped to match (kev_engine/cpu_isa.py).
+# instructions (a build of their own), dtype auto and torch's dispatch capped to match (kev_engine/platforms/cpu/isa.py).
 ISA ?= no-avx512
 ISA_TESTS ?= tests/test_cpu_isa.py tests/test_cpu_linear.py tests/test_attention.py tests/test_inplace.py \
 	tests/test_invariance.py tests/test_isolation.py tests/test_lora.py tests/test_kv_memory.py tests/test_pass_budget.py
 test-isa: setup
-	$(BIN)/python -m kev_engine.cpu_isa $(ISA) -- $(BIN)/kev build-kernel
-	$(BIN)/python -m kev_engine.cpu_isa $(ISA) -- $(BIN)/python -m pytest -q $(ISA_TESTS)
+	$(BIN)/python -m kev_engine.platforms.cpu.isa $(ISA) -- $(BIN)/kev build-kernel
+	$(BIN)/python -m kev_engine.platforms.cpu.isa $(ISA) -- $(BIN)/python -m pytest -q $(ISA_TESTS)
 
 bench: setup
 	$(BIN)/python benchmarks/bench_engine.py --repeat 2

@@ -28,11 +28,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from workload import load_rag, rag_messages  # noqa: E402
 
 from kev_engine import Engine  # noqa: E402
-from kev_engine.backends.compiled import CompiledBackend  # noqa: E402
-from kev_engine.backends.reference import TorchBackend  # noqa: E402
-from kev_engine.blocks import blocks_for  # noqa: E402
-from kev_engine.kernels import load_kernels  # noqa: E402
-from kev_engine.pack import Segment, pack  # noqa: E402
+from kev_engine.core.blocks import blocks_for  # noqa: E402
+from kev_engine.model.pack import Segment, pack  # noqa: E402
+from kev_engine.platforms.cpu.compiled import CompiledBackend  # noqa: E402
+from kev_engine.platforms.cpu.kernels import load_kernels  # noqa: E402
+from kev_engine.platforms.torch_ops import TorchBackend  # noqa: E402
 
 LAYERS, KV_HEADS, HEADS, DIM, BLOCK = 30, 3, 9, 64, 32
 DOC_TOKENS, DOC_SUFFIX = 1490, 20
@@ -40,7 +40,7 @@ DOC_TOKENS, DOC_SUFFIX = 1490, 20
 
 def rag_tables() -> list[tuple[list[int], int]]:
     """(block ids, tokens read) per row: the RAG-16 prompts' lengths plus 24 generated tokens."""
-    engine = Engine.from_pretrained(decode_kernel="torch")
+    engine = Engine.from_pretrained(cpu_kernels="torch")
     lengths = [len(engine.encode(rag_messages(item))) + 24 for item in load_rag()]
     engine.close()
     rows, next_id = [], 0

@@ -34,9 +34,11 @@ from typing import Any
 
 import torch
 
-from kev_engine import Engine, SamplingParams, cpu_linear, exact_linear
-from kev_engine.kernels import load_kernels
-from kev_engine.threads import run_on_passing_thread
+from kev_engine import Engine, SamplingParams
+from kev_engine.core.threads import run_on_passing_thread
+from kev_engine.platforms.cpu import exact_linear
+from kev_engine.platforms.cpu import rows_linear as cpu_linear
+from kev_engine.platforms.cpu.kernels import load_kernels
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from workload import load_rag, rag_messages
@@ -126,7 +128,7 @@ def decode_step_vs_floor(engine: Engine, msgs: list, dtype: str, steps: int = 32
     floors: dict[str, list[float]] = {"plain": [], "same_products": []}
     step = engine.step
 
-    kernels = load_kernels() if engine.decode_attention in ("compiled", "exact") else None
+    kernels = load_kernels() if engine.attention in ("compiled", "exact") else None
 
     def floor(kind: str) -> float:
         if kind == "same_products":
@@ -162,7 +164,7 @@ def decode_step_vs_floor(engine: Engine, msgs: list, dtype: str, steps: int = 32
         del engine.step
     step_ms, floor_ms, same_ms = (1000 * statistics.median(v) for v in (durations, *floors.values()))
     return {"decode_step_ms": step_ms, "decode_floor_ms": floor_ms, "decode_floor_same_products_ms": same_ms,
-            "decode_steps_measured": len(durations), "decode_rows": rows, "decode_attention": engine.decode_attention}
+            "decode_steps_measured": len(durations), "decode_rows": rows, "attention": engine.attention}
 
 
 def prefill_flops(cfg: Any, lengths: list[int], logit_rows: int) -> float:
@@ -292,7 +294,7 @@ def report(res: dict[str, dict], max_tokens: int, stats: dict, dtype: str, title
                          f"({gflop:.1f} GFLOP in {sec:.3f} s: best of 3 generate(max_tokens=1) calls of "
                          f"{kev['prefill_passes_per_call']:g} prefill pass(es) each; formula in prefill_flops())")
         lines.append(f"kev decode step with {kev['decode_rows']} questions running "
-                     f"({kev['decode_attention']} decode attention): {kev['decode_step_ms']:.1f} ms "
+                     f"({kev['attention']} decode attention): {kev['decode_step_ms']:.1f} ms "
                      f"(median of {kev['decode_steps_measured']}, each followed on the same thread by one forward "
                      f"of each floor); plain transformers forward over "
                      f"{kev['decode_rows']} single tokens: "

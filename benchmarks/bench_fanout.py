@@ -143,7 +143,8 @@ def main() -> None:
     from bench_latency import _cpu
     from server_util import serving
 
-    from kev_engine import Engine, cpu_isa
+    from kev_engine import Engine
+    from kev_engine.platforms.cpu import isa as cpu_isa
     from kev_integrations.server import ServerConfig, build_app
 
     engine = Engine.from_pretrained(dtype="float32", pass_time_ms=float("inf"))

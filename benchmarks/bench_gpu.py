@@ -32,7 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_prefix import doc_qa_messages  # noqa: E402
 from workload import SYSTEM_PROMPT, load_rag, rag_messages  # noqa: E402
 
-from kev_engine import Engine, SamplingParams, loader  # noqa: E402
+from kev_engine import Engine, SamplingParams
+from kev_engine.model import loader  # noqa: E402
 
 SYSTEMS = ("kev", "hf_serial", "hf_padded")
 RAG64_ROUNDS = 4  # 16 passages, 4 rounds: 64 questions, each round under its own system prompt
@@ -149,7 +150,7 @@ def run(device: str = "cuda", source: str | None = None, max_tokens: int = 48,
     for name, prompts in suites.items():
         systems: dict[str, dict[str, Any]] = {}
         engine = Engine.from_pretrained(folder, device=device, dtype=torch_dtype, kv_cache_bytes=budgets[name])
-        result.setdefault("kev_engine", {"decode_attention": engine.decode_attention,
+        result.setdefault("kev_engine", {"attention": engine.attention,
                                          "cuda_graphs": engine.cuda_graphs, "batch_invariant": engine.batch_invariant})
         kev = kev_runner(engine, chats[name], max_tokens)
         kev()  # warm-up on the whole workload: graphs captured, kernels compiled

@@ -54,7 +54,7 @@ def kev_worker(data: dict) -> dict:
     import torch
 
     from kev_engine import Engine, SamplingParams
-    from kev_engine.verify import verify
+    from kev_engine.tools.verify import verify
 
     torch.set_num_threads(CORES)
     engine = Engine.from_pretrained(dtype=data["dtype"], batch_invariant=data["invariant"])
@@ -149,7 +149,7 @@ def run_worker(name: str, data: dict) -> dict:
 def prompt_ids(workload: str) -> list[list[int]]:
     from kev_engine import Engine
 
-    engine = Engine.from_pretrained(dtype="float32", decode_kernel="torch")  # only its tokenizer's ids
+    engine = Engine.from_pretrained(dtype="float32", cpu_kernels="torch")  # only its tokenizer's ids
     ids = [engine.encode(m) for m in messages(workload)]
     engine.close()
     return ids

@@ -39,7 +39,7 @@ BITWISE_TESTS = ("packed_equals_alone", "equal_alone")  # the test names that pr
 
 def environment(device: str) -> dict[str, Any]:
     """What ran the check: the device, torch, CUDA, Triton, and whether varlen_attn is paged here."""
-    from kev_engine.backends import cuda as cuda_backend
+    from kev_engine.platforms.cuda import varlen as cuda_backend
 
     _, why_not_paged = cuda_backend.varlen_function()
     try:

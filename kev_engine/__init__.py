@@ -1,20 +1,105 @@
-"""Kev: many independent questions, one isolated packed forward pass of a local LLM."""
+"""Kev: many independent questions, one isolated packed forward pass of a local LLM.
 
+This module is the engine's public surface: what applications and `kev_integrations` use. The
+subpackages are the engine's stages, in the order a question flows (docs/architecture.md):
+`inputs` → `core` → `model` (with `adapters` and `platforms`) → `sample` → `outputs`; `tools`
+holds the `kev` commands. Their modules may change between releases; the names below do not
+without a deprecation.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .adapters.pool import check_name as check_adapter_name
+from .core.arrivals import Arrival
+from .core.latency import Histogram, prometheus
+from .core.latency import merged as merged_histograms
+from .core.request import failed_future, resolve_future
 from .engine import Engine
 from .engine_like import EngineLike
-from .errors import ConstraintError, EngineClosedError, InvalidRequestError, KevError, UnknownAdapterError
-from .params import Defaults, SamplingParams
-from .request import Completion
+from .errors import (
+    AdapterError,
+    ConstraintError,
+    EngineClosedError,
+    InvalidRequestError,
+    KevError,
+    PassFailedError,
+    UnknownAdapterError,
+)
+from .inputs.params import (
+    CONSTRAINT_FIELDS,
+    INT_FIELDS,
+    MAX_N,
+    MAX_TOP_LOGPROBS,
+    SETTING_FIELDS,
+    TEMPERATURE_ENV,
+    Defaults,
+    SamplingParams,
+    coerce_sampling,
+)
+from .inputs.tokenize import Prompt, prompt_ids
+from .model.loader import EMBEDDED_NAME, resolve_device, resolve_dtype
+from .outputs.completion import Completion, FinishReason, TextPiece
+from .outputs.delivery import Delivery, Mailbox, hand_text
+from .sample.logprobs import TokenLogprob, TokenTexts
+from .sample.logprobs import compute as compute_logprobs
 
 __all__ = [
+    # the engine and what it answers
     "Completion",
-    "ConstraintError",
-    "Defaults",
     "Engine",
-    "EngineClosedError",
     "EngineLike",
+    "FinishReason",
+    "TextPiece",
+    # settings
+    "CONSTRAINT_FIELDS",
+    "Defaults",
+    "INT_FIELDS",
+    "MAX_N",
+    "MAX_TOP_LOGPROBS",
+    "SETTING_FIELDS",
+    "SamplingParams",
+    "TEMPERATURE_ENV",
+    "coerce_sampling",
+    # prompts and models
+    "EMBEDDED_NAME",
+    "Prompt",
+    "check_adapter_name",
+    "prompt_ids",
+    "resolve_device",
+    "resolve_dtype",
+    # errors
+    "AdapterError",
+    "ConstraintError",
+    "EngineClosedError",
     "InvalidRequestError",
     "KevError",
-    "SamplingParams",
+    "PassFailedError",
     "UnknownAdapterError",
+    # for front ends and other EngineLikes (RemoteEngine, the server)
+    "Arrival",
+    "Delivery",
+    "Histogram",
+    "Mailbox",
+    "TokenLogprob",
+    "TokenTexts",
+    "compute_logprobs",
+    "failed_future",
+    "hand_text",
+    "merged_histograms",
+    "prometheus",
+    "resolve_future",
+    # the `kev` command's parts (imported on first use): `cli.main`, `cli.Command`
+    "cli",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """`kev_engine.cli` on first use: the command line's imports (argparse, the pack drawing's
+    Pillow) stay out of `import kev_engine`."""
+    if name == "cli":
+        from .tools import cli
+
+        return cli
+    raise AttributeError(f"module 'kev_engine' has no attribute {name!r}")

@@ -2,14 +2,13 @@
 
     intake → schedule → pack → forward → sample → record → deliver      (docs/architecture.md)
 
-This file composes the components and keeps the public API; each stage's work is theirs:
-`intake` (prompts and settings → checked requests, or each its own error), `lifecycle` (every
-request from queued to delivered, and what it holds), `schedule` (which tokens run next, under
-the token and KV budgets), `runner` (pack and forward on the attention backend that owns the KV
-memory, `backends`), `sample` (each row's draw), `worker` (the thread that runs `step()` while
-there is work, so concurrent callers coalesce into the same passes) with `arrivals` (when its first
-pass after idle starts). The KV memory is a
-budgeted pool of blocks, shared between questions that start with the same tokens.
+This file composes the components and keeps the public API; each stage's work is its package's:
+`inputs` (prompts and settings → checked requests, or each its own error), `core` (every
+request from queued to delivered and what it holds, which tokens run next under the time, token
+and KV budgets, the worker thread and when its first pass after idle starts), `model` (pack and
+forward), `adapters` (LoRA per segment), `sample` (each row's draw), `outputs` (text and delivery),
+and `platforms` (how this device computes: chosen once here, by `platforms.choose`). The KV memory
+is a budgeted pool of blocks, shared between questions that start with the same tokens.
 """
 
 from __future__ import annotations
@@ -19,35 +18,46 @@ import logging
 import math
 import queue
 import threading
-import time
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from typing import Any, Literal, overload
 
 import torch
 
-from . import backends, loader, pass_cost
-from .adapters import AdapterPool
-from .adapters import check_name as check_adapter_name
-from .arrivals import Arrival, running_loop
-from .backends import cuda as cuda_backend
-from .blocks import BlockManager
+from . import platforms
+from .adapters.pool import AdapterPool
+from .adapters.pool import check_name as check_adapter_name
+from .core import pass_cost
+from .core.arrivals import Arrival, Arrivals, running_loop
+from .core.blocks import BlockManager
+from .core.lifecycle import Lifecycle
+from .core.request import Status
+from .core.schedule import Scheduler
+from .core.threads import run_on_passing_thread
+from .core.worker import Worker
 from .errors import EngineClosedError, InvalidRequestError, KevError
-from .grammar import Grammars
-from .intake import AdapterArg, Intake, Prepared, SamplingArg, raise_refused
-from .invariance import exact_or_why
-from .kernels import choose as choose_kernels
-from .lifecycle import Lifecycle
-from .model_setup import check_packable, claim_model, context_length, eos_ids, prepare_model, release_model
-from .params import Defaults, SamplingParams, check_temperature, coerce_sampling
-from .request import Completion, Status
-from .runner import ModelRunner
-from .schedule import Scheduler
-from .threads import run_on_passing_thread
-from .tokenize import Prompt, check_prompt_list
-from .worker import Worker
+from .inputs.intake import AdapterArg, Intake, Prepared, SamplingArg, raise_refused
+from .inputs.params import Defaults, SamplingParams, check_temperature, coerce_sampling
+from .inputs.tokenize import Prompt, check_prompt_list
+from .model import loader
+from .model.runner import ModelRunner
+from .model.setup import check_packable, claim_model, context_length, eos_ids, prepare_model, release_model
+from .outputs.completion import Completion
+from .sample.grammar import Grammars
+from .stepper import Stepper
 
 log = logging.getLogger("kev")
+
+
+def _renamed(old: str, old_value: Any, new: str, new_value: Any) -> Any:
+    """A deprecated argument's value, passed on under its new name (a warning says so)."""
+    if old_value is None:
+        return new_value
+    if new_value is not None:
+        raise TypeError(f"{old}= and {new}= name the same setting; pass only {new}=")
+    warnings.warn(f"{old}= is deprecated; use {new}=", DeprecationWarning, stacklevel=3)
+    return old_value
 
 
 class Engine:
@@ -77,21 +87,23 @@ class Engine:
         block_size: tokens per KV block (None: 32 on CPU, 256 on CUDA, where flash attention's paged
             KV needs a multiple of 256). Prefixes are shared in whole blocks.
         max_logits_tokens: most `prompt_logits` positions computed in one pass (each is a vocab row).
-        decode_kernel: Kev's compiled CPU kernels (see `kernels`): "auto" (built once per environment;
-            if they cannot be built, a warning and torch's ops), "compiled" (the kernels or an
-            error), "torch" (never build them). None: `KEV_DECODE_KERNEL`, else "auto".
+        cpu_kernels: Kev's compiled CPU kernels, for every product and attention they cover (see
+            `platforms.cpu.kernels`): "auto" (built once per environment; if they cannot be built,
+            a warning and torch's ops), "compiled" (the kernels or an error), "torch" (never build
+            them). None: `KEV_CPU_KERNELS`, else "auto". (`decode_kernel` and `KEV_DECODE_KERNEL`
+            are its deprecated names.)
         batch_invariant: every answer bitwise the same packed as alone (fp32 and bf16 on CPU, with
-            the compiled kernels; on CUDA with varlen_attn and Triton, not yet run on a GPU): every
-            reduction in a pass has one order whatever else is in it (`invariance`). None (default):
+            the compiled kernels; on CUDA with varlen_attn and Triton): every reduction in a pass
+            has one order whatever else is in it (`platforms.invariance`). None (default):
             wherever possible, with a warning where it is not;
             True: that or an error saying why; False: torch's BLAS and attention kernels instead,
             equal only up to rounding (faster only where BLAS beats Kev's kernels).
-        cuda_attention: the paged attention of a CUDA engine (`backends.cuda`): "auto" (None;
+        cuda_attention: the paged attention of a CUDA engine (`platforms.cuda.varlen`): "auto" (None;
             torch's own varlen_attn, else the flash-attn package, else — with a warning saying
             why — torch's SDPA per segment), "varlen" or "flash-attn" (that kernel or an error),
             "torch" (SDPA per segment). Ignored on CPU, except that naming a kernel is an error.
         cuda_graphs: replay decode passes (no prefill chunk, no adapter) as CUDA graphs, one per
-            row-count bucket (`backends.cuda_graphs`), on the paged CUDA attention; bitwise the
+            row-count bucket (`platforms.cuda.graphs`), on the paged CUDA attention; bitwise the
             eager result when batch-invariant (padding rows change nothing). False: eager.
     """
 
@@ -109,24 +121,25 @@ class Engine:
         kv_cache_bytes: int | None = None,
         block_size: int | None = None,
         max_logits_tokens: int = 1024,
-        decode_kernel: str | None = None,
+        cpu_kernels: str | None = None,
         batch_invariant: bool | None = None,
         cuda_attention: str | None = None,
         cuda_graphs: bool = True,
+        decode_kernel: str | None = None,
     ) -> None:
         self.name = name or getattr(model.config, "_name_or_path", "") or type(model).__name__
-        self._closed = False
         parameter = next(model.parameters())
         if not isinstance(cuda_graphs, bool):
             raise TypeError(f"cuda_graphs={cuda_graphs!r} is not allowed; use True or False")
-        paged = cuda_backend.choose(cuda_attention, parameter.device, parameter.dtype)
+        cpu_kernels = _renamed("decode_kernel", decode_kernel, "cpu_kernels", cpu_kernels)
         # before claiming the model: a bad mode, a failed "compiled" build or a model Kev cannot
         # pack (or not batch-invariantly, when that was asked for) leaves it as it came
         check_packable(model)
-        kernels = choose_kernels(decode_kernel, parameter.device, paged is not None)
-        self._exact = exact_or_why(batch_invariant, model, kernels, parameter, paged)
+        self._platform = platforms.choose(model, cpu_kernels=cpu_kernels, batch_invariant=batch_invariant,
+                                          cuda_attention=cuda_attention, cuda_graphs=cuda_graphs)
         claim_model(model, self)
-        torch_elementwise, lora_products = prepare_model(model, kernels, self._exact)
+        prepare_model(model)
+        torch_elementwise = self._platform.install(model)
         if torch_elementwise:  # said, not hidden: these keep torch's activation, whose last bit may move
             log.warning("Kev: batch-invariant, except that %s keep torch's own elementwise code (a last-bit "
                         "difference between packs is possible there)", ", ".join(torch_elementwise[:4]))
@@ -135,15 +148,16 @@ class Engine:
         self.max_context = context_length(model, tokenizer)
         self.eos_ids = eos_ids(model, tokenizer)
         self._defaults = Defaults.from_env()
-        self._backend = backends.choose(kernels, paged, self._exact)
+        self._backend = self._platform.attention
         self._kv = self._backend.allocate(model, self.device, self.dtype, kv_cache_bytes, block_size,
-                                          useful_tokens=2 * max_num_seqs * self.max_context)
+                                          useful_tokens=2 * max_num_seqs * self.max_context,
+                                          default_bytes=self._platform.default_kv_cache_bytes)
         self._adapters = AdapterPool(model, self.device, max_adapters)
-        self._adapters.router.kernels = lora_products  # LoRA deltas: the same products as the layers
-        self._runner = ModelRunner(model, self._backend, self._adapters, device=self.device, cuda_graphs=cuda_graphs,
-                                   max_rows=max_num_seqs, max_context=self.max_context)  # may reserve a block
+        self._adapters.router.products = self._platform.lora_products  # the same products as the layers
+        graphs = self._platform.decode_graphs(model, max_num_seqs, self.max_context)  # may reserve a block
+        self._runner = ModelRunner(model, self._backend, self._adapters, device=self.device, graphs=graphs)
         self._blocks = BlockManager(self._kv.num_blocks, self._kv.block_size)
-        self.pass_time_ms = pass_cost.target_ms(pass_time_ms, self.device)
+        self.pass_time_ms = pass_cost.target_ms(pass_time_ms, self._platform.default_pass_ms)
         self._scheduler = Scheduler(max_batch_tokens, max_num_seqs, self._blocks, max_logits_tokens,
                                     cost=pass_cost.CostModel(pass_cost.Work.of(model)),
                                     pass_time_s=self.pass_time_ms / 1000)
@@ -153,7 +167,9 @@ class Engine:
         self._life = Lifecycle(cond=self._cond, scheduler=self._scheduler, blocks=self._blocks, adapters=self._adapters,
                                grammars=self._grammars, backend=self._backend, tokenizer=tokenizer,
                                eos_ids=self.eos_ids, max_context=self.max_context, device=self.device)
-        self._worker = Worker(self, self._cond, max(0.0, coalesce_ms) / 1000)
+        arrivals = Arrivals(max(0.0, coalesce_ms) / 1000)  # under the engine's lock
+        self._stepper = Stepper(self._life, self._runner, self._scheduler, arrivals)
+        self._worker = Worker(self._stepper, self._cond, arrivals, close=self.close)
 
     @classmethod
     def from_pretrained(
@@ -321,7 +337,7 @@ class Engine:
         for any request, and each result is its own tensor (not a view of a whole pass). They
         never start from a cached prefix: every position's logits are computed.
         """
-        return self._answer("prompt_logits", prompts, None, adapters, logits_only=True)
+        return self._answer("prompt_logits", prompts, None, adapters, all_logits=True)
 
     def stats(self) -> dict[str, Any]:
         """Counters since start (requests, passes, tokens, prefix hits), the KV memory now, how this
@@ -332,7 +348,7 @@ class Engine:
             return {
                 **self._life.stats,
                 "dtype": str(self.dtype).removeprefix("torch."),
-                "batch_invariant": self._exact,
+                "batch_invariant": self._platform.batch_invariant,
                 "pass_time_ms": self.pass_time_ms if math.isfinite(self.pass_time_ms) else None,  # None: no bound
                 "pass_seconds": self._life.pass_seconds.snapshot(),
                 "queue_seconds": self._life.queue_seconds.snapshot(),
@@ -352,18 +368,30 @@ class Engine:
 
     @property
     def batch_invariant(self) -> bool:
-        """Whether every answer is bitwise the same packed as alone (see `invariance`)."""
-        return self._exact
+        """Whether every answer is bitwise the same packed as alone (see `platforms.invariance`)."""
+        return self._platform.batch_invariant
 
     @property
-    def decode_attention(self) -> str:
-        """The attention backend (`backends`): "exact" (the batch-invariant CPU kernel), "varlen" or
-        "flash-attn" (the paged CUDA kernel), "compiled" (the CPU decode kernel) or "torch"."""
+    def attention(self) -> str:
+        """The attention every row of a pass runs on, prefill and decode (`platforms`): "exact" (the
+        batch-invariant CPU kernel), "varlen" or "flash-attn" (the paged CUDA kernel), "compiled"
+        (Kev's CPU decode kernel, SDPA for prefill) or "torch"."""
         return self._backend.name
 
     @property
+    def decode_attention(self) -> str:
+        """Deprecated name of `attention` (it names the prefill's kernel too)."""
+        warnings.warn("Engine.decode_attention is deprecated; use Engine.attention", DeprecationWarning, stacklevel=2)
+        return self.attention
+
+    @property
+    def platform(self) -> str:
+        """Where this engine computes: "cpu", "cuda", or the device type torch's ops run on."""
+        return self._platform.name
+
+    @property
     def cuda_graphs(self) -> bool:
-        """Whether decode passes replay CUDA graphs (see `backends.cuda_graphs`)."""
+        """Whether decode passes replay CUDA graphs (see `platforms.cuda.graphs`)."""
         return self._runner.graphs is not None
 
     @property
@@ -425,7 +453,10 @@ class Engine:
 
     @property
     def closed(self) -> bool:
-        return self._closed
+        """True once `close()` ran — or when construction failed, leaving nothing to use (so the
+        model it claimed can be given to another engine)."""
+        stepper: Stepper | None = getattr(self, "_stepper", None)
+        return stepper is None or stepper.closed
 
     @contextlib.contextmanager
     def hold(self) -> Iterator[None]:
@@ -502,9 +533,9 @@ class Engine:
         Callbacks still being delivered run on after it returns.
         """
         with self._cond:
-            if self._closed and self._worker.thread is None:
+            if self._stepper.closed and self._worker.thread is None:
                 return
-            self._closed = True
+            self._stepper.closed = True
             self._cond.notify_all()
         if not self._worker.join(timeout):
             return
@@ -512,6 +543,7 @@ class Engine:
             self._life.drain()
             self._adapters.restore_model()
             release_model(self.model)
+            platforms.uninstall(self.model)
             self._worker.thread = None
         self._life.delivery.close()
 
@@ -524,39 +556,17 @@ class Engine:
     # ---- the flow ---------------------------------------------------------------------------
 
     def step(self) -> int:
-        """One pass: cancel → schedule → pack → forward → sample → record → finish.
+        """One pass: cancel → schedule → pack → forward → fork n > 1 samples → sample → record → finish.
 
         Returns the number of tokens it ran (0: nothing could run). Passes never overlap: a caller
         stepping by hand (inside `hold()`) waits for the scheduler thread's pass to end.
         """
-        return self._worker.run_pass(self._step)
-
-    def _step(self) -> int:
-        life = self._life
-        life.cancel()
-        chunks = life.schedule(lambda r: r.follow_up and self._worker.arrivals.defers(r.queued_at))
-        if not chunks:
-            return 0
-        started = time.perf_counter()
-        try:
-            batch = self._runner.pack(chunks)
-            logits = self._runner.forward(batch, life.resident_adapters())  # [K, vocab]
-        finally:
-            life.end_pass()
-        draws = life.sample(chunks, batch, logits)
-        life.finish(life.record(chunks, batch, logits, draws, time.perf_counter() - started))
-        return batch.num_tokens
-
-    # what the worker drives (`worker.Stepped`)
+        return self._worker.run_pass(self._stepper.step)
 
     def has_work(self) -> bool:
-        return self._scheduler.has_work()
-
-    def drain(self) -> None:
-        self._life.drain()
-
-    def fail_pass(self, exc: BaseException) -> None:
-        self._life.fail_running(exc)
+        """Anything queued or running: what a caller stepping by hand inside `hold()` steps until."""
+        with self._cond:
+            return self._stepper.has_work()
 
     # ---- requests in ------------------------------------------------------------------------
 
@@ -564,22 +574,22 @@ class Engine:
         self,
         prepared: Sequence[Prepared],
         on_text: Sequence[Callable[[str], None] | None] | None = None,
-        logits_only: bool = False,
+        all_logits: bool = False,
         capture_logits: bool = False,
         follow_up: bool = False,
     ) -> list[Future[Any]]:
         """Queue all valid requests as one group; a refused one gets an already-failed future."""
         with self._cond:
-            if self._closed:
+            if self._stepper.closed:
                 raise EngineClosedError("the engine is closed")
             follow_up = self._worker.arrivals.arrived(follow_up)
-            futures = self._life.enqueue(prepared, self._defaults, on_text, logits_only, capture_logits, follow_up)
+            futures = self._life.enqueue(prepared, self._defaults, on_text, all_logits, capture_logits, follow_up)
             self._worker.start()
             self._cond.notify_all()
         return futures
 
     def _answer(self, what: str, prompts: Sequence[Prompt], sampling: Any, adapters: Any,
-                return_exceptions: bool = False, capture_logits: bool = False, logits_only: bool = False) -> list[Any]:
+                return_exceptions: bool = False, capture_logits: bool = False, all_logits: bool = False) -> list[Any]:
         """The blocking calls' one path: prepare every prompt, queue them as one group, wait for all.
         Without `return_exceptions` a refused prompt raises before anything is queued."""
         self._worker.refuse_blocking(what, self._life.delivery)
@@ -594,7 +604,7 @@ class Engine:
                 if not isinstance(item, BaseException) and item[1].n != 1:
                     raise InvalidRequestError(f"n={item[1].n} is not allowed with {what}; "
                                               "it keeps one answer's logits per prompt (n=1)")
-        queued = self._enqueue(prepared, capture_logits=capture_logits, logits_only=logits_only)
+        queued = self._enqueue(prepared, capture_logits=capture_logits, all_logits=all_logits)
         return self._wait(queued, return_exceptions)
 
     def _wait(self, futures: list[Future[Any]], return_exceptions: bool) -> list[Any]:

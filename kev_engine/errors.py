@@ -34,6 +34,10 @@ class UnknownAdapterError(KevError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
+class AdapterError(KevError, ValueError):
+    """An adapter Kev refuses to load; the message names the adapter and the reason."""
+
+
 class EngineClosedError(KevError, RuntimeError):
     """The engine was shut down while the request waited."""
 

@@ -1,4 +1,4 @@
-"""`kev`, the installed command: the engine's commands (`kev_engine.cli`) and `kev serve`.
+"""`kev`, the installed command: the engine's commands (`kev_engine.tools.cli`) and `kev serve`.
 
     kev serve [--model SOURCE] [--adapter NAME=PATH] [--port 8000] [--api-key KEY]   # OpenAI-compatible
     kev serve --ray --replicas 4 [--ray-address ADDR]     # the same API from Ray Serve replicas

@@ -3,7 +3,7 @@
 An agent asks with tools offered; a reply that calls a tool (or tried to: a cut call comes back
 as an error result) brings it back once the tool ran. Several agents' calls of one round finish
 a few decode steps apart, and without a word each follow-up would start a pass of its own:
-`Engine.expect_follow_up` lets the follow-ups that came wait for the others (`kev_engine.arrivals`).
+`Engine.expect_follow_up` lets the follow-ups that came wait for the others (`kev_engine.core.arrivals`).
 The LangChain and LlamaIndex front ends say it for every call with tools offered, take it back at
 once when the answer calls none, and submit a question whose last message is a tool result as a
 follow-up (`submit_options`). An engine that does not coalesce this way (a remote

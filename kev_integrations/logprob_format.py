@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from kev_engine.logprobs import TokenLogprob
+from kev_engine import TokenLogprob
 
 
 def _entry(token: str, logprob: float) -> dict[str, Any]:

@@ -29,16 +29,20 @@ import httpx
 from kev_engine import (
     Completion,
     ConstraintError,
+    Delivery,
     EngineClosedError,
     InvalidRequestError,
     KevError,
+    Mailbox,
+    PassFailedError,
     SamplingParams,
+    TextPiece,
+    TokenLogprob,
+    UnknownAdapterError,
+    coerce_sampling,
+    hand_text,
+    resolve_future,
 )
-from kev_engine.delivery import Delivery, Mailbox, hand_text
-from kev_engine.errors import PassFailedError, UnknownAdapterError
-from kev_engine.logprobs import TokenLogprob
-from kev_engine.params import coerce_sampling
-from kev_engine.request import TextPiece, resolve_future
 
 from .retry import RETRY_ERRORS, RETRY_STATUSES, check_max_retries, retry_delay
 

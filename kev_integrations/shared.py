@@ -16,8 +16,7 @@ from typing import Any
 
 import torch
 
-from kev_engine import Engine, EngineLike, loader
-from kev_engine.lora import AdapterError
+from kev_engine import AdapterError, Engine, EngineLike, resolve_device, resolve_dtype
 
 from .remote import RemoteEngine
 
@@ -32,10 +31,10 @@ _remotes: dict[tuple[str, str | None, int], RemoteEngine] = {}
 
 def engine_key(source: str | None, device: str | None, dtype: str | None) -> EngineKey:
     """The canonical (source, device, dtype) of an engine; a bad device or dtype raises here."""
-    resolved = loader.resolve_device(device)
+    resolved = resolve_device(device)
     if resolved.type == "cuda" and resolved.index is None:
         resolved = torch.device("cuda", torch.cuda.current_device())  # "cuda" and "cuda:0" are one device
-    dtype_name = str(loader.resolve_dtype(dtype, resolved)).removeprefix("torch.")
+    dtype_name = str(resolve_dtype(dtype, resolved)).removeprefix("torch.")
     if source is not None and Path(source).expanduser().exists():  # a local folder or .gguf, not a hub id
         source = str(Path(source).expanduser().resolve())
     return source, str(resolved), dtype_name

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kev_engine import EngineLike
-from kev_engine.tokenize import prompt_ids
+from kev_engine import EngineLike, prompt_ids
 
 from .remote import RemoteEngine
 

@@ -24,7 +24,8 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from kev_engine import Engine, loader
+from kev_engine import Engine
+from kev_engine.model import loader
 
 # Passes bounded by tokens alone in the suite: how many passes a batch takes must not depend on how
 # fast this machine is. The time budget has its own tests, on cost models whose numbers are given
@@ -143,7 +144,7 @@ def family_pair(request: pytest.FixtureRequest, tokenizer: Any) -> tuple[Engine,
     family, path = request.param
     model = tiny_model(family, tokenizer)
     reference = reference_copy(model)
-    return Engine(model, tokenizer, name=family, decode_kernel=path), reference
+    return Engine(model, tokenizer, name=family, cpu_kernels=path), reference
 
 
 @pytest.fixture

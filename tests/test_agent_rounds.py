@@ -2,7 +2,7 @@
 examples/langchain_agent.py (a call forced, then the answer), run with `agent.batch(4)` on the
 embedded model, makes 8 LLM calls, and its second round — each agent's question after its tool
 ran, arriving as each first answer finishes — shares one pass because ChatKev tells the engine
-that a reply calling a tool brings its caller back (`Engine.expect_follow_up`, `kev_engine.arrivals`).
+that a reply calling a tool brings its caller back (`Engine.expect_follow_up`, `kev_engine.core.arrivals`).
 
 No clock race: the follow-up grace and wait are raised to a minute, so only the agents' own
 arrivals decide when the second round is admitted (every agent here does come back)."""
@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 from langchain_core.messages import ToolMessage
 
-from kev_engine import Engine, arrivals
+from kev_engine import Engine
+from kev_engine.core import arrivals
 from kev_integrations.langchain import ChatKev
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))

@@ -1,4 +1,4 @@
-"""When an idle engine's first pass starts (`kev_engine.arrivals`): the quiet window and how it adapts
+"""When an idle engine's first pass starts (`kev_engine.core.arrivals`): the quiet window and how it adapts
 (on an injected clock), and callers who arrive together sharing one pass — announced callers,
 and an event loop's tasks submitting in one turn — without `hold()`.
 
@@ -16,8 +16,9 @@ from typing import Any
 import pytest
 from conftest import tiny_model
 
-from kev_engine import Engine, arrivals
-from kev_engine.arrivals import Arrivals
+from kev_engine import Engine
+from kev_engine.core import arrivals
+from kev_engine.core.arrivals import Arrivals
 
 MINUTE = 60.0
 
@@ -174,8 +175,8 @@ def test_an_answer_nobody_follows_up_stops_deferring_after_the_grace_or_at_once(
 def test_a_deferred_follow_up_stays_queued_for_that_pass() -> None:
     from test_schedule import request
 
-    from kev_engine.blocks import BlockManager
-    from kev_engine.schedule import Scheduler
+    from kev_engine.core.blocks import BlockManager
+    from kev_engine.core.schedule import Scheduler
 
     scheduler = Scheduler(max_batch_tokens=64, max_num_seqs=8, blocks=BlockManager(num_blocks=16, block_size=4))
     running, follow_up = request(0, [1, 2, 3]), request(1, [4, 5, 6])

@@ -19,13 +19,15 @@ import torch.nn.functional as F
 from conftest import QUESTIONS, chat, reference_copy, reference_greedy, tiny_model
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from kev_engine import Engine, SamplingParams, attention, kernels
-from kev_engine.backends import cuda as cuda_backend
-from kev_engine.backends import reference
-from kev_engine.backends.compiled import CompiledBackend
-from kev_engine.backends.reference import TorchBackend
-from kev_engine.kv_pool import kv_shape
-from kev_engine.pack import Segment, pack
+from kev_engine import Engine, SamplingParams
+from kev_engine.model import attention
+from kev_engine.model.kv_pool import kv_shape
+from kev_engine.model.pack import Segment, pack
+from kev_engine.platforms import torch_ops as reference
+from kev_engine.platforms.cpu import kernels
+from kev_engine.platforms.cpu.compiled import CompiledBackend
+from kev_engine.platforms.cuda import varlen as cuda_backend
+from kev_engine.platforms.torch_ops import TorchBackend
 
 
 def varlen_reference(q, k_cache, v_cache, cu_q, cu_k, max_q, max_k, softmax_scale=None, causal=False,
@@ -64,7 +66,7 @@ def test_flash_attn_paged_path_matches_solo(tokenizer, monkeypatch) -> None:
     monkeypatch.setattr(cuda_backend, "choose", lambda mode, device, dtype: kernel)
     # a small budget chunks the prefill: new chunks attend to their own cached blocks
     engine = Engine(model, tokenizer, max_batch_tokens=40, max_num_seqs=8, block_size=16, cuda_graphs=False)
-    assert engine.stats()["kv_block_size"] == 16 and engine.decode_attention == "flash-attn"
+    assert engine.stats()["kv_block_size"] == 16 and engine.attention == "flash-attn"
     doc = "The lighthouse was built in 1874 on a granite rock. " * 3
     prompts = QUESTIONS + [chat("Who built it?", doc), chat("When was it built?", doc)]  # a shared prefix
     results = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=6))
@@ -218,8 +220,8 @@ class KernelCounter(TorchDispatchMode):
 @pytest.mark.parametrize("path", ["compiled", "torch"])
 def test_one_attention_call_per_layer_for_any_number_of_decode_rows(tokenizer, path: str) -> None:
     """The compiled decode kernel: one call per layer and no torch matmul; the torch path: a fixed set."""
-    engine = Engine(tiny_model("llama", tokenizer), tokenizer, decode_kernel=path, batch_invariant=False)
-    assert engine.decode_attention == path
+    engine = Engine(tiny_model("llama", tokenizer), tokenizer, cpu_kernels=path, batch_invariant=False)
+    assert engine.attention == path
     two, sixteen = count_attention_kernels(engine, 2), count_attention_kernels(engine, 16)
     engine.close()
     assert two == sixteen
@@ -304,14 +306,14 @@ def test_compiled_kv_write_refuses_slots_outside_the_pool_and_writes_nothing() -
     assert not keys.any() and not values.any()
 
 
-def test_decode_kernel_mode_is_checked_and_a_failed_build_is_said(tokenizer, monkeypatch, caplog) -> None:
+def test_cpu_kernels_mode_is_checked_and_a_failed_build_is_said(tokenizer, monkeypatch, caplog) -> None:
     """A bad mode names itself; "auto" says why it decodes with torch; "compiled" fails with the reason."""
-    with pytest.raises(ValueError, match="decode_kernel='fast' is not allowed; use one of auto, compiled, torch"):
-        Engine(tiny_model("llama", tokenizer), tokenizer, decode_kernel="fast")
-    monkeypatch.setenv("KEV_DECODE_KERNEL", "gpu")
-    with pytest.raises(ValueError, match="KEV_DECODE_KERNEL='gpu' is not allowed"):
+    with pytest.raises(ValueError, match="cpu_kernels='fast' is not allowed; use one of auto, compiled, torch"):
+        Engine(tiny_model("llama", tokenizer), tokenizer, cpu_kernels="fast")
+    monkeypatch.setenv("KEV_CPU_KERNELS", "gpu")
+    with pytest.raises(ValueError, match="KEV_CPU_KERNELS='gpu' is not allowed"):
         Engine(tiny_model("llama", tokenizer), tokenizer)
-    monkeypatch.delenv("KEV_DECODE_KERNEL")
+    monkeypatch.delenv("KEV_CPU_KERNELS")
 
     def no_compiler(build: str):
         raise OSError("no C++ compiler on PATH")
@@ -322,10 +324,10 @@ def test_decode_kernel_mode_is_checked_and_a_failed_build_is_said(tokenizer, mon
     model = tiny_model("llama", tokenizer)
     reference = reference_copy(model)  # before an engine claims the model
     with pytest.raises(RuntimeError, match="no C\\+\\+ compiler on PATH"):
-        Engine(model, tokenizer, decode_kernel="compiled")
+        Engine(model, tokenizer, cpu_kernels="compiled")
     with caplog.at_level("WARNING", logger="kev"):
         engine = Engine(model, tokenizer)  # the failed "compiled" left the model unclaimed
-    assert engine.decode_attention == "torch" and not engine.batch_invariant
+    assert engine.attention == "torch" and not engine.batch_invariant
     assert "no C++ compiler on PATH" in caplog.text and "not batch-invariant" in caplog.text
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     assert all(m.__dict__["forward"].args[2] is None for m in linears)  # nor the compiled few-row product
@@ -343,7 +345,7 @@ def test_each_backend_owns_its_pool_and_a_pack_is_plain_data(tokenizer, kind: st
     carries tensors, lists and the backend's plain plan — never the pool or the backend."""
     engine = Engine(tiny_model("llama", tokenizer), tokenizer, block_size=32, **BACKEND_OPTIONS[kind])
     backend, pool = engine._backend, engine._kv
-    assert engine.decode_attention == kind == backend.name and backend.pool is pool
+    assert engine.attention == kind == backend.name and backend.pool is pool
     _, kv_heads, head_dim = kv_shape(engine.model)
     key_shape, value_shape = backend.layout(pool.num_blocks, kv_heads, 32, head_dim)
     assert pool.keys[0].shape == key_shape and pool.values[0].shape == value_shape

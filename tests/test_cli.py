@@ -12,8 +12,10 @@ from conftest import chat, make_adapter, tiny_model
 from PIL import Image
 from test_visualize import find_mask
 
-from kev_engine import Engine, SamplingParams, cli, kernels
-from kev_engine import visualize as vis
+from kev_engine import Engine, SamplingParams
+from kev_engine.platforms.cpu import kernels
+from kev_engine.tools import cli
+from kev_engine.tools import visualize as vis
 
 
 @pytest.fixture

@@ -208,7 +208,7 @@ def test_constrained_questions_with_adapters_equal_their_solo_runs(tokenizer, tm
 
 
 def test_the_grammar_cache_is_bounded_in_bytes_and_kept_apart_by_salt(tokenizer) -> None:
-    from kev_engine.grammar import Grammars
+    from kev_engine.sample.grammar import Grammars
 
     grammars = Grammars(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
     first = grammars.compile(("regex", "[a-z]{1,8}"))

@@ -13,7 +13,9 @@ from typing import Any
 import pytest
 import torch
 
-from kev_engine import cpu_isa, kernels, loader
+from kev_engine.model import loader
+from kev_engine.platforms.cpu import isa as cpu_isa
+from kev_engine.platforms.cpu import kernels
 
 ZEN4 = ["fpu", "avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "avx512_vnni"]
 SAPPHIRE_RAPIDS = [*ZEN4, "amx_tile", "amx_bf16", "amx_int8"]
@@ -76,7 +78,7 @@ def test_each_level_is_a_build_of_its_own_with_its_flags(monkeypatch, tmp_path) 
 
 
 def run_as(isa: str, code: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kev_engine.cpu_isa", isa, "--", sys.executable, "-c", code],
+    return subprocess.run([sys.executable, "-m", "kev_engine.platforms.cpu.isa", isa, "--", sys.executable, "-c", code],
                           capture_output=True, text=True, timeout=120)
 
 
@@ -88,6 +90,6 @@ def test_the_runner_sets_kevs_level_and_caps_torchs_dispatch() -> None:
     assert "ATEN_CPU_CAPABILITY=avx2" in done.stderr  # it says what it set
     refused = run_as("avx1024", "pass")
     assert refused.returncode == 2 and "KEV_CPU_ISA='avx1024' is not allowed" in refused.stderr
-    usage = subprocess.run([sys.executable, "-m", "kev_engine.cpu_isa", "native"], capture_output=True, text=True,
-                           timeout=60)
-    assert usage.returncode == 2 and "usage: python -m kev_engine.cpu_isa" in usage.stderr
+    usage = subprocess.run([sys.executable, "-m", "kev_engine.platforms.cpu.isa", "native"], capture_output=True,
+                           text=True, timeout=60)
+    assert usage.returncode == 2 and "usage: python -m kev_engine.platforms.cpu.isa" in usage.stderr

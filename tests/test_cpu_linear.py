@@ -15,8 +15,9 @@ import torch
 import torch.nn.functional as F
 from conftest import QUESTIONS, reference_copy, reference_greedy, tiny_model
 
-from kev_engine import Engine, SamplingParams, cpu_linear
-from kev_engine.kernels import load_kernels
+from kev_engine import Engine, SamplingParams
+from kev_engine.platforms.cpu import rows_linear as cpu_linear
+from kev_engine.platforms.cpu.kernels import load_kernels
 
 
 def load_linear():
@@ -102,7 +103,7 @@ def test_engine_leaves_other_forwards_and_dtypes_alone(tokenizer) -> None:
     assert hooked.__dict__["forward"] is hook
 
     plain = tiny_model("llama", tokenizer)
-    engine = Engine(plain, tokenizer, decode_kernel="torch", batch_invariant=False)  # no kernels: W @ x.T, MKL
+    engine = Engine(plain, tokenizer, cpu_kernels="torch", batch_invariant=False)  # no kernels: W @ x.T, MKL
     assert {ours(m).args[2] for m in plain.modules() if isinstance(m, torch.nn.Linear)} == {None}
     engine.close()
 

@@ -25,9 +25,9 @@ from test_invariance import alone, answers, differences, doc_questions, greedy, 
 from varlen_contract import VarlenContract
 
 from kev_engine import Engine
-from kev_engine.backends import cuda as cuda_backend
-from kev_engine.backends.cuda import PagedTables
-from kev_engine.blocks import blocks_for
+from kev_engine.core.blocks import blocks_for
+from kev_engine.platforms.cuda import varlen as cuda_backend
+from kev_engine.platforms.cuda.varlen import PagedTables
 
 pytestmark = pytest.mark.cuda
 
@@ -49,7 +49,7 @@ def test_defaults_on_a_gpu(cuda) -> None:
     engine = Engine.from_pretrained(device="cuda")
     try:
         assert engine.dtype == torch.bfloat16 and engine.device.type == "cuda"
-        assert engine.decode_attention == "varlen" and engine.cuda_graphs and engine.batch_invariant
+        assert engine.attention == "varlen" and engine.cuda_graphs and engine.batch_invariant
         assert engine._backend.num_splits == 1
     finally:
         engine.close()
@@ -136,7 +136,7 @@ def test_varlen_unsplit_is_the_same_alone_and_among_others(cuda) -> None:
 
 
 def test_triton_products_are_row_count_invariant(cuda) -> None:
-    from kev_engine.backends import cuda_triton
+    from kev_engine.platforms.cuda import triton_kernels as cuda_triton
 
     torch.manual_seed(0)
     weight = torch.randn(576, 576, device=cuda, dtype=torch.bfloat16)
@@ -151,7 +151,7 @@ def test_triton_products_are_row_count_invariant(cuda) -> None:
 def test_packed_equals_alone_bitwise_bf16(cuda, family, tokenizer) -> None:
     engine = cuda_engine(family, tokenizer, cuda)
     try:
-        assert engine.batch_invariant and engine.decode_attention == "varlen"
+        assert engine.batch_invariant and engine.attention == "varlen"
         prompts = questions(1, 10, document_words=400)  # a document over one 256-token block
         packed = answers(engine, prompts, greedy(10, 16))
         assert engine.stats()["prefix_hit_tokens"] > 0  # the shared document was computed once

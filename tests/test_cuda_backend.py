@@ -20,10 +20,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from varlen_contract import VarlenContract
 
 from kev_engine import Engine, SamplingParams
-from kev_engine.backends import cuda as cuda_backend
-from kev_engine.backends import cuda_graphs
-from kev_engine.forward import run_model
-from kev_engine.pack import Segment, pack
+from kev_engine.model.forward import run_model
+from kev_engine.model.pack import Segment, pack
+from kev_engine.platforms.cuda import graphs as cuda_graphs
+from kev_engine.platforms.cuda import varlen as cuda_backend
 
 DOC = "The lighthouse was built in 1874 on a granite rock. " * 3
 PROMPTS = QUESTIONS + [chat("Who built it?", DOC), chat("When was it built?", DOC)]  # a shared prefix
@@ -49,7 +49,7 @@ def test_varlen_path_matches_solo(tokenizer, monkeypatch, graphs) -> None:
     transformers alone, one varlen call per layer per pass, NaN in stale memory reaching nothing."""
     engine, kernel = varlen_engine(tokenizer, monkeypatch, graphs=graphs, max_batch_tokens=40, max_num_seqs=8)
     reference = reference_copy(engine.model)
-    assert engine.decode_attention == "varlen" and engine.cuda_graphs == graphs
+    assert engine.attention == "varlen" and engine.cuda_graphs == graphs
     results = engine.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=6))
     for prompt, result in zip(PROMPTS, results):
         ids = engine.encode(prompt)

@@ -29,7 +29,7 @@ CHECK = textwrap.dedent("""
     import torch
     import torch.nn.functional as F
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
-    from kev_engine.backends import cuda_triton
+    from kev_engine.platforms.cuda import triton_kernels as cuda_triton
 
     torch.manual_seed(0)
     for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
@@ -68,8 +68,10 @@ ENGINE = textwrap.dedent("""
     from conftest import make_adapter, rounding_tolerance, tiny_model
     from test_invariance import alone, answers, greedy, questions
     from varlen_contract import VarlenContract
-    from kev_engine import Engine, loader
-    from kev_engine.backends import cuda as cuda_backend, cuda_invariant
+    from kev_engine import Engine
+    from kev_engine.model import loader
+    from kev_engine.platforms.cuda import invariant as cuda_invariant
+    from kev_engine.platforms.cuda import varlen as cuda_backend
 
     tokenizer = AutoTokenizer.from_pretrained(str(loader.converted_gguf_dir(loader.embedded_gguf())))
     kernel = VarlenContract()
@@ -77,7 +79,7 @@ ENGINE = textwrap.dedent("""
     base = tiny_model("llama", tokenizer)
     folder = make_adapter(base, pathlib.Path(tempfile.mkdtemp()) / "qv", seed=1)
     engine = Engine(base.to(torch.bfloat16), tokenizer, block_size=16, batch_invariant=True)
-    assert engine.batch_invariant and engine.cuda_graphs and engine.decode_attention == "varlen"
+    assert engine.batch_invariant and engine.cuda_graphs and engine.attention == "varlen"
     assert engine._backend.num_splits == 1
     assert cuda_invariant._is_ours(engine.model.lm_head.__dict__.get("forward"))
     assert cuda_invariant._is_ours(engine.model.model.norm.__dict__.get("forward"))

@@ -11,7 +11,7 @@ import torch
 from conftest import QUESTIONS, chat
 
 from kev_engine import Engine, InvalidRequestError, SamplingParams
-from kev_engine.params import Defaults
+from kev_engine.inputs.params import Defaults
 
 
 def test_seeded_sampling_is_independent_of_pack_mates(tiny_engine: Engine) -> None:

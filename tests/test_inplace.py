@@ -1,4 +1,4 @@
-"""In-place MLP and RMSNorm forwards (kev_engine.inplace): bitwise what the module's own forward
+"""In-place MLP and RMSNorm forwards (kev_engine.platforms.inplace): bitwise what the module's own forward
 gives (with torch's activation; with Kev's silu_mul kernel, equal to rounding), the input left
 untouched, installed only on the classes listed in `inplace` whose forward still computes Kev's
 formula (checked on a probe input, so a rewritten class keeps its own), removed with the engine.
@@ -16,7 +16,8 @@ import torch
 from conftest import FAMILIES, tiny_model
 from transformers.models.llama.modeling_llama import LlamaConfig, LlamaMLP, LlamaRMSNorm
 
-from kev_engine import Engine, inplace
+from kev_engine import Engine
+from kev_engine.platforms import inplace
 
 
 def ours(module: torch.nn.Module) -> bool:

@@ -3,13 +3,16 @@ identical tokens, on four tiny families and the embedded model, in float32 and b
 
 Each case packs questions together (shared documents, a later call hitting the prefix cache,
 chunked prefill, preemption, adapters, seeded sampling, a needle among 30 others) and compares
-every question with the same question asked alone. The control: the same comparisons with
-`batch_invariant=False` (torch's BLAS and attention) find differences, so these tests can fail.
+every question with the same question asked alone. The controls show these tests can fail: by
+construction, the invariant engine with one reduction reordered by the pass's size
+(`reorder_by_pass_size`) differs; and the same comparisons with `batch_invariant=False` (torch's
+BLAS and attention) find differences.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import random
 from typing import Any
 
@@ -18,7 +21,7 @@ import torch
 from conftest import FAMILIES, make_adapter, tiny_model
 
 from kev_engine import Engine, SamplingParams
-from kev_engine.verify import _run
+from kev_engine.tools.verify import _run
 
 DTYPES = [torch.float32, torch.bfloat16]
 WORDS = ("the river rose after three days of rain and the old bridge near the mill was closed while "
@@ -203,16 +206,45 @@ def test_embedded_model_packed_equals_alone_bitwise(embedded: Engine) -> None:
     assert len({tuple(tokens) for tokens, _ in packed}) > 1  # each question got its own answer
 
 
-def test_control_bf16_shared_document_differs_without_the_invariant_kernels() -> None:
-    """The shared-document comparison can fail: in bf16, torch's kernels give other bits packed.
-    (In fp32, BLAS happens to agree on this pack too often for a reliable control; the chunked
-    control below covers fp32.)"""
-    control = Engine.from_pretrained(dtype=torch.bfloat16, batch_invariant=False)
+def reorder_by_pass_size(model: torch.nn.Module) -> None:
+    """Break invariance on purpose: every MLP's down projection sums its K products in two parts
+    split at a place that moves with the pass's row count (each part rounded in the model's
+    dtype, then added) — the kind of order a BLAS picks by shape, here by construction."""
+    def forward(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        k = x.shape[-1]
+        split = 1 + x.shape[-2] % (k - 1)
+        return (torch.nn.functional.linear(x[..., :split], layer.weight[:, :split])
+                + torch.nn.functional.linear(x[..., split:], layer.weight[:, split:], layer.bias))
+
+    for name, module in model.named_modules():
+        if name.endswith("mlp.down_proj"):
+            module.forward = functools.partial(forward, module)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_control_a_reduction_ordered_by_the_pass_is_caught(dtype: torch.dtype) -> None:
+    """The shared-document comparison can fail, whatever the machine's BLAS: the invariant engine
+    with one reduction reordered by the pass's size (`reorder_by_pass_size`) differs packed."""
+    control = Engine.from_pretrained(dtype=dtype)
     try:
+        assert control.batch_invariant
+        reorder_by_pass_size(control.model)
         prompts = doc_questions()
         assert differences(answers(control, prompts, greedy(6, 12)), alone(control, prompts, greedy(6, 12))) != []
     finally:
         control.close()
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_control_on_every_family_a_reordered_reduction_is_caught(family: str, tokenizer) -> None:
+    """The tiny families' shared-document comparison, with the constructed control."""
+    engine = engine_for(family, tokenizer, torch.float32)
+    try:
+        reorder_by_pass_size(engine.model)
+        prompts = questions(1, 10)
+        assert differences(answers(engine, prompts, greedy(10)), alone(engine, prompts, greedy(10))) != []
+    finally:
+        engine.close()
 
 
 def chunked_against_alone(dtype: torch.dtype, batch_invariant: bool) -> list[int]:
@@ -243,12 +275,12 @@ def test_control_without_the_invariant_kernels_the_same_comparison_finds_differe
 def test_batch_invariant_true_says_why_it_cannot_be(tokenizer) -> None:
     model = tiny_model("llama", tokenizer)
     with pytest.raises(ValueError, match="batch_invariant=True cannot be honoured: Kev's compiled CPU kernels"):
-        Engine(model, tokenizer, decode_kernel="torch", batch_invariant=True)
+        Engine(model, tokenizer, cpu_kernels="torch", batch_invariant=True)
     with pytest.raises(ValueError, match=r"the model is in torch.float16; the batch-invariant kernels compute"):
         Engine(model.to(torch.float16), tokenizer, batch_invariant=True)
     with pytest.raises(TypeError, match="batch_invariant='yes' is not allowed"):
         Engine(model, tokenizer, batch_invariant="yes")  # type: ignore[arg-type]
-    engine = Engine(model, tokenizer, decode_kernel="torch")  # None: wherever possible — here it is not
+    engine = Engine(model, tokenizer, cpu_kernels="torch")  # None: wherever possible — here it is not
     assert engine.stats()["batch_invariant"] is False and engine.stats()["dtype"] == "float16"
     engine.close()
 
@@ -273,8 +305,8 @@ def test_norms_silu_and_rotary_are_per_row(dtype: torch.dtype, tokenizer) -> Non
     """The per-row pieces, alone against inside packs of many sizes (past torch's parallel grain,
     odd and even), bitwise: RMSNorm (torch's, through Kev's in-place form), Kev's silu_mul, and
     the rotary table against the module's own forward for the same positions."""
-    from kev_engine import inplace, rotary_table
-    from kev_engine.kernels import load_kernels
+    from kev_engine.platforms import inplace, rotary_table
+    from kev_engine.platforms.cpu.kernels import load_kernels
 
     model = tiny_model("llama", tokenizer, hidden_size=576, intermediate_size=1536, num_attention_heads=9,
                        num_key_value_heads=3).to(dtype)

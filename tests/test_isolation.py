@@ -91,8 +91,8 @@ def test_perturbing_b_at_same_length_leaves_a_bit_identical(tokenizer) -> None:
     assert len(b_changed) == len(b) and all(x != y for x, y in zip(b, b_changed))
     text_b, text_b2 = tokenizer.decode(b), tokenizer.decode(b_changed)
     # prompt_logits takes prompts, so feed raw ids through a model-level pack instead
-    from kev_engine.forward import run_model
-    from kev_engine.pack import Segment, pack
+    from kev_engine.model.forward import run_model
+    from kev_engine.model.pack import Segment, pack
 
     def a_logits(other: list[int]) -> torch.Tensor:
         batch = pack([Segment(0, other, 0, True), Segment(1, a, 0, True)])
@@ -147,7 +147,7 @@ def test_decode_row_sharing_a_pass_with_a_prefill_equals_solo(tokenizer, path: s
     (no gather/scatter of rows in the first): both give each question its solo greedy tokens."""
     model = tiny_model("llama", tokenizer)
     reference = reference_copy(model)
-    engine = Engine(model, tokenizer, decode_kernel=path)
+    engine = Engine(model, tokenizer, cpu_kernels=path)
     greedy = SamplingParams(temperature=0, max_tokens=8)
     try:
         with engine.hold():

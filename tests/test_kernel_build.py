@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 from server_util import wait_for
 
-from kev_engine import build_lock, kernels
+from kev_engine.platforms.cpu import build_lock, kernels
 
 
 @pytest.fixture

@@ -14,12 +14,12 @@ from conftest import FAMILIES, chat, make_adapter, reference_copy, tiny_model
 from peft import PeftModel
 
 from kev_engine import Engine, InvalidRequestError, SamplingParams
-from kev_engine.backends import reference
-from kev_engine.backends.reference import TorchBackend
-from kev_engine.blocks import MIN_RUN, BlockManager, BlockTable, _runs_first
-from kev_engine.forward import run_model
-from kev_engine.pack import Segment, pack
-from kev_engine.tokenize import encode_prompt
+from kev_engine.core.blocks import MIN_RUN, BlockManager, BlockTable, _runs_first
+from kev_engine.inputs.tokenize import encode_prompt
+from kev_engine.model.forward import run_model
+from kev_engine.model.pack import Segment, pack
+from kev_engine.platforms import torch_ops as reference
+from kev_engine.platforms.torch_ops import TorchBackend
 
 ATOL = 1e-4
 DOC = ("The Harbor Museum opened in 1901. It holds 3,000 paintings, most of them seascapes, and a lighthouse "
@@ -225,7 +225,7 @@ def test_stale_pool_memory_never_reaches_an_answer(tokenizer, path: str) -> None
     and the kernel must never read it: NaN left in recycled memory must not turn into 0 x NaN."""
     model = tiny_model("llama", tokenizer)
     reference = reference_copy(model)
-    engine = Engine(model, tokenizer, kv_cache_bytes=64 * TINY_BLOCK_BYTES, decode_kernel=path)
+    engine = Engine(model, tokenizer, kv_cache_bytes=64 * TINY_BLOCK_BYTES, cpu_kernels=path)
     for keys, values in zip(engine._kv.keys, engine._kv.values):
         keys.fill_(float("nan"))
         values.fill_(float("nan"))
@@ -279,7 +279,7 @@ def test_a_fragmented_pool_is_still_read_in_place(tokenizer) -> None:
     """After calls whose cached prefixes sit between freed tails, the next batch's decode reads
     its blocks as dense ranges of the pool, with no copy (the torch decode path's grouping; the
     compiled kernel follows block tables and never copies)."""
-    engine = Engine(tiny_model("llama", tokenizer), tokenizer, decode_kernel="torch")
+    engine = Engine(tiny_model("llama", tokenizer), tokenizer, cpu_kernels="torch")
     prompts = [chat(f"Question {i}: " + "tell me about the harbor museum and its lighthouse lens. " * (1 + i % 4))
                for i in range(12)]
     for salt in ("a", "b", "c"):

@@ -22,8 +22,7 @@ from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, Tool
 from langchain_core.runnables import ConfigurableField
 from pydantic import BaseModel
 
-from kev_engine import Completion, EngineLike, InvalidRequestError, SamplingParams
-from kev_engine.lora import AdapterError
+from kev_engine import AdapterError, Completion, EngineLike, InvalidRequestError, SamplingParams
 from kev_integrations.langchain import ChatKev, KevLLM
 from kev_integrations.langchain.tools import parse_tool_calls
 

@@ -20,13 +20,13 @@ import torch
 from conftest import QUESTIONS, chat, make_adapter, reference_copy, tiny_model
 from peft import PeftModel
 
-import kev_engine.runner as runner_module
-import kev_engine.sample as sample_module
+import kev_engine.model.runner as runner_module
+import kev_engine.sample.sample as sample_module
 from kev_engine import Engine, EngineClosedError, InvalidRequestError, SamplingParams
+from kev_engine.adapters.lora import MultiLoRALinear
+from kev_engine.core.request import failed_future
 from kev_engine.errors import PassFailedError
-from kev_engine.lora import MultiLoRALinear
-from kev_engine.request import failed_future
-from kev_engine.sample import apply_top_k_top_p
+from kev_engine.sample.sample import apply_top_k_top_p
 
 TIMEOUT = 60  # seconds; a wait that runs out means a hang
 ATOL = 1e-4

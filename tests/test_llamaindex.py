@@ -360,14 +360,14 @@ def test_tools_reach_the_chat_template_and_tool_calls_parse(llm, record_submits)
 def test_a_query_engine_gathering_four_queries_is_one_pass_without_holding(tokenizer, monkeypatch) -> None:
     """LlamaIndex's own fan-out, no `hold()`: four queries gathered on a RetrieverQueryEngine reach
     the engine from one event loop, and the engine's first pass waits for that loop's turn
-    (`kev_engine.arrivals`). The window is a microsecond, so only that decides; the control
+    (`kev_engine.core.arrivals`). The window is a microsecond, so only that decides; the control
     (submits not waiting for the turn) takes several passes."""
     from llama_index.core.query_engine import RetrieverQueryEngine
     from llama_index.core.retrievers import BaseRetriever
     from llama_index.core.schema import NodeWithScore
 
     import kev_engine.engine as engine_module
-    from kev_engine import arrivals
+    from kev_engine.core import arrivals
 
     monkeypatch.setattr(arrivals, "ANNOUNCED_MAX_S", TIMEOUT)  # only the announcements decide
 

@@ -31,7 +31,7 @@ from llama_index.core.tools import FunctionTool, QueryEngineTool, ToolMetadata
 from llama_index.core.types import BaseOutputParser
 from pydantic import BaseModel
 
-import kev_engine.sample as sample_module
+import kev_engine.sample.sample as sample_module
 from kev_engine import Engine
 from kev_integrations.llamaindex import Kev, scoped
 from kev_integrations.llamaindex.messages import ReplyParseError

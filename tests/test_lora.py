@@ -11,8 +11,7 @@ import torch
 from conftest import QUESTIONS, make_adapter, reference_copy, rounding_tolerance, tiny_model
 from peft import PeftModel
 
-from kev_engine import Engine, SamplingParams, UnknownAdapterError
-from kev_engine.lora import AdapterError
+from kev_engine import AdapterError, Engine, SamplingParams, UnknownAdapterError
 
 ATOL = 1e-4
 ADAPTERS = {  # different ranks, targets, rslora and rank/alpha patterns

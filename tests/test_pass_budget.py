@@ -13,11 +13,13 @@ import torch
 from conftest import QUESTIONS, chat, tiny_model
 
 from kev_engine import Engine, SamplingParams
-from kev_engine.blocks import BlockManager
-from kev_engine.latency import Histogram, merged
-from kev_engine.pass_cost import CostModel, Work, pairs, target_ms
-from kev_engine.request import Request
-from kev_engine.schedule import ALONE_FACTOR, FIRST_PASS_TOKENS, LONG_SHARE, MIN_CHUNK, Scheduler
+from kev_engine.core.blocks import BlockManager
+from kev_engine.core.latency import Histogram, merged
+from kev_engine.core.pass_cost import CostModel, Work, pairs, target_ms
+from kev_engine.core.request import Request
+from kev_engine.core.schedule import ALONE_FACTOR, FIRST_PASS_TOKENS, LONG_SHARE, MIN_CHUNK, Scheduler
+from kev_engine.platforms.cpu.platform import CpuPlatform
+from kev_engine.platforms.cuda.platform import CudaPlatform
 from kev_integrations.server.metrics import Metrics
 
 MS_PER_TOKEN = Work(per_token=1.0, per_row=0.0, per_pair=0.0)  # one flop a token: seconds_per_flop is per token
@@ -43,9 +45,9 @@ def scheduler(budget_ms: float = 100.0, ms: float = 1.0, max_num_seqs: int = 16)
 def run(s: Scheduler) -> dict[Request, int]:
     """One pass: its chunks applied, a token drawn for each chunk that reaches its request's end."""
     chunks = s.schedule()
-    s.update(chunks, [(c.request, 7) for c in chunks if c.samples])
+    s.update(chunks, [(c.request, 7) for c in chunks if c.needs_logits])
     for c in chunks:
-        if c.samples and len(c.request.output_ids) >= c.request.sampling.max_tokens:
+        if c.needs_logits and len(c.request.output_ids) >= c.request.sampling.max_tokens:
             s.finish(c.request)
     return {c.request: c.num_tokens for c in chunks}
 
@@ -108,18 +110,19 @@ def test_histograms_count_by_upper_bound_and_merge() -> None:
     assert merged([first.snapshot(), second.snapshot()])["buckets"] == [[0.1, 2], [1.0, 4], ["+Inf", 5]]
 
 
-def test_pass_time_ms_is_checked_and_has_a_default_per_device(monkeypatch) -> None:
+def test_pass_time_ms_is_checked_and_has_a_default_per_platform(monkeypatch) -> None:
     monkeypatch.delenv("KEV_PASS_TIME_MS", raising=False)
-    assert target_ms(None, torch.device("cpu")) == 300.0 and target_ms(None, torch.device("cuda")) == 100.0
-    assert target_ms(50, torch.device("cpu")) == 50.0 and target_ms(math.inf, torch.device("cpu")) == math.inf
+    cpu, cuda = CpuPlatform.default_pass_ms, CudaPlatform.default_pass_ms
+    assert target_ms(None, cpu) == 300.0 and target_ms(None, cuda) == 100.0
+    assert target_ms(50, cpu) == 50.0 and target_ms(math.inf, cpu) == math.inf
     for bad in (0, -5, "fast", True, float("nan")):
         with pytest.raises(ValueError, match=rf"pass_time_ms={bad!r} is not allowed; use a number of milliseconds"):
-            target_ms(bad, torch.device("cpu"))  # type: ignore[arg-type]
+            target_ms(bad, cpu)  # type: ignore[arg-type]
     monkeypatch.setenv("KEV_PASS_TIME_MS", "inf")
-    assert target_ms(None, torch.device("cpu")) == math.inf and target_ms(20, torch.device("cpu")) == 20.0
+    assert target_ms(None, cpu) == math.inf and target_ms(20, cpu) == 20.0
     monkeypatch.setenv("KEV_PASS_TIME_MS", "soon")
     with pytest.raises(ValueError, match="KEV_PASS_TIME_MS='soon' is not allowed"):
-        target_ms(None, torch.device("cpu"))
+        target_ms(None, cpu)
 
 
 # ---- the scheduler under a time budget ---------------------------------------------------------

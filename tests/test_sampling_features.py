@@ -13,8 +13,8 @@ from conftest import QUESTIONS, chat, tiny_model
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
 from kev_engine import Engine, InvalidRequestError, SamplingParams
-from kev_engine import penalties as penalties_mod
-from kev_engine.sample import apply_min_p
+from kev_engine.sample import penalties as penalties_mod
+from kev_engine.sample.sample import apply_min_p
 
 MIXED = [
     SamplingParams(temperature=0.9, seed=11, max_tokens=10, presence_penalty=1.5, frequency_penalty=0.7,

@@ -10,7 +10,7 @@ import pytest
 from conftest import QUESTIONS, chat, tiny_model
 
 from kev_engine import Engine, InvalidRequestError, SamplingParams
-from kev_engine.fanout import sample_seed
+from kev_engine.core.fanout import sample_seed
 
 # 32-token blocks on CPU: a prompt of this length ends inside a block, so its fork copies one
 PROMPT = chat("Tell me a short story about a fox who learns to read, please.")

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from kev_engine.blocks import BlockManager, BlockTable
-from kev_engine.params import SamplingParams
-from kev_engine.request import Request, Status
-from kev_engine.schedule import Scheduler
+from kev_engine.core.blocks import BlockManager, BlockTable
+from kev_engine.core.request import Request, Status
+from kev_engine.core.schedule import Scheduler
+from kev_engine.inputs.params import SamplingParams
 
 
 def request(i: int, prompt: list[int], max_tokens: int = 8, prefix_key: object = None) -> Request:

@@ -21,8 +21,9 @@ import pytest
 from conftest import tiny_model
 from server_util import serving, wait_for
 
-from kev_engine import Engine, arrivals
-from kev_engine.arrivals import Arrival
+from kev_engine import Engine
+from kev_engine.core import arrivals
+from kev_engine.core.arrivals import Arrival
 from kev_integrations.server import ServerConfig, build_app
 
 KEY, MODEL, TIMEOUT = "k", "tiny", 60.0

@@ -13,8 +13,7 @@ import pytest
 from conftest import make_adapter, tiny_model
 from server_util import serving
 
-from kev_engine import Engine, SamplingParams
-from kev_engine.lora import AdapterError
+from kev_engine import AdapterError, Engine, SamplingParams
 from kev_integrations.server import ServerConfig, build_app
 
 MODEL = "tiny-served"

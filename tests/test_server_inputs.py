@@ -13,7 +13,7 @@ from conftest import tiny_model
 from server_util import serving
 
 from kev_engine import Engine, InvalidRequestError, SamplingParams
-from kev_engine.params import MAX_STOP_CHARS, MAX_STOP_STRINGS
+from kev_engine.inputs.params import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from kev_integrations.server import ServerConfig, build_app
 
 MODEL = "tiny"

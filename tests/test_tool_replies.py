@@ -18,7 +18,7 @@ import torch
 from conftest import tiny_model
 from server_util import serving
 
-import kev_engine.sample as sample_module
+import kev_engine.sample.sample as sample_module
 from kev_engine import Engine
 from kev_integrations.server import ServerConfig, build_app
 from kev_integrations.shared import clear_shared_engines

@@ -10,7 +10,7 @@ from conftest import QUESTIONS, chat, make_adapter, tiny_model
 from PIL import Image
 
 from kev_engine import Engine, InvalidRequestError, SamplingParams
-from kev_engine import visualize as vis
+from kev_engine.tools import visualize as vis
 
 
 def runs_of(ink: np.ndarray, length: int) -> np.ndarray:

@@ -13,8 +13,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from kev_engine import EngineLike, SamplingParams
-from kev_engine.loader import EMBEDDED_NAME
+from kev_engine import EMBEDDED_NAME, EngineLike, SamplingParams
 
 from ..init_args import check_retries, check_sampling, hint, refuse_unknown
 from ..shared import resolve_engine

@@ -11,19 +11,16 @@ from __future__ import annotations
 
 import json
 from operator import itemgetter
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from langchain_core.exceptions import OutputParserException
-from langchain_core.language_models import LanguageModelInput
+from langchain_core.language_models import BaseChatModel, LanguageModelInput
 from langchain_core.output_parsers import JsonOutputParser, PydanticOutputParser
 from langchain_core.output_parsers.openai_tools import JsonOutputKeyToolsParser, PydanticToolsParser
 from langchain_core.outputs import ChatGeneration, Generation
 from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough
 from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
 from langchain_core.utils.pydantic import is_basemodel_subclass
-
-if TYPE_CHECKING:
-    from .chat import ChatKev
 
 Method = Literal["json_schema", "function_calling", "json_mode"]
 METHODS = ("json_schema", "function_calling", "json_mode")
@@ -82,7 +79,7 @@ class KevJsonKeyToolsParser(_OneCall, JsonOutputKeyToolsParser):
 
 
 def structured_output(
-    llm: ChatKev, schema: Any, method: str, include_raw: bool, strict: bool | None
+    llm: BaseChatModel, schema: Any, method: str, include_raw: bool, strict: bool | None
 ) -> Runnable[LanguageModelInput, Any]:
     """The runnable behind `ChatKev.with_structured_output` (see there)."""
     if method not in METHODS:

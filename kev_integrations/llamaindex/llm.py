@@ -3,7 +3,7 @@
 LlamaIndex has no batch API: query engines fan out with `asyncio.gather` of `apredict` /
 `acomplete` / `achat`. Here every call is one `engine.submit()`; async methods await its future
 with `asyncio.wrap_future` (any event loop, cancellation included), sync ones block on it. Every
-task that submits in one turn of the event loop is one group for the engine (`kev_engine.arrivals`),
+task that submits in one turn of the event loop is one group for the engine (`kev_engine.core.arrivals`),
 threads arriving together share its first pass, and waiting questions join running ones between
 decode steps — so the gather becomes packed passes. An agent's calls say when its caller comes back
 (`follow_ups`), so a round of agents shares its next pass too.
@@ -19,9 +19,9 @@ and free calls pack together. A constraint is also a setting like any other (a f
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Generator, Iterator, Mapping, Sequence
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, TypeVar
 
 from llama_index.core.base.llms.types import (
     ChatMessage,
@@ -42,6 +42,7 @@ from llama_index.core.llms.function_calling import FunctionCallingLLM
 from llama_index.core.llms.llm import ToolSelection
 from llama_index.core.prompts import BasePromptTemplate
 from llama_index.core.tools.types import BaseTool
+from llama_index.core.types import PydanticProgramMode
 
 from kev_engine import Completion, EngineLike, SamplingParams
 
@@ -52,10 +53,12 @@ from ..shared import resolve_engine
 from ..streaming import astream_answer, stream_answer
 from ..tokens import text_token_ids
 from ..tool_format import split_tool_calls, tool_call_constraint, visible_text
+from . import structured
 from .messages import assistant_message, chat_prompt, tool_schemas, tool_selections
 from .parsers import parser_constraint
 from .scoped import SETTING_KEYS, check_settings, constrains, current_overrides, merge_settings, scoped
-from .structured import StructuredOutput
+
+Model = TypeVar("Model", bound=BaseModel)
 
 
 def _logprobs(completion: Completion | None) -> list[list[LogProb]] | None:
@@ -90,7 +93,7 @@ def parse_tool_calls(text: str, tool_names: Sequence[str] = ()) -> list[dict[str
     return split_tool_calls(text, tool_names)[1]
 
 
-class Kev(StructuredOutput, FunctionCallingLLM):
+class Kev(FunctionCallingLLM):
     """Kev's packed engine as a LlamaIndex LLM: concurrent calls share forward passes.
 
     Setup:
@@ -482,6 +485,42 @@ class Kev(StructuredOutput, FunctionCallingLLM):
         """`predict` awaiting the engine: a SubQuestionQueryEngine's gathered calls share passes."""
         with scoped(**parser_constraint(prompt.output_parser or self.output_parser, prompt_args)):
             return await super().apredict(prompt, **prompt_args)
+
+    # ---- structured outputs: a reply constrained to the class's JSON schema (`structured`) ------
+    # An explicit `pydantic_program_mode` (LLM, FUNCTION...) keeps LlamaIndex's own programs.
+
+    def structured_predict(
+        self, output_cls: type[Model], prompt: BasePromptTemplate,
+        llm_kwargs: dict[str, Any] | None = None, **prompt_args: Any,
+    ) -> Model:
+        if self.pydantic_program_mode != PydanticProgramMode.DEFAULT:
+            return super().structured_predict(output_cls, prompt, llm_kwargs, **prompt_args)
+        return structured.predict(self, output_cls, prompt, llm_kwargs, prompt_args)
+
+    async def astructured_predict(
+        self, output_cls: type[Model], prompt: BasePromptTemplate,
+        llm_kwargs: dict[str, Any] | None = None, **prompt_args: Any,
+    ) -> Model:
+        if self.pydantic_program_mode != PydanticProgramMode.DEFAULT:
+            return await super().astructured_predict(output_cls, prompt, llm_kwargs, **prompt_args)
+        return await structured.apredict(self, output_cls, prompt, llm_kwargs, prompt_args)
+
+    def stream_structured_predict(
+        self, output_cls: type[BaseModel], prompt: BasePromptTemplate,
+        llm_kwargs: dict[str, Any] | None = None, **prompt_args: Any,
+    ) -> Generator[Any, None, None]:
+        """Partial objects as the reply streams, then the validated object."""
+        if self.pydantic_program_mode != PydanticProgramMode.DEFAULT:
+            return super().stream_structured_predict(output_cls, prompt, llm_kwargs, **prompt_args)
+        return structured.stream(self, output_cls, prompt, llm_kwargs, prompt_args)
+
+    async def astream_structured_predict(
+        self, output_cls: type[BaseModel], prompt: BasePromptTemplate,
+        llm_kwargs: dict[str, Any] | None = None, **prompt_args: Any,
+    ) -> AsyncGenerator[Any, None]:
+        if self.pydantic_program_mode != PydanticProgramMode.DEFAULT:
+            return await super().astream_structured_predict(output_cls, prompt, llm_kwargs, **prompt_args)
+        return structured.astream(self, output_cls, prompt, llm_kwargs, prompt_args)
 
     # ---- function calling ---------------------------------------------------------------------
 

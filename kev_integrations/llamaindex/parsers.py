@@ -28,8 +28,8 @@ from pydantic import BaseModel
 
 MAX_TEXT_CHARS = 120
 """Longest sub-question or selection reason: a sentence, about 30 tokens. At most 128: xgrammar
-(0.2.9) masks a pattern's repetition bounded above 128 on a slow path — 50 ms per token against
-0.03 ms at 128, measured on SmolLM2's vocabulary — which would cost more than the model's step."""
+(0.2.9) masks a pattern's repetition bounded above 128 on a slow path, three orders of magnitude
+slower per token than at 128 — more than the model's step costs."""
 MAX_SUB_QUESTIONS_PER_TOOL = 2
 """Sub-questions per listed tool (LlamaIndex's own few-shot example asks two of each tool)."""
 

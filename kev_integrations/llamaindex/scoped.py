@@ -24,7 +24,7 @@ from contextvars import ContextVar
 from types import MappingProxyType
 from typing import Any
 
-from kev_engine.params import CONSTRAINT_FIELDS, SETTING_FIELDS
+from kev_engine import CONSTRAINT_FIELDS, SETTING_FIELDS
 
 # every engine setting but the constraints and n (LlamaIndex answers once), derived so a new
 # engine setting reaches LlamaIndex too

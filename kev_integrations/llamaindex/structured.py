@@ -1,8 +1,8 @@
 """Structured prediction for LlamaIndex through a JSON-schema constraint.
 
-Where this sits: `StructuredOutput`, mixed into `Kev`, gives it `structured_predict` and its
-async / streaming twins (which `as_structured_llm` uses). Each formats the prompt, asks
-`Kev.chat` for a reply constrained to the output class's JSON schema
+Where this sits: `Kev.structured_predict` and its async / streaming twins (which
+`as_structured_llm` uses) call these free functions, typed against LlamaIndex's public `LLM`.
+Each formats the prompt, asks the LLM's `chat` for a reply constrained to the output class's JSON schema
 (`SamplingParams(json_schema=cls)`), and validates it. The reply
 parses by construction, so a failure means it was cut short: the error says so, with the
 reply's finish_reason. Each call is one engine request, so concurrent calls with different
@@ -12,7 +12,7 @@ schemas still share packed passes.
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator, Generator
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import llama_index.core.instrumentation as instrument
 from llama_index.core.base.llms.types import ChatMessage, ChatResponse, MessageRole
@@ -21,26 +21,25 @@ from llama_index.core.instrumentation.events.llm import (
     LLMStructuredPredictInProgressEvent,
     LLMStructuredPredictStartEvent,
 )
+from llama_index.core.llms import LLM
 from llama_index.core.program.utils import process_streaming_objects
 from llama_index.core.prompts import BasePromptTemplate
-from llama_index.core.types import PydanticProgramMode
 from pydantic import BaseModel, ValidationError
 
 from ..chat_format import schema_instruction
 from .messages import ReplyParseError, cut_reason
-
-if TYPE_CHECKING:
-    from .llm import Kev
 
 Model = TypeVar("Model", bound=BaseModel)
 dispatcher = instrument.get_dispatcher(__name__)
 
 
 def structured_messages(
-    llm: Kev, output_cls: type[BaseModel], prompt: BasePromptTemplate, prompt_args: dict[str, Any]
+    llm: LLM, output_cls: type[BaseModel], prompt: BasePromptTemplate, prompt_args: dict[str, Any]
 ) -> list[ChatMessage]:
     """The prompt's messages, the LLM's system prompt, and the schema instruction."""
-    messages = llm._extend_messages(prompt.format_messages(llm=llm, **prompt_args))
+    messages = prompt.format_messages(llm=llm, **prompt_args)
+    if llm.system_prompt:  # as LlamaIndex's own predict does
+        messages = [ChatMessage(role=MessageRole.SYSTEM, content=llm.system_prompt), *messages]
     instruction = schema_instruction(output_cls.model_json_schema())
     if messages and messages[0].role == MessageRole.SYSTEM:
         first = ChatMessage(role=MessageRole.SYSTEM, content=f"{messages[0].content or ''}\n\n{instruction}")
@@ -69,7 +68,7 @@ def _start(output_cls: type[BaseModel], prompt: BasePromptTemplate, prompt_args:
 
 
 def predict(
-    llm: Kev, output_cls: type[Model], prompt: BasePromptTemplate,
+    llm: LLM, output_cls: type[Model], prompt: BasePromptTemplate,
     llm_kwargs: dict[str, Any] | None, prompt_args: dict[str, Any],
 ) -> Model:
     """One constrained chat call, validated."""
@@ -81,7 +80,7 @@ def predict(
 
 
 async def apredict(
-    llm: Kev, output_cls: type[Model], prompt: BasePromptTemplate,
+    llm: LLM, output_cls: type[Model], prompt: BasePromptTemplate,
     llm_kwargs: dict[str, Any] | None, prompt_args: dict[str, Any],
 ) -> Model:
     """`predict` awaiting the engine: gathered calls share packed passes."""
@@ -112,7 +111,7 @@ class _Partials:
 
 
 def stream(
-    llm: Kev, output_cls: type[BaseModel], prompt: BasePromptTemplate,
+    llm: LLM, output_cls: type[BaseModel], prompt: BasePromptTemplate,
     llm_kwargs: dict[str, Any] | None, prompt_args: dict[str, Any],
 ) -> Generator[Any, None, None]:
     """Partial objects while the reply streams, the validated object last."""
@@ -124,7 +123,7 @@ def stream(
 
 
 async def astream(
-    llm: Kev, output_cls: type[BaseModel], prompt: BasePromptTemplate,
+    llm: LLM, output_cls: type[BaseModel], prompt: BasePromptTemplate,
     llm_kwargs: dict[str, Any] | None, prompt_args: dict[str, Any],
 ) -> AsyncGenerator[Any, None]:
     """`stream` on an event loop."""
@@ -133,51 +132,3 @@ async def astream(
     partials = _Partials(output_cls)
     async for chunk in await llm.astream_chat(messages, json_schema=output_cls, **(llm_kwargs or {})):
         yield partials.next(chunk)
-
-
-class StructuredOutput:
-    """`structured_predict` and its twins through a JSON-schema constraint, mixed into `Kev`.
-
-    An explicit `pydantic_program_mode` (LLM, FUNCTION...) keeps LlamaIndex's own programs.
-    """
-
-    pydantic_program_mode: PydanticProgramMode
-
-    def _constrains(self) -> bool:
-        return self.pydantic_program_mode == PydanticProgramMode.DEFAULT
-
-    def structured_predict(
-        self, output_cls: type[Model], prompt: BasePromptTemplate,
-        llm_kwargs: dict[str, Any] | None = None, **prompt_args: Any,
-    ) -> Model:
-        if not self._constrains():
-            return super().structured_predict(output_cls, prompt, llm_kwargs, **prompt_args)  # type: ignore[misc]
-        return predict(self, output_cls, prompt, llm_kwargs, prompt_args)  # type: ignore[arg-type]
-
-    async def astructured_predict(
-        self, output_cls: type[Model], prompt: BasePromptTemplate,
-        llm_kwargs: dict[str, Any] | None = None, **prompt_args: Any,
-    ) -> Model:
-        if not self._constrains():
-            return await super().astructured_predict(  # type: ignore[misc]
-                output_cls, prompt, llm_kwargs, **prompt_args)
-        return await apredict(self, output_cls, prompt, llm_kwargs, prompt_args)  # type: ignore[arg-type]
-
-    def stream_structured_predict(
-        self, output_cls: type[BaseModel], prompt: BasePromptTemplate,
-        llm_kwargs: dict[str, Any] | None = None, **prompt_args: Any,
-    ) -> Generator[Any, None, None]:
-        """Partial objects as the reply streams, then the validated object."""
-        if not self._constrains():
-            return super().stream_structured_predict(  # type: ignore[misc]
-                output_cls, prompt, llm_kwargs, **prompt_args)
-        return stream(self, output_cls, prompt, llm_kwargs, prompt_args)  # type: ignore[arg-type]
-
-    async def astream_structured_predict(
-        self, output_cls: type[BaseModel], prompt: BasePromptTemplate,
-        llm_kwargs: dict[str, Any] | None = None, **prompt_args: Any,
-    ) -> AsyncGenerator[Any, None]:
-        if not self._constrains():
-            return await super().astream_structured_predict(  # type: ignore[misc]
-                output_cls, prompt, llm_kwargs, **prompt_args)
-        return astream(self, output_cls, prompt, llm_kwargs, prompt_args)  # type: ignore[arg-type]

@@ -15,11 +15,16 @@ from typing import Any, TypeAlias
 import numpy as np
 import pandas as pd
 
-from kev_engine import Engine, SamplingParams
-from kev_engine.errors import InvalidRequestError, KevError
-from kev_engine.params import INT_FIELDS, SETTING_FIELDS
-from kev_engine.request import Completion
-from kev_engine.tokenize import Prompt
+from kev_engine import (
+    INT_FIELDS,
+    SETTING_FIELDS,
+    Completion,
+    Engine,
+    InvalidRequestError,
+    KevError,
+    Prompt,
+    SamplingParams,
+)
 
 # The per-row settings: SamplingParams' own list less the reply constraints — a dataset's own
 # columns (a multiple-choice eval's `choice`, a `regex` field) must never silently constrain the

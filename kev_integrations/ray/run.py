@@ -15,7 +15,7 @@ import signal
 import threading
 from typing import Any
 
-from kev_engine.params import TEMPERATURE_ENV
+from kev_engine import TEMPERATURE_ENV
 from kev_integrations.server.config import ServerConfig
 
 APP_NAME = "kev"

@@ -37,7 +37,7 @@ from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
-from kev_engine import latency
+from kev_engine import merged_histograms
 from kev_integrations.server.app import check_key, check_metrics_key
 from kev_integrations.server.config import ServerConfig
 from kev_integrations.server.errors import APIError
@@ -183,7 +183,7 @@ def _fleet_stat(key: str, first: Any, infos: list[dict[str, Any]]) -> Any:
     if isinstance(first, int) and not isinstance(first, bool):
         return sum(i["stats"][key] for i in infos)
     if isinstance(first, dict) and "buckets" in first:
-        return latency.merged([i["stats"][key] for i in infos])
+        return merged_histograms([i["stats"][key] for i in infos])
     return first
 
 
@@ -380,7 +380,7 @@ def build_app(model: str | None = None, adapters: dict[str, str] | None = None, 
     down that many more, hence 1). `graceful_shutdown_timeout_s` is how long a stopping replica
     lets running requests finish. `engine_kwargs` go to `Engine.from_pretrained`.
     """
-    from kev_engine.loader import EMBEDDED_NAME
+    from kev_engine import EMBEDDED_NAME
 
     adapters = dict(adapters or {})
     config = config or ServerConfig()

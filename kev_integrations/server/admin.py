@@ -9,18 +9,15 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from kev_engine import Engine, InvalidRequestError, KevError
-from kev_engine.adapters import check_name as check_adapter_name
+from kev_engine import Engine, InvalidRequestError, KevError, check_adapter_name
 
 from .errors import APIError, bad_request
-
-if TYPE_CHECKING:
-    from .app import ServerState
+from .state import ServerState
 
 
 def adapter_states(engine: Engine) -> list[dict[str, Any]]:

@@ -23,7 +23,6 @@ import contextlib
 import json
 import threading
 import time
-from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from typing import Any
@@ -32,94 +31,25 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kev_engine import Completion, Engine, KevError
-from kev_engine.arrivals import Arrival
+from kev_engine import Arrival, Completion, Engine, KevError
 
 from .admin import add_admin_routes
-from .compiles import Compiles
 from .config import ServerConfig
 from .echo import echoed_prompts, on_passing_thread, unanswered
 from .endings import Endings
 from .errors import APIError, bad_request, engine_error
 from .inflight import PerKeyLimit
 from .limits import BodyLimit
-from .metrics import Metrics
 from .models import add_model_routes
 from .native import add_native_routes
 from .pieces import Pieces
 from .protocol import EngineCall, parse_chat, parse_completion
 from .responses import ChunkWriter, chat_response, completion_response, sse
-from .tenants import Tenant, Tenants, matching_key
+from .state import ServerState
+from .tenants import Tenant, check_key, matching_key
 from .token_prompts import engine_prompts
-from .workers import Workers
 
 SHUTDOWN_CLOSE_S = 30.0  # after uvicorn's graceful drain, the engine gets this long to stop
-
-
-class ServerState:
-    """The engine (once loaded) and what the HTTP layer counts."""
-
-    def __init__(self, config: ServerConfig, model_name: str,
-                 adapter_names: Callable[[], list[str]] | None = None) -> None:
-        self.config = config
-        self.model_name = model_name
-        self.engine: Engine | None = None
-        self._adapter_names = adapter_names
-        self.load_error: BaseException | None = None
-        self.metrics = Metrics()
-        self.tenants = Tenants(config.api_keys, shared_cache=config.shared_prefix_cache)
-        self.in_flight: Counter[str] = Counter()  # requests in flight by tenant id (PerKeyLimit counts them)
-        self.draining = False  # shutting down: new requests get 503 while those in flight finish (`drain`)
-        self.compiles = Compiles(config)
-        self.tokenize = Workers("tokenize", config.tokenize_workers, config.max_pending_tokenize,
-                                config.retry_after_s)
-        self._lock = threading.Lock()
-
-    def load(self, factory: Callable[[], Engine]) -> None:
-        try:
-            self.engine = factory()
-        except BaseException as exc:  # noqa: BLE001 - reported by /health and every request
-            self.load_error = exc
-
-    def ready(self) -> Engine:
-        if self.engine is not None:
-            return self.engine
-        if self.load_error is not None:
-            raise APIError(503, f"the model failed to load: {self.load_error}", type="server_error")
-        raise APIError(503, "the model is still loading; retry shortly", type="server_error",
-                       headers={"Retry-After": "5"})
-
-    def adapter_names(self) -> list[str]:
-        """The adapters clients may name: the engine's, or a catalog loaded on demand (Ray replicas)."""
-        if self._adapter_names is not None:
-            return self._adapter_names()
-        return self.ready().adapters
-
-    def acquire(self, count: int, param: str = "prompt") -> None:
-        """Take `count` queue places for one request (one per prompt and sample), or refuse it
-        with 429 (no unbounded queue); `param` names the field to blame when it can never fit."""
-        if count > self.config.max_queued:  # would never fit: retrying cannot help
-            raise bad_request(f"{count} questions (prompts x n samples) in one request; this server holds at most "
-                              f"{self.config.max_queued} questions in flight", param=param)
-        with self._lock:
-            if self.metrics.queued + count > self.config.max_queued:
-                raise APIError(429, f"the server has {self.metrics.queued} questions in flight (limit "
-                               f"{self.config.max_queued}); retry later", type="rate_limit_error",
-                               code="queue_full", headers={"Retry-After": str(self.config.retry_after_s)})
-            self.metrics.queued += count
-
-    def release(self, count: int) -> None:
-        with self._lock:
-            self.metrics.queued -= count
-
-    def tenant(self, request: Request, what: str) -> Tenant:
-        """The caller of `request` (a 401 without a valid key)."""
-        return self.tenants.of(check_key(request, self.config.api_keys, what))
-
-    def close(self) -> None:
-        """Stop the server's own threads (what they were doing has no reader any more)."""
-        self.compiles.close()
-        self.tokenize.close()
 
 
 def _route(request: Request) -> str:
@@ -127,17 +57,6 @@ def _route(request: Request) -> str:
     raw path, which a caller could vary without end or fill with quotes."""
     route = request.scope.get("route")
     return getattr(route, "path", None) or "unmatched"
-
-
-def check_key(request: Request, keys: tuple[str, ...], what: str) -> str | None:
-    """The configured key `request` carries (None when the server has no keys), else a 401."""
-    if not keys:
-        return None
-    key = matching_key(request.headers.get("authorization", ""), keys)
-    if key is None:
-        raise APIError(401, f"missing or wrong API key for {what}; send 'Authorization: Bearer <key>'",
-                       type="authentication_error", code="invalid_api_key")
-    return key
 
 
 def check_metrics_key(request: Request, config: ServerConfig) -> None:

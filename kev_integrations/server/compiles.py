@@ -1,7 +1,7 @@
 """Grammar compiles of the server's requests: a pool of their own, a time budget, a per-key limit.
 
-Why: a large allowed JSON schema compiles for seconds (measured on a 2-core Xeon: 1,000 optional
-properties 6 s, 2,000 over a minute). The engine compiles on the thread that submits; under a
+Why: a large allowed JSON schema compiles for seconds, and more than a minute at a few
+thousand optional properties (docs/benchmarks.md). The engine compiles on the thread that submits; under a
 server that would be the default pool every request's submission shares, so a few large
 schemas would stall everyone. Instead, before submitting, the server compiles each constraint
 not cached yet into the engine's grammar cache (`Engine.compile_grammar`) on `compile_workers`

@@ -24,8 +24,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from kev_engine import Completion, Engine, KevError
-from kev_engine.logprobs import TokenLogprob, TokenTexts, compute
+from kev_engine import Completion, Engine, KevError, TokenLogprob, TokenTexts, compute_logprobs
 
 from .errors import engine_error
 from .token_prompts import prompt_text
@@ -74,7 +73,7 @@ def _logprobs(rows: torch.Tensor, ids: list[int], top_logprobs: int, texts: Toke
         return []
     following = torch.tensor(ids[1:], device=rows.device)  # [len - 1]
     greedy = torch.zeros(len(ids) - 1, device=rows.device)  # temperature 0: the logits as they are
-    return compute(rows[:-1], greedy, following, [top_logprobs] * (len(ids) - 1), texts)
+    return compute_logprobs(rows[:-1], greedy, following, [top_logprobs] * (len(ids) - 1), texts)
 
 
 def unanswered(echoed: Sequence[EchoedPrompt], n: int, logprobs: bool) -> list[Completion]:
@@ -89,7 +88,7 @@ def unanswered(echoed: Sequence[EchoedPrompt], n: int, logprobs: bool) -> list[C
 def on_passing_thread(fn: Callable[..., T], *args: Any) -> Future[T]:
     """`fn(*args)` on a new thread that ends with it, as a future (cancelling it before it starts
     skips it). A thread that ends takes its OpenMP team with it: torch ops on a long-lived pool
-    thread would leave one beside the engine's and slow every pass (`kev_engine.threads`)."""
+    thread would leave one beside the engine's and slow every pass (`kev_engine.core.threads`)."""
     future: Future[T] = Future()
 
     def body() -> None:

@@ -11,8 +11,7 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
-from kev_engine import InvalidRequestError, UnknownAdapterError
-from kev_engine.errors import EngineClosedError
+from kev_engine import EngineClosedError, InvalidRequestError, UnknownAdapterError
 
 
 class APIError(Exception):

@@ -10,7 +10,7 @@ import threading
 from collections import Counter
 from typing import Any
 
-from kev_engine.latency import Histogram, prometheus
+from kev_engine import Histogram, prometheus
 
 LATENCY_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 ENGINE_COUNTERS = {  # engine stat → (metric, help)

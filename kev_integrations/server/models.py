@@ -8,15 +8,13 @@ here, its `parent` the served model; an id served by neither is a 404 with OpenA
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from .errors import APIError
-
-if TYPE_CHECKING:
-    from .app import ServerState
+from .state import ServerState
 
 
 def model_card(model_id: str, served: str) -> dict[str, Any]:

@@ -26,23 +26,28 @@ import asyncio
 import dataclasses
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from kev_engine import Completion, Engine, InvalidRequestError, KevError, SamplingParams
-from kev_engine.params import MAX_N, coerce_sampling
-from kev_engine.request import failed_future
-from kev_engine.tokenize import prompt_ids
+from kev_engine import (
+    MAX_N,
+    Completion,
+    Engine,
+    InvalidRequestError,
+    KevError,
+    SamplingParams,
+    coerce_sampling,
+    failed_future,
+    prompt_ids,
+)
 
 from .errors import APIError, bad_request, engine_error
 from .pieces import Pieces
 from .responses import sse
+from .state import ServerState
 from .tenants import Tenant
-
-if TYPE_CHECKING:
-    from .app import ServerState
 
 
 def error_body(exc: BaseException) -> dict[str, str]:

@@ -21,8 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kev_engine import InvalidRequestError, SamplingParams
-from kev_engine.params import MAX_TOP_LOGPROBS, SETTING_FIELDS
+from kev_engine import MAX_TOP_LOGPROBS, SETTING_FIELDS, InvalidRequestError, SamplingParams
 
 from ..tool_format import tool_call_constraint
 from .chat_prompt import chat_prompt

@@ -15,8 +15,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from kev_engine import Completion
-from kev_engine.logprobs import TokenLogprob
+from kev_engine import Completion, TokenLogprob
 
 from ..logprob_format import chat_logprobs, echoed_text_logprobs, text_logprobs
 from .chat_prompt import reply_tool_calls

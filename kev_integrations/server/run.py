@@ -20,8 +20,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from kev_engine import Engine
-from kev_engine.loader import EMBEDDED_NAME
+from kev_engine import EMBEDDED_NAME, Engine
 
 from .config import ServerConfig, check_exposure
 

