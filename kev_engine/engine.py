@@ -128,6 +128,7 @@ class Engine:
         decode_kernel: str | None = None,
     ) -> None:
         self.name = name or getattr(model.config, "_name_or_path", "") or type(model).__name__
+        self.dtype_choice = "the model's own dtype"  # from_pretrained(dtype="auto") says why it chose
         parameter = next(model.parameters())
         if not isinstance(cuda_graphs, bool):
             raise TypeError(f"cuda_graphs={cuda_graphs!r} is not allowed; use True or False")
@@ -192,6 +193,8 @@ class Engine:
         def build() -> Engine:
             model, tokenizer, name = loader.load(source, device, dtype, trust_remote_code)
             engine = cls(model, tokenizer, name=name, **engine_kwargs)
+            if dtype is None or dtype == "auto":  # cached: the same decision the load just made
+                engine.dtype_choice = platforms.auto_dtype(engine.device)[1]
             for adapter_name, path in (adapters or {}).items():
                 engine.load_adapter(adapter_name, path)
             return engine
@@ -348,6 +351,7 @@ class Engine:
             return {
                 **self._life.stats,
                 "dtype": str(self.dtype).removeprefix("torch."),
+                "dtype_choice": self.dtype_choice,
                 "batch_invariant": self._platform.batch_invariant,
                 "pass_time_ms": self.pass_time_ms if math.isfinite(self.pass_time_ms) else None,  # None: no bound
                 "pass_seconds": self._life.pass_seconds.snapshot(),

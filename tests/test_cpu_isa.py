@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from kev_engine.model import loader
+from kev_engine.platforms.cpu import dtype_choice, kernels
 from kev_engine.platforms.cpu import isa as cpu_isa
-from kev_engine.platforms.cpu import kernels
 
 ZEN4 = ["fpu", "avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "avx512_vnni"]
 SAPPHIRE_RAPIDS = [*ZEN4, "amx_tile", "amx_bf16", "amx_int8"]
@@ -39,8 +39,10 @@ def test_the_level_comes_from_the_argument_then_the_environment_and_is_checked(m
     (ZEN4, "no-avx512", False, {"avx2"}),
     (["avx2", "fma"], "native", False, {"avx2"}),
 ])
-def test_each_level_takes_its_instruction_sets_away(monkeypatch, flags, isa, bf16, left) -> None:
+def test_each_level_takes_its_instruction_sets_away(monkeypatch, tmp_path, flags, isa, bf16, left) -> None:
     monkeypatch.setattr(cpu_isa, "_proc_flags", lambda: list(flags))
+    monkeypatch.setenv("KEV_CACHE_DIR", str(tmp_path))  # where bf16 is native, auto measures: a fake bf16 wins
+    monkeypatch.setattr(dtype_choice, "_kernel_products", lambda dtype: 1.0 if dtype == torch.bfloat16 else 2.0)
     seen = cpu_isa.cpu_flags(isa)
     assert left <= seen
     if isa != "native":
@@ -50,7 +52,7 @@ def test_each_level_takes_its_instruction_sets_away(monkeypatch, flags, isa, bf1
     assert cpu_isa.native_bf16(isa) is bf16
     monkeypatch.setenv("KEV_CPU_ISA", isa)
     expected = torch.bfloat16 if bf16 else torch.float32
-    assert loader.resolve_dtype("auto", torch.device("cpu")) == expected  # auto follows the level
+    assert loader.resolve_dtype("auto", torch.device("cpu")) == expected  # auto follows the level (and the timing)
     assert loader.resolve_dtype("bfloat16", torch.device("cpu")) == torch.bfloat16  # an explicit dtype never moves
 
 

@@ -24,7 +24,7 @@ from torch import nn
 
 from . import inplace, invariance
 from .base import AttentionBackend, Platform
-from .cpu import exact_linear, isa, kernels, rotary_table, rows_linear
+from .cpu import dtype_choice, exact_linear, kernels, rotary_table, rows_linear
 from .cpu.platform import CpuPlatform
 from .cpu.platform import why_not_invariant as cpu_why_not
 from .cuda import invariant as cuda_invariant
@@ -32,8 +32,8 @@ from .cuda import varlen
 from .cuda.platform import CudaPlatform
 from .torch_ops import TorchPlatform
 
-__all__ = ["AttentionBackend", "Platform", "carry_thread_state", "choose", "default_dtype", "resolve_device",
-           "uninstall"]
+__all__ = ["AttentionBackend", "Platform", "auto_dtype", "carry_thread_state", "choose", "default_dtype",
+           "resolve_device", "uninstall"]
 
 
 def choose(model: nn.Module, *, cpu_kernels: str | None, batch_invariant: bool | None, cuda_attention: str | None,
@@ -76,10 +76,20 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     return resolved
 
 
+def auto_dtype(device: torch.device) -> tuple[torch.dtype, str]:
+    """`dtype="auto"` on `device`, and why: bfloat16 on CUDA; on a CPU, bfloat16 only where Kev's
+    products were measured faster in it than in float32 (`cpu.dtype_choice`); else float32."""
+    if device.type == "cuda":
+        return torch.bfloat16, "CUDA computes bfloat16 natively"
+    if device.type == "cpu":
+        choice = dtype_choice.choose()
+        return getattr(torch, choice.dtype), choice.reason
+    return torch.float32, f"no measured bfloat16 path on {device.type}"
+
+
 def default_dtype(device: torch.device) -> torch.dtype:
-    """`dtype="auto"`: bfloat16 where the device computes it natively (CUDA; a CPU with AMX or
-    AVX512-BF16, as `KEV_CPU_ISA` sees it), else float32."""
-    return torch.bfloat16 if device.type == "cuda" or isa.native_bf16() else torch.float32
+    """`dtype="auto"` on `device` (`auto_dtype`)."""
+    return auto_dtype(device)[0]
 
 
 def carry_thread_state() -> Callable[[], None]:

@@ -244,8 +244,8 @@ def build_parser(extra: Sequence[Command] = ()) -> argparse.ArgumentParser:
     )
     common.add_argument("--model", help="local folder, .gguf file or hub id (default: embedded SmolLM2-135M)")
     common.add_argument("--device", help="cpu, cuda, cuda:1... (default: cuda if available)")
-    common.add_argument("--dtype", help="auto, float32, bfloat16, float16 (default auto: bf16 on CUDA and on CPUs "
-                        "with native bf16, else fp32)")
+    common.add_argument("--dtype", help="auto, float32, bfloat16, float16 (default auto: bf16 on CUDA, and on CPUs "
+                        "where bf16 measures faster than fp32; else fp32)")
     common.add_argument("--system", help="system message put before every question")
     common.add_argument("--raw", action="store_true", help="send plain text, not chat messages")
     gen = commands.add_parser("generate", parents=[common], help="answer questions, one JSON line each")

@@ -51,8 +51,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--adapter", dest="adapter_specs", action="append", default=[], metavar="NAME=PATH",
                         help="load a PEFT LoRA folder as NAME, served as model id NAME (repeatable)")
     parser.add_argument("--device", help="cpu, cuda, cuda:1... (default: cuda if available)")
-    parser.add_argument("--dtype", help="auto, float32, bfloat16, float16 (default auto: bf16 on CUDA and on CPUs "
-                        "with native bf16, else fp32)")
+    parser.add_argument("--dtype", help="auto, float32, bfloat16, float16 (default auto: bf16 on CUDA, and on CPUs "
+                        "where bf16 measures faster than fp32; else fp32)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--api-key", dest="api_keys", action="append", metavar="KEY",

@@ -9,8 +9,9 @@ off (never on: a CPU cannot run what it lacks):
   no-amx     AMX off: bfloat16 products by AVX512-BF16 where the CPU has it (AMD Zen 4/5)
   no-avx512  AVX-512 off (AMX and AVX512-BF16 with it): AVX2 and FMA, fp32 by default
 
-It reaches Kev's kernel build (extra `-mno-*` flags, a build of their own) and the dtype
-`auto` picks. torch's own kernels choose their instructions when torch loads, from
+It reaches Kev's kernel build (extra `-mno-*` flags, a build of their own) and whether
+`dtype="auto"` may pick bfloat16 (`dtype_choice`: only with native bf16, and only where measured
+faster). torch's own kernels choose their instructions when torch loads, from
 `ATEN_CPU_CAPABILITY` and `ONEDNN_MAX_CPU_ISA`; `python -m kev_engine.platforms.cpu.isa ISA -- COMMAND`
 runs COMMAND with all three set (`make test-isa ISA=...`).
 """

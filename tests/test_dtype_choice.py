@@ -1,0 +1,84 @@
+"""`dtype="auto"` on a CPU: bfloat16 only where Kev's products measure faster in it, measured once
+per machine and build, cached, said; float32 unmeasured without native bf16; explicit dtypes kept."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from kev_engine import Engine
+from kev_engine.model import loader
+from kev_engine.platforms.cpu import dtype_choice
+from kev_engine.platforms.cpu import isa as cpu_isa
+
+CPU = torch.device("cpu")
+
+
+def never(dtype: torch.dtype) -> float:
+    raise AssertionError("measured although it should not have been")
+
+
+@pytest.fixture(autouse=True)
+def private_cache(monkeypatch, tmp_path):
+    """The decisions' file of this test alone (the kernels and converted models stay shared)."""
+    path = tmp_path / dtype_choice.CACHE_FILE
+    monkeypatch.setattr(dtype_choice, "_cache_path", lambda: path)
+    return path
+
+
+def test_without_native_bf16_it_is_float32_and_nothing_is_measured(monkeypatch) -> None:
+    monkeypatch.setattr(cpu_isa, "native_bf16", lambda isa=None: False)
+    choice = dtype_choice.choose(never)
+    assert choice.dtype == "float32" and "emulated" in choice.reason
+    monkeypatch.setattr(dtype_choice, "_kernel_products", never)
+    assert loader.resolve_dtype("auto", CPU) == torch.float32
+
+
+@pytest.mark.parametrize(("fp32_ms", "bf16_ms", "expected"), [(10.0, 5.0, "bfloat16"), (5.0, 10.0, "float32")])
+def test_with_native_bf16_the_faster_dtype_wins_and_is_cached(monkeypatch, private_cache, caplog, fp32_ms, bf16_ms,
+                                                              expected) -> None:
+    monkeypatch.setattr(cpu_isa, "native_bf16", lambda isa=None: True)
+    timings = {torch.float32: fp32_ms, torch.bfloat16: bf16_ms}
+    with caplog.at_level("INFO", logger="kev"):
+        choice = dtype_choice.choose(timings.__getitem__)
+    assert choice.dtype == expected and (choice.float32_ms, choice.bfloat16_ms) == (fp32_ms, bf16_ms)
+    assert f"dtype='auto' is {expected} here" in caplog.text and "measured once" in choice.reason
+    cached = json.loads(private_cache.read_text())
+    assert [entry["dtype"] for entry in cached.values()] == [expected]
+    assert dtype_choice.choose(never) == choice  # the second asks the cache
+    monkeypatch.setattr(dtype_choice, "_key", lambda: "another build")
+    assert dtype_choice.choose(timings.__getitem__) == choice  # a new build measures again
+
+
+def test_an_explicit_dtype_is_honoured_whatever_was_measured(monkeypatch) -> None:
+    monkeypatch.setattr(cpu_isa, "native_bf16", lambda isa=None: True)
+    monkeypatch.setattr(dtype_choice, "_kernel_products", lambda dtype: 1.0 if dtype == torch.float32 else 9.0)
+    assert loader.resolve_dtype("auto", CPU) == torch.float32
+    assert loader.resolve_dtype("bfloat16", CPU) == torch.bfloat16
+    assert loader.resolve_dtype(torch.bfloat16, CPU) == torch.bfloat16
+
+
+def test_the_kernels_products_are_really_timed_in_both_dtypes(monkeypatch) -> None:
+    """The default measurement: Kev's packed product, a prefill- and a decode-sized call, each dtype."""
+    monkeypatch.setattr(cpu_isa, "native_bf16", lambda isa=None: True)
+    choice = dtype_choice.choose()
+    assert choice.float32_ms is not None and choice.float32_ms > 0
+    assert choice.bfloat16_ms is not None and choice.bfloat16_ms > 0
+    assert choice.dtype == ("bfloat16" if choice.bfloat16_ms < choice.float32_ms else "float32")
+
+
+def test_the_engine_says_what_auto_chose_and_why(monkeypatch) -> None:
+    monkeypatch.setattr(cpu_isa, "native_bf16", lambda isa=None: False)
+    engine = Engine.from_pretrained(dtype="auto", device="cpu")
+    try:
+        stats = engine.stats()
+        assert stats["dtype"] == "float32" and "emulated" in stats["dtype_choice"]
+    finally:
+        engine.close()
+    engine = Engine.from_pretrained(dtype="float32", device="cpu")
+    try:
+        assert engine.stats()["dtype_choice"] == "the model's own dtype"
+    finally:
+        engine.close()
