@@ -340,13 +340,13 @@ def test_batch_callbacks_start_before_the_pass_and_end_after_it(
     engine: Engine, monkeypatch: pytest.MonkeyPatch, path: str
 ) -> None:
     log: list[str] = []
-    step = engine.step
+    step = engine._stepper.step  # what the worker runs each pass
 
     def logged_step() -> int:
         log.append("pass")
         return step()
 
-    monkeypatch.setattr(engine, "step", logged_step)
+    monkeypatch.setattr(engine._stepper, "step", logged_step)
     before = engine.stats()
     BATCHES[path](ChatKev(engine=engine, max_tokens=3), [{"callbacks": [EventLog(log)]}] * len(QUESTIONS))
     assert delta(engine, before)["prefill_passes"] == 1
