@@ -191,10 +191,13 @@ class Engine:
         OpenMP team beside the scheduler thread's (see `threads`: that slows every pass).
         """
         def build() -> Engine:
-            model, tokenizer, name = loader.load(source, device, dtype, trust_remote_code)
+            chosen, why = dtype, None
+            if dtype is None or dtype == "auto":  # decided here, once, so the engine can say why
+                chosen, why = platforms.auto_dtype(loader.resolve_device(device))
+            model, tokenizer, name = loader.load(source, device, chosen, trust_remote_code)
             engine = cls(model, tokenizer, name=name, **engine_kwargs)
-            if dtype is None or dtype == "auto":  # cached: the same decision the load just made
-                engine.dtype_choice = platforms.auto_dtype(engine.device)[1]
+            if why is not None:
+                engine.dtype_choice = why
             for adapter_name, path in (adapters or {}).items():
                 engine.load_adapter(adapter_name, path)
             return engine

@@ -32,7 +32,6 @@ class LoraWeights:
     packed: Any = None  # A and B in a platform kernel's own layout, made once by its products
 
 
-
 LoraProducts = Callable[[LoraWeights, torch.Tensor], torch.Tensor]
 """A platform's `B(A(x)) * scaling` for rows x [n, in] in the adapter's dtype → [n, out]."""
 

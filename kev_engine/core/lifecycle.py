@@ -5,7 +5,7 @@ future and `on_text`), under the engine's lock. A request is queued with its gro
 with its KV blocks and its adapter's slot (`Scheduler.schedule` calls `admit`), advanced by each
 pass (`record`), forked when it is a sample of an n > 1 set (`fanout`), streamed, and finished,
 cancelled or failed — and whatever it holds is given back in one place (`free`). Each stage
-method is one stage of `Engine.step`.
+method is one stage of `Stepper.step`.
 """
 
 from __future__ import annotations

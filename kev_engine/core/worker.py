@@ -61,7 +61,6 @@ class Worker:
         through that bound method's weak entry, keyed by the stepper)."""
         self.cond = cond  # the engine's lock: every state change notifies it
         self.arrivals = arrivals  # under `cond`
-        self.coalesce_s = arrivals.base_s  # 0: no quiet window, a pass starts at once
         self.thread: threading.Thread | None = None
         self.idle = threading.Event()  # set while the thread waits with nothing to do
         self.holds = 0  # > 0 while inside hold(): no new pass starts
@@ -135,8 +134,9 @@ def _loop(owner_ref: weakref.ref[Stepped], worker: Worker) -> None:
                 if owner.closed:
                     break
                 if not worker.holds and owner.has_work():
-                    # the first pass after idle waits for the callers arriving together (`arrivals`)
-                    wait_s = arrivals.start_at() - arrivals.now() if was_idle and worker.coalesce_s else 0.0
+                    # the first pass after idle waits for the callers arriving together (`arrivals`;
+                    # a window of 0: at once)
+                    wait_s = arrivals.start_at() - arrivals.now() if was_idle and arrivals.base_s else 0.0
                     if wait_s <= 0:
                         break
                     del owner

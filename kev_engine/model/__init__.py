@@ -5,5 +5,6 @@ back on `close()`; `pack` lays chunks out as one sequence with `position_ids` re
 question and `cu_seqlens`; `runner` runs the model on a pack with each segment's adapter routed;
 `forward` is the call itself; `attention` registers Kev's attention in transformers'
 `AttentionInterface`, handing every layer to the platform's attention backend; `kv_pool` is the
-paged KV memory, budgeted.
+paged KV memory, budgeted; `rotary` names the rotary embeddings and refuses the rope types a pack
+cannot share.
 """

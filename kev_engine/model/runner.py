@@ -1,6 +1,6 @@
 """The model runner: a pass's chunks → one pack → the model → logits, on the engine's attention backend.
 
-Where this sits: `Engine.step` between scheduling and sampling. It owns what touches the model
+Where this sits: `Stepper.step` between scheduling and sampling. It owns what touches the model
 and its KV memory during a pass: the platform's attention backend bound to the pool, each
 segment's LoRA adapter routed to its rows, and the platform's decode graphs where it has them.
 `lock` is held for every forward; adapters install and the model is given back only between passes.

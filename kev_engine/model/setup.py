@@ -9,9 +9,7 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
-import torch
-from torch import nn
-
+from . import rotary
 from .attention import KEV_ATTENTION
 
 OWNER_ATTR = "_kev_owner"  # weakref to the live Engine serving this model
@@ -51,7 +49,7 @@ def check_packable(model: Any) -> None:
         )
     if not hasattr(model, "set_attn_implementation") or not model._can_set_attn_implementation():
         raise ValueError(f"{type(model).__name__} does not use transformers' AttentionInterface; Kev cannot pack it")
-    _check_rotary(model)
+    rotary.check(model)
 
 
 def prepare_model(model: Any) -> None:
@@ -60,24 +58,6 @@ def prepare_model(model: Any) -> None:
         object.__setattr__(model, ORIGINAL_ATTN_ATTR, model.config._attn_implementation or "sdpa")
     model.set_attn_implementation(KEV_ATTENTION)
     model.eval().requires_grad_(False)
-
-
-BATCH_DEPENDENT_ROPE = ("dynamic", "longrope")
-
-
-def _check_rotary(model: nn.Module) -> None:
-    """Refuse rope types whose frequencies depend on the other sequences of a batch: one question's
-    length would change the others' positions."""
-    for module in model.modules():
-        if not isinstance(getattr(module, "inv_freq", None), torch.Tensor):  # not a rotary embedding
-            continue
-        rope_type = getattr(module, "rope_type", "default")
-        if rope_type in BATCH_DEPENDENT_ROPE:
-            raise ValueError(
-                f"{type(module).__name__} uses rope_type={rope_type!r}, whose frequencies follow the longest "
-                "sequence in a batch: packed questions would change each other's positions. Kev packs models "
-                f"with static rotary embeddings only (not {', '.join(BATCH_DEPENDENT_ROPE)})"
-            )
 
 
 def context_length(model: Any, tokenizer: Any) -> int:

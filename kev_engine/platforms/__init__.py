@@ -5,14 +5,8 @@ invariant where they cover the model), CUDA (`cuda/`: the paged varlen attention
 Triton for invariance), or torch's own ops on any other device (`torch_ops`). `invariance`
 decides and says why not; `inplace` is the elementwise work every platform installs. The rest of
 the engine asks the platform and never the device: `resolve_device`, `default_dtype` and
-`carry_thread_state` are the device questions asked before an engine exists.
-
-    attention   layout of a block (keys │ values)       kernels
-    "torch"      [kvH, bs, D] │ [kvH, bs, D]            torch's SDPA per prefill chunk, decode rows batched
-    "compiled"   [kvH, bs, D] │ [kvH, bs, D]            the same prefill; Kev's C++ decode kernel and KV writes
-    "exact"      [kvH, D, bs] │ [kvH, bs, D]            Kev's batch-invariant kernel: every row, one call
-    "varlen"     [bs, kvH, D] │ [bs, kvH, D]            torch's paged varlen_attn on CUDA: every row, one call
-    "flash-attn" [bs, kvH, D] │ [bs, kvH, D]            the flash-attn package's paged kernel, the same way
+`carry_thread_state` are the device questions asked before an engine exists. The attention
+backends and their block layouts are tabled in `base`.
 """
 
 from __future__ import annotations

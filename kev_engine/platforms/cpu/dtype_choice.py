@@ -64,7 +64,7 @@ def choose(measure: Callable[[torch.dtype], float] | None = None) -> DtypeChoice
 
 def _key() -> str:
     """The kernels' build names: new sources, flags, `KEV_CPU_ISA`, torch, CPU or toolchain measure again."""
-    return f"{kernels.build_name('exact')}"
+    return kernels.build_name("exact")
 
 
 def _cache_path() -> Path:

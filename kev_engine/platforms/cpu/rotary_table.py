@@ -11,7 +11,7 @@ block is first needed) and a pass looks its positions up: a position's cos/sin n
 on what else is in the pass. Exact copies of what the module computes, so answers do not change.
 
 Rope types whose frequencies depend on the longest sequence in a batch ("dynamic", "longrope")
-cannot be packed at all, and are refused before (`model.setup.check_packable`).
+cannot be packed at all, and are refused before (`model.rotary.check`).
 """
 
 from __future__ import annotations
@@ -22,12 +22,9 @@ import inspect
 import torch
 from torch import nn
 
+from ...model.rotary import rotary_modules
+
 CHUNK = 1024  # positions computed per call of the module's own forward
-
-
-def rotary_modules(model: nn.Module) -> list[nn.Module]:
-    """The model's rotary-embedding modules (a buffer `inv_freq` and forward(x, position_ids))."""
-    return [m for m in model.modules() if isinstance(getattr(m, "inv_freq", None), torch.Tensor)]
 
 
 def tabled(module: nn.Module) -> bool:

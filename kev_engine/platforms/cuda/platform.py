@@ -65,8 +65,3 @@ class CudaPlatform(Platform):
 def _fixed_order_delta(linear: invariant.Linear, weights: LoraWeights, x: torch.Tensor) -> torch.Tensor:
     """Both LoRA products by the fixed-order Triton kernel."""
     return linear(linear(x, weights.lora_A, None), weights.lora_B, None) * weights.scaling
-
-
-def why_not_invariant(model: nn.Module, paged: CudaBackend | None) -> str | None:
-    """Why this CUDA engine cannot run batch-invariant, or None when it can."""
-    return invariant.why_not(model, paged)
