@@ -84,8 +84,8 @@ class Engine:
         kv_cache_bytes: the KV memory budget (None: half the free GPU memory, or on CPU a fifth
             of the available memory up to 4 GiB — and never more than twice `max_num_seqs` full
             contexts). Admission waits for memory; nothing exceeds it.
-        block_size: tokens per KV block (None: 32 on CPU, 256 on CUDA, where flash attention's paged
-            KV needs a multiple of 256). Prefixes are shared in whole blocks.
+        block_size: tokens per KV block (None: 32, or 256 with a paged CUDA kernel, whose blocks
+            must be a multiple of 256). Prefixes are shared in whole blocks.
         max_logits_tokens: most `prompt_logits` positions computed in one pass (each is a vocab row).
         cpu_kernels: Kev's compiled CPU kernels, for every product and attention they cover (see
             `platforms.cpu.kernels`): "auto" (built once per environment; if they cannot be built,
@@ -98,12 +98,14 @@ class Engine:
             wherever possible, with a warning where it is not;
             True: that or an error saying why; False: torch's BLAS and attention kernels instead,
             equal only up to rounding (faster only where BLAS beats Kev's kernels).
-        cuda_attention: the paged attention of a CUDA engine (`platforms.cuda.varlen`): "auto" (None;
-            torch's own varlen_attn, else the flash-attn package, else — with a warning saying
-            why — torch's SDPA per segment), "varlen" or "flash-attn" (that kernel or an error),
-            "torch" (SDPA per segment). Ignored on CPU, except that naming a kernel is an error.
+        cuda_attention: the attention of a CUDA engine (`platforms.cuda.choice`): "auto" (None;
+            torch's own varlen_attn — paged from torch 2.12, over gathered keys in 2.10 and 2.11 —,
+            else the flash-attn package, else — with a warning saying why — torch's SDPA per
+            segment), "varlen" or "flash-attn" (that kernel or an error), "torch" (SDPA per
+            segment). Each kernel is tried on a probe pack first. Ignored on CPU, except that
+            naming a kernel is an error.
         cuda_graphs: replay decode passes (no prefill chunk, no adapter) as CUDA graphs, one per
-            row-count bucket (`platforms.cuda.graphs`), on the paged CUDA attention; bitwise the
+            row-count bucket (`platforms.cuda.graphs`), on a paged CUDA attention; bitwise the
             eager result when batch-invariant (padding rows change nothing). False: eager.
     """
 

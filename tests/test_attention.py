@@ -26,6 +26,7 @@ from kev_engine.model.pack import Segment, pack
 from kev_engine.platforms import torch_ops as reference
 from kev_engine.platforms.cpu import kernels
 from kev_engine.platforms.cpu.compiled import CompiledBackend
+from kev_engine.platforms.cuda import choice
 from kev_engine.platforms.cuda import varlen as cuda_backend
 from kev_engine.platforms.torch_ops import TorchBackend
 
@@ -63,7 +64,7 @@ def test_flash_attn_paged_path_matches_solo(tokenizer, monkeypatch) -> None:
         return varlen_reference(*args, **kwargs)
 
     kernel = cuda_backend.CudaBackend("flash-attn", counting_reference, page_multiple=16)
-    monkeypatch.setattr(cuda_backend, "choose", lambda mode, device, dtype: kernel)
+    monkeypatch.setattr(choice, "choose", lambda mode, device, dtype: kernel)
     # a small budget chunks the prefill: new chunks attend to their own cached blocks
     engine = Engine(model, tokenizer, max_batch_tokens=40, max_num_seqs=8, block_size=16, cuda_graphs=False)
     assert engine.stats()["kv_block_size"] == 16 and engine.attention == "flash-attn"

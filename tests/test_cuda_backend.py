@@ -1,10 +1,13 @@
-"""The CUDA backend's plumbing on CPU: the paged varlen call and the decode graphs' static buffers.
+"""The CUDA backends' plumbing on CPU: both varlen forms, the probe, and the decode graphs' static buffers.
 
-CI has no GPU, so torch's `varlen_attn` is replaced by `VarlenContract` (its documented paged
-contract in plain torch) and graphs run their static path eagerly (`capture=False`): the pool
-layout, slot writes, block tables, `seqused_k`, the causal window, bucket choice, padding rows on
-the trash block — everything but the kernel and the recording — runs here, with NaN in every
-byte of the pool nobody wrote. What only a GPU shows is in tests/test_cuda.py (`make gpu-check`).
+CI has no GPU, so torch's `varlen_attn` is replaced by stand-ins of its contracts in plain torch
+(tests/varlen_contract.py): `VarlenContract` for the paged form (torch 2.12+), `GatheredContract`
+for torch 2.11's contiguous keys (and 2.10's `is_causal` spelling). Graphs run their static path
+eagerly (`capture=False`): the pool layout, slot writes, block tables, `seqused_k`, the gathered
+slots, the causal window, bucket choice, padding rows on the trash block — everything but the
+kernel and the recording — runs here, with NaN in every byte of the pool nobody wrote. Which form
+a signature gets, and the probe that refuses a kernel computing otherwise, are checked against
+stand-ins of each kind. What only a GPU shows is in tests/test_cuda.py (`make gpu-check`).
 """
 
 from __future__ import annotations
@@ -17,25 +20,29 @@ import pytest
 import torch
 from conftest import QUESTIONS, chat, reference_copy, reference_greedy, rounding_tolerance, tiny_model
 from torch.utils._python_dispatch import TorchDispatchMode
-from varlen_contract import VarlenContract
+from varlen_contract import GatheredContract, GatheredContractIsCausal, VarlenContract
 
 from kev_engine import Engine, SamplingParams
 from kev_engine.model.forward import run_model
 from kev_engine.model.pack import Segment, pack
+from kev_engine.platforms.cuda import choice, probe
 from kev_engine.platforms.cuda import graphs as cuda_graphs
 from kev_engine.platforms.cuda import varlen as cuda_backend
+from kev_engine.platforms.cuda.gathered import GatheredBackend
 
 DOC = "The lighthouse was built in 1874 on a granite rock. " * 3
 PROMPTS = QUESTIONS + [chat("Who built it?", DOC), chat("When was it built?", DOC)]  # a shared prefix
 
 
-def varlen_engine(tokenizer, monkeypatch, *, graphs: bool, **kwargs) -> tuple[Engine, VarlenContract]:
-    """An engine on the paged CUDA path with the contract stand-in; 16-token pages so prompts cross many."""
-    kernel = VarlenContract()
-    monkeypatch.setattr(cuda_backend, "choose",
-                        lambda mode, device, dtype: cuda_backend.CudaBackend("varlen", kernel, page_multiple=16))
+def varlen_engine(tokenizer, monkeypatch, *, graphs: bool, gathered: bool = False, block_size: int = 16,
+                  **kwargs) -> tuple[Engine, VarlenContract | GatheredContract]:
+    """An engine on a CUDA varlen path with its contract's stand-in (paged, or torch 2.11's contiguous
+    keys); 16-token blocks so prompts cross many."""
+    kernel: VarlenContract | GatheredContract = GatheredContract() if gathered else VarlenContract()
+    backend = GatheredBackend(kernel) if gathered else cuda_backend.CudaBackend("varlen", kernel, page_multiple=16)
+    monkeypatch.setattr(choice, "choose", lambda mode, device, dtype: backend)
     model = tiny_model("llama", tokenizer)
-    engine = Engine(model, tokenizer, block_size=16, cuda_graphs=graphs, **kwargs)
+    engine = Engine(model, tokenizer, block_size=block_size, cuda_graphs=graphs, **kwargs)
     for keys, values in zip(engine._kv.keys, engine._kv.values):  # stale memory: NaN wherever nobody wrote
         keys.fill_(math.nan)
         values.fill_(math.nan)
@@ -177,20 +184,23 @@ def test_decode_forward_never_reads_a_device_value(tokenizer, monkeypatch) -> No
 
 def test_choose_names_the_bad_value_and_the_reason(monkeypatch) -> None:
     cpu = torch.device("cpu")
-    assert cuda_backend.choose(None, cpu, torch.float32) is None
-    assert cuda_backend.choose("torch", cpu, torch.float32) is None
+    assert choice.choose(None, cpu, torch.float32) is None
+    assert choice.choose("torch", cpu, torch.float32) is None
     with pytest.raises(ValueError, match=r"cuda_attention='varlen' names a CUDA kernel; this engine runs on cpu"):
-        cuda_backend.choose("varlen", cpu, torch.bfloat16)
+        choice.choose("varlen", cpu, torch.bfloat16)
     with pytest.raises(ValueError, match=r"cuda_attention='flash' is not allowed; use one of \['auto', 'varlen'"):
-        cuda_backend.choose("flash", cpu, torch.bfloat16)
-    assert "CUDA only" in cuda_backend.why_not_device(cpu, torch.bfloat16)
+        choice.choose("flash", cpu, torch.bfloat16)
+    assert "CUDA only" in choice.why_not_device(cpu, torch.bfloat16)
 
 
-def test_varlen_needs_its_paged_form(monkeypatch) -> None:
-    """This torch's varlen_attn has the paged parameters; torch 2.11's signature (no block_table,
-    seqused_k, num_splits, enable_gqa) is refused by name."""
-    function, why = cuda_backend.varlen_function()
-    assert why is None and set(cuda_backend.PAGED_PARAMETERS) <= set(inspect.signature(function).parameters)
+def test_varlen_form_is_read_from_its_signature(monkeypatch) -> None:
+    """This torch's varlen_attn is paged; torch 2.11's signature (contiguous keys, causal by window)
+    and 2.10's (by is_causal) get the gathered backend; one with neither is refused, naming what it has."""
+    function, form, why = choice.varlen_kernel()
+    assert (form, why) == ("paged", None)
+    assert set(choice.PAGED_PARAMETERS) <= set(inspect.signature(function).parameters)
+    assert choice.form_of(GatheredContract()) == ("gathered", None)
+    assert choice.form_of(GatheredContractIsCausal()) == ("gathered", None)
 
     def varlen_attn_2_11(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
                          window_size=(-1, -1)):
@@ -199,18 +209,90 @@ def test_varlen_needs_its_paged_form(monkeypatch) -> None:
     import torch.nn.attention.varlen as varlen
 
     monkeypatch.setattr(varlen, "varlen_attn", varlen_attn_2_11)
-    function, why = cuda_backend.varlen_function()
-    assert function is None
-    assert "varlen_attn has no block_table, seqused_k, num_splits, enable_gqa" in why and "torch 2.13" in why
+    function, form, why = choice.varlen_kernel()
+    assert function is varlen_attn_2_11 and (form, why) == ("gathered", None)
+    assert isinstance(choice.backend_for("varlen", function, form), GatheredBackend)
+
+    def unknown(query, key, value, lengths, *, scale=None):
+        raise AssertionError("never called")
+
+    form, why = choice.form_of(unknown)
+    assert form is None and "varlen_attn(query, key, value, lengths, *, scale=None) has neither the paged form" in why
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_probe_accepts_each_contract(dtype) -> None:
+    """Every stand-in of a correct kernel passes the probe, through its backend's own plan and attend."""
+    cpu = torch.device("cpu")
+    assert probe.contract_error(cuda_backend.CudaBackend("varlen", VarlenContract()), cpu, dtype) is None
+    assert probe.contract_error(GatheredBackend(GatheredContract()), cpu, dtype) is None
+    backend = GatheredBackend(GatheredContractIsCausal())
+    assert backend.causal == {"is_causal": True} and probe.contract_error(backend, cpu, dtype) is None
+    assert backend.pool is None  # the probe's pool is let go
+
+
+def test_probe_refuses_a_kernel_that_computes_otherwise() -> None:
+    """The probe's controls: the right signature with top-left causal alignment, a kernel that
+    raises, and one without grouped heads are each refused, with what showed it."""
+    cpu = torch.device("cpu")
+    why = probe.contract_error(GatheredBackend(GatheredContract(top_left=True)), cpu, torch.bfloat16)
+    assert why is not None and "differs from causal attention per segment" in why
+    assert "1 new after 5 cached" in why and "3 new after 0 cached" not in why  # a prefill is alike either way
+
+    def broken(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1)):
+        raise RuntimeError("no kernel image is available for execution on the device")
+
+    why = probe.contract_error(GatheredBackend(broken), cpu, torch.bfloat16)
+    assert why == ("it failed on a probe pack (RuntimeError: no kernel image is available for execution on "
+                   "the device)")
+
+    def no_gqa(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1)):
+        if query.shape[1] != key.shape[1]:
+            raise RuntimeError("Number of heads in key/value must equal those of the query")
+        raise AssertionError("the probe has grouped heads")
+
+    assert "Number of heads" in probe.contract_error(GatheredBackend(no_gqa), cpu, torch.bfloat16)
+
+
+@pytest.mark.parametrize("block_size", [16, 5], ids=["16-token blocks", "5-token blocks"])
+def test_gathered_path_matches_solo(tokenizer, monkeypatch, block_size) -> None:
+    """torch 2.11's contiguous varlen_attn: chunked prefill over cached blocks, a shared prefix,
+    decode rows, each equal to plain transformers alone; one gathered call per layer per pass, no
+    decode graphs even when asked, blocks of any size, and NaN in stale memory reaching nothing
+    (only the listed slots are gathered, so blocks handed out are not even cleared)."""
+    engine, kernel = varlen_engine(tokenizer, monkeypatch, graphs=True, gathered=True, block_size=block_size,
+                                   max_batch_tokens=40, max_num_seqs=8)
+    reference = reference_copy(engine.model)
+    assert engine.attention == "varlen" and engine._backend.form == "gathered" and not engine.cuda_graphs
+    assert engine._backend.causal == {"window_size": (-1, 0)} and not engine._backend.takes_enable_gqa
+    results = engine.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=6))
+    for prompt, result in zip(PROMPTS, results):
+        ids = engine.encode(prompt)
+        assert result.token_ids == reference_greedy(reference, ids, 6, tokenizer.eos_token_id)
+    stats = engine.stats()
+    assert stats["prefix_hit_tokens"] > 0
+    assert len(kernel.calls) == stats["forward_passes"] * engine.model.config.num_hidden_layers
+    assert min(call["max_q"] for call in kernel.calls) == 2  # decode-only passes too: never the regrouped kernel
+    assert max(call["keys"] for call in kernel.calls) > 40  # cached prefixes are gathered, not only new tokens
+    engine.close()
+
+
+def test_gathered_slots_follow_each_segments_blocks() -> None:
+    """A segment's keys are its blocks' slots in position order, cut at its length, one segment after another."""
+    from kev_engine.platforms.cuda.gathered import gather_slots
+
+    segments = [Segment(0, [1, 2], 3, True, block_ids=[7, 2]), Segment(1, [9], 0, True, block_ids=[4])]
+    assert gather_slots(segments, [5, 1], block_size=4).tolist() == [28, 29, 30, 31, 8, 16]
 
 
 def test_block_size_must_suit_the_paged_kernel(tokenizer, monkeypatch) -> None:
     kernel = cuda_backend.CudaBackend("varlen", VarlenContract())
-    with pytest.raises(ValueError, match="block_size=128 is not allowed with cuda_attention='varlen'; use a multiple "
-                                         "of 256"):
+    with pytest.raises(ValueError, match=r"block_size=128 is not allowed with cuda_attention='varlen' \(paged\); use "
+                                         "a multiple of 256"):
         kernel.check_block_size(128)
     kernel.check_block_size(512)
-    monkeypatch.setattr(cuda_backend, "choose", lambda mode, device, dtype: kernel)
+    GatheredBackend(GatheredContract()).check_block_size(5)  # contiguous keys: any block size
+    monkeypatch.setattr(choice, "choose", lambda mode, device, dtype: kernel)
     with pytest.raises(ValueError, match="block_size=32 is not allowed"):
         Engine(tiny_model("llama", tokenizer), tokenizer, block_size=32)
 

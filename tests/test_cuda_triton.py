@@ -4,15 +4,16 @@
 plumbing runs on every CI machine: strides, masks of partial tiles (M, N and K not multiples of
 64), bias, dtype casts, results equal to torch's ops up to rounding, and a row's result the same
 alone as among 1, 3, 70 or 130 rows, within rounding. Then the whole batch-invariant CUDA
-engine path with those kernels and varlen_attn's stand-in (tests/varlen_contract.py): installed on
-the model, num_splits=1, LoRA deltas by the same products, decode graphs' static path — packed
-gives the same tokens as alone with a shared document and an adapter, logits within rounding,
-and the model comes back as it was. Not bitwise here: the interpreter computes `tl.dot` with
-numpy, whose BLAS may sum a row in another order by its place in the tile (it does on some
-CPUs), and the stand-in's attention is torch's CPU SDPA per segment, no invariant kernel. That
-the real kernels give packed == alone bit for bit is tests/test_cuda.py's claim, on a GPU.
-The interpreter must be set before Triton compiles anything, hence a fresh process. What the
-GPU's own arithmetic gives only `make gpu-check` shows (tests/test_cuda.py).
+engine path with those kernels and varlen_attn's stand-ins (tests/varlen_contract.py), in the
+paged form and in torch 2.11's gathered one: installed on the model, num_splits=1, LoRA deltas by
+the same products, decode graphs' static path (paged) — packed gives the same tokens as alone
+with a shared document and an adapter, logits within rounding, and the model comes back as it was.
+Not bitwise here: the interpreter computes `tl.dot` with numpy, whose BLAS may sum a row in
+another order by its place in the tile (it does on some CPUs), and the stand-in's attention is
+torch's CPU SDPA per segment, no invariant kernel. That the real kernels give packed == alone bit
+for bit is tests/test_cuda.py's claim, on a GPU. The interpreter must be set before Triton
+compiles anything, hence a fresh process. What the GPU's own arithmetic gives only
+`make gpu-check` shows (tests/test_cuda.py).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+
+import pytest
 
 TESTS = str(Path(__file__).resolve().parent)
 
@@ -67,20 +70,24 @@ ENGINE = textwrap.dedent("""
     from transformers import AutoTokenizer
     from conftest import make_adapter, rounding_tolerance, tiny_model
     from test_invariance import alone, answers, greedy, questions
-    from varlen_contract import VarlenContract
+    from varlen_contract import GatheredContract, VarlenContract
     from kev_engine import Engine
     from kev_engine.model import loader
+    from kev_engine.platforms.cuda import choice
     from kev_engine.platforms.cuda import invariant as cuda_invariant
     from kev_engine.platforms.cuda import varlen as cuda_backend
+    from kev_engine.platforms.cuda.gathered import GatheredBackend
 
+    paged = sys.argv[2] == "paged"  # else torch 2.11's contiguous varlen_attn, gathered
     tokenizer = AutoTokenizer.from_pretrained(str(loader.converted_gguf_dir(loader.embedded_gguf())))
-    kernel = VarlenContract()
-    cuda_backend.choose = lambda mode, device, dtype: cuda_backend.CudaBackend("varlen", kernel, page_multiple=16)
+    kernel = VarlenContract() if paged else GatheredContract()
+    backend = cuda_backend.CudaBackend("varlen", kernel, page_multiple=16) if paged else GatheredBackend(kernel)
+    choice.choose = lambda mode, device, dtype: backend
     base = tiny_model("llama", tokenizer)
     folder = make_adapter(base, pathlib.Path(tempfile.mkdtemp()) / "qv", seed=1)
     engine = Engine(base.to(torch.bfloat16), tokenizer, block_size=16, batch_invariant=True)
-    assert engine.batch_invariant and engine.cuda_graphs and engine.attention == "varlen"
-    assert engine._backend.num_splits == 1
+    assert engine.batch_invariant and engine.cuda_graphs == paged and engine.attention == "varlen"
+    assert engine._backend.num_splits == 1 and engine._backend.form == sys.argv[2]
     assert cuda_invariant._is_ours(engine.model.lm_head.__dict__.get("forward"))
     assert cuda_invariant._is_ours(engine.model.model.norm.__dict__.get("forward"))
     engine.load_adapter("qv", str(folder))
@@ -93,7 +100,10 @@ ENGINE = textwrap.dedent("""
     for (_, mine), (_, theirs) in zip(packed, solo):  # close: the emulation's products are numpy's
         torch.testing.assert_close(mine, theirs, rtol=0, atol=rounding_tolerance(theirs, torch.bfloat16))
     assert len({tuple(tokens) for tokens, _ in packed}) > 1
-    assert {call["num_splits"] for call in kernel.calls} == {1} and engine._runner.graphs.replays > 0
+    if paged:
+        assert {call["num_splits"] for call in kernel.calls} == {1} and engine._runner.graphs.replays > 0
+    else:
+        assert kernel.calls and min(call["max_q"] for call in kernel.calls) == 2
     engine.close()
     assert not any(cuda_invariant._is_ours(m.__dict__.get("forward")) for m in base.modules())
     print("engine ok")
@@ -110,6 +120,7 @@ def test_triton_kernels_in_the_interpreter() -> None:
     assert done.returncode == 0 and "kernels ok" in done.stdout, done.stderr[-3000:]
 
 
-def test_batch_invariant_cuda_path_in_the_interpreter() -> None:
-    done = interpreted(ENGINE, TESTS)
+@pytest.mark.parametrize("form", ["paged", "gathered"])
+def test_batch_invariant_cuda_path_in_the_interpreter(form) -> None:
+    done = interpreted(ENGINE, TESTS, form)
     assert done.returncode == 0 and "engine ok" in done.stdout, done.stderr[-3000:]

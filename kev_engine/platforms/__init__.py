@@ -1,7 +1,7 @@
 """Platforms: everything that depends on the device — chosen once per engine, in one place.
 
 `choose` returns the engine's `Platform` (`base`): CPU (`cpu/`: Kev's compiled kernels, batch-
-invariant where they cover the model), CUDA (`cuda/`: the paged varlen attention, decode graphs,
+invariant where they cover the model), CUDA (`cuda/`: torch's varlen attention, decode graphs,
 Triton for invariance), or torch's own ops on any other device (`torch_ops`). `invariance`
 decides and says why not; `inplace` is the elementwise work every platform installs. The rest of
 the engine asks the platform and never the device: `resolve_device`, `default_dtype` and
@@ -21,8 +21,8 @@ from .base import AttentionBackend, Platform
 from .cpu import dtype_choice, exact_linear, kernels, rotary_table, rows_linear
 from .cpu.platform import CpuPlatform
 from .cpu.platform import why_not_invariant as cpu_why_not
+from .cuda import choice as cuda_choice
 from .cuda import invariant as cuda_invariant
-from .cuda import varlen
 from .cuda.platform import CudaPlatform
 from .torch_ops import TorchPlatform
 
@@ -36,7 +36,7 @@ def choose(model: nn.Module, *, cpu_kernels: str | None, batch_invariant: bool |
     invariance asked for and impossible raise before anything about the model changes."""
     parameter = next(model.parameters())
     device = parameter.device
-    paged = varlen.choose(cuda_attention, device, parameter.dtype)
+    paged = cuda_choice.choose(cuda_attention, device, parameter.dtype)
     if paged is not None or device.type == "cuda":
         kernels.choose(cpu_kernels, device, flash_layout=True)  # checks the mode: "compiled" is an error here
         exact = invariance.decide(batch_invariant, lambda: cuda_invariant.why_not(model, paged),

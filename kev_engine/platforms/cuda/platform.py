@@ -1,9 +1,10 @@
-"""The CUDA platform: the paged varlen attention, decode CUDA graphs, batch invariance by Triton.
+"""The CUDA platform: the varlen attention, decode CUDA graphs, batch invariance by Triton.
 
-Batch-invariant where torch's paged `varlen_attn` runs with `num_splits=1` and Triton loads: every
-`nn.Linear`, the output head and LoRA deltas, and the RMSNorms by fixed-order Triton kernels
-(`invariant`). Without a paged kernel (`varlen.choose` said why), attention runs on torch's SDPA
-per segment, with neither graphs nor invariance.
+Batch-invariant where torch's `varlen_attn` runs unsplit (`num_splits=1` in its paged form; its
+contiguous form never splits, see `gathered`) and Triton loads: every `nn.Linear`, the output head
+and LoRA deltas, and the RMSNorms by fixed-order Triton kernels (`invariant`). Decode graphs need
+the paged form (fixed-size tables). Without a varlen kernel (`choice.choose` said why), attention
+runs on torch's SDPA per segment, with neither graphs nor invariance.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from ..base import AttentionBackend, Platform
 from ..torch_ops import TorchBackend
 from . import invariant
 from .graphs import DecodeGraphs
-from .varlen import CudaBackend
+from .varlen import VarlenBackend
 
 DEFAULT_KV_FRACTION = 0.5  # of the device memory still free after the model loaded
 
@@ -29,7 +30,7 @@ class CudaPlatform(Platform):
     name = "cuda"
     default_pass_ms = 100.0
 
-    def __init__(self, device: torch.device, paged: CudaBackend | None, batch_invariant: bool, graphs: bool) -> None:
+    def __init__(self, device: torch.device, paged: VarlenBackend | None, batch_invariant: bool, graphs: bool) -> None:
         attention: AttentionBackend = TorchBackend()
         if paged is not None:
             paged.num_splits = 1 if batch_invariant else None  # one key order per query: what invariance needs
@@ -47,8 +48,8 @@ class CudaPlatform(Platform):
         return []
 
     def decode_graphs(self, model: nn.Module, max_rows: int, max_context: int) -> DecodeGraphs | None:
-        if not self.graphs or self.paged is None:
-            return None
+        if not self.graphs or self.paged is None or self.paged.form != "paged":
+            return None  # a graph replays fixed-size tables: the gathered form's key count moves every pass
         pool = self.paged.pool
         trash = pool.reserve_last_block()
         pool.zero([trash])
