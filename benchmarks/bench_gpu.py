@@ -1,7 +1,7 @@
 """RAG-16, DOC-QA and a 64-question RAG batch: Kev against transformers one at a time and padded.
 
 The benchmark half of `make gpu-check` (benchmarks/gpu_check.py puts its result in the report);
-alone: `python benchmarks/bench_gpu.py [--device cuda] [--max-tokens 48] [--out FILE]`.
+alone: `python benchmarks/bench_gpu.py [--device cuda] [--model FOLDER] [--max-tokens 48] [--out FILE]`.
 
 Every system answers the same prompt ids (`engine.encode`) greedily, in one process, one after
 another, each timed after an untimed warm-up (Kev's on the whole workload under another
@@ -195,9 +195,10 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--workload", action="append", choices=list(WORKLOADS))
     parser.add_argument("--dtype", default=None, help="default: the engine's (bf16 on CUDA)")
+    parser.add_argument("--limit", type=int, default=None, help="the first N questions of each workload")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    result = run(args.device, args.model, args.max_tokens, args.workload, dtype=args.dtype)
+    result = run(args.device, args.model, args.max_tokens, args.workload, limit=args.limit, dtype=args.dtype)
     text = json.dumps(result, indent=2)
     if args.out:
         args.out.write_text(text + "\n")

@@ -1,24 +1,31 @@
 """`make gpu-check`: the CUDA tests and the GPU benchmark, in one JSON report.
 
-What it runs, in order (the Makefile has installed Kev beside the machine's CUDA torch first):
-  1. the environment: GPU, torch, CUDA, Triton, whether this torch's varlen_attn is paged;
+What it runs, in order (the Makefile has put the carried wheels beside the machine's own CUDA
+torch first; nothing is downloaded, and no model is carried — only config and tokenizer files,
+`--model-files`, from which models are built on the GPU):
+  1. the environment: GPU, torch, CUDA, Triton, which form of varlen_attn this torch has;
   2. `pytest -m cuda` (tests/test_cuda.py) in a subprocess, each case's outcome read back from
-     its JUnit XML;
-  3. benchmarks/bench_gpu.py: RAG-16, DOC-QA and RAG-64, Kev against transformers one at a time
-     and padded (tokens/s, peak GPU memory);
-and writes the report (default benchmarks/results/gpu_check.json) with `ok` true only when every
-test passed and the benchmark ran. `targets` holds the issue's two bars: packed == alone bitwise
-in bf16 (the tests named so) and Kev >= 5x transformers one at a time on RAG-16.
+     its JUnit XML; the tests build their own random models from the same files;
+  3. benchmarks/bench_gpu.py in a subprocess, on a random-weight model of `--shape` (a Llama of
+     about 0.5B parameters) built on the device: RAG-16, DOC-QA and RAG-64, Kev against
+     transformers one at a time and padded (tokens/s, peak GPU memory).
+The report (default benchmarks/results/gpu_check.json) is written after every step, so a step that
+fails or runs out of time leaves what came before and says what broke; the steps share
+`--budget-s` seconds. `ok` is true only when every test passed and the benchmark ran. `targets`
+holds the issue's two bars: packed == alone bitwise in bf16 (the tests named so) and Kev >= 5x
+transformers one at a time on RAG-16.
 
 Without a GPU it stops at once and says so; the report's format is tested on CPU
-(tests/test_gpu_check.py) by running these same steps on a tiny model on the CPU with a stand-in
-for the marked tests — the report then names the CPU as its device, with no GPU memory figure.
+(tests/test_gpu_check.py) by running these same steps on a tiny model built on the CPU with a
+stand-in for the marked tests — the report then names the CPU as its device, with no GPU memory
+figure.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -30,18 +37,22 @@ from typing import Any
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import random_models  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "gpu_check.json"
+DEFAULT_MODEL_FILES = ROOT / "gpu-carry" / "model-files"  # `make gpu-wheels` writes them
 FORMAT = 1  # the report's layout version: bump when a key changes meaning
 SPEEDUP_TARGET = 5.0  # issue 27: Kev at least 5x transformers one at a time on RAG-16
 BITWISE_TESTS = ("packed_equals_alone", "equal_alone")  # the test names that prove packed == alone
 
 
 def environment(device: str) -> dict[str, Any]:
-    """What ran the check: the device, torch, CUDA, Triton, and whether varlen_attn is paged here."""
-    from kev_engine.platforms.cuda import varlen as cuda_backend
+    """What ran the check: the device, torch, CUDA, Triton, and varlen_attn's form here."""
+    from kev_engine.platforms.cuda import choice
 
-    _, why_not_paged = cuda_backend.varlen_function()
+    _, form, why_not_varlen = choice.varlen_kernel()
     try:
         import triton
 
@@ -50,7 +61,7 @@ def environment(device: str) -> dict[str, Any]:
         triton_version = None
     gpu = torch.cuda.get_device_name(0) if device == "cuda" else None
     return {"device": device, "gpu": gpu, "torch": torch.__version__, "cuda": torch.version.cuda,
-            "triton": triton_version, "varlen_attn_paged": why_not_paged is None, "why_not_paged": why_not_paged,
+            "triton": triton_version, "varlen_attn_form": form, "why_not_varlen": why_not_varlen,
             "python": platform.python_version(), "git_commit": git_commit()}
 
 
@@ -64,7 +75,7 @@ def git_commit() -> str | None:
     return head.stdout.strip() + ("+changes" if dirty else "")
 
 
-def run_tests(marker: str, paths: list[str], timeout_s: float) -> dict[str, Any]:
+def run_tests(marker: str, paths: list[str], timeout_s: float, env: dict[str, str]) -> dict[str, Any]:
     """`pytest -m marker paths` in a subprocess; counts and each case's outcome from its JUnit XML."""
     with tempfile.TemporaryDirectory() as tmp:
         junit = Path(tmp) / "junit.xml"
@@ -72,7 +83,7 @@ def run_tests(marker: str, paths: list[str], timeout_s: float) -> dict[str, Any]
                    f"--junitxml={junit}", *paths]
         start = time.perf_counter()
         try:
-            done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
+            done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s, env=env)
             returncode, tail = done.returncode, (done.stdout + done.stderr)[-4000:]
         except subprocess.TimeoutExpired as exc:
             returncode, tail = -1, f"pytest ran past {timeout_s:.0f} s: {str(exc.stdout or '')[-3000:]}"
@@ -133,14 +144,42 @@ def check(report: dict[str, Any]) -> None:
                                  f"(device {device!r}, peak {row['peak_device_mib']!r})")
 
 
+def run_benchmark(args: argparse.Namespace, model: Path, timeout_s: float, env: dict[str, str]) -> dict[str, Any]:
+    """bench_gpu.py in a subprocess (a hang or a crash costs only this step); its JSON result."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "bench.json"
+        command = [sys.executable, str(ROOT / "benchmarks" / "bench_gpu.py"), "--device", args.device, "--model",
+                   str(model), "--max-tokens", str(args.max_tokens), "--out", str(out)]
+        command += ["--limit", str(args.limit)] if args.limit else []
+        command += ["--dtype", args.dtype] if args.dtype else []
+        try:
+            done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s, env=env)
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"the benchmark ran past the {timeout_s:.0f} s left to it") from None
+        if done.returncode != 0 or not out.is_file():
+            raise RuntimeError(f"the benchmark exited {done.returncode}: {(done.stdout + done.stderr)[-3000:]}")
+        return json.loads(out.read_text())  # type: ignore[no-any-return]
+
+
+def write(report: dict[str, Any], out: Path, start: float) -> None:
+    """The report as it stands: written after every step, so what ran is kept whatever comes next."""
+    report["duration_s"] = time.perf_counter() - start
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--device", default="cuda", help="cuda (the check); cpu only for the report's own test")
     parser.add_argument("--marker", default="cuda")
     parser.add_argument("--tests", nargs="+", default=["tests/test_cuda.py"])
-    parser.add_argument("--tests-timeout", type=float, default=300)
-    parser.add_argument("--model", default=None, help="the benchmark's model folder (default: the embedded one)")
+    parser.add_argument("--tests-timeout", type=float, default=240)
+    parser.add_argument("--budget-s", type=float, default=450, help="every step together, seconds")
+    parser.add_argument("--model-files", type=Path, default=DEFAULT_MODEL_FILES,
+                        help="config and tokenizer files the models are built from (`make gpu-wheels`)")
+    parser.add_argument("--shape", default="llama-0.5b", help="the benchmark model's shape (random_models.SHAPES)")
+    parser.add_argument("--model", type=Path, default=None, help="a model folder to benchmark instead of building one")
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--limit", type=int, default=None, help="the first N questions of each workload")
     parser.add_argument("--dtype", default=None, help="the benchmark's dtype (default: the engine's, bf16 on CUDA)")
@@ -149,29 +188,50 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gpu-check needs a CUDA GPU; torch {torch.__version__} here sees none "
               "(torch.cuda.is_available() is False)", file=sys.stderr)
         return 2
+    if args.model is None and not (args.model_files / "config.json").is_file():
+        print(f"gpu-check builds its models from config and tokenizer files; {args.model_files} has none "
+              "(run `make gpu-wheels` where there is a network and carry gpu-carry/)", file=sys.stderr)
+        return 2
     start = time.perf_counter()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    if args.model is None:
+        env["KEV_TEST_MODEL_FILES"] = str(args.model_files)
     report: dict[str, Any] = {"format": FORMAT, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                              "environment": environment(args.device)}
-    report["tests"] = run_tests(args.marker, args.tests, args.tests_timeout)
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from bench_gpu import run as run_benchmark
-
-    try:
-        report["benchmark"], report["benchmark_error"] = (
-            run_benchmark(args.device, args.model, args.max_tokens, limit=args.limit, dtype=args.dtype), None)
-    except Exception as exc:  # noqa: BLE001 - the report says what broke; the tests' results still count
-        report["benchmark"], report["benchmark_error"] = None, f"{type(exc).__name__}: {exc}"
+                              "environment": environment(args.device), "tests": None, "benchmark": None,
+                              "benchmark_error": "not run yet", "targets": None, "ok": False}
+    write(report, args.out, start)
+    tests_timeout = min(args.tests_timeout, args.budget_s / 2)
+    report["tests"] = run_tests(args.marker, args.tests, tests_timeout, env)
+    write(report, args.out, start)
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            model = args.model or build_model(args, Path(tmp) / args.shape)
+            report["benchmark_model"] = {"folder": str(args.model) if args.model else f"random {args.shape}",
+                                         "parameters": random_models.parameters(model)}
+            left = args.budget_s - (time.perf_counter() - start)
+            report["benchmark"], report["benchmark_error"] = run_benchmark(args, model, left, env), None
+        except Exception as exc:  # noqa: BLE001 - the report says what broke; the tests' results still count
+            report["benchmark"], report["benchmark_error"] = None, f"{type(exc).__name__}: {exc}"
     report["targets"] = targets(report["tests"], report["benchmark"])
     tests = report["tests"]
     report["ok"] = (tests["returncode"] == 0 and tests["passed"] > 0 and not tests["failed"] and not tests["error"]
                     and report["benchmark"] is not None)
-    report["duration_s"] = time.perf_counter() - start
     check(report)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(json.dumps({"ok": report["ok"], "report": str(args.out), **report["targets"],
-                      "tests": {k: tests[k] for k in ("passed", "failed", "error", "skipped")}}, indent=2))
+    write(report, args.out, start)
+    print(json.dumps({"ok": report["ok"], "report": str(args.out), "environment": report["environment"],
+                      **report["targets"], "benchmark_error": report["benchmark_error"],
+                      "tests": {k: tests[k] for k in ("passed", "failed", "error", "skipped")},
+                      "failed": [c["name"] for c in tests["cases"] if c["outcome"] in ("failed", "error")]}, indent=2))
     return 0 if report["ok"] else 1
+
+
+def build_model(args: argparse.Namespace, out: Path) -> Path:
+    """The benchmark's random-weight model, made on the device from the carried files."""
+    dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if args.device == "cuda" else torch.float32)
+    folder = random_models.build(args.model_files, args.shape, out, device=args.device, dtype=dtype)
+    if args.device == "cuda":
+        torch.cuda.empty_cache()  # the benchmark's process measures its own peak memory
+    return folder
 
 
 if __name__ == "__main__":

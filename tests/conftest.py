@@ -57,8 +57,12 @@ def embedded_dir() -> str:
 
 
 @pytest.fixture(scope="session")
-def tokenizer(embedded_dir: str) -> Any:
-    return AutoTokenizer.from_pretrained(embedded_dir)
+def tokenizer(request: pytest.FixtureRequest) -> Any:
+    """The embedded model's tokenizer; `KEV_TEST_MODEL_FILES` names a folder with its config and
+    tokenizer files where the embedded model is not installed (`make gpu-check` carries one, made
+    by `make gpu-wheels`)."""
+    folder = os.environ.get("KEV_TEST_MODEL_FILES") or request.getfixturevalue("embedded_dir")
+    return AutoTokenizer.from_pretrained(folder)
 
 
 def tiny_model(family: str, tokenizer: Any, seed: int = 0, **overrides: Any) -> torch.nn.Module:

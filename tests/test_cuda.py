@@ -2,19 +2,26 @@
 
 Marked `cuda`: deselected by default (pyproject's addopts), run by `make gpu-check`
 (`pytest -m cuda`), where a missing GPU is an error, never a skip. The CPU suite checks the same
-plumbing against a stand-in of varlen_attn's contract (tests/test_cuda_backend.py); here the real
-kernels run:
-  - varlen_attn through the block table against SDPA per segment, and one segment's output the
-    same bits alone as among others (num_splits=1);
+plumbing against stand-ins of varlen_attn's contracts (tests/test_cuda_backend.py); here the real
+kernels run, in the form the installed torch has (paged from torch 2.12, gathered in 2.10/2.11):
+  - varlen_attn through the engine's backend against SDPA per segment, and one segment's output
+    the same bits alone as among others;
   - packed == alone bitwise in bf16 (shared documents, a later call on the prefix cache, chunked
-    prefill, per-question adapters, the embedded model), and the control that can fail;
-  - decode through CUDA graphs == eager, bitwise;
-  - bf16, varlen, graphs and batch invariance by default; the KV budget from free GPU memory.
+    prefill, per-question adapters, a model of the embedded one's shape), and the control that
+    can fail;
+  - decode through CUDA graphs == eager, bitwise (the paged form; the gathered form has none);
+  - bf16, varlen, graphs where paged, and batch invariance by default; the KV budget from free
+    GPU memory.
+Models are random-weight, built on the GPU from the embedded model's config and tokenizer files
+(`KEV_TEST_MODEL_FILES` where the embedded model is not installed): nothing large is carried.
 """
 
 from __future__ import annotations
 
 import math
+import os
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -22,12 +29,17 @@ import torch
 import torch.nn.functional as F
 from conftest import make_adapter, tiny_model
 from test_invariance import alone, answers, differences, doc_questions, greedy, questions
-from varlen_contract import VarlenContract
+from varlen_contract import GatheredContract, VarlenContract
 
 from kev_engine import Engine
 from kev_engine.core.blocks import blocks_for
+from kev_engine.model.pack import Segment
+from kev_engine.platforms.cuda import choice
 from kev_engine.platforms.cuda import varlen as cuda_backend
-from kev_engine.platforms.cuda.varlen import PagedTables
+from kev_engine.platforms.cuda.gathered import GatheredBackend
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+import random_models  # noqa: E402
 
 pytestmark = pytest.mark.cuda
 
@@ -40,99 +52,117 @@ def cuda() -> torch.device:
     return torch.device("cuda")
 
 
+@pytest.fixture(scope="module")
+def form(cuda) -> str:
+    """The form of this torch's varlen_attn: "paged" or "gathered"; none at all fails."""
+    function, found, why = choice.varlen_kernel()
+    if function is None:
+        pytest.fail(f"no usable varlen_attn: {why}")
+    return found
+
+
+@pytest.fixture(scope="module")
+def smollm2_folder(cuda, tmp_path_factory, request) -> Path:
+    """A model of the embedded SmolLM2-135M's shape (its config and tokenizer), random bf16 weights
+    made on the GPU."""
+    files = os.environ.get("KEV_TEST_MODEL_FILES") or request.getfixturevalue("embedded_dir")
+    folder = random_models.build(Path(files), "smollm2-135m", tmp_path_factory.mktemp("smollm2"), device="cuda")
+    torch.cuda.empty_cache()
+    return folder
+
+
 def cuda_engine(family: str, tokenizer, cuda: torch.device, **kwargs) -> Engine:
     return Engine(tiny_model(family, tokenizer).to(cuda, torch.bfloat16), tokenizer, name=family, **kwargs)
 
 
-def test_defaults_on_a_gpu(cuda) -> None:
-    """bf16, torch's varlen_attn, decode graphs and batch invariance, nothing asked for."""
-    engine = Engine.from_pretrained(device="cuda")
+def installed_backend(form: str, num_splits: int | None = None) -> cuda_backend.VarlenBackend:
+    function, _, _ = choice.varlen_kernel()
+    backend = choice.backend_for("varlen", function, form)
+    backend.num_splits = num_splits
+    return backend
+
+
+def contract_backend(form: str) -> cuda_backend.VarlenBackend:
+    """The same form over the plain-torch stand-in of its contract: the reference."""
+    if form == "paged":
+        return cuda_backend.CudaBackend("varlen", VarlenContract())
+    return GatheredBackend(GatheredContract())
+
+
+def test_defaults_on_a_gpu(cuda, form, smollm2_folder) -> None:
+    """bf16, torch's varlen_attn, decode graphs where it is paged, and batch invariance, nothing asked for."""
+    engine = Engine.from_pretrained(str(smollm2_folder), device="cuda")
     try:
         assert engine.dtype == torch.bfloat16 and engine.device.type == "cuda"
-        assert engine.attention == "varlen" and engine.cuda_graphs and engine.batch_invariant
-        assert engine._backend.num_splits == 1
+        assert engine.attention == "varlen" and engine._backend.form == form and engine.batch_invariant
+        assert engine.cuda_graphs == (form == "paged") and engine._backend.num_splits == 1
     finally:
         engine.close()
 
 
-def paged_case(cuda: torch.device, segments: list[tuple[int, int]], heads: int = 8, kv_heads: int = 2,
-               head_dim: int = 64, page: int = 256, seed: int = 0):
-    """A pool of pages (NaN wherever no segment reads), a pack of (past, new) segments over it, and its queries."""
+def varlen_case(cuda: torch.device, shapes: list[tuple[int, int]], heads: int = 8, kv_heads: int = 2,
+                head_dim: int = 64, page: int = 256, seed: int = 0):
+    """A pool of pages (NaN wherever no segment reads), the (past, new) segments over it, their
+    cu_seqlens and queries [H, T, D]."""
     generator = torch.Generator().manual_seed(seed)
-    lengths = [past + new for past, new in segments]
+    lengths = [past + new for past, new in shapes]
     num_pages = sum(blocks_for(n, page) for n in lengths) + 3
     keys = torch.full((num_pages, page, kv_heads, head_dim), math.nan, dtype=torch.bfloat16)
     values = keys.clone()
     order = torch.randperm(num_pages, generator=generator).tolist()  # pages scattered through the pool
-    tables, cursor = [], 0
-    for n in lengths:
+    segments, cursor = [], 0
+    for i, ((past, new), n) in enumerate(zip(shapes, lengths)):
         pages = order[cursor: cursor + blocks_for(n, page)]
         cursor += len(pages)
-        flat = torch.randn(len(pages) * page, kv_heads, head_dim, generator=generator)
-        for i, p in enumerate(pages):
-            stop = min(page, n - i * page)
-            keys[p, :stop] = flat[i * page: i * page + stop].to(torch.bfloat16)
+        for j, p in enumerate(pages):
+            stop = min(page, n - j * page)
+            keys[p, :stop] = torch.randn(stop, kv_heads, head_dim, generator=generator).to(torch.bfloat16)
             values[p, :stop] = torch.randn(stop, kv_heads, head_dim, generator=generator).to(torch.bfloat16)
-        tables.append(pages)
-    width = max(map(len, tables))
-    news = [new for _, new in segments]
-    query = torch.randn(heads, sum(news), head_dim, generator=generator).to(torch.bfloat16)
+        segments.append(Segment(i, [0] * new, past, True, block_ids=pages))
     cu_q = [0]
-    for new in news:
+    for _, new in shapes:
         cu_q.append(cu_q[-1] + new)
-    cu_k = [0]
-    for n in lengths:
-        cu_k.append(cu_k[-1] + n)
-
-    def int32(values: list) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int32, device=cuda)
-
+    query = torch.randn(heads, cu_q[-1], head_dim, generator=generator).to(torch.bfloat16)
     pool = SimpleNamespace(keys=[keys.to(cuda)], values=[values.to(cuda)], block_size=page)
-    batch = SimpleNamespace(
-        cu_seqlens=int32(cu_q), max_seqlen=max(news),
-        attention=PagedTables(cu_seqlens_k=int32(cu_k), max_seqlen_k=max(lengths),
-                          block_table=int32([t + [0] * (width - len(t)) for t in tables]), seqused_k=int32(lengths)),
-    )
-    return batch, pool, query.to(cuda)
+    return segments, pool, cu_q, query.to(cuda)
 
 
-def attend(backend: cuda_backend.CudaBackend, pool, batch, query: torch.Tensor) -> torch.Tensor:
-    """The backend's one call of layer 0 on `pool` (the new keys are in it already)."""
-    return backend.bind(pool).attend(0, batch, query, None, None, None)
+def attend(backend: cuda_backend.VarlenBackend, pool, segments: list[Segment], cu_q: list[int],
+           query: torch.Tensor) -> torch.Tensor:
+    """The backend's one call of layer 0 on `pool` (the new keys are in it already), planned as a pass plans it."""
+    backend.bind(pool)
+    device = query.device
+    batch = SimpleNamespace(cu_seqlens=torch.tensor(cu_q, dtype=torch.int32, device=device), cu_seqlens_list=cu_q,
+                            max_seqlen=max(b - a for a, b in zip(cu_q, cu_q[1:])),
+                            attention=backend.plan(segments, cu_q, device))
+    return backend.attend(0, batch, query, None, None, None)
 
 
 SEGMENTS = [(0, 37), (300, 1), (0, 1), (700, 64), (255, 1), (1024, 1), (10, 300)]  # prefill, chunks, decode rows
 
 
 @pytest.mark.parametrize("num_splits", [1, None], ids=["unsplit", "kernel-chosen"])
-def test_varlen_paged_matches_sdpa_per_segment(cuda, num_splits) -> None:
-    """torch's kernel through the block table (pages scattered, NaN where nothing is read, GQA,
-    bottom-right causal) against SDPA per segment in float32."""
-    batch, pool, query = paged_case(cuda, SEGMENTS)
-    kernel = cuda_backend.CudaBackend("varlen", cuda_backend.varlen_function()[0], num_splits=num_splits)
-    out = attend(kernel, pool, batch, query)
+def test_varlen_matches_sdpa_per_segment(cuda, form, num_splits) -> None:
+    """torch's kernel in this torch's form (pages scattered, NaN where nothing is read, GQA,
+    bottom-right causal) against its contract's stand-in in float32."""
+    segments, pool, cu_q, query = varlen_case(cuda, SEGMENTS)
+    out = attend(installed_backend(form, num_splits), pool, segments, cu_q, query)
     fp32 = SimpleNamespace(keys=[pool.keys[0].float()], values=[pool.values[0].float()], block_size=pool.block_size)
-    expected = attend(cuda_backend.CudaBackend("varlen", VarlenContract()), fp32, batch, query.float())
+    expected = attend(contract_backend(form), fp32, segments, cu_q, query.float())
     assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
     torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2)
 
 
-def test_varlen_unsplit_is_the_same_alone_and_among_others(cuda) -> None:
-    """num_splits=1: each segment's output has the same bits whatever else is in the call."""
-    kernel = cuda_backend.CudaBackend("varlen", cuda_backend.varlen_function()[0], num_splits=1)
-    batch, pool, query = paged_case(cuda, SEGMENTS)
-    together = attend(kernel, pool, batch, query)
-    cu = batch.cu_seqlens.tolist()
-    for i in range(len(SEGMENTS)):
-        paged = batch.attention
-        one = SimpleNamespace(
-            cu_seqlens=torch.tensor([0, cu[i + 1] - cu[i]], dtype=torch.int32, device=cuda),
-            max_seqlen=cu[i + 1] - cu[i],
-            attention=PagedTables(cu_seqlens_k=torch.stack([paged.cu_seqlens_k[0] * 0, paged.seqused_k[i]]),
-                              max_seqlen_k=int(paged.seqused_k[i]), block_table=paged.block_table[i: i + 1],
-                              seqused_k=paged.seqused_k[i: i + 1]))
-        alone_out = attend(kernel, pool, one, query[:, cu[i]: cu[i + 1]])
-        assert torch.equal(alone_out, together[cu[i]: cu[i + 1]]), f"segment {i} {SEGMENTS[i]}"
+def test_varlen_unsplit_is_the_same_alone_and_among_others(cuda, form) -> None:
+    """Each segment's output has the same bits whatever else is in the call (num_splits=1 where
+    paged; the gathered form never splits)."""
+    kernel = installed_backend(form, num_splits=1)
+    segments, pool, cu_q, query = varlen_case(cuda, SEGMENTS)
+    together = attend(kernel, pool, segments, cu_q, query)
+    for i, segment in enumerate(segments):
+        n = cu_q[i + 1] - cu_q[i]
+        alone_out = attend(kernel, pool, [segment], [0, n], query[:, cu_q[i]: cu_q[i + 1]])
+        assert torch.equal(alone_out, together[cu_q[i]: cu_q[i + 1]]), f"segment {i} {SEGMENTS[i]}"
 
 
 def test_triton_products_are_row_count_invariant(cuda) -> None:
@@ -199,10 +229,10 @@ def test_per_question_adapters_equal_alone_bf16(cuda, tokenizer, tmp_path) -> No
 
 
 @pytest.mark.parametrize("batch_invariant", [True, False], ids=["invariant", "control"])
-def test_embedded_model_packed_equals_alone_bf16(cuda, batch_invariant) -> None:
-    """Six questions on one document. The control (cuBLAS, varlen_attn splitting as it likes)
-    differs: the comparison can fail."""
-    engine = Engine.from_pretrained(device="cuda", batch_invariant=batch_invariant)
+def test_smollm2_shape_packed_equals_alone_bf16(cuda, smollm2_folder, batch_invariant) -> None:
+    """Six questions on one document, on the embedded model's shape. The control (cuBLAS,
+    varlen_attn splitting as it likes) differs: the comparison can fail."""
+    engine = Engine.from_pretrained(str(smollm2_folder), device="cuda", batch_invariant=batch_invariant)
     try:
         prompts = doc_questions()
         found = differences(answers(engine, prompts, greedy(6, 24)), alone(engine, prompts, greedy(6, 24)))
@@ -211,13 +241,16 @@ def test_embedded_model_packed_equals_alone_bf16(cuda, batch_invariant) -> None:
         engine.close()
 
 
-def test_graph_replay_equals_eager_bitwise(cuda, tokenizer) -> None:
+def test_graph_replay_equals_eager_bitwise(cuda, form, tokenizer) -> None:
     """Decode through captured graphs (buckets padded with trash-block rows) against eager decode:
-    the same tokens and logits, bit for bit."""
+    the same tokens and logits, bit for bit. The gathered form has no graphs: asked for, it says so."""
     prompts = questions(6, 11)  # 11 rows: buckets of 16, 8, 4 ... as questions finish
     graphed = cuda_engine("llama", tokenizer, cuda)
     eager = cuda_engine("llama", tokenizer, cuda, cuda_graphs=False)
     try:
+        if form != "paged":
+            assert not graphed.cuda_graphs
+            pytest.skip(f"torch {torch.__version__}'s varlen_attn is not paged: decode runs eagerly, no graphs")
         assert graphed.cuda_graphs and not eager.cuda_graphs
         found = differences(answers(graphed, prompts, greedy(11, 20)), answers(eager, prompts, greedy(11, 20)))
         assert found == []

@@ -2,23 +2,29 @@
 
 The report's CUDA parts are stubbed by marker, not faked: `gpu_check` runs `pytest -m cuda` on a
 stand-in file of `cuda`-marked cases (one passes, one fails, one is named like the bitwise tests,
-one unmarked case that must not run), and its benchmark runs for real on a tiny random model on
-the CPU — so the report names the CPU as its device and has no GPU memory figure at all.
+one unmarked case that must not run), and its benchmark runs for real on a tiny random model it
+builds on the CPU from config and tokenizer files, as it builds its 0.5B model on a GPU — so the
+report names the CPU as its device and has no GPU memory figure at all. A benchmark that fails
+still leaves a report, with the tests' results and what broke; `make gpu-check` on a machine
+without a CUDA GPU stops before installing anything.
 """
 
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import gpu_check  # noqa: E402
+import random_models  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
 
 STAND_IN = textwrap.dedent('''
     import pytest
@@ -37,20 +43,22 @@ STAND_IN = textwrap.dedent('''
 
 
 @pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory, tokenizer) -> Path:
-    """A tiny random model with a context long enough for DOC-QA's 1,400-token prompts."""
-    folder = tmp_path_factory.mktemp("tiny")
-    tiny_model("llama", tokenizer, max_position_embeddings=4096).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
+def model_files(tmp_path_factory, embedded_dir) -> Path:
+    """The embedded model's config and tokenizer files, no weights: what `make gpu-wheels` carries."""
+    return random_models.copy_model_files(Path(embedded_dir), tmp_path_factory.mktemp("files"))[0].parent
 
 
-def test_report_on_cpu(tmp_path, tiny_folder) -> None:
+def stand_in_tests(tmp_path: Path) -> Path:
     stand_in = tmp_path / "test_stand_in.py"
     stand_in.write_text(STAND_IN)
+    return stand_in
+
+
+def test_report_on_cpu(tmp_path, model_files) -> None:
     out = tmp_path / "report.json"
-    code = gpu_check.main(["--device", "cpu", "--tests", str(stand_in), "--model", str(tiny_folder),
-                           "--max-tokens", "3", "--limit", "2", "--dtype", "float32", "--out", str(out)])
+    code = gpu_check.main(["--device", "cpu", "--tests", str(stand_in_tests(tmp_path)), "--model-files",
+                           str(model_files), "--shape", "tiny", "--max-tokens", "3", "--limit", "2",
+                           "--dtype", "float32", "--out", str(out)])
     report = json.loads(out.read_text())
     gpu_check.check(report)
     assert code == 1 and report["ok"] is False  # a marked case failed
@@ -61,6 +69,9 @@ def test_report_on_cpu(tmp_path, tiny_folder) -> None:
     assert not any("unmarked" in case["name"] for case in tests["cases"])
     environment = report["environment"]
     assert environment["device"] == "cpu" and environment["gpu"] is None and environment["torch"] == torch.__version__
+    assert environment["varlen_attn_form"] == "paged" and environment["why_not_varlen"] is None  # this torch's
+    assert report["benchmark_model"]["folder"] == "random tiny" and report["benchmark_error"] is None
+    assert 0 < report["benchmark_model"]["parameters"] < 10**7
     bench = report["benchmark"]
     assert set(bench["workloads"]) == {"rag16", "doc_qa", "rag64"} and bench["device"] == "cpu"
     for workload in bench["workloads"].values():
@@ -75,6 +86,32 @@ def test_report_on_cpu(tmp_path, tiny_folder) -> None:
     assert targets["packed_equals_alone_tests"] == [next(c["name"] for c in tests["cases"] if "packed" in c["name"])]
     assert targets["packed_equals_alone_bitwise"] is True
     assert targets["rag16_kev_speedup_vs_hf_serial"] == bench["workloads"]["rag16"]["kev_speedup_vs_hf_serial"]
+
+
+def test_a_failed_benchmark_still_leaves_the_report(tmp_path, model_files) -> None:
+    """A benchmark that breaks (here: a model shape that does not exist) costs only its own step."""
+    out = tmp_path / "report.json"
+    code = gpu_check.main(["--device", "cpu", "--tests", str(stand_in_tests(tmp_path)), "--model-files",
+                           str(model_files), "--shape", "no-such-shape", "--out", str(out)])
+    report = json.loads(out.read_text())
+    gpu_check.check(report)
+    assert code == 1 and report["ok"] is False and report["benchmark"] is None
+    assert "shape='no-such-shape' is not allowed" in report["benchmark_error"]
+    assert (report["tests"]["passed"], report["tests"]["failed"]) == (1, 1)
+
+
+def test_refuses_without_model_files(tmp_path, capsys) -> None:
+    assert gpu_check.main(["--device", "cpu", "--model-files", str(tmp_path), "--out", str(tmp_path / "r.json")]) == 2
+    assert "run `make gpu-wheels`" in capsys.readouterr().err and not (tmp_path / "r.json").exists()
+
+
+def test_make_gpu_check_stops_at_once_without_a_gpu(tmp_path) -> None:
+    """On a machine whose torch sees no CUDA GPU: an error naming it, and no venv made."""
+    venv = tmp_path / "venv-gpu"
+    done = subprocess.run(["make", "-s", "gpu-check", f"GPU_PYTHON={sys.executable}", f"GPU_VENV={venv}"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "which sees no CUDA GPU (set GPU_PYTHON to a CUDA Python)" in done.stderr
+    assert not venv.exists()
 
 
 def test_check_rejects_a_gpu_figure_on_a_cpu_report() -> None:

