@@ -1,7 +1,8 @@
 """Batch invariance: what it costs, and Kev beside llama.cpp's server with parallel slots.
 
 For each dtype (float32, bfloat16) and workload (RAG-16: 16 questions with their own contexts,
-48 new tokens; DOC-QA: 20 questions about one ~1,500-token document, 32 new tokens), in one run:
+48 new tokens; DOC-QA: 20 questions about one ~1,500-token document, 32 new tokens; "one": the
+first RAG-16 question alone, 17 new tokens), in one run:
 
 * ``kev``          - one ``Engine.generate`` over all questions, batch-invariant (the default)
 * ``kev_blas``     - the same with ``batch_invariant=False``: torch's BLAS and attention kernels
@@ -15,7 +16,7 @@ Kev system is checked the way `kev verify --exact` does it: all questions packed
 comparing the logits every token was sampled from with ``torch.equal``.
 
 Usage: python benchmarks/bench_invariance.py [--repeat 2] [--dtype float32 bfloat16]
-           [--workload rag16 docqa] [--llama-server PATH --gguf-dir DIR]
+           [--workload rag16 docqa one] [--llama-server PATH --gguf-dir DIR]
        DIR holds SmolLM2-135M-Instruct-f32.gguf and SmolLM2-135M-Instruct-bf16.gguf.
 """
 
@@ -39,13 +40,15 @@ from bench_prefix import doc_qa_messages  # noqa: E402
 from workload import load_rag, rag_messages  # noqa: E402
 
 RESULTS_MD = Path(__file__).resolve().parent / "results" / "bench_invariance.md"
-WORKLOADS = {"rag16": ("RAG-16", 48), "docqa": ("DOC-QA", 32)}
+WORKLOADS = {"rag16": ("RAG-16", 48), "docqa": ("DOC-QA", 32), "one": ("1 question", 17)}
 GGUF = {"float32": "SmolLM2-135M-Instruct-f32.gguf", "bfloat16": "SmolLM2-135M-Instruct-bf16.gguf"}
 CORES = len(os.sched_getaffinity(0))
 WARM_UP = [{"role": "user", "content": "Say hello."}]
 
 
 def messages(workload: str) -> list[Any]:
+    if workload == "one":  # one RAG question alone (its own passage): the latency of a lone request
+        return [rag_messages(load_rag()[0])]
     return [rag_messages(item) for item in load_rag()] if workload == "rag16" else doc_qa_messages()
 
 

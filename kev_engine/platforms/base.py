@@ -17,6 +17,7 @@ else in the engine knows which kernel runs or how a block is laid out.
     "compiled"   [kvH, bs, D] │ [kvH, bs, D]            the same prefill; Kev's C++ decode kernel and KV writes
     "exact"      [kvH, D, bs] │ [kvH, bs, D]            Kev's batch-invariant kernel: every row, one call
     "varlen"     [bs, kvH, D] │ [bs, kvH, D]            torch's paged varlen_attn on CUDA: every row, one call
+                                                        (torch 2.10/2.11: each segment's keys gathered first)
     "flash-attn" [bs, kvH, D] │ [bs, kvH, D]            the flash-attn package's paged kernel, the same way
 """
 
