@@ -10,9 +10,14 @@ requests (about 8,000 prompt tokens, 16 new) at evenly spaced times from the sta
   llama-server    llama.cpp's server, if `--llama-server PATH` (with `--gguf`), the same token ids
 
 Reported per system: the short questions' time to first token (p50, p99, max), the inter-token
-latency p99 over every stream (the gaps between streamed pieces), the long requests' total time,
-and generated tokens per second over the whole run. Then (`--batches`) the RAG-16 and DOC-QA
-batch times with and without the budget, best of `--repeat`, in the same run.
+latency p99 over every stream, the long requests' total time, and generated tokens per second
+over the whole run. Inter-token latency is per token: a streamed piece that carries k tokens
+after a gap g counts k gaps of g / k (Kev holds a token's text back while it may be the start of a
+stop string or a partial character, and an end-of-text token has none: its piece then comes with
+the next token's). How many tokens a piece carries: Kev's own `logprobs` (one entry per token),
+in-process and through the OpenAI API; llama-server streams every token as its own event. The
+gaps between pieces as a reader sees them (`piece gap p99`) are reported beside it. Then
+(`--batches`) the RAG-16 and DOC-QA batch times with and without the budget, best of `--repeat`, in the same run.
 
 Usage: python benchmarks/bench_latency.py [--duration 40] [--short-every 1.0] [--long 2]
        [--systems engine,engine-unbound,serve] [--batches] [--llama-server PATH --gguf FILE]
@@ -52,6 +57,7 @@ class Stream:
     kind: str  # "short" or "long"
     sent: float
     pieces: list[float] = field(default_factory=list)  # arrival times of streamed pieces
+    carried: list[int] = field(default_factory=list)  # tokens each piece carried
     done: float | None = None
     tokens: int = 0
     error: str | None = None
@@ -119,9 +125,14 @@ def _guarded(send: Callable[[str, int, Stream], None], kind: str, index: int, st
 
 def engine_sender(engine: Engine, prompts: dict[tuple[str, int], Any]) -> Callable[[str, int, Stream], None]:
     def send(kind: str, index: int, stream: Stream) -> None:
-        params = SamplingParams(temperature=0, max_tokens=SHORT_NEW if kind == "short" else LONG_NEW, ignore_eos=True)
-        future = engine.submit(prompts[kind, index], params,
-                               on_text=lambda piece: stream.pieces.append(time.perf_counter()))
+        params = SamplingParams(temperature=0, max_tokens=SHORT_NEW if kind == "short" else LONG_NEW, ignore_eos=True,
+                                logprobs=True)  # one entry per token: how many tokens each piece carries
+
+        def on_text(piece: Any) -> None:
+            stream.pieces.append(time.perf_counter())
+            stream.carried.append(len(piece.logprobs or []))
+
+        future = engine.submit(prompts[kind, index], params, on_text=on_text)
         stream.tokens = future.result(timeout=900).completion_tokens
         stream.done = time.perf_counter()
     return send
@@ -130,7 +141,7 @@ def engine_sender(engine: Engine, prompts: dict[tuple[str, int], Any]) -> Callab
 def serve_sender(base: str, prompts: dict[tuple[str, int], Any], model: str) -> Callable[[str, int, Stream], None]:
     def send(kind: str, index: int, stream: Stream) -> None:
         body = {"model": model, "messages": prompts[kind, index], "stream": True, "temperature": 0,
-                "max_tokens": SHORT_NEW if kind == "short" else LONG_NEW, "ignore_eos": True}
+                "max_tokens": SHORT_NEW if kind == "short" else LONG_NEW, "ignore_eos": True, "logprobs": True}
         with httpx.stream("POST", base + "/v1/chat/completions", json=body, timeout=900,
                           headers={"Authorization": f"Bearer {KEY}"}) as response:
             response.raise_for_status()
@@ -138,9 +149,11 @@ def serve_sender(base: str, prompts: dict[tuple[str, int], Any], model: str) -> 
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line[6:])
-                if any(c.get("delta", {}).get("content") for c in chunk.get("choices", [])):
+                carried = sum(len((c.get("logprobs") or {}).get("content") or []) for c in chunk.get("choices", []))
+                if carried:
                     stream.pieces.append(time.perf_counter())
-                    stream.tokens += 1
+                    stream.carried.append(carried)
+                    stream.tokens += carried
         stream.done = time.perf_counter()
     return send
 
@@ -152,8 +165,9 @@ def llama_sender(base: str, ids: dict[tuple[str, int], list[int]]) -> Callable[[
         with httpx.stream("POST", base + "/completion", json=body, timeout=900) as response:
             response.raise_for_status()
             for line in response.iter_lines():
-                if line.startswith("data: ") and json.loads(line[6:]).get("content"):
-                    stream.pieces.append(time.perf_counter())
+                if line.startswith("data: ") and "content" in (event := json.loads(line[6:])) and not event.get("stop"):
+                    stream.pieces.append(time.perf_counter())  # one event per token, its text empty or not
+                    stream.carried.append(1)
                     stream.tokens += 1
         stream.done = time.perf_counter()
     return send
@@ -170,11 +184,14 @@ def summary(name: str, streams: list[Stream], wall: float) -> dict[str, Any]:
     shorts = [s for s in streams if s.kind == "short" and s.ttft is not None]
     ttfts = [s.ttft for s in shorts if s.ttft is not None]
     gaps = [b - a for s in streams for a, b in zip(s.pieces, s.pieces[1:])]
+    per_token = [(b - a) / k for s in streams for a, b, k in zip(s.pieces, s.pieces[1:], s.carried[1:])
+                 for _ in range(max(k, 1))]
     longs = [s.done - s.sent for s in streams if s.kind == "long" and s.done is not None]
     return {"system": name, "short": len(shorts), "errors": sum(s.error is not None for s in streams),
             "first_error": next((s.error for s in streams if s.error), None),
             "ttft_p50": percentile(ttfts, 0.5), "ttft_p99": percentile(ttfts, 0.99), "ttft_max": max(ttfts, default=0),
-            "itl_p99": percentile(gaps, 0.99), "long_s": statistics.mean(longs) if longs else math.nan,
+            "itl_p99": percentile(per_token, 0.99), "piece_gap_p99": percentile(gaps, 0.99),
+            "long_s": statistics.mean(longs) if longs else math.nan,
             "tokens_per_s": sum(s.tokens for s in streams) / wall}
 
 
@@ -265,11 +282,11 @@ def main() -> None:
              f"{len([p for p in plan if p[1] == 'short'])} short questions ({short_len:.0f} prompt tokens, "
              f"{SHORT_NEW} new) every {args.short_every:g} s for {args.duration:g} s; {args.long} long requests "
              f"({long_len:.0f} prompt tokens, {LONG_NEW} new), all streamed.", "",
-             "| system | short TTFT p50 s | p99 s | max s | inter-token p99 s | long request s | tokens/s | "
-             "pass p99 s | errors |", "|---|---|---|---|---|---|---|---|---|"]
+             "| system | short TTFT p50 s | p99 s | max s | inter-token p99 s | piece gap p99 s | long request s | "
+             "tokens/s | pass p99 s | errors |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         lines.append(f"| {r['system']} | {r['ttft_p50']:.2f} | {r['ttft_p99']:.2f} | {r['ttft_max']:.2f} | "
-                     f"{r['itl_p99']:.2f} | {r['long_s']:.1f} | {r['tokens_per_s']:.1f} | "
+                     f"{r['itl_p99']:.2f} | {r['piece_gap_p99']:.2f} | {r['long_s']:.1f} | {r['tokens_per_s']:.1f} | "
                      f"{r.get('pass_p99_s', math.nan):.2f} | {r['errors']} |")
         if r["first_error"]:
             lines.append(f"|  | first error: {r['first_error'][:120]} |")
