@@ -4,12 +4,13 @@
 // Why: a query row's result must not depend on what else is in the pass, on whether its prefix
 // was shared with another question, cached from an earlier call or computed alone, nor on how
 // its prompt was chunked. So a row always walks its keys the same way: positions 0..L-1 in
-// chunks of C (16 or 32) positions, in order; per chunk the scores (each a chain of fused
-// multiply-adds over the head dimension), the chunk's max, an online-softmax update (running
-// max and sum, as flash-attention does) and the weighted values (a chain of fused multiply-adds
-// over the chunk's positions). Tiles of rows share each chunk's keys and values from L1, but
-// every row's arithmetic is its own: the same operations whether it is computed with 11 other
-// rows of a prefill or alone in a decode step.
+// chunks of C positions (`chunk_of`: 16 with 8 lanes, 32 with 16 lanes where the block size
+// allows), in order; per chunk the scores (each a chain of fused multiply-adds over the head
+// dimension), the chunk's max, an online-softmax update (running max and sum, as
+// flash-attention does) and the weighted values (a chain of fused multiply-adds over the chunk's
+// positions). Tiles of rows share each chunk's keys and values from L1, but every row's
+// arithmetic is its own: the same operations whether it is computed with other rows of a
+// prefill or alone in a decode step.
 //
 // Layout (kv_pool.py, "exact" pools): keys [num_blocks, kv_heads, head_dim, block_size] — a
 // block's keys transposed, so one head dimension of C positions is one vector load — and values
@@ -31,7 +32,10 @@ namespace {
 
 using namespace kev;
 
-constexpr int kMaxTile = kLanes == 16 ? 12 : 3;  // rows whose scores stay in registers over a chunk
+// (row, head) vectors of a tile: their scores over a chunk stay in registers (12 x 2 of the 32
+// AVX-512 registers; 6 x 2 of AVX2's 16, with 16-position chunks), and as many value chains run at once
+constexpr int kMaxTile = kLanes == 16 ? 12 : 6;
+constexpr int kSlices = kLanes == 16 ? 1 : 2;  // head-dimension slices of the values a sweep carries
 static_assert(kMaxTile <= kLanes, "one exp rescales every row of a tile");
 
 struct Segment {  // one question's rows in this pass
@@ -42,6 +46,10 @@ struct Segment {  // one question's rows in this pass
 struct Task {  // rows [r0, r1) of a segment, for one kv head
   int64_t segment, kv_head, r0, r1, cost;
 };
+
+// Positions per chunk: 16 with 8 lanes (a tile's scores then fit AVX2's registers), else 32 where
+// the block size allows. One value per build and block size: every row of every pass alike.
+constexpr int64_t chunk_of(int64_t block) { return kLanes == 8 || block % 32 != 0 ? 16 : 32; }
 
 template <typename T>
 struct Pass {
@@ -106,7 +114,35 @@ void tile_chunk(const Pass<T>& p, const float* qbuf, const T* kc, const T* vc, c
     l[r] = first ? sum : l[r] * alpha[r] + sum;
     m[r] = new_max[r];
   }
-  for (int64_t d0 = 0; d0 < dim; d0 += kLanes) {  // values: acc = acc * alpha, then a chain over positions
+  // values: acc = acc * alpha, then a chain of fused multiply-adds over the positions per lane;
+  // S slices of the head dimension at once, so S x R chains are in flight (a fused multiply-add
+  // waits for the one before it; each element's chain is the same whatever S is)
+  constexpr int S = kSlices;
+  int64_t d0 = 0;
+  for (; d0 + S * kLanes <= dim; d0 += S * kLanes) {
+    vf a[R][S];
+    for (int r = 0; r < R; ++r) {
+      if (n[r] <= 0) continue;
+      for (int s = 0; s < S; ++s) {
+        a[r][s] = vload(acc + r * padded + d0 + s * kLanes);
+        if (!first) a[r][s] = a[r][s] * vset(alpha[r]);
+      }
+    }
+    for (int64_t t = 0; t < widest; ++t) {
+      vf value[S];
+      for (int s = 0; s < S; ++s) value[s] = load_as_float(vc + t * dim + d0 + s * kLanes);
+      for (int r = 0; r < R; ++r) {
+        if (n[r] > 0 && (full || t < n[r])) {
+          const vf w = vset(probs[r * chunk + t]);
+          for (int s = 0; s < S; ++s) a[r][s] = vfma(w, value[s], a[r][s]);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      if (n[r] > 0)
+        for (int s = 0; s < S; ++s) vstore(acc + r * padded + d0 + s * kLanes, a[r][s]);
+  }
+  for (; d0 < dim; d0 += kLanes) {  // what is left of the head dimension, one slice at a time
     const int64_t width = std::min<int64_t>(kLanes, dim - d0);
     vf a[R];
     for (int r = 0; r < R; ++r) {
@@ -174,9 +210,9 @@ void run_tile_any(int R, const Pass<T>& p, const Segment& seg, int64_t h, const 
   switch (R) {
 #define KEV_TILE(N) \
   case N: return run_tile<T, N, NV>(p, seg, h, rows, heads, qbuf, acc, probs);
-    KEV_TILE(1) KEV_TILE(2) KEV_TILE(3)
+    KEV_TILE(1) KEV_TILE(2) KEV_TILE(3) KEV_TILE(4) KEV_TILE(5) KEV_TILE(6)
 #if defined(__AVX512F__)
-    KEV_TILE(4) KEV_TILE(5) KEV_TILE(6) KEV_TILE(7) KEV_TILE(8) KEV_TILE(9) KEV_TILE(10) KEV_TILE(11) KEV_TILE(12)
+    KEV_TILE(7) KEV_TILE(8) KEV_TILE(9) KEV_TILE(10) KEV_TILE(11) KEV_TILE(12)
 #endif
 #undef KEV_TILE
     default: TORCH_CHECK(false, "paged_attention: tile of ", R, " rows");
@@ -255,7 +291,7 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& keys, cons
   const int64_t num_segments = past.numel(), block = keys.size(3);
   TORCH_CHECK(tables.dim() == 2 && tables.size(0) == num_segments && cu_seqlens.numel() == num_segments + 1,
               "paged_attention: one table row and one past length per segment, cu_seqlens one longer");
-  const int64_t chunk = block % 32 == 0 ? 32 : 16;
+  const int64_t chunk = chunk_of(block);
   TORCH_CHECK(block % 16 == 0, "paged_attention: block_size ", block, " is not a multiple of 16");
   const auto q = query.contiguous();
   const auto t = tables.contiguous();
