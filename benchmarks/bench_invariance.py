@@ -70,7 +70,7 @@ def kev_worker(data: dict) -> dict:
         answers = engine.generate(msgs, sampling)
         walls.append(time.perf_counter() - started)
         generated = sum(a.completion_tokens for a in answers)
-    rows = verify(engine, msgs, [None] * len(msgs), max_tokens, exact=True)
+    rows = verify(engine, msgs, [None] * len(msgs), max_tokens, bitwise=True)
     stats = engine.stats()
     engine.close()
     return {"wall_s": min(walls), "walls": walls, "generated": generated, "dtype": stats["dtype"],

@@ -276,7 +276,7 @@ def main() -> None:
                 streams, wall = drive(plan, llama_sender(base, ids))
             results.append(summary(system, streams, wall))
         else:
-            raise SystemExit(f"unknown system {system!r}; use engine, engine-unbound, serve")
+            raise SystemExit(f"unknown system {system!r}; use engine, engine-unbound, serve, llama-server")
 
     lines = [f"# bench_latency ({time.strftime('%Y-%m-%d')}, {_cpu()}, {dtype}, pass_time_ms {pass_ms:g})", "",
              f"{len([p for p in plan if p[1] == 'short'])} short questions ({short_len:.0f} prompt tokens, "
