@@ -23,7 +23,7 @@ from kev_engine.platforms import inplace
 def ours(module: torch.nn.Module) -> bool:
     forward = module.__dict__.get("forward")
     return isinstance(forward, functools.partial) and forward.func in (
-        inplace._mlp_forward, inplace._glm_mlp_forward, inplace._rms_norm_forward)
+        inplace._mlp_forward, inplace._glm_mlp_forward, inplace._rms_norm_forward, inplace._rms_norm_kernel)
 
 
 def is_norm(module: torch.nn.Module) -> bool:
@@ -76,6 +76,39 @@ def test_batch_invariant_engine_computes_every_mlp_activation_by_the_kernel(fami
     finally:
         engine.close()
     assert not any(ours(m) for m in model.modules())
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_batch_invariant_engine_computes_every_norm_by_the_kernel(family: str, tokenizer) -> None:
+    """Qwen3's head-sized q/k norms included; equal to the module's own forward up to the order of
+    the squares' sum, and a row's result the same alone as among others."""
+    model = tiny_model(family, tokenizer)
+    engine = Engine(model, tokenizer, batch_invariant=True)
+    try:
+        norms = [m for m in model.modules() if is_norm(m)]
+        assert norms and all(m.__dict__["forward"].func is inplace._rms_norm_kernel for m in norms)
+        torch.manual_seed(0)
+        with torch.inference_mode():
+            for norm in norms:
+                norm.weight.normal_(1.0, 0.5)
+                x = torch.randn(1, 7, norm.weight.shape[0]) * 4
+                got = norm(x)
+                torch.testing.assert_close(got, type(norm).forward(norm, x), atol=1e-5, rtol=1e-5)
+                assert torch.equal(got[:, 3:4], norm(x[:, 3:4]))
+    finally:
+        engine.close()
+    assert not any(ours(m) for m in model.modules())
+
+
+def test_kernel_norm_falls_back_where_the_kernel_does_not_apply(tokenizer) -> None:
+    """An input of another dtype than the weight goes through the in-place torch form, bitwise."""
+    from kev_engine.platforms.cpu.kernels import load_kernels
+
+    norm = LlamaRMSNorm(40, eps=1e-5).to(torch.bfloat16)
+    x = torch.randn(3, 40)  # float32 into a bfloat16 norm
+    with torch.inference_mode():
+        got = inplace._rms_norm_kernel(norm, load_kernels().rms_norm, x)
+        assert torch.equal(got, norm(x))
 
 
 @pytest.mark.parametrize("act", ["silu", "gelu"])

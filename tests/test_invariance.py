@@ -303,31 +303,42 @@ def test_an_activation_without_a_kernel_is_said(tokenizer, caplog) -> None:
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 def test_norms_silu_and_rotary_are_per_row(dtype: torch.dtype, tokenizer) -> None:
     """The per-row pieces, alone against inside packs of many sizes (past torch's parallel grain,
-    odd and even), bitwise: RMSNorm (torch's, through Kev's in-place form), Kev's silu_mul, and
-    the rotary table against the module's own forward for the same positions."""
+    odd and even), bitwise: RMSNorm (torch's, through Kev's in-place form, and Kev's rms_norm
+    kernel), Kev's silu_mul, and the rotary table against the module's own forward for the same
+    positions."""
     from kev_engine.platforms import inplace, rotary_table
     from kev_engine.platforms.cpu.kernels import load_kernels
 
     model = tiny_model("llama", tokenizer, hidden_size=576, intermediate_size=1536, num_attention_heads=9,
                        num_key_value_heads=3).to(dtype)
-    norm, silu_mul = model.model.norm, load_kernels().silu_mul
+    kernels = load_kernels()
+    norm, silu_mul = model.model.norm, kernels.silu_mul
+    with torch.no_grad():
+        norm.weight.normal_(1.0, 0.5, generator=torch.Generator().manual_seed(3))  # not all ones: the product counts
+    kernel_norm = functools.partial(inplace._rms_norm_kernel, norm, kernels.rms_norm)
     torch.manual_seed(0)
-    rows = torch.randn(4097, 576).to(dtype)
+    rows = (torch.randn(4097, 576) * 3).to(dtype)
     gate, up = torch.randn(4097, 1536).to(dtype), torch.randn(4097, 1536).to(dtype)
     with torch.inference_mode():
         alone_norm = torch.cat([inplace._rms_norm_forward(norm, rows[i : i + 1]) for i in (0, 1, 4096)])
+        alone_kernel_norm = torch.cat([kernel_norm(rows[i : i + 1]) for i in (0, 1, 4096)])
         alone_act = torch.empty(3, 1536, dtype=dtype)
         for j, i in enumerate((0, 1, 4096)):
             silu_mul(gate[i : i + 1], up[i : i + 1], alone_act[j : j + 1])
         for count in (2, 3, 511, 4097):
             packed = inplace._rms_norm_forward(norm, rows[:count])
+            packed_kernel_norm = kernel_norm(rows[:count])
             act = torch.empty(count, 1536, dtype=dtype)
             silu_mul(gate[:count], up[:count], act)
             picks = [0, 1] + ([4096] if count == 4097 else [])
             assert torch.equal(packed[picks], alone_norm[: len(picks)]), count
+            assert torch.equal(packed_kernel_norm[picks], alone_kernel_norm[: len(picks)]), count
             assert torch.equal(act[picks], alone_act[: len(picks)]), count
         expected = (torch.nn.functional.silu(gate.float()) * up.float())[[0, 1, 4096]]
         torch.testing.assert_close(alone_act.float(), expected, rtol=1e-2 if dtype == torch.bfloat16 else 1e-6,
+                                   atol=1e-5)
+        # the kernel's norm is torch's formula up to the order of the squares' sum (and bf16's rounding)
+        torch.testing.assert_close(alone_kernel_norm, alone_norm, rtol=1.6e-2 if dtype == torch.bfloat16 else 1e-5,
                                    atol=1e-5)
         rotary = model.model.rotary_emb
         positions = torch.tensor([[0, 5, 1023, 1024, 3000]])

@@ -5,7 +5,8 @@ model by its platform (`Platform.install`), beside `cpu.rows_linear` or `cpu.exa
 when it closes.
 On the batch-invariant path the MLP's `silu(gate) * up` is Kev's `silu_mul` kernel (one vector
 formula for every element, see csrc/elementwise.cpp) instead of torch's silu and product, and
-GLM's fused gate_up MLP gets the same.
+GLM's fused gate_up MLP gets the same; RMSNorm is Kev's `rms_norm` kernel, one call instead of
+six elementwise operations (what a decode step of few rows spends its time on).
 
 Why: a prefill pass of thousands of tokens makes intermediates of tens of MB (RAG-16's 4,968
 prompt tokens: [4968, 1536] float32 is 30 MB). An out-of-place op writes a fresh tensor, memory
@@ -15,7 +16,8 @@ just computed, still in cache, which made RAG-16's prefill measurably faster (do
 
 Without the kernel, the results are bitwise what the module's own forward gives: the same
 kernels on the same values in the same order (silu in place or not; `a * b` and `b * a` are the
-same IEEE product). With it, silu and the product are computed in fp32 and rounded once.
+same IEEE product). With the kernels, silu and the product are computed in fp32 and rounded once,
+and a norm's squares are summed in the kernel's own fixed order (so within rounding of torch's).
 
 Which modules: instances of the classes listed below (exactly those classes, never a subclass),
 whose forward is `down_proj(act_fn(gate_proj(x)) * up_proj(x))`, GLM's fused
@@ -42,6 +44,7 @@ from transformers.activations import SiLUActivation
 
 _SILU = (SiLUActivation, nn.SiLU)  # plain silu: `F.silu(x, inplace=True)` is the same values
 SiluMul = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]  # (gate, up, out) rows
+RmsNorm = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]  # (rows, weight, eps) -> rows
 log = logging.getLogger(__name__)
 
 # transformers.models.<package>.modeling_<package>.<class>; a package this transformers lacks is skipped
@@ -96,9 +99,10 @@ def computes_listed_formula(module: Any, kind: str) -> bool:
             return False
 
 
-def install(model: nn.Module, silu_mul: SiluMul | None = None) -> list[str]:
+def install(model: nn.Module, silu_mul: SiluMul | None = None, rms_norm: RmsNorm | None = None) -> list[str]:
     """Give the model's listed MLP and RMSNorm modules their in-place forwards (and, with the
-    kernel `silu_mul`, the fused MLPs). Returns the MLP modules whose activation stays torch's."""
+    kernel `silu_mul`, the fused MLPs; with `rms_norm`, the norms by that kernel). Returns the MLP
+    modules whose activation stays torch's."""
     torch_activations = []
     checked: dict[type, bool] = {}
     for name, module in model.named_modules():
@@ -118,7 +122,10 @@ def install(model: nn.Module, silu_mul: SiluMul | None = None) -> list[str]:
         elif kind == "fused" and kernel is not None:
             module.forward = functools.partial(_glm_mlp_forward, module, kernel)  # type: ignore[method-assign]
         elif kind == "norm":
-            module.forward = functools.partial(_rms_norm_forward, module)  # type: ignore[method-assign]
+            if rms_norm is not None:
+                module.forward = functools.partial(_rms_norm_kernel, module, rms_norm)  # type: ignore[method-assign]
+            else:
+                module.forward = functools.partial(_rms_norm_forward, module)  # type: ignore[method-assign]
             continue
         if "mlp" in type(module).__name__.lower() and (kernel is None or "forward" not in module.__dict__):
             torch_activations.append(name or type(module).__name__)
@@ -127,7 +134,7 @@ def install(model: nn.Module, silu_mul: SiluMul | None = None) -> list[str]:
 
 def uninstall(model: nn.Module) -> None:
     """Give every module back its class's `forward`."""
-    ours = (_mlp_forward, _glm_mlp_forward, _rms_norm_forward)
+    ours = (_mlp_forward, _glm_mlp_forward, _rms_norm_forward, _rms_norm_kernel)
     for module in model.modules():
         forward = module.__dict__.get("forward")
         if isinstance(forward, functools.partial) and forward.func in ours:
@@ -179,3 +186,15 @@ def _rms_norm_forward(module: Any, hidden: torch.Tensor) -> torch.Tensor:
     variance = squares.mean(-1, keepdim=True)
     out = torch.mul(hidden, variance.add_(module.variance_epsilon).rsqrt_(), out=squares)
     return out.mul_(module.weight)
+
+
+def _rms_norm_kernel(module: Any, rms_norm: RmsNorm, hidden: torch.Tensor) -> torch.Tensor:
+    """LlamaRMSNorm by Kev's kernel (one call; its own summation order, the same for every row),
+    where the input has the weight's dtype; otherwise as `_rms_norm_forward`."""
+    weight = module.weight
+    if hidden.dtype != weight.dtype or hidden.device.type != "cpu" or hidden.shape[-1] != weight.shape[0]:
+        return _rms_norm_forward(module, hidden)
+    rows = hidden.reshape(-1, hidden.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    return rms_norm(rows, weight, float(module.variance_epsilon)).view(hidden.shape)

@@ -12,8 +12,9 @@ kernels (`cpu.kernels`), the engine runs that path (`cpu.platform`):
   was shared in this pass, cached from an earlier call or computed alone, and whatever the
   chunking of its prompt (`max_batch_tokens`) or a preemption's recompute;
 - elementwise work that torch would finish in a scalar loop at a size-dependent place: rotary
-  cos/sin from a table (`cpu.rotary_table`), the MLP's silu(gate) * up by a kernel (`inplace`);
-- norms, residuals, sampling: per row already (tested, not assumed: tests/test_invariance.py).
+  cos/sin from a table (`cpu.rotary_table`), the MLP's silu(gate) * up and RMSNorm by kernels
+  (`inplace`; the norm's squares summed in one order fixed by the width);
+- residuals, sampling: per row already (tested, not assumed: tests/test_invariance.py).
 
 On CUDA (`cuda.invariant`, checked on a GPU by `make gpu-check`): Linear products and RMSNorms by
 fixed-order Triton kernels, attention by torch's varlen_attn with `num_splits=1`.

@@ -2,10 +2,12 @@
 
 Batch-invariant (the default where the kernels load, in float32 and bfloat16): every `nn.Linear`,
 the output head and LoRA deltas by the packed product (`exact_linear`, one summation order fixed by
-K alone), rotary cos/sin from a table (`rotary_table`), the MLP's `silu(gate) * up` by a kernel
-(`inplace`), and every attention row by the exact kernel (`exact.ExactBackend`). Otherwise: the
+K alone), rotary cos/sin from a table (`rotary_table`), the MLP's `silu(gate) * up` and RMSNorm
+by kernels (`inplace`), and every attention row by the exact kernel (`exact.ExactBackend`). Otherwise: the
 few-row product for decode (`rows_linear`), elementwise work in place, and the compiled decode
 kernel (`compiled.CompiledBackend`), or torch's ops where the kernels are off or failed to build.
+On both, wherever the kernels load, the rotary embedding is applied in one call per tensor
+(`attention_forward`: transformers' formula, the same bits).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from ...adapters.lora import LoraWeights
 from .. import inplace
 from ..base import AttentionBackend, Platform
 from ..torch_ops import TorchBackend
-from . import exact_linear, rotary_table, rows_linear
+from . import attention_forward, exact_linear, rotary_table, rows_linear
 from .compiled import CompiledBackend
 from .exact import ExactBackend
 from .kernels import Kernels
@@ -45,8 +47,11 @@ class CpuPlatform(Platform):
             assert self.kernels is not None
             exact_linear.install(model, self.kernels)  # every Linear: one summation order at any row count
             left = rotary_table.install(model)
-            return left + inplace.install(model, self.kernels.silu_mul)
+            attention_forward.install(model, self.kernels.rotary)  # the same bits as transformers' rotary
+            return left + inplace.install(model, self.kernels.silu_mul, self.kernels.rms_norm)
         rows_linear.install(model, self.kernels.rows_linear if self.kernels is not None else None)  # few-row products
+        if self.kernels is not None:
+            attention_forward.install(model, self.kernels.rotary)
         inplace.install(model)  # Llama-style MLPs and RMSNorms: elementwise work in place
         return []
 

@@ -13,6 +13,8 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& keys, cons
 void paged_write_transposed(at::Tensor& keys, at::Tensor& values, const at::Tensor& key, const at::Tensor& value,
                             const at::Tensor& block_ids, const at::Tensor& offsets);
 void silu_mul(const at::Tensor& gate, const at::Tensor& up, at::Tensor& out);
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 at::Tensor rows_linear(const at::Tensor& input, const at::Tensor& weight);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -24,5 +26,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "Every row of a pass over its paged KV (see attention.cpp)");
   m.def("paged_write_transposed", &paged_write_transposed, "Store new keys/values in an exact pool");
   m.def("silu_mul", &silu_mul, "out = silu(gate) * up (see elementwise.cpp)");
+  m.def("rms_norm", &rms_norm, "RMSNorm of each row, batch-invariant (see elementwise.cpp)");
+  m.def("rotary", &rotary, "Rotary embeddings, transformers' formula in one call (see elementwise.cpp)");
   m.def("rows_linear", &rows_linear, "input @ weight.T for few rows, float32 (see rows_linear.cpp)");
 }

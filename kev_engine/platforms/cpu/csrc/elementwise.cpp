@@ -1,4 +1,5 @@
-// The MLP's activation and gate product, silu(gate) * up, for Kev's exact path.
+// The MLP's activation and gate product, silu(gate) * up, RMSNorm, and rotary embeddings, for
+// Kev's CPU kernels.
 //
 // Why a kernel: torch's elementwise loops run vectorized over the flattened tensor and finish
 // each thread's share with a scalar loop, and its vector and scalar exp() may differ in the last
@@ -7,8 +8,21 @@
 // is computed by the same vector code (a row's last partial vector too, zero-padded), in fp32:
 // silu(g) = g * sigmoid(g), sigmoid from e^-|g| (so exp never overflows), times up, rounded once
 // to the output dtype. Rows may be strided (GLM's fused gate_up output holds both halves).
+//
+// RMSNorm, out = weight * (x * rsqrt(mean(x^2) + eps)), Llama's formula with its roundings: the
+// squares summed in fp32 by one vector accumulator over the row (fused multiply-adds, the last
+// partial vector zero-padded) and one fixed halving tree, so a row's sum depends on its width
+// alone; then x * r rounded to the dtype, times the weight, rounded again. One call per norm
+// instead of torch's six elementwise operations, which a decode step with few rows pays for
+// sixty times over in dispatch alone.
+//
+// Rotary, x * cos + rotate_half(x) * sin with rotate_half(x) = (-x2, x1): exactly transformers'
+// formula with its roundings (each product rounded to the dtype, then their sum), so it gives
+// the bits torch's six operations give, in one call for a layer's queries and keys.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+
+#include <cmath>
 
 #include "simd.h"
 
@@ -59,7 +73,116 @@ void run(const at::Tensor& gate, const at::Tensor& up, at::Tensor& out) {
   });
 }
 
+template <typename T>
+void rms_rows(const at::Tensor& x, const at::Tensor& weight, double eps, at::Tensor& out) {
+  const int64_t rows = x.size(0), width = x.size(1);
+  const T* xs = x.data_ptr<T>();
+  const T* w = weight.data_ptr<T>();
+  T* o = out.data_ptr<T>();
+  const int64_t xstride = x.stride(0);
+  const float epsilon = static_cast<float>(eps);
+  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(width, 1)), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* row = xs + r * xstride;
+      vf acc{};
+      for (int64_t c = 0; c < width; c += kLanes) {
+        const vf v = load_part(row + c, std::min<int64_t>(kLanes, width - c));
+        acc = vfma(v, v, acc);
+      }
+      const float scale = 1.0f / std::sqrt(hsum(acc) / static_cast<float>(width) + epsilon);
+      for (int64_t c = 0; c < width; c += kLanes) {
+        const int64_t count = std::min<int64_t>(kLanes, width - c);
+        vf normed = load_part(row + c, count) * vset(scale);
+        if constexpr (!std::is_same_v<T, float>) {  // rounded to the dtype before the weight, as Llama does
+          T buffer[kLanes];
+          store_part(buffer, normed, kLanes);
+          normed = load_as_float(buffer);
+        }
+        store_part(o + r * width + c, load_part(w + c, count) * normed, count);
+      }
+    }
+  });
+}
+
+template <typename T>
+inline vf rounded(vf v) {  // v rounded to T and back (a no-op for float32)
+  if constexpr (std::is_same_v<T, float>) {
+    return v;
+  } else {
+    T buffer[kLanes];
+    store_part(buffer, v, kLanes);
+    return load_as_float(buffer);
+  }
+}
+
+template <typename T>
+void rotate_rows(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& out) {
+  const int64_t rows = x.size(0), heads = x.size(1), dim = x.size(2), half = dim / 2;
+  const T* xs = x.data_ptr<T>();
+  const T* cs = cos.data_ptr<T>();
+  const T* ss = sin.data_ptr<T>();
+  T* o = out.data_ptr<T>();
+  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(heads * dim, 1)), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* c = cs + r * dim;
+      const T* s = ss + r * dim;
+      for (int64_t h = 0; h < heads; ++h) {
+        const T* in = xs + (r * heads + h) * dim;
+        T* res = o + (r * heads + h) * dim;
+        for (int64_t i = 0; i < half; i += kLanes) {
+          const int64_t count = std::min<int64_t>(kLanes, half - i);
+          const vf x1 = load_part(in + i, count), x2 = load_part(in + half + i, count);
+          const vf first = rounded<T>(x1 * load_part(c + i, count)) + rounded<T>(-x2 * load_part(s + i, count));
+          const vf second = rounded<T>(x2 * load_part(c + half + i, count)) +
+                            rounded<T>(x1 * load_part(s + half + i, count));
+          store_part(res + i, first, count);
+          store_part(res + half + i, second, count);
+        }
+      }
+    }
+  });
+}
+
 }  // namespace
+
+// x [rows, heads, dim] rotated by cos, sin [rows, dim] (every head of a row by its row's), all
+// contiguous, one dtype (float32 or bfloat16), dim even; a new tensor.
+at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(x.device().is_cpu() && cos.device().is_cpu() && sin.device().is_cpu(), "rotary runs on CPU tensors");
+  TORCH_CHECK(x.dim() == 3 && x.is_contiguous() && x.size(2) % 2 == 0,
+              "rotary: x must be contiguous [rows, heads, dim] with dim even, got ", x.sizes());
+  TORCH_CHECK(cos.dim() == 2 && cos.size(0) == x.size(0) && cos.size(1) == x.size(2) && cos.is_contiguous() &&
+                  sin.sizes() == cos.sizes() && sin.is_contiguous(),
+              "rotary: cos and sin must be contiguous [", x.size(0), ", ", x.size(2), "], got ", cos.sizes(), " and ",
+              sin.sizes());
+  TORCH_CHECK(cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(),
+              "rotary: one dtype for x, cos and sin");
+  auto out = at::empty_like(x);
+  switch (x.scalar_type()) {
+    case at::kFloat: rotate_rows<float>(x, cos, sin, out); break;
+    case at::kBFloat16: rotate_rows<at::BFloat16>(x, cos, sin, out); break;
+    default: TORCH_CHECK(false, "rotary supports float32 and bfloat16, not ", x.scalar_type());
+  }
+  return out;
+}
+
+// out [rows, width] = RMSNorm of x [rows, width] (inner dimension contiguous, any row stride)
+// with weight [width] of x's dtype, float32 or bfloat16; out is contiguous and may not be x.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "rms_norm runs on CPU tensors");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "rms_norm: x must be [rows, width] with contiguous rows");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous(),
+              "rms_norm: weight [", x.size(1), "] expected, got ", weight.sizes());
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "rms_norm: one dtype for x and weight, got ",
+              x.scalar_type(), " and ", weight.scalar_type());
+  auto out = at::empty({x.size(0), x.size(1)}, x.options());
+  switch (x.scalar_type()) {
+    case at::kFloat: rms_rows<float>(x, weight, eps, out); break;
+    case at::kBFloat16: rms_rows<at::BFloat16>(x, weight, eps, out); break;
+    default: TORCH_CHECK(false, "rms_norm supports float32 and bfloat16, not ", x.scalar_type());
+  }
+  return out;
+}
 
 // out = silu(gate) * up for gate/up/out [rows, width] (inner dimension contiguous, any row
 // stride; out may be gate itself), float32 or bfloat16.

@@ -1,0 +1,131 @@
+"""Llama-style attention modules with their rotary embedding in one kernel call.
+
+Where this sits: installed on the model's attention modules by the CPU platform where Kev's kernels
+load (`cpu.platform`), removed when the engine closes (`platforms.uninstall`).
+
+Why: transformers' `apply_rotary_pos_emb` is six elementwise operations per tensor (two slices, a
+negation, a concatenation, two products and a sum); a decode step of few rows spends more time
+dispatching them, for every layer, than computing them. Kev's `rotary` kernel computes the same
+formula with the same roundings in one call for the queries and one for the keys, so the module
+gives bitwise what its own forward gives.
+
+Which modules: instances of the classes listed below (exactly those classes), each class checked
+once per install against its own forward on one of the model's modules and a probe input: bitwise
+equal, or it keeps its forward (logged). An instance whose `forward` someone else replaced is left
+alone; so is a call with a transformers cache, or whose cos/sin are not in the input's dtype.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from ...model.pack import Segment, pack
+
+Rotary = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # (x [T, H, D], cos, sin [T, D])
+log = logging.getLogger("kev")
+
+# transformers.models.<package>.modeling_<package>.<class>: where its `sliding_window` argument comes from
+CLASSES = {"llama.LlamaAttention": None, "mistral.MistralAttention": "config", "qwen2.Qwen2Attention": "module",
+           "qwen3.Qwen3Attention": "module"}
+
+
+@functools.cache
+def _listed() -> dict[type, tuple[str | None, Callable[..., Any]]]:
+    """Each listed class this transformers has: where its sliding window comes from, and the eager
+    attention its forward falls back to (its modeling file's)."""
+    found: dict[type, tuple[str | None, Callable[..., Any]]] = {}
+    for name, window in CLASSES.items():
+        package, cls = name.split(".")
+        try:
+            module = importlib.import_module(f"transformers.models.{package}.modeling_{package}")
+        except ImportError:
+            continue
+        eager = getattr(module, "eager_attention_forward", None)
+        if isinstance(found_cls := getattr(module, cls, None), type) and callable(eager):
+            found[found_cls] = (window, eager)
+    return found
+
+
+def install(model: nn.Module, rotary: Rotary) -> None:
+    """Give the listed attention modules the forward whose rotary is `rotary` (the kernel)."""
+    checked: dict[type, bool] = {}
+    for module in model.modules():
+        cls = type(module)
+        if cls not in _listed() or "forward" in module.__dict__:
+            continue
+        forward = functools.partial(_forward, module, rotary, *_listed()[cls])
+        if cls not in checked:
+            checked[cls] = _same_as_own(module, forward)
+            if not checked[cls]:
+                log.warning("%s.forward no longer computes what Kev's rotary kernel does: it keeps its own",
+                            cls.__qualname__)
+        if checked[cls]:
+            module.forward = forward  # type: ignore[method-assign]
+
+
+def uninstall(model: nn.Module) -> None:
+    for module in model.modules():
+        forward = module.__dict__.get("forward")
+        if isinstance(forward, functools.partial) and forward.func is _forward:
+            del module.forward
+
+
+def _same_as_own(module: Any, forward: Callable[..., Any]) -> bool:
+    """Kev's forward against the class's own on a probe pack of 3 tokens: bitwise equal outputs."""
+    weight, config = module.q_proj.weight, module.config
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(1, 3, config.hidden_size, generator=generator).to(weight.device, weight.dtype)
+    dim = int(module.head_dim)
+    cos, sin = (torch.randn(1, 3, dim, generator=generator).to(weight.device, weight.dtype) for _ in range(2))
+    probe = pack([Segment(request_id=0, token_ids=[0, 0, 0], past_len=0, needs_logits=False)], weight.device)
+    kwargs = {"position_embeddings": (cos, sin), "attention_mask": None, "kev_pack": probe}
+    with torch.inference_mode():
+        try:
+            return torch.equal(forward(hidden, **kwargs)[0], type(module).forward(module, hidden, **kwargs)[0])
+        except Exception:  # noqa: BLE001 - a forward that no longer fits the formula's arguments
+            return False
+
+
+def _forward(module: Any, rotary: Rotary, window: str | None, eager: Callable[..., Any],
+             hidden_states: torch.Tensor,
+             position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+             attention_mask: torch.Tensor | None = None, cache: Any = None, **kwargs: Any) -> tuple[torch.Tensor, Any]:
+    """The listed classes' forward, the rotary by the kernel: [B, T, hidden] → ([B, T, hidden], weights)."""
+    dtype = hidden_states.dtype
+    if (cache is not None or kwargs.get("past_key_values") is not None or position_embeddings is None
+            or position_embeddings[0].dtype != dtype or position_embeddings[1].dtype != dtype):
+        return type(module).forward(module, hidden_states, position_embeddings=position_embeddings,
+                                    attention_mask=attention_mask, cache=cache, **kwargs)
+    input_shape = hidden_states.shape[:-1]
+    hidden_shape = (*input_shape, -1, module.head_dim)
+    query = module.q_proj(hidden_states).view(hidden_shape)
+    key = module.k_proj(hidden_states).view(hidden_shape)
+    if hasattr(module, "q_norm"):  # Qwen3: per-head norms before the rotary
+        query, key = module.q_norm(query), module.k_norm(key)
+    value = module.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+    cos, sin = (t.reshape(-1, t.shape[-1]) for t in position_embeddings)  # [B * T, D]
+    query = _rotate(rotary, query, cos, sin).transpose(1, 2)
+    key = _rotate(rotary, key, cos, sin).transpose(1, 2)
+    if window is not None:
+        kwargs["sliding_window"] = module.sliding_window if window == "module" else getattr(
+            module.config, "sliding_window", None)
+    interface = ALL_ATTENTION_FUNCTIONS.get_interface(module.config._attn_implementation, eager)
+    out, weights = interface(module, query, key, value, attention_mask,
+                             dropout=0.0 if not module.training else module.attention_dropout,
+                             scaling=module.scaling, **kwargs)
+    out = out.reshape(*input_shape, -1).contiguous()
+    return module.o_proj(out), weights
+
+
+def _rotate(rotary: Rotary, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, T, H, D] rotated by its rows' cos/sin [B * T, D] (the kernel takes contiguous rows)."""
+    rows = x.reshape(-1, x.shape[-2], x.shape[-1])
+    return rotary(rows.contiguous(), cos.contiguous(), sin.contiguous()).view(x.shape)
