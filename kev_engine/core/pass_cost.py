@@ -164,9 +164,11 @@ def _fit(points: deque[tuple[float, float, float]]) -> tuple[float, float, float
     ]
     best: tuple[float, tuple[float, float, float]] | None = None
     for columns, unpack in candidates:
-        if len(points) < columns.shape[1] or np.linalg.matrix_rank(columns) < columns.shape[1]:
+        if len(points) < columns.shape[1]:
             continue
-        solution, *_ = np.linalg.lstsq(columns, seconds, rcond=None)
+        solution, _, rank, _ = np.linalg.lstsq(columns, seconds, rcond=None)  # rank: matrix_rank's tolerance
+        if rank < columns.shape[1]:
+            continue
         fixed, dense_rate, attention_rate = unpack(solution)
         if fixed < 0 or dense_rate <= 0 or attention_rate <= 0:
             continue
