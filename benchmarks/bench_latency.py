@@ -202,12 +202,13 @@ def batch_times(repeat: int) -> list[dict[str, Any]]:
     engines = {"budget": Engine.from_pretrained(), "unbound": Engine.from_pretrained(pass_time_ms=math.inf)}
     try:
         for name, (prompts, new) in workloads.items():
-            params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
             row: dict[str, Any] = {"workload": name}
             for label, engine in engines.items():
                 engine.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4))  # warm, and a timed pass
                 walls = []
-                for _ in range(repeat):
+                for run in range(repeat):  # a salt per run: no run finds an earlier one's prompts cached
+                    params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True,
+                                            cache_salt=f"{name}-{label}-{run}")
                     before = engine.stats()["prefill_passes"]
                     started = time.perf_counter()
                     engine.generate(prompts, params, adapters=None)

@@ -222,6 +222,69 @@ def test_a_long_prompt_finishes_under_a_stream_of_short_ones() -> None:
     assert passes <= 1000 // int(LONG_SHARE * 100) + 2
 
 
+def shared_request(i: int, prefix: list[int], own: int, group: int = 5) -> Request:
+    """Request i: `prefix`, then `own` tokens no other request has."""
+    prompt = prefix + [100_000 * (i + 1) + t for t in range(own)]
+    return Request(request_id=i, prompt_ids=prompt, sampling=SamplingParams(temperature=0, max_tokens=2),
+                   settings_version=0, max_total=len(prompt) + 2, group=group)
+
+
+def prefill_tokens(s: Scheduler, requests: list[Request]) -> int:
+    """Run passes until every request has its first token: the prompt tokens computed (each
+    request's prompt less what it found cached; the pool never preempts here)."""
+    while any(not r.output_ids for r in requests):
+        run(s)
+    return sum(len(r.prompt_ids) - r.cached_tokens for r in requests)
+
+
+@pytest.mark.parametrize("waits", [True, False], ids=["waits", "control-computes-twice"])
+def test_questions_on_one_document_wait_for_it_instead_of_computing_it_twice(waits: bool,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Twenty questions on one 320-token document, passes of 100 tokens: the first question computes
+    the document in chunks, the others wait for it and start after it, cached. The control turns
+    the waiting off: then the questions admitted beside the first compute the document again."""
+    if not waits:
+        monkeypatch.setattr(Scheduler, "_waits_for_prefix", lambda self, request, plan, cached: False)
+    s = scheduler(budget_ms=100)
+    document = [7 + t for t in range(320)]  # 20 full blocks of 16
+    questions = [shared_request(i, document, own=10) for i in range(20)]
+    s.add(questions)
+    computed = prefill_tokens(s, questions)
+    once = 330 + 19 * 10  # the document once, each question's own tokens once
+    if waits:
+        assert computed == once
+        assert [q.cached_tokens for q in questions[1:]] == [320] * 19
+    else:
+        assert computed > once
+
+
+def test_sharing_only_a_system_prompt_with_a_long_prompt_under_way_does_not_wait() -> None:
+    """The shared blocks are computed in the long prompt's first pass: a short question after them
+    is admitted in the very next pass, as any other (fair admission holds)."""
+    s = scheduler(budget_ms=100)
+    system = [3 + t for t in range(32)]  # two full blocks
+    long_one = shared_request(0, system, own=5000, group=1)
+    s.add([long_one])
+    run(s)
+    short = shared_request(1, system, own=12, group=2)
+    s.add([short])
+    second = run(s)
+    assert second[short] == 12 and short.cached_tokens == 32 and short.output_ids == [7]
+
+
+def test_shared_blocks_counts_equal_leading_blocks_up_to_a_limit() -> None:
+    from kev_engine.core.schedule import shared_blocks
+
+    a = list(range(100))
+    assert shared_blocks(a, list(a), 16, 99) == 6  # six full blocks, the partial seventh not counted
+    assert shared_blocks(a, list(a), 16, 4) == 4
+    for mismatch in (0, 15, 16, 50, 95):
+        b = list(a)
+        b[mismatch] = -1
+        assert shared_blocks(a, b, 16, 99) == min(mismatch // 16, 6), mismatch
+    assert shared_blocks(a, a[:40], 16, 99) == 2
+
+
 def test_before_any_pass_is_timed_a_pass_is_short_and_an_infinite_budget_leaves_the_token_cap() -> None:
     fresh = Scheduler(max_batch_tokens=8192, max_num_seqs=8, blocks=BlockManager(1024, 16),
                       cost=CostModel(MS_PER_TOKEN), pass_time_s=0.1)  # nothing timed yet

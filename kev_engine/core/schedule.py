@@ -14,7 +14,9 @@ arriving meanwhile still starts within about three targets. What goes in, in thi
 3. waiting questions join in arrival-group order (shortest bucket first inside a group) while
    time, tokens, sequence slots and KV blocks last: a short question queued behind a long prompt
    is admitted in the very next pass, a group that fits is one pass, and a larger one runs in
-   consecutive passes, started in its order.
+   consecutive passes, started in its order. A question whose prompt begins with full blocks that
+   a prompt under way computes in a later pass (twenty questions on one document) waits for them
+   instead of computing them a second time beside it; it then starts after them, cached.
 Each chunk gets the KV blocks it needs; when the pool is full, the most recently admitted
 question not already in this pass is preempted (its blocks freed, its tokens recomputed later —
 cheaply, since its computed full blocks stay in the prefix cache). A new question starts after
@@ -40,6 +42,22 @@ MIN_CHUNK = 16  # tokens a prompt gets in a pass that has room for nothing else:
 ALONE_FACTOR = 2.0  # a pass holding one batch alone: fewer passes (each streams the weights), a newcomer
 # still starts within about three targets
 FIRST_PASS_TOKENS = 256  # a time-bounded engine's passes before one was timed: short, so it learns at once
+
+
+def shared_blocks(a: Sequence[int], b: Sequence[int], size: int, limit: int) -> int:
+    """How many leading full blocks of `size` tokens `a` and `b` have equal, at most `limit`: list
+    comparisons (in C) over a binary search, not a Python loop over tokens."""
+    high = min(limit, len(a) // size, len(b) // size)
+    if a[: high * size] == b[: high * size]:
+        return high
+    low = 0  # low blocks equal, high not
+    while low < high - 1:
+        middle = (low + high) // 2
+        if a[: middle * size] == b[: middle * size]:
+            low = middle
+        else:
+            high = middle
+    return low
 
 
 def bucket_of(num_tokens: int) -> int:
@@ -120,7 +138,7 @@ class Scheduler:
             *shorter, longest = continuing
             kept = plan.flops_left  # for the longest: what the others (and the queue) leave, at least LONG_SHARE
             if math.isfinite(plan.flops_left):
-                others = self._waiting_flops(len(self.running)) + sum(self._need(r) for r in shorter)
+                others = self._waiting_flops(len(self.running), plan) + sum(self._need(r) for r in shorter)
                 kept = max(plan.flops_left * LONG_SHARE, plan.flops_left - others)
             for request in shorter:
                 if request.status is Status.RUNNING and plan.tokens_left > 0:
@@ -142,6 +160,10 @@ class Scheduler:
             cached = self.blocks.allocate(request.blocks, request.all_ids, request.prefix_key, self.watermark)
             if cached is None:
                 break  # the pool is full: later requests wait too (first come, first served)
+            if self._waits_for_prefix(request, plan, cached):
+                self.blocks.free(request.blocks)
+                index += 1
+                continue
             request.num_computed = cached
             take = max(plan.fit(request, plan.flops_left), plan.least(request, waiting=True))
             if take <= 0:  # out of time for this pass: it is first in the next
@@ -184,9 +206,30 @@ class Scheduler:
         left = request.num_tokens - request.num_computed
         return self.cost.units(left, 1, pairs(request.num_computed, left))
 
-    def _waiting_flops(self, running: int) -> float:
-        """The work of admitting the waiting prompts that have sequence slots, whole."""
-        return sum(self._need(r) for r in self.waiting[: max(0, self.max_num_seqs - running)])
+    def _waiting_flops(self, running: int, plan: _Pass) -> float:
+        """The work of admitting the waiting prompts that have sequence slots and will not wait for
+        a prompt under way (`_waits_for_prefix`), whole."""
+        return sum(self._need(r) for r in self.waiting[: max(0, self.max_num_seqs - running)]
+                   if not self._waits_for_prefix(r, plan, 0))
+
+    def _waits_for_prefix(self, request: Request, plan: _Pass, cached: int) -> bool:
+        """Whether a prompt under way shares full blocks with the start of `request`'s prompt beyond
+        both `cached` and what it will have computed by the end of this pass: admitted now, the
+        request would compute those blocks a second time beside it; next pass they may be cached."""
+        if not request.blocks.cacheable:
+            return False
+        under_way = [other for other in self.running if other is not request and other.in_prefill
+                     and other.blocks.cacheable and other.prefix_key == request.prefix_key]
+        if not under_way:
+            return False
+        size = self.blocks.block_size
+        limit = (len(request.prompt_ids) - 1) // size  # a prompt's last token is never matched
+        planned = {id(c.request): c.request.num_computed + c.num_tokens for c in plan.chunks}
+        for other in under_way:
+            done = max(cached, planned.get(id(other), other.num_computed)) // size
+            if done < limit and shared_blocks(request.prompt_ids, other.prompt_ids, size, limit) > done:
+                return True
+        return False
 
     def _plan(self, request: Request, take: int) -> Chunk:
         # later chunks of this same pass may start after the full blocks this one writes
