@@ -100,7 +100,8 @@ def test_a_listed_class_whose_forward_changed_keeps_its_own(monkeypatch: pytest.
 
 
 def test_calls_it_cannot_take_go_to_the_class_forward(monkeypatch: pytest.MonkeyPatch, tokenizer) -> None:
-    """cos/sin of another dtype than the input: the module's own forward, untouched."""
+    """cos/sin of another dtype than the input, or not one row per token (broadcast): the module's
+    own forward, untouched."""
     model = tiny_model("llama", tokenizer)
     attention_forward.install(model, load_kernels().rotary)
     module = attentions(model)[0]
@@ -113,6 +114,11 @@ def test_calls_it_cannot_take_go_to_the_class_forward(monkeypatch: pytest.Monkey
     with torch.inference_mode():
         module(hidden, position_embeddings=(cos, sin), attention_mask=None, kev_pack=pack([segment]))
     assert calls == [1]  # transformers' own rotary ran
+    calls.clear()
+    with torch.inference_mode():
+        module(hidden, position_embeddings=(cos.float()[:, :1], sin.float()[:, :1]), attention_mask=None,
+               kev_pack=pack([segment]))
+    assert calls == [1]  # one position's cos/sin broadcast over the tokens: transformers' rotary too
     calls.clear()
     with torch.inference_mode():
         module(hidden, position_embeddings=(cos.float(), sin.float()), attention_mask=None, kev_pack=pack([segment]))

@@ -12,7 +12,8 @@ gives bitwise what its own forward gives.
 Which modules: instances of the classes listed below (exactly those classes), each class checked
 once per install against its own forward on one of the model's modules and a probe input: bitwise
 equal, or it keeps its forward (logged). An instance whose `forward` someone else replaced is left
-alone; so is a call with a transformers cache, or whose cos/sin are not in the input's dtype.
+alone; a call with a transformers cache, or whose cos/sin are not one row per token in the input's
+dtype, runs the class's own forward.
 """
 
 from __future__ import annotations
@@ -99,12 +100,11 @@ def _forward(module: Any, rotary: Rotary, window: str | None, eager: Callable[..
              position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
              attention_mask: torch.Tensor | None = None, cache: Any = None, **kwargs: Any) -> tuple[torch.Tensor, Any]:
     """The listed classes' forward, the rotary by the kernel: [B, T, hidden] → ([B, T, hidden], weights)."""
-    dtype = hidden_states.dtype
+    dtype, input_shape = hidden_states.dtype, hidden_states.shape[:-1]
     if (cache is not None or kwargs.get("past_key_values") is not None or position_embeddings is None
-            or position_embeddings[0].dtype != dtype or position_embeddings[1].dtype != dtype):
+            or any(t.dtype != dtype or t.shape[:-1] != input_shape for t in position_embeddings)):
         return type(module).forward(module, hidden_states, position_embeddings=position_embeddings,
                                     attention_mask=attention_mask, cache=cache, **kwargs)
-    input_shape = hidden_states.shape[:-1]
     hidden_shape = (*input_shape, -1, module.head_dim)
     query = module.q_proj(hidden_states).view(hidden_shape)
     key = module.k_proj(hidden_states).view(hidden_shape)
