@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -41,6 +40,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import random_models  # noqa: E402
+from machine import cpu_line  # noqa: E402
 from workload import load_rag, rag_messages  # noqa: E402
 
 from kev_engine import Engine, SamplingParams  # noqa: E402
@@ -153,7 +153,7 @@ def main() -> None:
                     rows.append((name, dtype_name, count, timed))
     bandwidth, how = read_bandwidth()  # after the engines: 1 GiB touched before them slowed their steps
     print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s ({how})", file=sys.stderr)
-    lines = [f"# bench_decode_roofline ({time.strftime('%Y-%m-%d')}, {_cpu()}, torch {torch.__version__}, "
+    lines = [f"# bench_decode_roofline ({time.strftime('%Y-%m-%d')}, {cpu_line()}, torch {torch.__version__}, "
              f"{'batch_invariant=False' if args.fast else 'batch-invariant'})", "",
              f"Read bandwidth {bandwidth / 1e9:.1f} GB/s (best of {how}, 1 GiB float32). Roofline: the "
              "step's Linear weights (output head included) read once at that bandwidth.", "",
@@ -167,15 +167,6 @@ def main() -> None:
     text = "\n".join(lines) + "\n"
     RESULTS.write_text(text)
     print(text)
-
-
-def _cpu() -> str:
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            name = next(line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name"))
-    except (OSError, StopIteration):
-        name = platform.processor() or platform.machine()
-    return f"{name}, {len(os.sched_getaffinity(0))} cores"
 
 
 if __name__ == "__main__":

@@ -28,8 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import platform
 import statistics
 import sys
 import threading
@@ -44,6 +42,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_prefix import doc_qa_messages  # noqa: E402
 from bench_server import KEY, free_port, server  # noqa: E402
+from machine import cpu_line  # noqa: E402
 from workload import SYSTEM_PROMPT, load_rag, rag_messages  # noqa: E402
 
 from kev_engine import Engine, SamplingParams  # noqa: E402
@@ -279,7 +278,7 @@ def main() -> None:
         else:
             raise SystemExit(f"unknown system {system!r}; use engine, engine-unbound, serve, llama-server")
 
-    lines = [f"# bench_latency ({time.strftime('%Y-%m-%d')}, {_cpu()}, {dtype}, pass_time_ms {pass_ms:g})", "",
+    lines = [f"# bench_latency ({time.strftime('%Y-%m-%d')}, {cpu_line()}, {dtype}, pass_time_ms {pass_ms:g})", "",
              f"{len([p for p in plan if p[1] == 'short'])} short questions ({short_len:.0f} prompt tokens, "
              f"{SHORT_NEW} new) every {args.short_every:g} s for {args.duration:g} s; {args.long} long requests "
              f"({long_len:.0f} prompt tokens, {LONG_NEW} new), all streamed.", "",
@@ -310,15 +309,6 @@ def _histogram_p99(snapshot: dict[str, Any]) -> float:
         if count >= need:
             return math.inf if bound == "+Inf" else float(bound)
     return math.nan
-
-
-def _cpu() -> str:
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            name = next(line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name"))
-    except (OSError, StopIteration):
-        name = platform.processor() or platform.machine()
-    return f"{name}, {len(os.sched_getaffinity(0))} cores"
 
 
 if __name__ == "__main__":

@@ -56,17 +56,20 @@ NORMS = ("llama.LlamaRMSNorm", "mistral.MistralRMSNorm", "qwen2.Qwen2RMSNorm", "
          "glm4.Glm4RMSNorm", "phi3.Phi3RMSNorm")
 
 
+def modeling_class(name: str) -> tuple[type, Any] | None:
+    """"<package>.<class>" → (the class, its transformers.models.<package>.modeling_<package>
+    module), or None where this transformers lacks either."""
+    package, cls = name.split(".")
+    try:
+        module = importlib.import_module(f"transformers.models.{package}.modeling_{package}")
+    except ImportError:
+        return None
+    found = getattr(module, cls, None)
+    return (found, module) if isinstance(found, type) else None
+
+
 def _classes(names: tuple[str, ...]) -> set[type]:
-    found = set()
-    for name in names:
-        package, cls = name.split(".")
-        try:
-            module = importlib.import_module(f"transformers.models.{package}.modeling_{package}")
-        except ImportError:
-            continue
-        if isinstance(found_cls := getattr(module, cls, None), type):
-            found.add(found_cls)
-    return found
+    return {found[0] for name in names if (found := modeling_class(name)) is not None}
 
 
 @functools.cache

@@ -19,7 +19,6 @@ dtype, runs the class's own forward.
 from __future__ import annotations
 
 import functools
-import importlib
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -29,6 +28,7 @@ from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ...model.pack import Segment, pack
+from ..inplace import modeling_class
 
 Rotary = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # (x [T, H, D], cos, sin [T, D])
 log = logging.getLogger("kev")
@@ -44,14 +44,10 @@ def _listed() -> dict[type, tuple[str | None, Callable[..., Any]]]:
     attention its forward falls back to (its modeling file's)."""
     found: dict[type, tuple[str | None, Callable[..., Any]]] = {}
     for name, window in CLASSES.items():
-        package, cls = name.split(".")
-        try:
-            module = importlib.import_module(f"transformers.models.{package}.modeling_{package}")
-        except ImportError:
-            continue
-        eager = getattr(module, "eager_attention_forward", None)
-        if isinstance(found_cls := getattr(module, cls, None), type) and callable(eager):
-            found[found_cls] = (window, eager)
+        listed = modeling_class(name)
+        eager = getattr(listed[1], "eager_attention_forward", None) if listed is not None else None
+        if listed is not None and callable(eager):
+            found[listed[0]] = (window, eager)
     return found
 
 

@@ -74,6 +74,17 @@ void run(const at::Tensor& gate, const at::Tensor& up, at::Tensor& out) {
 }
 
 template <typename T>
+inline vf rounded(vf v) {  // v rounded to T and back (a no-op for float32)
+  if constexpr (std::is_same_v<T, float>) {
+    return v;
+  } else {
+    T buffer[kLanes];
+    store_part(buffer, v, kLanes);
+    return load_as_float(buffer);
+  }
+}
+
+template <typename T>
 void rms_rows(const at::Tensor& x, const at::Tensor& weight, double eps, at::Tensor& out) {
   const int64_t rows = x.size(0), width = x.size(1);
   const T* xs = x.data_ptr<T>();
@@ -92,27 +103,11 @@ void rms_rows(const at::Tensor& x, const at::Tensor& weight, double eps, at::Ten
       const float scale = 1.0f / std::sqrt(hsum(acc) / static_cast<float>(width) + epsilon);
       for (int64_t c = 0; c < width; c += kLanes) {
         const int64_t count = std::min<int64_t>(kLanes, width - c);
-        vf normed = load_part(row + c, count) * vset(scale);
-        if constexpr (!std::is_same_v<T, float>) {  // rounded to the dtype before the weight, as Llama does
-          T buffer[kLanes];
-          store_part(buffer, normed, kLanes);
-          normed = load_as_float(buffer);
-        }
+        const vf normed = rounded<T>(load_part(row + c, count) * vset(scale));  // to the dtype before the weight
         store_part(o + r * width + c, load_part(w + c, count) * normed, count);
       }
     }
   });
-}
-
-template <typename T>
-inline vf rounded(vf v) {  // v rounded to T and back (a no-op for float32)
-  if constexpr (std::is_same_v<T, float>) {
-    return v;
-  } else {
-    T buffer[kLanes];
-    store_part(buffer, v, kLanes);
-    return load_as_float(buffer);
-  }
 }
 
 template <typename T>
