@@ -39,7 +39,20 @@ namespace {
 
 constexpr int64_t kPanel = 16;  // outputs per packed panel
 constexpr int64_t kRows = 6;    // rows per register tile (fp32)
-constexpr int64_t kRowBlock = 96;  // rows per task: their inputs stay in L2 while the panels stream
+constexpr int64_t kRowBlock = 96;  // rows per task at most: their inputs stay in L2 while the panels stream
+
+// Rows per task: at most kRowBlock, and the same for every block (rounded up to `tile`, the rows
+// an AMX tile takes), in a number of blocks that the threads share evenly. torch's pool gives each
+// thread an equal run of tasks, so a short last block (96 + 96 + 96 + 19 rows) would leave one
+// thread with 192 of 307 rows while the other waits. A pass of at most kRowBlock rows (a decode
+// step) stays one block: its threads split the panels, and each weight is read once.
+int64_t row_block(int64_t m, int64_t tile) {
+  int64_t blocks = (m + kRowBlock - 1) / kRowBlock;
+  const int64_t threads = at::get_num_threads();
+  if (blocks > 1 && threads > 1) blocks = (blocks + threads - 1) / threads * threads;
+  const int64_t rows = (m + blocks - 1) / blocks;
+  return (rows + tile - 1) / tile * tile;
+}
 
 int64_t panels_f32(int64_t n) { return (n + kPanel - 1) / kPanel; }
 int64_t panels_bf16(int64_t n) { return (n + 2 * kPanel - 1) / (2 * kPanel) * 2; }  // even: AMX takes pairs
@@ -111,6 +124,27 @@ void f32_tile(const float* x, int64_t ldx, const float* w, int64_t k, const floa
       out[i * ldo + c] = acc[i][c / 8][c % 8] + (bias != nullptr ? bias[c] : 0.f);
 }
 constexpr int kGroup = 1;
+
+// One row (a decode step of one question) over NP panels at once: the same chain per output as
+// f32_tile<1, 1>, but 2 x NP independent chains and NP weight streams in flight, where one panel's
+// two chains leave each core waiting on the latency of its fused multiply-adds and loads.
+template <int NP>
+void f32_row_wide(const float* x, const float* w, int64_t k, const float* bias, float* out, int64_t cols) {
+  v8 acc[NP][2] = {};
+  const int64_t stride = k * kPanel;  // one panel
+  for (int64_t kk = 0; kk < k; ++kk) {
+    const float s = x[kk];
+    const v8 a = {s, s, s, s, s, s, s, s};
+    for (int j = 0; j < NP; ++j) {
+      acc[j][0] = fmadd8(a, load8(w + j * stride + kk * kPanel), acc[j][0]);
+      acc[j][1] = fmadd8(a, load8(w + j * stride + kk * kPanel + 8), acc[j][1]);
+    }
+  }
+  for (int j = 0; j < NP; ++j)
+    for (int64_t c = 0; c < std::min<int64_t>(kPanel, cols - j * kPanel); ++c)
+      out[j * kPanel + c] = acc[j][c / 8][c % 8] + (bias != nullptr ? bias[j * kPanel + c] : 0.f);
+}
+constexpr int kWideRow = 4;  // panels a one-row task covers
 #endif
 
 template <int NP>
@@ -131,12 +165,31 @@ void f32_rows(const float* x, int64_t ldx, int64_t rows, const float* w, int64_t
 }
 
 void linear_f32(const float* x, int64_t m, int64_t k, const float* w, int64_t n, const float* bias, float* out) {
+#if !defined(__AVX512F__)
+  if (m == 1) {  // one row: each thread an even share of the panels, kWideRow at a time (f32_row_wide)
+    const int64_t panels = panels_f32(n);
+    at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t p0 = begin; p0 < end; p0 += kWideRow) {
+        const int64_t n0 = p0 * kPanel, cols = std::min(kWideRow * kPanel, n - n0);
+        const float* wp = w + p0 * k * kPanel;
+        const float* bp = bias != nullptr ? bias + n0 : nullptr;
+        switch (std::min<int64_t>(kWideRow, end - p0)) {
+          case 4: f32_row_wide<4>(x, wp, k, bp, out + n0, cols); break;
+          case 3: f32_row_wide<3>(x, wp, k, bp, out + n0, cols); break;
+          case 2: f32_row_wide<2>(x, wp, k, bp, out + n0, cols); break;
+          default: f32_row_wide<1>(x, wp, k, bp, out + n0, cols); break;
+        }
+      }
+    });
+    return;
+  }
+#endif
   const int64_t panels = panels_f32(n), groups = (panels + kGroup - 1) / kGroup;
-  const int64_t blocks = (m + kRowBlock - 1) / kRowBlock;
+  const int64_t per_block = row_block(m, 1), blocks = (m + per_block - 1) / per_block;
   at::parallel_for(0, blocks * groups, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t block = t / groups, group = t % groups;
-      const int64_t m0 = block * kRowBlock, rows = std::min(kRowBlock, m - m0);
+      const int64_t m0 = block * per_block, rows = std::min(per_block, m - m0);
       const int64_t p0 = group * kGroup, n0 = p0 * kPanel, cols = std::min(kGroup * kPanel, n - n0);
       const float* wp = w + p0 * k * kPanel;
       const float* bp = bias != nullptr ? bias + n0 : nullptr;
@@ -312,7 +365,8 @@ void linear_bf16(const bf16* x, int64_t m, int64_t k, const bf16* w, int64_t n, 
   // AMX: 32-row tiles, or 16 when the pass has no more (a decode step); others: register tiles
   const int64_t tile_rows = path != Bf16Path::kAmx ? kRows : m <= 16 ? 16 : 32;
   constexpr int64_t kPairsPerTask = 8;                      // 256 outputs: their panels stay in L2
-  const int64_t blocks = (m + kRowBlock - 1) / kRowBlock;
+  const int64_t per_block = row_block(m, path == Bf16Path::kAmx ? tile_rows : 1);
+  const int64_t blocks = (m + per_block - 1) / per_block;
   const int64_t groups = (pairs + kPairsPerTask - 1) / kPairsPerTask;
   at::parallel_for(0, blocks * groups, 1, [&](int64_t begin, int64_t end) {
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)
@@ -322,7 +376,7 @@ void linear_bf16(const bf16* x, int64_t m, int64_t k, const bf16* w, int64_t n, 
     std::vector<bf16> pad;
     for (int64_t t = begin; t < end; ++t) {
       const int64_t block = t / groups, group = t % groups;
-      const int64_t m0 = block * kRowBlock, rows_in_block = std::min(kRowBlock, m - m0);
+      const int64_t m0 = block * per_block, rows_in_block = std::min(per_block, m - m0);
       const int64_t q0 = group * kPairsPerTask, q1 = std::min(pairs, q0 + kPairsPerTask);
       for (int64_t i = 0; i < rows_in_block; i += tile_rows) {
         const int64_t rows = std::min(tile_rows, rows_in_block - i);

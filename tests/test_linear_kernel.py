@@ -1,0 +1,66 @@
+"""The batch-invariant Linear kernel (csrc/linear.cpp) on its own: a row's product is bitwise the
+same at every row count and thread count — alone (the one-row decode tasks), in a short last
+tile, in row blocks of any split — and equal to a float64 reference within rounding.
+
+The row counts cross the kernel's seams: 1 (its one-row path), tiles of 6 and their remainders,
+blocks of 96 and the balanced blocks of 97, 191 and 307 rows; the output counts cross its panels of
+16 (200 = 12 panels + 8, 40 = 2 panels + 8). The control shows the comparison can fail: the same
+row summed in another order (K in two halves) is caught.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kev_engine.platforms.cpu.kernels import load_kernels
+
+ROWS = [1, 2, 5, 6, 7, 13, 95, 96, 97, 191, 307]
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    return load_kernels()
+
+
+def product(kernels, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return kernels.linear_packed(x, kernels.linear_pack(weight), weight.shape[0], bias)
+
+
+def rows_differing(got: torch.Tensor, alone: torch.Tensor) -> list[int]:
+    return [i for i in range(got.shape[0]) if not torch.equal(got[i], alone[i])]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("out_features,in_features", [(200, 48), (40, 67), (576, 576)])
+def test_every_row_equals_itself_alone(kernels, threads: int, dtype: torch.dtype, out_features: int,
+                                       in_features: int) -> None:
+    torch.manual_seed(out_features + in_features)
+    weight = (torch.randn(out_features, in_features) * 0.1).to(dtype)
+    bias = torch.randn(out_features).to(dtype)
+    x = torch.randn(max(ROWS), in_features).to(dtype)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        alone = torch.cat([product(kernels, x[i : i + 1], weight, bias) for i in range(x.shape[0])])
+        for rows in ROWS:
+            got = product(kernels, x[:rows], weight, bias)
+            assert rows_differing(got, alone[:rows]) == [], rows
+    finally:
+        torch.set_num_threads(before)
+    reference = (x.double() @ weight.double().T + bias.double()).to(dtype)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(alone, reference, atol=tolerance, rtol=tolerance)
+
+
+def test_control_a_row_summed_in_another_order_is_caught(kernels) -> None:
+    """K in two halves, summed after: the same numbers to rounding, other bits somewhere."""
+    torch.manual_seed(0)
+    weight, x = torch.randn(200, 96), torch.randn(31, 96)
+    half = weight.shape[1] // 2
+    split = (product(kernels, x[:, :half].contiguous(), weight[:, :half].contiguous(), None)
+             + product(kernels, x[:, half:].contiguous(), weight[:, half:].contiguous(), None))
+    whole = product(kernels, x, weight, None)
+    torch.testing.assert_close(split, whole)
+    assert rows_differing(split, whole) != []
