@@ -18,7 +18,7 @@ from torch import nn
 
 from . import inplace, invariance
 from .base import AttentionBackend, Platform
-from .cpu import attention_forward, dtype_choice, exact_linear, kernels, rotary_table, rows_linear
+from .cpu import attention_forward, dtype_choice, exact_linear, kernels, layer_forward, rotary_table, rows_linear
 from .cpu.platform import CpuPlatform
 from .cpu.platform import why_not_invariant as cpu_why_not
 from .cuda import choice as cuda_choice
@@ -58,6 +58,7 @@ def uninstall(model: nn.Module) -> None:
     cuda_invariant.uninstall(model)
     rotary_table.uninstall(model)
     attention_forward.uninstall(model)
+    layer_forward.uninstall(model)
     inplace.uninstall(model)
 
 

@@ -7,7 +7,8 @@ by kernels (`inplace`), and every attention row by the exact kernel (`exact.Exac
 few-row product for decode (`rows_linear`), elementwise work in place, and the compiled decode
 kernel (`compiled.CompiledBackend`), or torch's ops where the kernels are off or failed to build.
 On both, wherever the kernels load, the rotary embedding is applied in one call per tensor
-(`attention_forward`: transformers' formula, the same bits).
+(`attention_forward`: transformers' formula, the same bits), and each decoder layer calls those
+forwards directly (`layer_forward`: the same bits, without the modules' dispatch).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from ...adapters.lora import LoraWeights
 from .. import inplace
 from ..base import AttentionBackend, Platform
 from ..torch_ops import TorchBackend
-from . import attention_forward, exact_linear, rotary_table, rows_linear
+from . import attention_forward, exact_linear, layer_forward, rotary_table, rows_linear
 from .compiled import CompiledBackend
 from .exact import ExactBackend
 from .kernels import Kernels
@@ -48,11 +49,14 @@ class CpuPlatform(Platform):
             exact_linear.install(model, self.kernels)  # every Linear: one summation order at any row count
             left = rotary_table.install(model)
             attention_forward.install(model, self.kernels.rotary)  # the same bits as transformers' rotary
-            return left + inplace.install(model, self.kernels.silu_mul, self.kernels.rms_norm)
+            left += inplace.install(model, self.kernels.silu_mul, self.kernels.rms_norm)
+            layer_forward.install(model)  # each layer straight to the forwards above: the same bits
+            return left
         rows_linear.install(model, self.kernels.rows_linear if self.kernels is not None else None)  # few-row products
+        inplace.install(model)  # Llama-style MLPs and RMSNorms: elementwise work in place
         if self.kernels is not None:
             attention_forward.install(model, self.kernels.rotary)
-        inplace.install(model)  # Llama-style MLPs and RMSNorms: elementwise work in place
+            layer_forward.install(model)
         return []
 
     def _exact_delta(self, weights: LoraWeights, x: torch.Tensor) -> torch.Tensor:

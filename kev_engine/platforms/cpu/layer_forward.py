@@ -1,0 +1,180 @@
+"""Llama-style decoder layers as one function over the forwards Kev installed on their parts.
+
+Where this sits: installed on the model's decoder layers by the CPU platform where Kev's kernels
+load, after `exact_linear`/`rows_linear`, `inplace` and `attention_forward` (whose forwards it
+calls), and removed with them when the engine closes (`platforms.uninstall`).
+
+Why: a decode step of one question is 30 layers of small work, and each layer reaches its parts
+through `nn.Module.__call__` (the hooks machinery), transformers' keyword-argument wrappers and
+the attention module's generic path, a dozen times over: several milliseconds of a step whose
+products take about twenty. This forward calls the very functions the layer's own forward ends
+in, on the same tensors, in the same order, so it gives bitwise what that forward gives (checked
+per class on a probe), without the dispatch around them.
+
+Which layers: instances of the classes listed below (exactly those classes) whose parts all run
+a forward Kev installed (the norms, the attention with its rotary kernel, the MLP, each
+projection), none with hooks, and whose attention is Kev's (`KEV_ATTENTION`) without a sliding
+window. A call runs the layer's own forward instead when a part was replaced since (a LoRA
+adapter wraps its projections: `adapters.lora.wrap_targets`) or the model's attention is no
+longer Kev's, or with a transformers cache, or cos/sin that are not one row per token in the
+input's dtype.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.modules import module as torch_module
+
+from ...model.attention import KEV_ATTENTION, kev_attention
+from ...model.pack import Segment, pack
+from ..inplace import modeling_class
+from . import attention_forward
+
+log = logging.getLogger("kev")
+
+CLASSES = ("llama.LlamaDecoderLayer", "mistral.MistralDecoderLayer", "qwen2.Qwen2DecoderLayer",
+           "qwen3.Qwen3DecoderLayer")
+ATTENTION_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj")
+Forward = Callable[..., Any]
+
+
+@functools.cache
+def _listed() -> frozenset[type]:
+    return frozenset(found[0] for name in CLASSES if (found := modeling_class(name)) is not None)
+
+
+@dataclass(frozen=True)
+class _Parts:
+    """A layer's parts when it was installed, and the forwards Kev gave them."""
+
+    attention: Any  # the layer's attention module (its config, head_dim, scaling are read per call)
+    norms: tuple[Forward, Forward]  # input_layernorm, post_attention_layernorm
+    projections: tuple[Forward, Forward, Forward, Forward]  # q, k, v, o
+    head_norms: tuple[Forward, Forward] | None  # Qwen3's q_norm and k_norm
+    mlp: Forward
+    rotary: attention_forward.Rotary
+    children: tuple[tuple[nn.Module, str, nn.Module], ...]  # (owner, name, part): still in place?
+
+    def in_place(self) -> bool:
+        return all(owner._modules.get(name) is part for owner, name, part in self.children)
+
+
+def install(model: nn.Module) -> None:
+    """Give the listed layers whose parts all run Kev's forwards the direct forward."""
+    checked: dict[type, bool] = {}
+    for layer in model.modules():
+        cls = type(layer)
+        if cls not in _listed() or "forward" in layer.__dict__:
+            continue
+        parts = _parts(layer)
+        if parts is None:
+            continue
+        forward = functools.partial(_forward, layer, parts)
+        if cls not in checked:
+            checked[cls] = _same_as_own(layer, forward)
+            if not checked[cls]:
+                log.warning("%s.forward no longer computes what Kev's direct layer forward does: it keeps its own",
+                            cls.__qualname__)
+        if checked[cls]:
+            layer.forward = forward  # type: ignore[method-assign]
+
+
+def uninstall(model: nn.Module) -> None:
+    for module in model.modules():
+        forward = module.__dict__.get("forward")
+        if isinstance(forward, functools.partial) and forward.func is _forward:
+            del module.forward
+
+
+def _installed(module: Any) -> Forward | None:
+    """The forward Kev installed on `module` (an instance attribute), if calling it is calling the
+    module: no hooks on it, none global."""
+    forward = module.__dict__.get("forward") if isinstance(module, nn.Module) else None
+    hooked = (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+              or module._backward_pre_hooks) if forward is not None else True
+    return None if hooked else forward
+
+
+def _parts(layer: Any) -> _Parts | None:
+    """The layer's parts and their installed forwards, or None where one has none (or hooks)."""
+    if (torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks
+            or layer._forward_hooks or layer._forward_pre_hooks):
+        return None
+    attention: Any = getattr(layer, "self_attn", None)
+    attention_call = _installed(attention)
+    if not isinstance(attention_call, functools.partial) or attention_call.func is not attention_forward._forward:
+        return None
+    config = attention.config
+    window = attention_call.args[2]
+    if config._attn_implementation != KEV_ATTENTION or (window is not None and (
+            attention.sliding_window if window == "module" else getattr(config, "sliding_window", None)) is not None):
+        return None
+    names = [(layer, "input_layernorm"), (layer, "post_attention_layernorm"), (layer, "mlp")]
+    names += [(attention, name) for name in ATTENTION_PARTS]
+    if hasattr(attention, "q_norm"):
+        names += [(attention, "q_norm"), (attention, "k_norm")]
+    forwards = [_installed(owner._modules.get(name)) for owner, name in names]
+    if any(forward is None for forward in forwards):
+        return None
+    found: list[Any] = forwards
+    return _Parts(
+        attention=attention,
+        norms=(found[0], found[1]),
+        mlp=found[2],
+        projections=(found[3], found[4], found[5], found[6]),
+        head_norms=(found[7], found[8]) if len(found) > 7 else None,
+        rotary=attention_call.args[1],
+        children=tuple((owner, name, owner._modules[name]) for owner, name in names + [(layer, "self_attn")]),
+    )
+
+
+def _same_as_own(layer: Any, forward: Forward) -> bool:
+    """The direct forward against the class's own on a probe pack of 3 tokens: bitwise equal."""
+    weight, config = layer.self_attn.q_proj.weight, layer.self_attn.config
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(1, 3, config.hidden_size, generator=generator).to(weight.device, weight.dtype)
+    dim = int(layer.self_attn.head_dim)
+    cos, sin = (torch.randn(1, 3, dim, generator=generator).to(weight.device, weight.dtype) for _ in range(2))
+    probe = pack([Segment(request_id=0, token_ids=[0, 0, 0], past_len=0, needs_logits=False)], weight.device)
+    kwargs = {"position_embeddings": (cos, sin), "attention_mask": None, "kev_pack": probe}
+    with torch.inference_mode():
+        try:
+            return torch.equal(forward(hidden, **kwargs), type(layer).forward(layer, hidden, **kwargs))
+        except Exception:  # noqa: BLE001 - a forward that no longer fits the layer's arguments
+            return False
+
+
+def _forward(layer: Any, parts: _Parts, hidden_states: torch.Tensor,
+             attention_mask: torch.Tensor | None = None,
+             position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None, **kwargs: Any) -> torch.Tensor:
+    """The layer's forward over Kev's installed parts: [1, T, hidden] → [1, T, hidden]."""
+    dtype, shape = hidden_states.dtype, hidden_states.shape
+    if (hidden_states.dim() != 3 or shape[0] != 1 or kwargs.get("cache") is not None
+            or kwargs.get("past_key_values") is not None or kwargs.get("use_cache") or position_embeddings is None
+            or any(t.dtype != dtype or t.shape[:-1] != shape[:-1] for t in position_embeddings)
+            or not parts.in_place() or parts.attention.config._attn_implementation != KEV_ATTENTION):
+        return type(layer).forward(layer, hidden_states, attention_mask=attention_mask,
+                                   position_embeddings=position_embeddings, **kwargs)
+    attention, (q_proj, k_proj, v_proj, o_proj) = parts.attention, parts.projections
+    tokens, dim = shape[1], int(attention.head_dim)
+    residual = hidden_states
+    normed = parts.norms[0](hidden_states)
+    query = q_proj(normed).view(1, tokens, -1, dim)
+    key = k_proj(normed).view(1, tokens, -1, dim)
+    if parts.head_norms is not None:  # Qwen3: per-head norms before the rotary
+        query, key = parts.head_norms[0](query), parts.head_norms[1](key)
+    value = v_proj(normed).view(1, tokens, -1, dim).transpose(1, 2)
+    cos, sin = (t.reshape(-1, t.shape[-1]) for t in position_embeddings)
+    query = attention_forward._rotate(parts.rotary, query, cos, sin).transpose(1, 2)
+    key = attention_forward._rotate(parts.rotary, key, cos, sin).transpose(1, 2)
+    out, _ = kev_attention(attention, query, key, value, attention_mask, scaling=attention.scaling, **kwargs)
+    hidden_states = residual + o_proj(out.reshape(1, tokens, -1).contiguous())
+    residual = hidden_states
+    return residual + parts.mlp(parts.norms[1](hidden_states))

@@ -1,0 +1,134 @@
+"""The decoder layers' direct forward (kev_engine.platforms.cpu.layer_forward): bitwise the layer's
+own forward over Kev's installed parts, installed only on the listed classes whose forward it
+still matches (checked on a probe) and whose parts all run Kev's forwards without hooks, on both
+CPU paths, removed with the engine; a layer whose projection an adapter wrapped since, or a call
+with a transformers cache, runs the layer's own forward.
+
+End to end, every isolation and invariance test runs engines that use it against plain
+transformers models and against themselves alone.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from conftest import FAMILIES, tiny_model
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+from kev_engine import Engine
+from kev_engine.adapters.lora import LoraRouter, wrap_targets
+from kev_engine.model.pack import Segment, pack
+from kev_engine.model.setup import prepare_model
+from kev_engine.platforms import uninstall
+from kev_engine.platforms.cpu import layer_forward
+from kev_engine.platforms.cpu.kernels import load_kernels
+from kev_engine.platforms.cpu.platform import CpuPlatform
+
+
+def ours(module: torch.nn.Module) -> bool:
+    forward = module.__dict__.get("forward")
+    return isinstance(forward, functools.partial) and forward.func is layer_forward._forward
+
+
+def layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    return list(model.model.layers)
+
+
+def probe(model: torch.nn.Module, layer: torch.nn.Module, seed: int = 1) -> tuple[torch.Tensor, dict]:
+    generator = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(1, 5, model.config.hidden_size, generator=generator)
+    dim = layer.self_attn.head_dim
+    cos, sin = (torch.randn(1, 5, dim, generator=generator) for _ in range(2))
+    segment = Segment(request_id=0, token_ids=[1, 2, 3, 4, 5], past_len=0, needs_logits=False)
+    return hidden, {"position_embeddings": (cos, sin), "attention_mask": None, "kev_pack": pack([segment])}
+
+
+def kev_model(tokenizer) -> torch.nn.Module:
+    """A tiny Llama on Kev's packed attention, as an engine prepares it (the platform not installed)."""
+    model = tiny_model("llama", tokenizer)
+    prepare_model(model)
+    return model
+
+
+def install(model: torch.nn.Module) -> torch.nn.Module:
+    """The batch-invariant CPU path's forwards on `model`, as an engine installs them."""
+    CpuPlatform(torch.device("cpu"), load_kernels(), batch_invariant=True).install(model)
+    return model
+
+
+@pytest.mark.parametrize("invariant", [True, False], ids=["invariant", "fast"])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_engine_installs_on_the_listed_classes_and_close_removes(family: str, invariant: bool, tokenizer) -> None:
+    model = tiny_model(family, tokenizer)
+    engine = Engine(model, tokenizer, batch_invariant=invariant)
+    try:
+        found = layers(model)
+        assert found and all(ours(m) for m in found) == (family != "glm")  # GLM's layers are not listed
+        for layer in found:
+            hidden, kwargs = probe(model, layer)
+            with torch.inference_mode():
+                direct = layer(hidden, **kwargs)
+                own = type(layer).forward(layer, hidden, **kwargs)
+            assert torch.equal(direct, own)
+    finally:
+        engine.close()
+    assert not any(ours(m) for m in model.modules())
+
+
+def test_a_listed_class_whose_forward_changed_keeps_its_own(monkeypatch: pytest.MonkeyPatch, tokenizer,
+                                                           caplog) -> None:
+    """What a transformers release rewriting LlamaDecoderLayer would look like: Kev leaves it alone."""
+    shipped = LlamaDecoderLayer.forward
+
+    def scaled(self, hidden_states, *args, **kwargs):
+        return shipped(self, hidden_states, *args, **kwargs) * 0.5
+
+    model = kev_model(tokenizer)
+    monkeypatch.setattr(LlamaDecoderLayer, "forward", scaled)
+    with caplog.at_level("WARNING", logger="kev"):
+        install(model)
+    assert not any(ours(m) for m in layers(model))
+    assert caplog.text.count("LlamaDecoderLayer.forward no longer computes") == 1  # checked once per class
+    monkeypatch.undo()
+    layer_forward.install(model)
+    assert all(ours(m) for m in layers(model))
+    uninstall(model)
+    assert not any(ours(m) for m in model.modules())
+
+
+def test_a_layer_whose_parts_are_not_all_kevs_keeps_its_own(tokenizer) -> None:
+    """A part without Kev's forward (the model as it came), or with a hook: the layer is not installed."""
+    model = kev_model(tokenizer)
+    layer_forward.install(model)  # nothing of Kev's on the parts
+    assert not any(ours(m) for m in layers(model))
+    hooked = kev_model(tokenizer)
+    layers(hooked)[1].mlp.register_forward_hook(lambda module, args, out: out)
+    install(hooked)
+    assert [ours(m) for m in layers(hooked)] == [True, False] + [True] * (len(layers(hooked)) - 2)
+
+
+def test_calls_it_cannot_take_go_to_the_layer_forward(monkeypatch: pytest.MonkeyPatch, tokenizer) -> None:
+    """A call asking for a transformers cache, a projection wrapped for LoRA after install, or a
+    model whose attention is no longer Kev's: the class's forward runs."""
+    model = install(kev_model(tokenizer))
+    layer = layers(model)[0]
+    assert ours(layer)
+    calls = []
+    shipped = LlamaDecoderLayer.forward
+    monkeypatch.setattr(LlamaDecoderLayer, "forward",
+                        lambda self, *args, **kwargs: calls.append(1) or shipped(self, *args, **kwargs))
+    hidden, kwargs = probe(model, layer)
+    with torch.inference_mode():
+        before = layer(hidden, **kwargs)
+        assert calls == []  # the direct forward
+        assert torch.equal(layer(hidden, use_cache=True, **kwargs), before) and calls == [1]
+        wrap_targets(model, ["model.layers.0.self_attn.q_proj"], LoraRouter())
+        after = layer(hidden, **kwargs)
+    assert calls == [1, 1] and ours(layer)
+    assert torch.equal(before, after)  # no adapter routed: the wrapped projection is the same product
+    model.set_attn_implementation("eager")
+    with torch.inference_mode():
+        layers(model)[1](hidden, **kwargs)
+    assert calls == [1, 1, 1]  # the model's attention is no longer Kev's
