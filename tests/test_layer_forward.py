@@ -22,7 +22,7 @@ from kev_engine.adapters.lora import LoraRouter, wrap_targets
 from kev_engine.model.pack import Segment, pack
 from kev_engine.model.setup import prepare_model
 from kev_engine.platforms import uninstall
-from kev_engine.platforms.cpu import layer_forward
+from kev_engine.platforms.cpu import exact_linear, layer_forward
 from kev_engine.platforms.cpu.kernels import load_kernels
 from kev_engine.platforms.cpu.platform import CpuPlatform
 
@@ -30,6 +30,10 @@ from kev_engine.platforms.cpu.platform import CpuPlatform
 def ours(module: torch.nn.Module) -> bool:
     forward = module.__dict__.get("forward")
     return isinstance(forward, functools.partial) and forward.func is layer_forward._forward
+
+
+def parts(layer: torch.nn.Module) -> layer_forward._Parts:
+    return layer.__dict__["forward"].args[1]
 
 
 def layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -66,6 +70,8 @@ def test_engine_installs_on_the_listed_classes_and_close_removes(family: str, in
     try:
         found = layers(model)
         assert found and all(ours(m) for m in found) == (family != "glm")  # GLM's layers are not listed
+        if family != "glm":  # the batch-invariant path fuses q/k/v and gate/up into one product each
+            assert {(p.qkv is not None, p.gate_up is not None) for p in map(parts, found)} == {(invariant, invariant)}
         for layer in found:
             hidden, kwargs = probe(model, layer)
             with torch.inference_mode():
@@ -110,8 +116,9 @@ def test_a_layer_whose_parts_are_not_all_kevs_keeps_its_own(tokenizer) -> None:
 
 
 def test_calls_it_cannot_take_go_to_the_layer_forward(monkeypatch: pytest.MonkeyPatch, tokenizer) -> None:
-    """A call asking for a transformers cache, a projection wrapped for LoRA after install, or a
-    model whose attention is no longer Kev's: the class's forward runs."""
+    """A call asking for a transformers cache, a projection wrapped for LoRA after install, a part
+    whose forward someone replaced, or a model whose attention is no longer Kev's: the class's
+    forward runs."""
     model = install(kev_model(tokenizer))
     layer = layers(model)[0]
     assert ours(layer)
@@ -128,7 +135,38 @@ def test_calls_it_cannot_take_go_to_the_layer_forward(monkeypatch: pytest.Monkey
         after = layer(hidden, **kwargs)
     assert calls == [1, 1] and ours(layer)
     assert torch.equal(before, after)  # no adapter routed: the wrapped projection is the same product
+    down, layer = layers(model)[1].mlp.down_proj, layers(model)[1]
+    kevs = down.forward
+    down.forward = functools.partial(torch.nn.Linear.forward, down)  # a part's forward replaced later
+    with torch.inference_mode():
+        layer(hidden, **kwargs)
+    assert calls == [1, 1, 1]
+    down.forward = kevs
+    with torch.inference_mode():
+        layer(hidden, **kwargs)
+    assert calls == [1, 1, 1]  # its own part back: the direct forward again
     model.set_attn_implementation("eager")
     with torch.inference_mode():
-        layers(model)[1](hidden, **kwargs)
-    assert calls == [1, 1, 1]  # the model's attention is no longer Kev's
+        layer(hidden, **kwargs)
+    assert calls == [1, 1, 1, 1]  # the model's attention is no longer Kev's
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fused_products_are_each_projection_alone_bitwise(dtype: torch.dtype) -> None:
+    """Three projections as one product: each one's columns equal its own product, bitwise; what
+    does not fill whole panels, or mixes biased and unbiased layers, is not fused."""
+    kernels = load_kernels()
+    generator = torch.Generator().manual_seed(3)
+    projections = [torch.nn.Linear(48, width, bias=True).to(dtype) for width in (64, 32, 96)]
+    exact_linear.install(torch.nn.Sequential(*projections), kernels)
+    rows = torch.randn(7, 48, generator=generator).to(dtype)
+    alone = [layer(rows) for layer in projections]
+    fused = layer_forward._fuse([layer.__dict__["forward"] for layer in projections])
+    assert fused is not None
+    assert all(torch.equal(got, want) for got, want in zip(fused(rows), alone, strict=True))
+    assert all(torch.equal(layer(rows), want) for layer, want in zip(projections, alone, strict=True))  # views now
+    odd = torch.nn.Linear(48, 40 if dtype == torch.float32 else 48).to(dtype)  # not whole panels
+    plain = torch.nn.Linear(48, 64, bias=False).to(dtype)
+    exact_linear.install(torch.nn.Sequential(odd, plain), kernels)
+    assert layer_forward._fuse([odd.__dict__["forward"], projections[0].__dict__["forward"]]) is None
+    assert layer_forward._fuse([plain.__dict__["forward"], projections[0].__dict__["forward"]]) is None

@@ -9,15 +9,17 @@ through `nn.Module.__call__` (the hooks machinery), transformers' keyword-argume
 the attention module's generic path, a dozen times over: several milliseconds of a step whose
 products take about twenty. This forward calls the very functions the layer's own forward ends
 in, on the same tensors, in the same order, so it gives bitwise what that forward gives (checked
-per class on a probe), without the dispatch around them.
+per class on a probe), without the dispatch around them. On the batch-invariant path it also runs
+q, k and v as one packed product, and the MLP's gate and up as one (`_Fused`): every output is
+summed exactly as in its own product, and each call saved is a wake-up of the threads saved.
 
 Which layers: instances of the classes listed below (exactly those classes) whose parts all run
 a forward Kev installed (the norms, the attention with its rotary kernel, the MLP, each
 projection), none with hooks, and whose attention is Kev's (`KEV_ATTENTION`) without a sliding
-window. A call runs the layer's own forward instead when a part was replaced since (a LoRA
-adapter wraps its projections: `adapters.lora.wrap_targets`) or the model's attention is no
-longer Kev's, or with a transformers cache, or cos/sin that are not one row per token in the
-input's dtype.
+window. A call runs the layer's own forward instead when a part, or its forward, was replaced
+since (a LoRA adapter wraps its projections: `adapters.lora.wrap_targets`) or the model's
+attention is no longer Kev's, or with a transformers cache, or cos/sin that are not one row per
+token in the input's dtype.
 """
 
 from __future__ import annotations
@@ -34,8 +36,9 @@ from torch.nn.modules import module as torch_module
 
 from ...model.attention import KEV_ATTENTION, kev_attention
 from ...model.pack import Segment, pack
+from .. import inplace
 from ..inplace import modeling_class
-from . import attention_forward
+from . import attention_forward, exact_linear
 
 log = logging.getLogger("kev")
 
@@ -51,6 +54,45 @@ def _listed() -> frozenset[type]:
 
 
 @dataclass(frozen=True)
+class _Fused:
+    """Several projections of one input as one packed product: their packed weights concatenated
+    along the outputs (`exact_linear`'s layout, panels whole), so each output is summed exactly as
+    alone — the same bits — in one call instead of several (each call wakes the threads)."""
+
+    packed: torch.Tensor
+    bias: torch.Tensor | None
+    widths: tuple[int, ...]
+    product: Callable[..., torch.Tensor]
+
+    def __call__(self, rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """rows [T, in] → one [T, width] view per projection (columns of one product)."""
+        return self.product(rows, self.packed, sum(self.widths), self.bias).split(self.widths, dim=-1)
+
+
+def _fuse(forwards: list[Any]) -> _Fused | None:
+    """One product for `exact_linear` forwards of one input, or None where they do not fit whole
+    panels (float32: 16 outputs, bfloat16: 32), differ in kernel or dtype, or only some have a bias
+    (the kernel adds none where there is none; +0 would turn a -0 into +0). Each layer's own packed
+    weight becomes a view of the fused one: no second copy."""
+    if not all(isinstance(f, functools.partial) and f.func is exact_linear._forward for f in forwards):
+        return None
+    modules = [f.args[0] for f in forwards]
+    weights: list[exact_linear.PackedWeight] = [f.args[1] for f in forwards]
+    panel = 16 if weights[0].packed.dim() == 3 else 32
+    if (len({f.args[2] for f in forwards}) != 1 or len({w.packed.dtype for w in weights}) != 1
+            or len({w.in_features for w in weights}) != 1 or any(w.out_features % panel for w in weights)
+            or len({m.bias is None for m in modules}) != 1):
+        return None
+    fused = torch.cat([w.packed for w in weights])
+    start = 0
+    for weight in weights:
+        weight.packed = fused[start : start + weight.packed.shape[0]]
+        start += weight.packed.shape[0]
+    bias = None if modules[0].bias is None else torch.cat([m.bias.detach() for m in modules])
+    return _Fused(fused, bias, tuple(w.out_features for w in weights), forwards[0].args[2])
+
+
+@dataclass(frozen=True)
 class _Parts:
     """A layer's parts when it was installed, and the forwards Kev gave them."""
 
@@ -60,10 +102,15 @@ class _Parts:
     head_norms: tuple[Forward, Forward] | None  # Qwen3's q_norm and k_norm
     mlp: Forward
     rotary: attention_forward.Rotary
-    children: tuple[tuple[nn.Module, str, nn.Module], ...]  # (owner, name, part): still in place?
+    children: tuple[tuple[nn.Module, str, nn.Module, Forward], ...]  # (owner, name, part, its forward)
+    qkv: _Fused | None = None  # q, k and v as one product (batch-invariant path)
+    gate_up: tuple[_Fused, Any, Forward] | None = None  # gate and up as one product, silu_mul, down_proj
 
     def in_place(self) -> bool:
-        return all(owner._modules.get(name) is part for owner, name, part in self.children)
+        """Every part still the module it was, running the forward it ran: nobody wrapped or
+        replaced one since (a LoRA adapter, a test's control)."""
+        return all(owner._modules.get(name) is part and part.__dict__.get("forward") is forward
+                   for owner, name, part, forward in self.children)
 
 
 def install(model: nn.Module) -> None:
@@ -124,14 +171,27 @@ def _parts(layer: Any) -> _Parts | None:
     if any(forward is None for forward in forwards):
         return None
     found: list[Any] = forwards
+    names.append((layer, "self_attn"))
+    mlp, gate_up = layer.mlp, None
+    mlp_call = found[2]
+    if isinstance(mlp_call, functools.partial) and mlp_call.func is inplace._mlp_forward and mlp_call.args[1]:
+        mlp_parts = [_installed(mlp._modules.get(name)) for name in ("gate_proj", "up_proj", "down_proj")]
+        down_proj = mlp_parts[2]
+        fused = _fuse(mlp_parts[:2]) if all(f is not None for f in mlp_parts) else None
+        if fused is not None and down_proj is not None:
+            gate_up = (fused, mlp_call.args[1], down_proj)
+            names += [(mlp, "gate_proj"), (mlp, "up_proj"), (mlp, "down_proj")]
     return _Parts(
         attention=attention,
         norms=(found[0], found[1]),
-        mlp=found[2],
+        mlp=mlp_call,
         projections=(found[3], found[4], found[5], found[6]),
         head_norms=(found[7], found[8]) if len(found) > 7 else None,
         rotary=attention_call.args[1],
-        children=tuple((owner, name, owner._modules[name]) for owner, name in names + [(layer, "self_attn")]),
+        children=tuple((owner, name, owner._modules[name], owner._modules[name].__dict__["forward"])
+                       for owner, name in names),
+        qkv=_fuse(found[3:6]),
+        gate_up=gate_up,
     )
 
 
@@ -166,15 +226,25 @@ def _forward(layer: Any, parts: _Parts, hidden_states: torch.Tensor,
     tokens, dim = shape[1], int(attention.head_dim)
     residual = hidden_states
     normed = parts.norms[0](hidden_states)
-    query = q_proj(normed).view(1, tokens, -1, dim)
-    key = k_proj(normed).view(1, tokens, -1, dim)
+    if parts.qkv is not None:
+        query, key, value = parts.qkv(normed.view(tokens, -1))
+    else:
+        query, key, value = q_proj(normed), k_proj(normed), v_proj(normed)
+    query, key = query.view(1, tokens, -1, dim), key.view(1, tokens, -1, dim)
     if parts.head_norms is not None:  # Qwen3: per-head norms before the rotary
         query, key = parts.head_norms[0](query), parts.head_norms[1](key)
-    value = v_proj(normed).view(1, tokens, -1, dim).transpose(1, 2)
+    value = value.view(1, tokens, -1, dim).transpose(1, 2)
     cos, sin = (t.reshape(-1, t.shape[-1]) for t in position_embeddings)
     query = attention_forward._rotate(parts.rotary, query, cos, sin).transpose(1, 2)
     key = attention_forward._rotate(parts.rotary, key, cos, sin).transpose(1, 2)
     out, _ = kev_attention(attention, query, key, value, attention_mask, scaling=attention.scaling, **kwargs)
     hidden_states = residual + o_proj(out.reshape(1, tokens, -1).contiguous())
     residual = hidden_states
-    return residual + parts.mlp(parts.norms[1](hidden_states))
+    normed = parts.norms[1](hidden_states)
+    if parts.gate_up is None:
+        return residual + parts.mlp(normed)
+    fused, silu_mul, down_proj = parts.gate_up  # the MLP's kernel path: silu(gate) * up, then down
+    gate, up = fused(normed.view(tokens, -1))
+    product = gate.new_empty(gate.shape)
+    silu_mul(gate, up, product)
+    return residual + down_proj(product.view(1, tokens, -1))
