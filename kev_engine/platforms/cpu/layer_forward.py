@@ -73,7 +73,8 @@ def _fuse(forwards: list[Any]) -> _Fused | None:
     """One product for `exact_linear` forwards of one input, or None where they do not fit whole
     panels (float32: 16 outputs, bfloat16: 32), differ in kernel or dtype, or only some have a bias
     (the kernel adds none where there is none; +0 would turn a -0 into +0). Each layer's own packed
-    weight becomes a view of the fused one: no second copy."""
+    weight becomes a view of the fused one: no second copy. The biases are taken now, as the
+    packed weights were when the engine started (`exact_linear`: a later change is not seen)."""
     if not all(isinstance(f, functools.partial) and f.func is exact_linear._forward for f in forwards):
         return None
     modules = [f.args[0] for f in forwards]
