@@ -19,7 +19,6 @@ dtype, runs the class's own forward.
 from __future__ import annotations
 
 import functools
-import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -27,11 +26,10 @@ import torch
 from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from ...model.pack import Segment, pack
 from ..inplace import modeling_class
+from . import checked
 
 Rotary = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # (x [T, H, D], cos, sin [T, D])
-log = logging.getLogger("kev")
 
 # transformers.models.<package>.modeling_<package>.<class>: where its `sliding_window` argument comes from
 CLASSES = {"llama.LlamaAttention": None, "mistral.MistralAttention": "config", "qwen2.Qwen2Attention": "module",
@@ -53,42 +51,15 @@ def _listed() -> dict[type, tuple[str | None, Callable[..., Any]]]:
 
 def install(model: nn.Module, rotary: Rotary) -> None:
     """Give the listed attention modules the forward whose rotary is `rotary` (the kernel)."""
-    checked: dict[type, bool] = {}
-    for module in model.modules():
-        cls = type(module)
-        if cls not in _listed() or "forward" in module.__dict__:
-            continue
-        forward = functools.partial(_forward, module, rotary, *_listed()[cls])
-        if cls not in checked:
-            checked[cls] = _same_as_own(module, forward)
-            if not checked[cls]:
-                log.warning("%s.forward no longer computes what Kev's rotary kernel does: it keeps its own",
-                            cls.__qualname__)
-        if checked[cls]:
-            module.forward = forward  # type: ignore[method-assign]
+    def forward_for(module: Any) -> Callable[..., Any] | None:
+        listed = _listed().get(type(module))
+        return functools.partial(_forward, module, rotary, *listed) if listed is not None else None
+
+    checked.install(model, forward_for, lambda out: out[0], "Kev's rotary kernel")
 
 
 def uninstall(model: nn.Module) -> None:
-    for module in model.modules():
-        forward = module.__dict__.get("forward")
-        if isinstance(forward, functools.partial) and forward.func is _forward:
-            del module.forward
-
-
-def _same_as_own(module: Any, forward: Callable[..., Any]) -> bool:
-    """Kev's forward against the class's own on a probe pack of 3 tokens: bitwise equal outputs."""
-    weight, config = module.q_proj.weight, module.config
-    generator = torch.Generator().manual_seed(0)
-    hidden = torch.randn(1, 3, config.hidden_size, generator=generator).to(weight.device, weight.dtype)
-    dim = int(module.head_dim)
-    cos, sin = (torch.randn(1, 3, dim, generator=generator).to(weight.device, weight.dtype) for _ in range(2))
-    probe = pack([Segment(request_id=0, token_ids=[0, 0, 0], past_len=0, needs_logits=False)], weight.device)
-    kwargs = {"position_embeddings": (cos, sin), "attention_mask": None, "kev_pack": probe}
-    with torch.inference_mode():
-        try:
-            return torch.equal(forward(hidden, **kwargs)[0], type(module).forward(module, hidden, **kwargs)[0])
-        except Exception:  # noqa: BLE001 - a forward that no longer fits the formula's arguments
-            return False
+    checked.uninstall(model, _forward)
 
 
 def _forward(module: Any, rotary: Rotary, window: str | None, eager: Callable[..., Any],

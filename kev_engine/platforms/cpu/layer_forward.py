@@ -25,7 +25,6 @@ token in the input's dtype.
 from __future__ import annotations
 
 import functools
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -35,17 +34,14 @@ from torch import nn
 from torch.nn.modules import module as torch_module
 
 from ...model.attention import KEV_ATTENTION, kev_attention
-from ...model.pack import Segment, pack
 from .. import inplace
 from ..inplace import modeling_class
-from . import attention_forward, exact_linear
-
-log = logging.getLogger("kev")
+from . import attention_forward, checked, exact_linear
 
 CLASSES = ("llama.LlamaDecoderLayer", "mistral.MistralDecoderLayer", "qwen2.Qwen2DecoderLayer",
            "qwen3.Qwen3DecoderLayer")
 ATTENTION_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj")
-Forward = Callable[..., Any]
+Forward = checked.Forward
 
 
 @functools.cache
@@ -116,29 +112,15 @@ class _Parts:
 
 def install(model: nn.Module) -> None:
     """Give the listed layers whose parts all run Kev's forwards the direct forward."""
-    checked: dict[type, bool] = {}
-    for layer in model.modules():
-        cls = type(layer)
-        if cls not in _listed() or "forward" in layer.__dict__:
-            continue
-        parts = _parts(layer)
-        if parts is None:
-            continue
-        forward = functools.partial(_forward, layer, parts)
-        if cls not in checked:
-            checked[cls] = _same_as_own(layer, forward)
-            if not checked[cls]:
-                log.warning("%s.forward no longer computes what Kev's direct layer forward does: it keeps its own",
-                            cls.__qualname__)
-        if checked[cls]:
-            layer.forward = forward  # type: ignore[method-assign]
+    def forward_for(layer: Any) -> Forward | None:
+        parts = _parts(layer) if type(layer) in _listed() else None
+        return functools.partial(_forward, layer, parts) if parts is not None else None
+
+    checked.install(model, forward_for, lambda out: out, "Kev's direct layer forward")
 
 
 def uninstall(model: nn.Module) -> None:
-    for module in model.modules():
-        forward = module.__dict__.get("forward")
-        if isinstance(forward, functools.partial) and forward.func is _forward:
-            del module.forward
+    checked.uninstall(model, _forward)
 
 
 def _installed(module: Any) -> Forward | None:
@@ -194,22 +176,6 @@ def _parts(layer: Any) -> _Parts | None:
         qkv=_fuse(found[3:6]),
         gate_up=gate_up,
     )
-
-
-def _same_as_own(layer: Any, forward: Forward) -> bool:
-    """The direct forward against the class's own on a probe pack of 3 tokens: bitwise equal."""
-    weight, config = layer.self_attn.q_proj.weight, layer.self_attn.config
-    generator = torch.Generator().manual_seed(0)
-    hidden = torch.randn(1, 3, config.hidden_size, generator=generator).to(weight.device, weight.dtype)
-    dim = int(layer.self_attn.head_dim)
-    cos, sin = (torch.randn(1, 3, dim, generator=generator).to(weight.device, weight.dtype) for _ in range(2))
-    probe = pack([Segment(request_id=0, token_ids=[0, 0, 0], past_len=0, needs_logits=False)], weight.device)
-    kwargs = {"position_embeddings": (cos, sin), "attention_mask": None, "kev_pack": probe}
-    with torch.inference_mode():
-        try:
-            return torch.equal(forward(hidden, **kwargs), type(layer).forward(layer, hidden, **kwargs))
-        except Exception:  # noqa: BLE001 - a forward that no longer fits the layer's arguments
-            return False
 
 
 def _forward(layer: Any, parts: _Parts, hidden_states: torch.Tensor,
