@@ -15,9 +15,16 @@ from conftest import QUESTIONS, chat, tiny_model
 from kev_engine import Engine, SamplingParams
 from kev_engine.core.blocks import BlockManager
 from kev_engine.core.latency import Histogram, merged
-from kev_engine.core.pass_cost import CostModel, Work, pairs, target_ms
+from kev_engine.core.pass_cost import GROWTH, CostModel, Work, pairs, target_ms
 from kev_engine.core.request import Request
-from kev_engine.core.schedule import ALONE_FACTOR, FIRST_PASS_TOKENS, LONG_SHARE, MIN_CHUNK, Scheduler
+from kev_engine.core.schedule import (
+    ALONE_FACTOR,
+    FIRST_PASS_TOKENS,
+    LEAST_SHARE,
+    LONG_SHARE,
+    MIN_CHUNK,
+    Scheduler,
+)
 from kev_engine.platforms.cpu.platform import CpuPlatform
 from kev_engine.platforms.cuda.platform import CudaPlatform
 from kev_integrations.server.metrics import Metrics
@@ -76,6 +83,21 @@ def test_one_pass_or_passes_of_one_size_give_a_rate_through_the_origin() -> None
     frozen = per_token(2.0)
     frozen.observe(10, 0.0, 99.0)
     assert frozen.seconds_per_flop == 0.002  # learn=False never moves
+
+
+def test_a_pass_holds_at_most_growth_times_the_work_per_second_of_the_best_pass_timed() -> None:
+    """Passes that all took about the target (the scheduler fills them) leave the fit's fixed part
+    free to swing: here one says a token is almost free. The plan is bounded by what the timed
+    passes did per second; a fit that stays within that bound is taken as it is."""
+    model = CostModel(MS_PER_TOKEN)
+    for tokens in (38, 41, 40, 39, 42):
+        model.observe(tokens, 0.0, 0.1)  # every pass a tenth of a second: 420 tokens a second at best
+    model.fixed_s, model.seconds_per_flop = 0.099, 1e-6  # a swing: 0.1 ms of the pass for a million tokens
+    assert model.flops_within(0.1 - model.fixed_s) == pytest.approx(1000)
+    assert model.pass_flops(0.1) == pytest.approx(GROWTH * 420 * 0.1)
+    model.fixed_s, model.seconds_per_flop = 0.0, 0.1 / 40  # a fit within the bound: its own answer
+    assert model.pass_flops(0.1) == pytest.approx(40)
+    assert CostModel(MS_PER_TOKEN, seconds_per_flop=0.001, learn=False).pass_flops(0.1) == pytest.approx(100)
 
 
 def test_tokens_within_is_the_longest_chunk_whose_work_fits() -> None:
@@ -176,17 +198,35 @@ def test_every_running_answer_gets_its_token_in_every_pass_and_a_long_prompt_sti
         assert ran[long_one] == MIN_CHUNK  # no time left after the decodes: the least, never nothing
 
 
-def test_a_short_prompt_admitted_in_part_is_not_held_behind_the_long_one_under_way() -> None:
-    """Prompts under way go shortest-left first: a short one that got only part of a pass finishes
-    its prefill in the next, instead of waiting for the long prompt admitted before it."""
+def test_a_short_prompt_that_fits_beside_the_long_ones_least_finishes_in_the_pass_it_is_admitted_in() -> None:
+    """A waiting prompt that fits in what is left after the long prompt's least (LEAST_SHARE of the
+    pass here, less than MIN_CHUNK tokens) is admitted whole: its first token comes one pass after
+    it arrived, not two; the long one keeps the rest. One token more is the next test's case."""
     s = scheduler(budget_ms=100)
     long_one = request(0, 5000)
     s.add([long_one])
     run(s)
-    short = request(1, 60)
+    least = int(LEAST_SHARE * 100)
+    assert least < MIN_CHUNK
+    short = request(1, 100 - least)
+    s.add([short])
+    assert run(s) == {long_one: least, short: 100 - least}
+    assert short.output_ids == [7]
+    assert run(s) == {short: 1, long_one: 99}
+
+
+def test_a_short_prompt_admitted_in_part_is_not_held_behind_the_long_one_under_way() -> None:
+    """A waiting prompt too long to finish beside the long one's MIN_CHUNK shares the pass (the
+    long one keeps LONG_SHARE); prompts under way then go shortest-left first, so it finishes its
+    prefill in the next pass instead of waiting for the long prompt admitted before it."""
+    s = scheduler(budget_ms=100)
+    long_one = request(0, 5000)
+    s.add([long_one])
+    run(s)
+    short = request(1, 100 - int(LEAST_SHARE * 100) + 1)  # one token more than fits beside the long one's least
     s.add([short])
     assert run(s) == {long_one: 50, short: 50}  # the long one keeps LONG_SHARE: the short one gets the rest
-    assert run(s) == {short: 10, long_one: 90}  # now both are under way: the short one's 10 first
+    assert run(s) == {short: 41, long_one: 59}  # now both are under way: the short one's rest first
     assert short.output_ids == [7]
 
 

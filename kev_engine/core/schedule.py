@@ -8,9 +8,11 @@ streams all the weights once, so fewer, longer passes finish a batch sooner, and
 arriving meanwhile still starts within about three targets. What goes in, in this order:
 1. every running question's next token (a decode is one token): nobody who is answering stalls;
 2. prompts already under way continue in chunks, the shortest left first; the longest gets
-   everything the others (and the waiting prompts) do not need, but at least `LONG_SHARE` of the
-   time left and never under `MIN_CHUNK` tokens, so a long prompt always makes progress and a
-   short one admitted beside it is not held behind it;
+   everything the others (and the waiting prompts) do not need. When that leaves it at least
+   `MIN_CHUNK` tokens or `LEAST_SHARE` of the time left, whichever is less, the others all finish
+   in this pass: a short question that arrives while a long prompt runs has its first token one
+   pass after the one it arrived in. Else the longest keeps `LONG_SHARE` of the time left and
+   never under `MIN_CHUNK` tokens. Either way a long prompt always makes progress;
 3. waiting questions join in arrival-group order (shortest bucket first inside a group) while
    time, tokens, sequence slots and KV blocks last: a short question queued behind a long prompt
    is admitted in the very next pass, a group that fits is one pass, and a larger one runs in
@@ -37,8 +39,11 @@ from .request import Request, Status
 
 BUCKET = 128
 WATERMARK = 0.01  # share of blocks kept free at admission, so running decodes rarely preempt
-LONG_SHARE = 0.5  # of a pass's time left after decodes, what prompts under way keep while others wait
+LONG_SHARE = 0.5  # of a pass's time left after decodes, what the longest prompt under way keeps while
+# the others and the queue need more than the pass holds
 MIN_CHUNK = 16  # tokens a prompt gets in a pass that has room for nothing else: progress, however slow
+LEAST_SHARE = 0.1  # of a pass's time left, the least the longest prompt under way keeps when what is
+# left lets the others and the queue all finish in the pass (at least one token, and MIN_CHUNK at most)
 ALONE_FACTOR = 2.0  # a pass holding one batch alone: fewer passes (each streams the weights), a newcomer
 # still starts within about three targets
 FIRST_PASS_TOKENS = 256  # a time-bounded engine's passes before one was timed: short, so it learns at once
@@ -133,20 +138,24 @@ class Scheduler:
         for request in decoding:  # 1. every running answer's next token
             if request.status is Status.RUNNING and plan.tokens_left > 0:
                 self._continue(plan, request, 1, on_preempt, decode=True)
-        if continuing:  # 2. prompts under way, the shortest left first; the longest keeps LONG_SHARE
+        if continuing:  # 2. prompts under way, the shortest left first; then the longest
             continuing.sort(key=lambda r: r.num_tokens - r.num_computed)  # stable: older first among equals
             *shorter, longest = continuing
-            kept = plan.flops_left  # for the longest: what the others (and the queue) leave, at least LONG_SHARE
+            kept, floor = plan.flops_left, MIN_CHUNK  # for the longest: what the others (and the queue) leave
             if math.isfinite(plan.flops_left):
                 others = self._waiting_flops(len(self.running), plan) + sum(self._need(r) for r in shorter)
-                kept = max(plan.flops_left * LONG_SHARE, plan.flops_left - others)
+                least = min(self._least_work(longest), plan.flops_left * LEAST_SHARE)
+                if 0 < others <= plan.flops_left - least:  # they all finish in this pass (a short question's
+                    kept, floor = plan.flops_left - others, 1  # first token one pass after the one it came in)
+                else:  # they cannot all finish here (or nothing else wants the time): it keeps its share
+                    kept = max(plan.flops_left * LONG_SHARE, plan.flops_left - others)
             for request in shorter:
                 if request.status is Status.RUNNING and plan.tokens_left > 0:
                     want = plan.fit(request, plan.flops_left - kept)
                     self._continue(plan, request, max(want, plan.least(request, waiting=False)), on_preempt,
                                    decode=False)
-            if longest.status is Status.RUNNING and plan.tokens_left > 0:  # never less than MIN_CHUNK: it moves
-                want = max(plan.fit(longest, min(kept, plan.flops_left)), plan.clip(longest, MIN_CHUNK))
+            if longest.status is Status.RUNNING and plan.tokens_left > 0:  # never less than `floor`: it moves
+                want = max(plan.fit(longest, min(kept, plan.flops_left)), plan.clip(longest, floor))
                 self._continue(plan, longest, want, on_preempt, decode=False)
         index = 0  # 3. waiting questions, in order
         while index < len(self.waiting) and plan.tokens_left > 0 and len(self.running) < self.max_num_seqs:
@@ -205,6 +214,13 @@ class Scheduler:
             return 0.0
         left = request.num_tokens - request.num_computed
         return self.cost.units(left, 1, pairs(request.num_computed, left))
+
+    def _least_work(self, request: Request) -> float:
+        """The work of `MIN_CHUNK` tokens of a prompt under way, from where it is."""
+        if self.cost is None:
+            return 0.0
+        take = min(MIN_CHUNK, request.num_tokens - request.num_computed)
+        return self.cost.units(take, 0, pairs(request.num_computed, take))
 
     def _waiting_flops(self, running: int, plan: _Pass) -> float:
         """The work of admitting the waiting prompts that have sequence slots and will not wait for
@@ -306,7 +322,7 @@ class _Pass:
         if self.cost is not None:  # one batch alone (nobody else waits or answers) may take ALONE_FACTOR targets
             alone = len({r.group for r in scheduler.running} | {r.group for r in scheduler.waiting}) <= 1
             target = scheduler.pass_time_s * (ALONE_FACTOR if alone else 1.0)
-            self.flops_left = self.cost.flops_within(target - self.cost.fixed_s)
+            self.flops_left = self.cost.pass_flops(target)
 
     def clip(self, request: Request, take: int) -> int:
         """`take` within what the request has left and the pass's token and logits caps."""
