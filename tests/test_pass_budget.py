@@ -230,6 +230,58 @@ def test_a_short_prompt_admitted_in_part_is_not_held_behind_the_long_one_under_w
     assert short.output_ids == [7]
 
 
+@pytest.mark.parametrize("queue_first", [True, False], ids=["queue-first", "control-second-long-first"])
+def test_a_short_prompt_is_not_held_behind_two_long_ones_under_way(queue_first: bool,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two long prompts under way and a short one waiting that fits beside them: it finishes in this
+    pass, the other long prompt (the shorter left) goes on with the rest of the pass, and the
+    longest keeps its least. The control, without the queue's need counted, gives the long ones
+    LONG_SHARE each and the short one only MIN_CHUNK."""
+    s = scheduler(budget_ms=100)
+    first, second = request(0, 5000), request(1, 4000)
+    s.add([first])
+    run(s)
+    s.add([second])
+    run(s)
+    assert not first.output_ids and not second.output_ids and second.num_computed > 0
+    short = request(2, 30)
+    s.add([short])
+    if not queue_first:
+        monkeypatch.setattr(s, "_waiting_flops", lambda running, plan: 0.0)
+    ran = run(s)
+    least = int(LEAST_SHARE * 100)  # the longest's least: the short one fits beside it and the other's share
+    assert ran == ({first: least, second: 100 - least - 30, short: 30} if queue_first
+                   else {first: 50, second: 50, short: MIN_CHUNK})
+
+
+@pytest.mark.parametrize("queue_first", [True, False], ids=["queue-first", "control-min-chunk"])
+def test_a_long_prompt_far_along_moves_by_less_than_min_chunk_while_a_short_one_waits(
+        queue_first: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The prompt under way with the least left is long too and far along: each of its tokens
+    attends to 4,050 earlier ones (6 ms here). Its MIN_CHUNK would fill the pass; while a short
+    prompt waits it moves by what is left after the queue, a token at least (the control, without
+    the queue's need, gives it MIN_CHUNK and the short one MIN_CHUNK)."""
+    s = scheduler(budget_ms=2000)
+    far, new = request(0, 5000), request(1, 4000)
+    s.add([far])
+    run(s)
+    s.pass_time_s = 0.1
+    s.add([new])
+    run(s)
+    assert (far.num_computed, new.num_computed) == (4050, 50)
+    s.cost = CostModel(Work(per_token=1.0, per_row=0.0, per_pair=5.0 / far.num_computed),
+                       seconds_per_flop=0.001, learn=False)
+    short = request(2, 30)
+    s.add([short])
+    if not queue_first:
+        monkeypatch.setattr(s, "_waiting_flops", lambda running, plan: 0.0)
+    ran = run(s)
+    if queue_first:
+        assert ran[short] == 30 and 1 <= ran[far] < MIN_CHUNK and ran[new] >= 1
+    else:
+        assert ran == {far: MIN_CHUNK, new: MIN_CHUNK, short: MIN_CHUNK}
+
+
 def test_when_a_pass_is_mispredicted_to_hold_nothing_the_queue_still_moves() -> None:
     """A cost model that thinks even one token overruns the pass (a long past's attention, a slow
     machine): the oldest prompt under way and the first waiting one each still get MIN_CHUNK."""

@@ -12,7 +12,8 @@ arriving meanwhile still starts within about three targets. What goes in, in thi
    `MIN_CHUNK` tokens or `LEAST_SHARE` of the time left, whichever is less, the others all finish
    in this pass: a short question that arrives while a long prompt runs has its first token one
    pass after the one it arrived in. Else the longest keeps `LONG_SHARE` of the time left and
-   never under `MIN_CHUNK` tokens. Either way a long prompt always makes progress;
+   never under `MIN_CHUNK` tokens, and a shorter prompt that cannot finish in this pass either
+   (a second long one) leaves the waiting prompts their need first. A long prompt always moves;
 3. waiting questions join in arrival-group order (shortest bucket first inside a group) while
    time, tokens, sequence slots and KV blocks last: a short question queued behind a long prompt
    is admitted in the very next pass, a group that fits is one pass, and a larger one runs in
@@ -139,24 +140,7 @@ class Scheduler:
             if request.status is Status.RUNNING and plan.tokens_left > 0:
                 self._continue(plan, request, 1, on_preempt, decode=True)
         if continuing:  # 2. prompts under way, the shortest left first; then the longest
-            continuing.sort(key=lambda r: r.num_tokens - r.num_computed)  # stable: older first among equals
-            *shorter, longest = continuing
-            kept, floor = plan.flops_left, MIN_CHUNK  # for the longest: what the others (and the queue) leave
-            if math.isfinite(plan.flops_left):
-                others = self._waiting_flops(len(self.running), plan) + sum(self._need(r) for r in shorter)
-                least = min(self._least_work(longest), plan.flops_left * LEAST_SHARE)
-                if 0 < others <= plan.flops_left - least:  # they all finish in this pass (a short question's
-                    kept, floor = plan.flops_left - others, 1  # first token one pass after the one it came in)
-                else:  # they cannot all finish here (or nothing else wants the time): it keeps its share
-                    kept = max(plan.flops_left * LONG_SHARE, plan.flops_left - others)
-            for request in shorter:
-                if request.status is Status.RUNNING and plan.tokens_left > 0:
-                    want = plan.fit(request, plan.flops_left - kept)
-                    self._continue(plan, request, max(want, plan.least(request, waiting=False)), on_preempt,
-                                   decode=False)
-            if longest.status is Status.RUNNING and plan.tokens_left > 0:  # never less than `floor`: it moves
-                want = max(plan.fit(longest, min(kept, plan.flops_left)), plan.clip(longest, floor))
-                self._continue(plan, longest, want, on_preempt, decode=False)
+            self._under_way(plan, continuing, on_preempt)
         index = 0  # 3. waiting questions, in order
         while index < len(self.waiting) and plan.tokens_left > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[index]
@@ -192,6 +176,37 @@ class Scheduler:
         self.planned = (plan.dense, plan.attention)
         return plan.chunks
 
+    def _under_way(self, plan: _Pass, continuing: list[Request], on_preempt: Callable[[Request], None]) -> None:
+        """Step 2 (the module docstring): prompts under way, the shortest left first, then the longest
+        with what the others and the queue leave it."""
+        continuing.sort(key=lambda r: r.num_tokens - r.num_computed)  # stable: older first among equals
+        *shorter, longest = continuing
+        left = plan.flops_left
+        kept, floor, queued = left, MIN_CHUNK, 0.0  # for the longest: what the others (and the queue) leave
+        finish = False  # whether the queue and the shorter prompts that can all finish in this pass
+        if math.isfinite(left):
+            queued = self._waiting_flops(len(self.running), plan)
+            needs = [self._need(r) for r in shorter]
+            small = queued + sum(need for need in needs if need <= left)  # the queue and what finishes here
+            stalled = sum(self._work(r, 1) for r, need in zip(shorter, needs) if need > left)  # other long ones
+            least = min(self._work(longest, MIN_CHUNK), left * LEAST_SHARE)
+            finish = 0 < small <= left - least - stalled  # a short question's first token one pass after it came
+            if finish:  # the longest keeps its least, and whatever the others leave
+                kept, floor = least, 1
+            else:  # it cannot all finish here (or nothing else wants the time): the longest keeps its share
+                kept = max(left * LONG_SHARE, left - queued - sum(needs))
+        for request in shorter:
+            if request.status is Status.RUNNING and plan.tokens_left > 0:
+                room, least_tokens = plan.flops_left - kept, plan.least(request, waiting=False)
+                if self._need(request) > room:  # another long prompt: the queue's short ones first,
+                    room -= min(queued, max(room, 0.0))  # and it moves by a token at least, not MIN_CHUNK
+                    least_tokens = min(least_tokens, plan.clip(request, 1)) if queued else least_tokens
+                self._continue(plan, request, max(plan.fit(request, room), least_tokens), on_preempt, decode=False)
+        if longest.status is Status.RUNNING and plan.tokens_left > 0:  # never less than `floor`: it moves
+            budget = max(kept, plan.flops_left - queued) if finish else min(kept, plan.flops_left)
+            want = max(plan.fit(longest, budget), plan.clip(longest, floor))
+            self._continue(plan, longest, want, on_preempt, decode=False)
+
     def _continue(self, plan: _Pass, request: Request, take: int, on_preempt: Callable[[Request], None],
                   decode: bool) -> None:
         """Plan `take` more tokens of a running request (fewer if the caps say so), preempting the
@@ -215,11 +230,11 @@ class Scheduler:
         left = request.num_tokens - request.num_computed
         return self.cost.units(left, 1, pairs(request.num_computed, left))
 
-    def _least_work(self, request: Request) -> float:
-        """The work of `MIN_CHUNK` tokens of a prompt under way, from where it is."""
+    def _work(self, request: Request, take: int) -> float:
+        """The work of a prompt under way's next `take` tokens (fewer if it has fewer left), no logits."""
         if self.cost is None:
             return 0.0
-        take = min(MIN_CHUNK, request.num_tokens - request.num_computed)
+        take = min(take, request.num_tokens - request.num_computed)
         return self.cost.units(take, 0, pairs(request.num_computed, take))
 
     def _waiting_flops(self, running: int, plan: _Pass) -> float:
