@@ -7,13 +7,15 @@ has (nobody else waiting or answering), its passes may take `ALONE_FACTOR` targe
 streams all the weights once, so fewer, longer passes finish a batch sooner, and a question
 arriving meanwhile still starts within about three targets. What goes in, in this order:
 1. every running question's next token (a decode is one token): nobody who is answering stalls;
-2. prompts already under way continue in chunks, the shortest left first; the longest gets
-   everything the others (and the waiting prompts) do not need. When that leaves it at least
-   `MIN_CHUNK` tokens or `LEAST_SHARE` of the time left, whichever is less, the others all finish
-   in this pass: a short question that arrives while a long prompt runs has its first token one
-   pass after the one it arrived in. Else the longest keeps `LONG_SHARE` of the time left and
-   never under `MIN_CHUNK` tokens, and a shorter prompt that cannot finish in this pass either
-   (a second long one) leaves the waiting prompts their need first. A long prompt always moves;
+2. prompts already under way continue in chunks, the shortest left first, then the longest.
+   When the waiting prompts and the shorter ones that can finish in this pass fit beside the
+   longest's least (`MIN_CHUNK` tokens or `LEAST_SHARE` of the time left, whichever is less) and
+   a token of each other long prompt, they all finish in this pass: a short question that
+   arrives while long prompts run has its first token one pass after the one it arrived in, and
+   the long ones share what is left, the shortest left first. Otherwise the longest keeps
+   `LONG_SHARE` of the time left (never under `MIN_CHUNK` tokens), and a shorter prompt that
+   cannot finish in this pass either leaves the waiting prompts their need first. A long prompt
+   always moves;
 3. waiting questions join in arrival-group order (shortest bucket first inside a group) while
    time, tokens, sequence slots and KV blocks last: a short question queued behind a long prompt
    is admitted in the very next pass, a group that fits is one pass, and a larger one runs in
@@ -43,8 +45,8 @@ WATERMARK = 0.01  # share of blocks kept free at admission, so running decodes r
 LONG_SHARE = 0.5  # of a pass's time left after decodes, what the longest prompt under way keeps while
 # the others and the queue need more than the pass holds
 MIN_CHUNK = 16  # tokens a prompt gets in a pass that has room for nothing else: progress, however slow
-LEAST_SHARE = 0.1  # of a pass's time left, the least the longest prompt under way keeps when what is
-# left lets the others and the queue all finish in the pass (at least one token, and MIN_CHUNK at most)
+LEAST_SHARE = 0.1  # of a pass's time left, the least the longest prompt under way keeps while the
+# others and the queue all finish in the pass (MIN_CHUNK tokens at most, a token at least)
 ALONE_FACTOR = 2.0  # a pass holding one batch alone: fewer passes (each streams the weights), a newcomer
 # still starts within about three targets
 FIRST_PASS_TOKENS = 256  # a time-bounded engine's passes before one was timed: short, so it learns at once
@@ -183,7 +185,7 @@ class Scheduler:
         *shorter, longest = continuing
         left = plan.flops_left
         kept, floor, queued = left, MIN_CHUNK, 0.0  # for the longest: what the others (and the queue) leave
-        finish = False  # whether the queue and the shorter prompts that can all finish in this pass
+        finish = False  # whether the queue and the shorter prompts that can finish here all do, this pass
         if math.isfinite(left):
             queued = self._waiting_flops(len(self.running), plan)
             needs = [self._need(r) for r in shorter]
