@@ -228,8 +228,8 @@ def test_a_short_prompt_that_fits_beside_the_long_ones_least_finishes_in_the_pas
 
 
 def test_a_short_prompt_admitted_in_part_is_not_held_behind_the_long_one_under_way() -> None:
-    """A waiting prompt too long to finish beside the long one's MIN_CHUNK shares the pass (the
-    long one keeps LONG_SHARE); prompts under way then go shortest-left first, so it finishes its
+    """A waiting prompt too long to finish beside the long one's least shares the pass (the long
+    one keeps LONG_SHARE); prompts under way then go shortest-left first, so it finishes its
     prefill in the next pass instead of waiting for the long prompt admitted before it."""
     s = scheduler(budget_ms=100)
     long_one = request(0, 5000)
