@@ -100,16 +100,20 @@ def test_a_pass_holds_at_most_growth_times_the_work_per_second_of_the_best_pass_
     assert CostModel(MS_PER_TOKEN, seconds_per_flop=0.001, learn=False).pass_flops(0.1) == pytest.approx(100)
 
 
-def test_decode_steps_alone_do_not_bound_a_full_pass() -> None:
-    """Passes far shorter than the target (one row each, mostly their fixed part) say nothing
-    about a full one: until one at least half the target's length was timed, the fit decides."""
+def test_after_decode_steps_alone_a_pass_holds_what_a_first_pass_holds() -> None:
+    """Decode steps (one row each, mostly their fixed part) say little about a full pass: from them
+    the fit may reach as far as it likes (here it says 270 rows fit), and the best of them bounds a
+    pass at 41 rows. The bound is never below `at_least`, what a first pass holds before any was
+    timed, so the next prompt is not cut into pieces of a few tokens."""
     model = CostModel(MS_PER_TOKEN)
     for rows in (1, 2, 1, 3, 2):
         model.observe(rows, 0.0, 0.030 + 0.001 * rows)  # 30 ms fixed, 1 ms a row
-    assert model.pass_flops(0.3) == pytest.approx(model.flops_within(0.3 - model.fixed_s)) == pytest.approx(270)
-    model.observe(100, 0.0, 0.2)  # a pass of two-thirds of the target: 500 rows a second, now the bound
+    assert model.flops_within(0.3 - model.fixed_s) == pytest.approx(270)
+    assert model.pass_flops(0.3) == pytest.approx(GROWTH * 3 / 0.033 * 0.3)  # about 41
+    assert model.pass_flops(0.3, at_least=256) == pytest.approx(256)
+    model.observe(200, 0.0, 0.2)  # a pass of two-thirds of the target: 1,000 rows a second, the bound
     model.fixed_s, model.seconds_per_flop = 0.0, 1e-6  # a swing of the fit
-    assert model.pass_flops(0.3) == pytest.approx(GROWTH * 500 * 0.3)
+    assert model.pass_flops(0.3, at_least=256) == pytest.approx(GROWTH * 1000 * 0.3)
 
 
 def test_tokens_within_is_the_longest_chunk_whose_work_fits() -> None:

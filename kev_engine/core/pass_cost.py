@@ -17,10 +17,10 @@ is slower per flop than a product). The three numbers are a least-squares fit ov
 `WINDOW` passes (refreshed after each), so they follow the machine as it is now: a decode step
 is mostly `fixed` (the weights streamed once), a prefill mostly flops, a chunk of a long prompt
 mostly attention. Until a pass has been timed, nothing is predicted: the scheduler keeps that
-first pass short (`schedule.FIRST_PASS_TOKENS`) so the model learns at once. Once passes about
-as long as the target were timed, a pass never holds more than `GROWTH` times the work per second
-of the best of them (`pass_flops`): the fit's swings under load never plan a pass of several
-targets.
+first pass short (`schedule.FIRST_PASS_TOKENS`) so the model learns at once. Then a pass never
+holds more than `GROWTH` times the work per second of the best pass timed, or what that first pass
+held (`pass_flops`): the fit's swings under load, or its reach from decode steps alone, never plan
+a pass of several targets.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from torch import nn
 
 ENV_VAR = "KEV_PASS_TIME_MS"
 WINDOW = 32  # passes the fit reads: enough to span decode steps and prefills, recent enough to follow load
-GROWTH = 1.5  # a pass holds at most this times the work per second of the best full pass timed (`pass_flops`)
+GROWTH = 1.5  # a pass holds at most this times the work per second of the best pass timed (`pass_flops`)
 
 
 @dataclass(frozen=True)
@@ -124,19 +124,18 @@ class CostModel:
         assert self.seconds_per_flop is not None
         return max(0.0, seconds) / self.seconds_per_flop if self.seconds_per_flop > 0 else math.inf
 
-    def pass_flops(self, seconds: float) -> float:
+    def pass_flops(self, seconds: float, at_least: float = 0.0) -> float:
         """The work (in `units`) a pass of `seconds` may hold: what the fit says, but at most
-        `GROWTH` times what the pass with the most work per second would do in that time, among the
-        passes timed that took at least half of `seconds`. Why the bound: under load the scheduler
-        fills every pass to the target, so the passes it learns from all take about as long; their
-        spread is mostly noise, and the fit's fixed part and attention ratio swing with it. A pass
-        planned on such a swing can run several targets (everyone waits for it); bounded, it runs
-        at most about `GROWTH` of one. Shorter passes (decode steps, mostly their fixed part) say
-        nothing about a full one, so while none as long was timed the fit alone decides."""
+        `GROWTH` times what the timed pass with the most work per second would do in that time,
+        or `at_least` (what a pass holds before any was timed) where that is more. Why the bound:
+        under load the scheduler fills every pass to the target, so the passes it learns from all
+        take about as long; their spread is mostly noise, and the fit's fixed part and attention
+        ratio swing with it. From decode steps alone (mostly their fixed part) it extrapolates as
+        far. A pass planned on such a swing can run several targets, and everyone waits for it;
+        bounded, it runs at most about `GROWTH` of one, and grows by that much a pass from there."""
         flops = self.flops_within(seconds - self.fixed_s)
-        rates = [(dense + self.attention_ratio * attention) / took
-                 for dense, attention, took in self.history if took >= seconds / 2]
-        return min(flops, GROWTH * max(rates) * seconds) if rates else flops
+        rates = [(dense + self.attention_ratio * attention) / took for dense, attention, took in self.history]
+        return min(flops, max(GROWTH * max(rates) * seconds, at_least)) if rates else flops
 
     def tokens_within(self, flops: float, past: int, rows: int) -> int:
         """The longest chunk of one question, `past` tokens already computed, whose work (its tokens,

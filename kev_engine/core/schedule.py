@@ -339,7 +339,7 @@ class _Pass:
         if self.cost is not None:  # one batch alone (nobody else waits or answers) may take ALONE_FACTOR targets
             alone = len({r.group for r in scheduler.running} | {r.group for r in scheduler.waiting}) <= 1
             target = scheduler.pass_time_s * (ALONE_FACTOR if alone else 1.0)
-            self.flops_left = self.cost.pass_flops(target)
+            self.flops_left = self.cost.pass_flops(target, at_least=self.cost.units(FIRST_PASS_TOKENS, 1, 0))
 
     def clip(self, request: Request, take: int) -> int:
         """`take` within what the request has left and the pass's token and logits caps."""
