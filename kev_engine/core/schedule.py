@@ -186,9 +186,9 @@ class Scheduler:
         left = plan.flops_left
         kept, floor, queued = left, MIN_CHUNK, 0.0  # for the longest: what the others (and the queue) leave
         finish = False  # whether the queue and the shorter prompts that can finish here all do, this pass
+        needs = [self._need(r) for r in shorter]  # each one's work left, whole
         if math.isfinite(left):
             queued = self._waiting_flops(len(self.running), plan)
-            needs = [self._need(r) for r in shorter]
             small = queued + sum(need for need in needs if need <= left)  # the queue and what finishes here
             stalled = sum(self._work(r, 1) for r, need in zip(shorter, needs) if need > left)  # other long ones
             least = min(self._work(longest, MIN_CHUNK), left * LEAST_SHARE)
@@ -197,10 +197,10 @@ class Scheduler:
                 kept, floor = least, 1
             else:  # it cannot all finish here (or nothing else wants the time): the longest keeps its share
                 kept = max(left * LONG_SHARE, left - queued - sum(needs))
-        for request in shorter:
+        for request, need in zip(shorter, needs):
             if request.status is Status.RUNNING and plan.tokens_left > 0:
                 room, least_tokens = plan.flops_left - kept, plan.least(request, waiting=False)
-                if self._need(request) > room:  # another long prompt: the queue's short ones first,
+                if need > room:  # another long prompt: the queue's short ones first,
                     room -= min(queued, max(room, 0.0))  # and it moves by a token at least, not MIN_CHUNK
                     least_tokens = min(least_tokens, plan.clip(request, 1)) if queued else least_tokens
                 self._continue(plan, request, max(plan.fit(request, room), least_tokens), on_preempt, decode=False)
