@@ -4,8 +4,11 @@ tile, in row blocks of any split — and equal to a float64 reference within rou
 
 The row counts cross the kernel's seams: 1 (its one-row path), tiles of 6 and their remainders,
 blocks of 96 and the balanced blocks of 97, 191 and 307 rows; the output counts cross its panels of
-16 (200 = 12 panels + 8, 40 = 2 panels + 8). The control shows the comparison can fail: the same
-row summed in another order (K in two halves) is caught.
+16 (200 = 12 panels + 8, 40 = 2 panels + 8), and K crosses the AVX512-BF16 path's K blocks (576 = 4.5
+blocks of 128) and its pairs (67: odd). Every bf16 instruction path this CPU has is checked, not
+only the one its engines use: AMX, AVX512-BF16 (the path of CPUs without AMX, forced here) and the
+fused multiply-add fallback; a path the CPU lacks is reported as skipped with the reason. The control
+shows the comparison can fail: the same row summed in another order (K in two halves) is caught.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ import torch
 from kev_engine.platforms.cpu.kernels import load_kernels
 
 ROWS = [1, 2, 5, 6, 7, 13, 95, 96, 97, 191, 307]
+# (dtype, bf16 instruction path): "" is this machine's own
+PATHS = [(torch.float32, ""), (torch.bfloat16, "amx"), (torch.bfloat16, "avx512_bf16"), (torch.bfloat16, "fma")]
 
 
 @pytest.fixture(scope="module")
@@ -23,8 +28,16 @@ def kernels():
     return load_kernels()
 
 
-def product(kernels, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return kernels.linear_packed(x, kernels.linear_pack(weight), weight.shape[0], bias)
+def product(kernels, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, path: str = "") -> torch.Tensor:
+    return kernels.linear_packed(x, kernels.linear_pack(weight), weight.shape[0], bias, path)
+
+
+def require_path(kernels, path: str) -> None:
+    """Skip, naming what is missing, where this CPU or build has no such bf16 path."""
+    try:
+        product(kernels, torch.ones(1, 2, dtype=torch.bfloat16), torch.ones(1, 2, dtype=torch.bfloat16), None, path)
+    except RuntimeError as exc:
+        pytest.skip(f"{exc}".splitlines()[0])
 
 
 def rows_differing(got: torch.Tensor, alone: torch.Tensor) -> list[int]:
@@ -32,10 +45,12 @@ def rows_differing(got: torch.Tensor, alone: torch.Tensor) -> list[int]:
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dtype,path", PATHS, ids=["fp32", "bf16-amx", "bf16-avx512_bf16", "bf16-fma"])
 @pytest.mark.parametrize("out_features,in_features", [(200, 48), (40, 67), (576, 576)])
-def test_every_row_equals_itself_alone(kernels, threads: int, dtype: torch.dtype, out_features: int,
+def test_every_row_equals_itself_alone(kernels, threads: int, dtype: torch.dtype, path: str, out_features: int,
                                        in_features: int) -> None:
+    if path:
+        require_path(kernels, path)
     torch.manual_seed(out_features + in_features)
     weight = (torch.randn(out_features, in_features) * 0.1).to(dtype)
     bias = torch.randn(out_features).to(dtype)
@@ -43,9 +58,9 @@ def test_every_row_equals_itself_alone(kernels, threads: int, dtype: torch.dtype
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        alone = torch.cat([product(kernels, x[i : i + 1], weight, bias) for i in range(x.shape[0])])
+        alone = torch.cat([product(kernels, x[i : i + 1], weight, bias, path) for i in range(x.shape[0])])
         for rows in ROWS:
-            got = product(kernels, x[:rows], weight, bias)
+            got = product(kernels, x[:rows], weight, bias, path)
             assert rows_differing(got, alone[:rows]) == [], rows
     finally:
         torch.set_num_threads(before)

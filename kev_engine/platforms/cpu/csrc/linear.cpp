@@ -14,9 +14,11 @@
 //            the same sequence of fused multiply-adds on AVX-512 (tiles of 6 rows x 64 outputs)
 //            and AVX2 (6 x 16), so both give the same bits; without FMA, multiply then add.
 //   bfloat16: fp32 accumulators over k in steps of 32 (AMX `tdpbf16ps` tiles of 16 x 16, rows
-//            padded with zeros to 16), or of 2 (AVX512-BF16 `vdpbf16ps`), or products of pairs
-//            converted to fp32 and fused-multiply-added (anything else); then + bias in fp32
-//            and one rounding to bf16. A process uses one of these for its whole life.
+//            padded with zeros to 16), or of 2 (AVX512-BF16 `vdpbf16ps`, register tiles of 6 rows
+//            x 64 outputs with K in blocks of 128 whose accumulators are stored and reloaded
+//            exactly between blocks), or products of pairs converted to fp32 and
+//            fused-multiply-added (anything else); then + bias in fp32 and one rounding to bf16.
+//            A process uses one of these for its whole life.
 // Packed layouts (zero-padded, so padding adds exact zeros):
 //   float32  [ceil(N/16)][K][16]
 //   bfloat16 [ceil(N/32)*2][ceil(K/32)*16][16][2]   (k pairs: AMX's and vdpbf16ps's B layout)
@@ -297,51 +299,126 @@ const char* bf16_path_name(Bf16Path path) {
   }
 }
 
-// fp32 accumulators c [rows][32] (+ bias) rounded once to bf16 (to nearest even, as c10 does).
-void store_bf16(const float* c, int64_t rows, const float* bias, bf16* out, int64_t ldo, int64_t cols) {
+// fp32 accumulators c [rows][ldc] (+ bias) rounded once to bf16 (to nearest even, as c10 does).
+void store_bf16(const float* c, int64_t ldc, int64_t rows, const float* bias, bf16* out, int64_t ldo, int64_t cols) {
 #if defined(__AVX512BF16__)
   for (int64_t j = 0; j < cols; j += 16) {
     const int64_t left = std::min<int64_t>(16, cols - j);
     const __mmask16 mask = left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
     const __m512 add = bias != nullptr ? _mm512_maskz_loadu_ps(mask, bias + j) : _mm512_setzero_ps();
     for (int64_t i = 0; i < rows; ++i) {
-      const __m512 v = _mm512_add_ps(_mm512_loadu_ps(c + i * 32 + j), add);
+      const __m512 v = _mm512_add_ps(_mm512_loadu_ps(c + i * ldc + j), add);
       _mm256_mask_storeu_epi16(out + i * ldo + j, mask, (__m256i)_mm512_cvtneps_pbh(v));
     }
   }
 #else
   for (int64_t i = 0; i < rows; ++i)
-    for (int64_t j = 0; j < cols; ++j) out[i * ldo + j] = static_cast<bf16>(c[i * 32 + j] + (bias ? bias[j] : 0.f));
+    for (int64_t j = 0; j < cols; ++j) out[i * ldo + j] = static_cast<bf16>(c[i * ldc + j] + (bias ? bias[j] : 0.f));
 #endif
 }
 
-// Without AMX: a tile of up to 6 rows x 32 outputs (two panels), one k pair at a time.
-template <Bf16Path P>
-void bf16_tile_vector(const bf16* x, int64_t ldx, int64_t rows, const bf16* b0, const bf16* b1, int64_t k_pairs,
-                      float* c) {
 #if defined(__AVX512BF16__)
-  if constexpr (P == Bf16Path::kAvx512Bf16) {
-    __m512 acc[kRows][2];
-    for (int i = 0; i < kRows; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
-    for (int64_t kp = 0; kp < k_pairs; ++kp) {
-      const __m512bh w0 = (__m512bh)_mm512_loadu_si512(b0 + kp * 32);
-      const __m512bh w1 = (__m512bh)_mm512_loadu_si512(b1 + kp * 32);
-      for (int64_t i = 0; i < rows; ++i) {
-        uint32_t pair;
-        std::memcpy(&pair, x + i * ldx + 2 * kp, sizeof(pair));
-        const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
-        acc[i][0] = _mm512_dpbf16_ps(acc[i][0], a, w0);
-        acc[i][1] = _mm512_dpbf16_ps(acc[i][1], a, w1);
-      }
+constexpr int kDpRows = 6;          // rows per vdpbf16ps register tile: 6 x 4 accumulators, 4 weights,
+constexpr int kDpPanels = 4;        // one broadcast pair = 29 of the 32 vector registers
+constexpr int64_t kDpKBlock = 64;   // k pairs per K block: 4 panels' slice is 16 KB, in L1 across row tiles
+
+// R rows x NP panels over k pairs [kp0, kp1): fp32 accumulators in c (ldc floats a row), zero when
+// kp0 is 0, else read back; each output adds its k pairs in order from 0 whatever R, NP and blocks.
+template <int R, int NP>
+inline void dp_tile(const bf16* x, int64_t ldx, const bf16* w, int64_t panel_size, int64_t kp0, int64_t kp1,
+                    float* c, int64_t ldc) {
+  __m512 acc[R][NP];
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < NP; ++j) acc[i][j] = kp0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(c + i * ldc + j * 16);
+  for (int64_t kp = kp0; kp < kp1; ++kp) {
+    __m512bh b[NP];
+    for (int j = 0; j < NP; ++j) b[j] = (__m512bh)_mm512_loadu_si512(w + j * panel_size + kp * 32);
+    for (int i = 0; i < R; ++i) {
+      int32_t pair;
+      std::memcpy(&pair, x + i * ldx + 2 * kp, sizeof(pair));
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+      for (int j = 0; j < NP; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], a, b[j]);
     }
-    for (int64_t i = 0; i < rows; ++i) {
-      _mm512_storeu_ps(c + i * 32, acc[i][0]);
-      _mm512_storeu_ps(c + i * 32 + 16, acc[i][1]);
-    }
-    return;
   }
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < NP; ++j) _mm512_storeu_ps(c + i * ldc + j * 16, acc[i][j]);
+}
+
+template <int NP>
+inline void dp_rows(const bf16* x, int64_t ldx, int64_t rows, const bf16* w, int64_t panel_size, int64_t kp0,
+                    int64_t kp1, float* c, int64_t ldc) {
+  int64_t i = 0;
+  for (; i + kDpRows <= rows; i += kDpRows) dp_tile<kDpRows, NP>(x + i * ldx, ldx, w, panel_size, kp0, kp1, c + i * ldc, ldc);
+  const bf16* xi = x + i * ldx;
+  float* ci = c + i * ldc;
+  static_assert(kDpRows == 6, "the cases below cover 1 to kDpRows - 1 rows");
+  switch (rows - i) {
+    case 5: dp_tile<5, NP>(xi, ldx, w, panel_size, kp0, kp1, ci, ldc); break;
+    case 4: dp_tile<4, NP>(xi, ldx, w, panel_size, kp0, kp1, ci, ldc); break;
+    case 3: dp_tile<3, NP>(xi, ldx, w, panel_size, kp0, kp1, ci, ldc); break;
+    case 2: dp_tile<2, NP>(xi, ldx, w, panel_size, kp0, kp1, ci, ldc); break;
+    case 1: dp_tile<1, NP>(xi, ldx, w, panel_size, kp0, kp1, ci, ldc); break;
+    default: break;
+  }
+}
+
+// AVX512-BF16 without AMX: each task a row block x a run of panels, its K in blocks of kDpKBlock
+// pairs; within a block the weight slice of kDpPanels panels stays in L1 while every row tile of
+// the block uses it, and the accumulators wait in c between K blocks (stored and reloaded as fp32:
+// exact, so blocking changes no sum).
+void linear_bf16_dp(const bf16* x, int64_t m, int64_t k, const bf16* w, int64_t n, const float* bias, bf16* out) {
+  const int64_t panels = panels_bf16(n), panel_size = pairs_bf16(k) * 32, k_pairs = (k + 1) / 2;
+  const int64_t per_block = row_block(m, 1), blocks = (m + per_block - 1) / per_block;
+  // panels per task: 16 (256 outputs) when there are several row blocks (prefill); one row block
+  // (a decode pass) splits its panels evenly over the threads in whole register tiles, so no thread
+  // streams more of the weights than another
+  int64_t per_task = 16;
+  if (blocks == 1) {
+    const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+    const int64_t tiles = (panels + kDpPanels - 1) / kDpPanels;
+    per_task = (tiles + threads - 1) / threads * kDpPanels;
+  }
+  const int64_t groups = (panels + per_task - 1) / per_task;
+  const bool padded = k % 2 != 0;  // pairs read two columns: an odd K gets a zero column
+  at::parallel_for(0, blocks * groups, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(per_block * per_task * 16);
+    std::vector<bf16> pad;
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t block = t / groups, group = t % groups;
+      const int64_t m0 = block * per_block, rows = std::min(per_block, m - m0);
+      const int64_t p0 = group * per_task, p1 = std::min(panels, p0 + per_task);
+      const int64_t n0 = p0 * kPanel, cols = std::min((p1 - p0) * kPanel, n - n0);
+      if (cols <= 0) continue;
+      const int64_t ldc = (p1 - p0) * 16;
+      const bf16* a = x + m0 * k;
+      int64_t lda = k;
+      if (padded) {
+        pad.assign(rows * (k + 1), bf16(0.f));
+        for (int64_t r = 0; r < rows; ++r) std::memcpy(pad.data() + r * (k + 1), a + r * k, k * sizeof(bf16));
+        a = pad.data();
+        lda = k + 1;
+      }
+      for (int64_t kp0 = 0; kp0 < k_pairs; kp0 += kDpKBlock) {
+        const int64_t kp1 = std::min(k_pairs, kp0 + kDpKBlock);
+        for (int64_t p = p0; p < p1; p += kDpPanels) {
+          const bf16* wp = w + p * panel_size;
+          float* cp = acc.data() + (p - p0) * 16;
+          if (p1 - p >= kDpPanels)  // panels come in pairs: the last tile of a run has 4 or 2
+            dp_rows<kDpPanels>(a, lda, rows, wp, panel_size, kp0, kp1, cp, ldc);
+          else
+            dp_rows<2>(a, lda, rows, wp, panel_size, kp0, kp1, cp, ldc);
+        }
+      }
+      store_bf16(acc.data(), ldc, rows, bias != nullptr ? bias + n0 : nullptr, out + m0 * n + n0, n, cols);
+    }
+  });
+}
 #endif
-  // the even product then the odd one, each a fused multiply-add in fp32 (exact products of bf16s)
+
+// Without AMX or AVX512-BF16 (bf16 asked for explicitly): up to 6 rows x 32 outputs, the even
+// product then the odd one, each a fused multiply-add in fp32 (exact products of bf16s).
+void bf16_tile_fma(const bf16* x, int64_t ldx, int64_t rows, const bf16* b0, const bf16* b1, int64_t k_pairs,
+                   float* c) {
   for (int64_t i = 0; i < rows; ++i) {
     float acc[32] = {};
     for (int64_t kp = 0; kp < k_pairs; ++kp) {
@@ -358,11 +435,14 @@ void bf16_tile_vector(const bf16* x, int64_t ldx, int64_t rows, const bf16* b0, 
 
 void linear_bf16(const bf16* x, int64_t m, int64_t k, const bf16* w, int64_t n, const float* bias, bf16* out,
                  Bf16Path path) {
+#if defined(__AVX512BF16__)
+  if (path == Bf16Path::kAvx512Bf16) return linear_bf16_dp(x, m, k, w, n, bias, out);
+#endif
   const int64_t panels = panels_bf16(n), pairs = panels / 2, k_pairs = pairs_bf16(k), kpad = 2 * k_pairs;
   const int64_t panel_size = k_pairs * 32;                  // bf16 elements of one packed panel
   // AMX reads 32 columns a step, the others pairs: a row whose K does not fill them is padded with zeros
   const bool padded_rows = path == Bf16Path::kAmx ? k != kpad : k % 2 != 0;
-  // AMX: 32-row tiles, or 16 when the pass has no more (a decode step); others: register tiles
+  // AMX: 32-row tiles, or 16 when the pass has no more (a decode step); the fma path: 6 rows
   const int64_t tile_rows = path != Bf16Path::kAmx ? kRows : m <= 16 ? 16 : 32;
   constexpr int64_t kPairsPerTask = 8;                      // 256 outputs: their panels stay in L2
   const int64_t per_block = row_block(m, path == Bf16Path::kAmx ? tile_rows : 1);
@@ -401,12 +481,8 @@ void linear_bf16(const bf16* x, int64_t m, int64_t k, const bf16* w, int64_t n, 
               amx_tile<false>(a, lda * 2, b0, b1, k_pairs / 16, c);
           } else
 #endif
-          if (path == Bf16Path::kAvx512Bf16) {
-            bf16_tile_vector<Bf16Path::kAvx512Bf16>(a, lda, rows, b0, b1, (k + 1) / 2, c);
-          } else {
-            bf16_tile_vector<Bf16Path::kFma>(a, lda, rows, b0, b1, (k + 1) / 2, c);
-          }
-          store_bf16(c, rows, bias != nullptr ? bias + n0 : nullptr, out + (m0 + i) * n + n0, n, cols);
+            bf16_tile_fma(a, lda, rows, b0, b1, (k + 1) / 2, c);
+          store_bf16(c, 32, rows, bias != nullptr ? bias + n0 : nullptr, out + (m0 + i) * n + n0, n, cols);
         }
       }
     }
