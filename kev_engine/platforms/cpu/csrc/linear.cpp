@@ -250,6 +250,8 @@ void amx_configure() {  // tiles 0-3: C (16 x 16 fp32); 4, 5: A (16 rows x 32 bf
 
 // A 32-row (TWO) or 16-row x 32-output tile: rows a (stride lda bytes), panels b0 and b1, steps
 // of 32 along K. The 16-row form serves decode passes, whose few rows are padded to 16, not 32.
+constexpr int64_t kAhead = 4;  // steps (1 KB of each panel) a decode tile prefetches ahead
+
 template <bool TWO>
 inline void amx_tile(const bf16* a, int64_t lda, const bf16* b0, const bf16* b1, int64_t steps, float* c) {
   _tile_zero(0);
@@ -260,6 +262,12 @@ inline void amx_tile(const bf16* a, int64_t lda, const bf16* b0, const bf16* b1,
   }
   const bf16* a1 = a + 16 * (lda / 2);
   for (int64_t s = 0; s < steps; ++s) {
+    if constexpr (!TWO) {  // a decode pass streams each weight once: ask for it kAhead steps early
+      for (int line = 0; line < 16; ++line) {
+        _mm_prefetch(reinterpret_cast<const char*>(b0 + (s + kAhead) * 512 + line * 32), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(b1 + (s + kAhead) * 512 + line * 32), _MM_HINT_T0);
+      }
+    }
     _tile_loadd(4, a + s * 32, lda);
     _tile_loadd(6, b0 + s * 512, 64);
     _tile_dpbf16ps(0, 4, 6);
@@ -444,10 +452,13 @@ void linear_bf16(const bf16* x, int64_t m, int64_t k, const bf16* w, int64_t n, 
   const bool padded_rows = path == Bf16Path::kAmx ? k != kpad : k % 2 != 0;
   // AMX: 32-row tiles, or 16 when the pass has no more (a decode step); the fma path: 6 rows
   const int64_t tile_rows = path != Bf16Path::kAmx ? kRows : m <= 16 ? 16 : 32;
-  constexpr int64_t kPairsPerTask = 8;                      // 256 outputs: their panels stay in L2
   const int64_t per_block = row_block(m, path == Bf16Path::kAmx ? tile_rows : 1);
   const int64_t blocks = (m + per_block - 1) / per_block;
-  const int64_t groups = (pairs + kPairsPerTask - 1) / kPairsPerTask;
+  // pairs of panels per task: 8 (256 outputs, their panels stay in L2) with several row blocks; one
+  // row block (a decode pass) gives each thread an even share, as the weights' streaming is its time
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t per_task = blocks > 1 ? 8 : (pairs + threads - 1) / threads;
+  const int64_t groups = (pairs + per_task - 1) / per_task;
   at::parallel_for(0, blocks * groups, 1, [&](int64_t begin, int64_t end) {
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)
     if (path == Bf16Path::kAmx) amx_configure();
@@ -457,7 +468,7 @@ void linear_bf16(const bf16* x, int64_t m, int64_t k, const bf16* w, int64_t n, 
     for (int64_t t = begin; t < end; ++t) {
       const int64_t block = t / groups, group = t % groups;
       const int64_t m0 = block * per_block, rows_in_block = std::min(per_block, m - m0);
-      const int64_t q0 = group * kPairsPerTask, q1 = std::min(pairs, q0 + kPairsPerTask);
+      const int64_t q0 = group * per_task, q1 = std::min(pairs, q0 + per_task);
       for (int64_t i = 0; i < rows_in_block; i += tile_rows) {
         const int64_t rows = std::min(tile_rows, rows_in_block - i);
         const bf16* a = x + (m0 + i) * k;
