@@ -21,7 +21,8 @@ random weights on the embedded model's tokenizer, `random_models`): random weigh
 a kernel's speed.
 
 Usage: python benchmarks/bench_decode_roofline.py [--model embedded llama-0.5b] [--dtype float32 bfloat16]
-       [--rows 1 16] [--steps 24] [--fast]
+       [--rows 1 16] [--steps 24] [--fast] [--out PATH]
+       As a CPU without AMX runs it: python -m kev_engine.platforms.cpu.isa no-amx -- python benchmarks/...
 """
 
 from __future__ import annotations
@@ -137,6 +138,7 @@ def main() -> None:
     ap.add_argument("--rows", nargs="+", type=int, default=[1, 16])
     ap.add_argument("--steps", type=int, default=24, help="new tokens per question (passes timed: about this many)")
     ap.add_argument("--fast", action="store_true", help="batch_invariant=False (torch's and Kev's fast kernels)")
+    ap.add_argument("--out", default=str(RESULTS), help="the report's path")
     args = ap.parse_args()
     if any(r < 1 for r in args.rows):
         raise SystemExit(f"--rows {args.rows}: every value must be at least 1")
@@ -153,8 +155,11 @@ def main() -> None:
                     rows.append((name, dtype_name, count, timed))
     bandwidth, how = read_bandwidth()  # after the engines: 1 GiB touched before them slowed their steps
     print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s ({how})", file=sys.stderr)
+    from kev_engine.platforms.cpu import isa, kernels
+
     lines = [f"# bench_decode_roofline ({time.strftime('%Y-%m-%d')}, {cpu_line()}, torch {torch.__version__}, "
-             f"{'batch_invariant=False' if args.fast else 'batch-invariant'})", "",
+             f"{'batch_invariant=False' if args.fast else 'batch-invariant'}, KEV_CPU_ISA={isa.resolve()}, "
+             f"kernels {kernels.load_kernels().linear_paths})", "",
              f"Read bandwidth {bandwidth / 1e9:.1f} GB/s (best of {how}, 1 GiB float32). Roofline: the "
              "step's Linear weights (output head included) read once at that bandwidth.", "",
              "| model | dtype | rows | weights MB | roofline ms | forward ms | step ms | step / roofline | passes |",
@@ -165,7 +170,7 @@ def main() -> None:
                      f"{r['forward_s'] * 1e3:.1f} | {r['step_s'] * 1e3:.1f} | {r['step_s'] / roofline:.2f} | "
                      f"{r['passes']} |")
     text = "\n".join(lines) + "\n"
-    RESULTS.write_text(text)
+    Path(args.out).write_text(text)
     print(text)
 
 

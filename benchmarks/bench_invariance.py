@@ -2,13 +2,21 @@
 
 For each dtype (float32, bfloat16) and workload (RAG-16: 16 questions with their own contexts,
 48 new tokens; DOC-QA: 20 questions about one ~1,500-token document, 32 new tokens; "one": the
-first RAG-16 question alone, 17 new tokens), in one run:
+first RAG-16 question alone, 17 new tokens; Q-64: the RAG-16 questions four times, each copy's
+system prompt opening with its own number so no two share a prefix, 32 new tokens), in one run:
 
 * ``kev``          - one ``Engine.generate`` over all questions, batch-invariant (the default)
+* ``kev_no_amx``   - bfloat16 on a CPU with AMX: the same, run as a CPU without AMX runs it
+                     (``KEV_CPU_ISA=no-amx``: Kev's AVX512-BF16 products, oneDNN capped to match)
 * ``kev_blas``     - the same with ``batch_invariant=False``: torch's BLAS and attention kernels
 * ``llama_server`` - llama.cpp's ``llama-server -np N -kvu`` (N slots, one unified KV buffer),
                      every question sent at once as the same prompt ids, greedy, from a GGUF of
-                     the same precision converted from the embedded model (see docs/benchmarks.md)
+                     the same precision converted from the model (see docs/benchmarks.md)
+
+Models: the embedded SmolLM2-135M-Instruct (its GGUFs in --gguf-dir), or with ``--model
+llama-0.7b`` a 0.7B-parameter Llama of random weights on the embedded tokenizer, built in
+``--model-dir`` (`random_models`; its GGUFs are converted there when ``--convert`` names
+llama.cpp's convert_hf_to_gguf.py). Random weights run every answer to max_tokens, alike for all.
 
 Every system runs in its own process, each timed run with fresh prefix-cache keys (Kev: a new
 ``cache_salt``; llama-server: ``cache_prompt`` off), best of ``--repeat``. After the timing, each
@@ -16,7 +24,9 @@ Kev system is checked the way `kev verify --exact` does it: all questions packed
 comparing the logits every token was sampled from with ``torch.equal``.
 
 Usage: python benchmarks/bench_invariance.py [--repeat 2] [--dtype float32 bfloat16]
-           [--workload rag16 docqa one] [--llama-server PATH --gguf-dir DIR]
+           [--workload rag16 docqa one q64] [--systems kev kev_no_amx kev_blas llama_server]
+           [--llama-server PATH --gguf-dir DIR] [--model embedded|llama-0.7b --model-dir DIR
+           --convert convert_hf_to_gguf.py] [--no-verify]
        DIR holds SmolLM2-135M-Instruct-f32.gguf and SmolLM2-135M-Instruct-bf16.gguf.
 """
 
@@ -40,16 +50,50 @@ from bench_prefix import doc_qa_messages  # noqa: E402
 from workload import load_rag, rag_messages  # noqa: E402
 
 RESULTS_MD = Path(__file__).resolve().parent / "results" / "bench_invariance.md"
-WORKLOADS = {"rag16": ("RAG-16", 48), "docqa": ("DOC-QA", 32), "one": ("1 question", 17)}
+WORKLOADS = {"rag16": ("RAG-16", 48), "docqa": ("DOC-QA", 32), "one": ("1 question", 17), "q64": ("Q-64", 32)}
 GGUF = {"float32": "SmolLM2-135M-Instruct-f32.gguf", "bfloat16": "SmolLM2-135M-Instruct-bf16.gguf"}
+GGUF_TYPE = {"float32": "f32", "bfloat16": "bf16"}
+SYSTEMS = ("kev", "kev_no_amx", "kev_blas", "llama_server")
+MODELS = {"embedded": None, "llama-0.7b": {"hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 14,
+                                           "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 128}}
 CORES = len(os.sched_getaffinity(0))
 WARM_UP = [{"role": "user", "content": "Say hello."}]
+HAS_AMX = "amx_bf16" in Path("/proc/cpuinfo").read_text().split() if Path("/proc/cpuinfo").exists() else False
 
 
 def messages(workload: str) -> list[Any]:
     if workload == "one":  # one RAG question alone (its own passage): the latency of a lone request
         return [rag_messages(load_rag()[0])]
+    if workload == "q64":  # four numbered copies: from their first words on, no prefix is shared
+        return [[{**m, "content": f"[{copy}] {m['content']}"} if m["role"] == "system" else m
+                 for m in rag_messages(item)] for copy in range(4) for item in load_rag()]
     return [rag_messages(item) for item in load_rag()] if workload == "rag16" else doc_qa_messages()
+
+
+def build_model(name: str, folder: Path, convert: str | None) -> Path:
+    """The random-weight model `name` in `folder` (built once), and its GGUFs when `convert` is given."""
+    import random_models
+
+    from kev_engine.model import loader
+
+    if not (folder / "config.json").exists():
+        embedded = loader.converted_gguf_dir(loader.embedded_gguf())
+        if not (embedded / "config.json").exists():
+            prompt_ids("one")  # loading the embedded model converts it: its config and tokenizer files
+        random_models.SHAPES.setdefault(name, MODELS[name])
+        random_models.build(embedded, name, folder, device="cpu", dtype=torch_dtype("bfloat16"))
+    for kind in GGUF_TYPE.values():
+        gguf = folder / f"{name}-{kind}.gguf"
+        if convert and not gguf.exists():
+            command = [sys.executable, convert, str(folder), "--outtype", kind, "--outfile", str(gguf)]
+            subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+    return folder
+
+
+def torch_dtype(name: str) -> Any:
+    import torch
+
+    return getattr(torch, name)
 
 
 def kev_worker(data: dict) -> dict:
@@ -57,10 +101,11 @@ def kev_worker(data: dict) -> dict:
     import torch
 
     from kev_engine import Engine, SamplingParams
+    from kev_engine.platforms.cpu import kernels
     from kev_engine.tools.verify import verify
 
     torch.set_num_threads(CORES)
-    engine = Engine.from_pretrained(dtype=data["dtype"], batch_invariant=data["invariant"])
+    engine = Engine.from_pretrained(data.get("model"), dtype=data["dtype"], batch_invariant=data["invariant"])
     msgs, max_tokens = messages(data["workload"]), data["max_tokens"]
     engine.generate([WARM_UP], SamplingParams(temperature=0, max_tokens=max_tokens))
     walls, generated = [], 0
@@ -70,13 +115,16 @@ def kev_worker(data: dict) -> dict:
         answers = engine.generate(msgs, sampling)
         walls.append(time.perf_counter() - started)
         generated = sum(a.completion_tokens for a in answers)
-    rows = verify(engine, msgs, [None] * len(msgs), max_tokens, bitwise=True)
     stats = engine.stats()
+    result = {"wall_s": min(walls), "walls": walls, "generated": generated, "dtype": stats["dtype"],
+              "batch_invariant": stats["batch_invariant"], "paths": kernels.load_kernels().linear_paths}
+    if data.get("verify", True):
+        rows = verify(engine, msgs, [None] * len(msgs), max_tokens, bitwise=True)
+        result |= {"bitwise_equal_alone": sum(r["ok"] for r in rows), "questions": len(rows),
+                   "tokens_equal_alone": sum(r["tokens_match"] for r in rows),
+                   "max_logit_diff": max(r["max_logit_diff"] for r in rows)}
     engine.close()
-    return {"wall_s": min(walls), "walls": walls, "generated": generated, "dtype": stats["dtype"],
-            "batch_invariant": stats["batch_invariant"], "bitwise_equal_alone": sum(r["ok"] for r in rows),
-            "tokens_equal_alone": sum(r["tokens_match"] for r in rows), "questions": len(rows),
-            "max_logit_diff": max(r["max_logit_diff"] for r in rows)}
+    return result
 
 
 def free_port() -> int:
@@ -140,19 +188,23 @@ def llama_server_run(binary: str, gguf: Path, prompts: list[list[int]], max_toke
             server.kill()
 
 
-def run_worker(name: str, data: dict) -> dict:
-    """`name` in its own process; a failure is reported, not raised."""
+def run_worker(name: str, data: dict, isa: str = "native") -> dict:
+    """`name` in its own process, as a CPU of instruction set `isa` (KEV_CPU_ISA) would run it;
+    a failure is reported, not raised."""
     with tempfile.TemporaryDirectory() as tmp:
         inp, out = Path(tmp) / "in.json", Path(tmp) / "out.json"
         inp.write_text(json.dumps(data))
-        rc = subprocess.call([sys.executable, os.path.abspath(__file__), "--worker", str(inp), str(out)])
+        command = [sys.executable, os.path.abspath(__file__), "--worker", str(inp), str(out)]
+        if isa != "native":  # torch's own dispatch is capped at its start: the isa runner sets it
+            command = [sys.executable, "-m", "kev_engine.platforms.cpu.isa", isa, "--", *command]
+        rc = subprocess.call(command)
         return json.loads(out.read_text()) if rc == 0 else {"skipped": f"{name}: worker exit code {rc}"}
 
 
-def prompt_ids(workload: str) -> list[list[int]]:
+def prompt_ids(workload: str, model: str | None = None) -> list[list[int]]:
     from kev_engine import Engine
 
-    engine = Engine.from_pretrained(dtype="float32", cpu_kernels="torch")  # only its tokenizer's ids
+    engine = Engine.from_pretrained(model, dtype="float32", cpu_kernels="torch")  # only its tokenizer's ids
     ids = [engine.encode(m) for m in messages(workload)]
     engine.close()
     return ids
@@ -167,24 +219,30 @@ def report(rows: list[dict], repeat: int) -> str:
     lines = [f"# bench_invariance: batch-invariant Kev vs torch's kernels vs llama-server ({CORES} cores, {cpu}, "
              f"torch {torch.__version__}, {platform.machine()}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})",
              "", f"Wall = best of {repeat} timed run(s) after a warm-up; every system in its own process.", "",
-             "| dtype | workload | system | wall s | new tokens | vs kev_blas | vs llama-server | "
-             "bitwise = alone | tokens = alone |", "|---|---|---|---|---|---|---|---|---|"]
+             "| model | dtype | workload | system | kernels | wall s | new tokens | vs kev_blas | vs llama-server | "
+             "vs kev float32 | bitwise = alone | tokens = alone |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    fp32 = {(r["model"], r["workload"]): r["results"].get("kev", {}) for r in rows if r["dtype"] == "float32"}
     for row in rows:
         res = row["results"]
         blas, llama = res.get("kev_blas", {}), res.get("llama_server", {})
-        for name in ("kev", "kev_blas", "llama_server"):
+        own32 = fp32.get((row["model"], row["workload"]), {})
+        for name in SYSTEMS:
             r = res.get(name)
             if r is None:
                 continue
+            head = f"| {row['model']} | {row['dtype']} | {row['workload']} | {name} |"
             if "skipped" in r:
-                lines.append(f"| {row['dtype']} | {row['workload']} | {name} | {r['skipped']} | | | | | |")
+                lines.append(f"{head} | {r['skipped']} | | | | | | | |")
                 continue
             vs_blas = f"{r['wall_s'] / blas['wall_s']:.2f}x" if "wall_s" in blas and name != "kev_blas" else ""
             vs_llama = f"{r['wall_s'] / llama['wall_s']:.2f}x" if "wall_s" in llama and name != "llama_server" else ""
+            vs_fp32 = (f"{r['wall_s'] / own32['wall_s']:.2f}x" if "wall_s" in own32 and name.startswith("kev")
+                       and row["dtype"] != "float32" else "")
             exact = f"{r['bitwise_equal_alone']}/{r['questions']}" if "questions" in r else "n/a"
             tokens = f"{r['tokens_equal_alone']}/{r['questions']}" if "questions" in r else "n/a"
-            lines.append(f"| {row['dtype']} | {row['workload']} | {name} | {r['wall_s']:.2f} | {r['generated']} | "
-                         f"{vs_blas} | {vs_llama} | {exact} | {tokens} |")
+            paths = r.get("paths", "llama.cpp")
+            lines.append(f"{head} {paths} | {r['wall_s']:.2f} | {r['generated']} | {vs_blas} | {vs_llama} | "
+                         f"{vs_fp32} | {exact} | {tokens} |")
     servers = [r["results"].get("llama_server", {}) for r in rows]
     commands = {s["command"] for s in servers if "command" in s}
     if commands:
@@ -199,37 +257,57 @@ def main() -> None:
     ap.add_argument("--workload", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     ap.add_argument("--llama-server", dest="llama_server", help="path of a llama-server binary (else skipped)")
     ap.add_argument("--gguf-dir", dest="gguf_dir", help="folder with the f32 and bf16 GGUFs of the embedded model")
+    ap.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS,
+                    help="kev_no_amx runs only for bfloat16 on a CPU with AMX")
+    ap.add_argument("--model", default="embedded", choices=list(MODELS))
+    ap.add_argument("--model-dir", dest="model_dir", help="where a random-weight --model is built (and reused)")
+    ap.add_argument("--convert", help="llama.cpp's convert_hf_to_gguf.py: GGUFs of a random-weight --model")
+    ap.add_argument("--no-verify", dest="verify", action="store_false", help="skip the packed == alone check")
+    ap.add_argument("--out", default=str(RESULTS_MD), help="the report's path (.md; its .json beside it)")
     ap.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         data = json.loads(Path(args.worker[0]).read_text())
         Path(args.worker[1]).write_text(json.dumps(kev_worker(data)))
         return
+    model, gguf_dir, gguf_name = None, args.gguf_dir, GGUF
+    if args.model != "embedded":
+        if not args.model_dir:
+            ap.error(f"--model {args.model} needs --model-dir")
+        model = str(build_model(args.model, Path(args.model_dir), args.convert))
+        gguf_dir, gguf_name = args.model_dir, {d: f"{args.model}-{k}.gguf" for d, k in GGUF_TYPE.items()}
     rows = []
     for dtype in args.dtype:
         for workload in args.workload:
             title, max_tokens = WORKLOADS[workload]
-            base = {"dtype": dtype, "workload": workload, "max_tokens": max_tokens, "repeat": args.repeat}
+            base = {"dtype": dtype, "workload": workload, "max_tokens": max_tokens, "repeat": args.repeat,
+                    "model": model, "verify": args.verify}
             results: dict[str, dict] = {}
-            for name, invariant in (("kev", True), ("kev_blas", False)):
-                print(f"--- {dtype} {title} {name}", flush=True)
-                results[name] = run_worker(name, {**base, "invariant": invariant})
+            for name, invariant, isa in (("kev", True, "native"), ("kev_no_amx", True, "no-amx"),
+                                         ("kev_blas", False, "native")):
+                if name not in args.systems or (name == "kev_no_amx" and (dtype != "bfloat16" or not HAS_AMX)):
+                    continue
+                print(f"--- {args.model} {dtype} {title} {name}", flush=True)
+                results[name] = run_worker(name, {**base, "invariant": invariant}, isa)
                 print(json.dumps(results[name]), flush=True)
-            if args.llama_server and args.gguf_dir:
-                print(f"--- {dtype} {title} llama_server", flush=True)
+            if "llama_server" not in args.systems:
+                pass
+            elif args.llama_server and gguf_dir:
+                print(f"--- {args.model} {dtype} {title} llama_server", flush=True)
                 try:
-                    results["llama_server"] = llama_server_run(args.llama_server, Path(args.gguf_dir) / GGUF[dtype],
-                                                               prompt_ids(workload), max_tokens, args.repeat)
+                    results["llama_server"] = llama_server_run(args.llama_server, Path(gguf_dir) / gguf_name[dtype],
+                                                               prompt_ids(workload, model), max_tokens, args.repeat)
                 except (OSError, RuntimeError) as exc:
                     results["llama_server"] = {"skipped": f"{type(exc).__name__}: {exc}"[:300]}
                 print(json.dumps(results["llama_server"]), flush=True)
             else:
                 results["llama_server"] = {"skipped": "no --llama-server and --gguf-dir given"}
-            rows.append({"dtype": dtype, "workload": title, "results": results})
+            rows.append({"model": args.model, "dtype": dtype, "workload": title, "results": results})
     md = report(rows, args.repeat)
-    RESULTS_MD.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS_MD.write_text(md)
-    RESULTS_MD.with_suffix(".json").write_text(json.dumps(rows, indent=1))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(md)
+    out.with_suffix(".json").write_text(json.dumps(rows, indent=1))
     print("\n" + md)
 
 
