@@ -263,6 +263,7 @@ inline void amx_tile(const bf16* a, int64_t lda, const bf16* b0, const bf16* b1,
   const bf16* a1 = a + 16 * (lda / 2);
   for (int64_t s = 0; s < steps; ++s) {
     if constexpr (!TWO) {  // a decode pass streams each weight once: ask for it kAhead steps early
+      // (past a panel's end this touches the next one or nothing: a prefetch never faults)
       for (int line = 0; line < 16; ++line) {
         _mm_prefetch(reinterpret_cast<const char*>(b0 + (s + kAhead) * 512 + line * 32), _MM_HINT_T0);
         _mm_prefetch(reinterpret_cast<const char*>(b1 + (s + kAhead) * 512 + line * 32), _MM_HINT_T0);
@@ -329,6 +330,7 @@ void store_bf16(const float* c, int64_t ldc, int64_t rows, const float* bias, bf
 constexpr int kDpRows = 6;          // rows per vdpbf16ps register tile: 6 x 4 accumulators, 4 weights,
 constexpr int kDpPanels = 4;        // one broadcast pair = 29 of the 32 vector registers
 constexpr int64_t kDpKBlock = 64;   // k pairs per K block: 4 panels' slice is 16 KB, in L1 across row tiles
+constexpr int64_t kAccFloats = 64 * 1024;  // a task's accumulators at most (256 KB: they stay in L2)
 
 // R rows x NP panels over k pairs [kp0, kp1): fp32 accumulators in c (ldc floats a row), zero when
 // kp0 is 0, else read back; each output adds its k pairs in order from 0 whatever R, NP and blocks.
@@ -378,13 +380,16 @@ void linear_bf16_dp(const bf16* x, int64_t m, int64_t k, const bf16* w, int64_t 
   const int64_t panels = panels_bf16(n), panel_size = pairs_bf16(k) * 32, k_pairs = (k + 1) / 2;
   const int64_t per_block = row_block(m, 1), blocks = (m + per_block - 1) / per_block;
   // panels per task: 16 (256 outputs) when there are several row blocks (prefill); one row block
-  // (a decode pass) splits its panels evenly over the threads in whole register tiles, so no thread
-  // streams more of the weights than another
+  // (a decode pass) splits its panels into whole register tiles, in as few tasks as keep a task's
+  // accumulators within kAccFloats, as many as a multiple of the threads: no thread streams more
+  // of the weights than another
   int64_t per_task = 16;
   if (blocks == 1) {
     const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
     const int64_t tiles = (panels + kDpPanels - 1) / kDpPanels;
-    per_task = (tiles + threads - 1) / threads * kDpPanels;
+    const int64_t most = std::max<int64_t>(1, kAccFloats / (16 * per_block) / kDpPanels);
+    const int64_t tasks = ((tiles + most - 1) / most + threads - 1) / threads * threads;
+    per_task = (tiles + tasks - 1) / tasks * kDpPanels;
   }
   const int64_t groups = (panels + per_task - 1) / per_task;
   const bool padded = k % 2 != 0;  // pairs read two columns: an odd K gets a zero column
@@ -454,10 +459,11 @@ void linear_bf16(const bf16* x, int64_t m, int64_t k, const bf16* w, int64_t n, 
   const int64_t tile_rows = path != Bf16Path::kAmx ? kRows : m <= 16 ? 16 : 32;
   const int64_t per_block = row_block(m, path == Bf16Path::kAmx ? tile_rows : 1);
   const int64_t blocks = (m + per_block - 1) / per_block;
-  // pairs of panels per task: 8 (256 outputs, their panels stay in L2) with several row blocks; one
-  // row block (a decode pass) gives each thread an even share, as the weights' streaming is its time
+  // pairs of panels per task: 8 (256 outputs: their panels stay in L2 while each row tile of the
+  // block reads them again); a pass of one row tile (a decode step) reads each panel once, so
+  // each thread takes an even share, as the weights' streaming is its time
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
-  const int64_t per_task = blocks > 1 ? 8 : (pairs + threads - 1) / threads;
+  const int64_t per_task = m <= tile_rows ? (pairs + threads - 1) / threads : 8;
   const int64_t groups = (pairs + per_task - 1) / per_task;
   at::parallel_for(0, blocks * groups, 1, [&](int64_t begin, int64_t end) {
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)
