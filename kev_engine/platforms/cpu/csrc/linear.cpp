@@ -29,6 +29,7 @@
 #include <algorithm>
 #include <cstring>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #if defined(__x86_64__)
@@ -40,7 +41,7 @@
 namespace {
 
 constexpr int64_t kPanel = 16;  // outputs per packed panel
-constexpr int64_t kRows = 6;    // rows per register tile (fp32)
+constexpr int64_t kRows = 6;    // rows per register tile (fp32; bf16 without AMX)
 constexpr int64_t kRowBlock = 96;  // rows per task at most: their inputs stay in L2 while the panels stream
 
 // Rows per task: at most kRowBlock, and the same for every block (rounded up to `tile`, the rows
@@ -149,21 +150,30 @@ void f32_row_wide(const float* x, const float* w, int64_t k, const float* bias, 
 constexpr int kWideRow = 4;  // panels a one-row task covers
 #endif
 
+// `rows` in register tiles of kRows, then one tile of what is left: tile(R, first row) with R a
+// std::integral_constant, so each tile's row count is a compile-time constant (its accumulators
+// stay in registers).
+template <typename Tile>
+inline void row_tiles(int64_t rows, Tile&& tile) {
+  static_assert(kRows == 6, "the cases below cover 1 to kRows - 1 rows");
+  int64_t i = 0;
+  for (; i + kRows <= rows; i += kRows) tile(std::integral_constant<int, kRows>{}, i);
+  switch (rows - i) {
+    case 5: tile(std::integral_constant<int, 5>{}, i); break;
+    case 4: tile(std::integral_constant<int, 4>{}, i); break;
+    case 3: tile(std::integral_constant<int, 3>{}, i); break;
+    case 2: tile(std::integral_constant<int, 2>{}, i); break;
+    case 1: tile(std::integral_constant<int, 1>{}, i); break;
+    default: break;
+  }
+}
+
 template <int NP>
 void f32_rows(const float* x, int64_t ldx, int64_t rows, const float* w, int64_t k, const float* bias, float* out,
               int64_t ldo, int64_t cols) {
-  int64_t i = 0;
-  for (; i + kRows <= rows; i += kRows) f32_tile<kRows, NP>(x + i * ldx, ldx, w, k, bias, out + i * ldo, ldo, cols);
-  const float* xi = x + i * ldx;
-  float* oi = out + i * ldo;
-  switch (rows - i) {
-    case 5: f32_tile<5, NP>(xi, ldx, w, k, bias, oi, ldo, cols); break;
-    case 4: f32_tile<4, NP>(xi, ldx, w, k, bias, oi, ldo, cols); break;
-    case 3: f32_tile<3, NP>(xi, ldx, w, k, bias, oi, ldo, cols); break;
-    case 2: f32_tile<2, NP>(xi, ldx, w, k, bias, oi, ldo, cols); break;
-    case 1: f32_tile<1, NP>(xi, ldx, w, k, bias, oi, ldo, cols); break;
-    default: break;
-  }
+  row_tiles(rows, [&](auto r, int64_t i) {
+    f32_tile<decltype(r)::value, NP>(x + i * ldx, ldx, w, k, bias, out + i * ldo, ldo, cols);
+  });
 }
 
 void linear_f32(const float* x, int64_t m, int64_t k, const float* w, int64_t n, const float* bias, float* out) {
@@ -327,8 +337,9 @@ void store_bf16(const float* c, int64_t ldc, int64_t rows, const float* bias, bf
 }
 
 #if defined(__AVX512BF16__)
-constexpr int kDpRows = 6;          // rows per vdpbf16ps register tile: 6 x 4 accumulators, 4 weights,
-constexpr int kDpPanels = 4;        // one broadcast pair = 29 of the 32 vector registers
+// register tiles of kRows (6) rows x kDpPanels panels: 6 x 4 accumulators, 4 weights and one
+// broadcast pair = 29 of the 32 vector registers
+constexpr int kDpPanels = 4;
 constexpr int64_t kDpKBlock = 64;   // k pairs per K block: 4 panels' slice is 16 KB, in L1 across row tiles
 constexpr int64_t kAccFloats = 64 * 1024;  // a task's accumulators at most (256 KB: they stay in L2)
 
@@ -357,19 +368,9 @@ inline void dp_tile(const bf16* x, int64_t ldx, const bf16* w, int64_t panel_siz
 template <int NP>
 inline void dp_rows(const bf16* x, int64_t ldx, int64_t rows, const bf16* w, int64_t panel_size, int64_t kp0,
                     int64_t kp1, float* c, int64_t ldc) {
-  int64_t i = 0;
-  for (; i + kDpRows <= rows; i += kDpRows) dp_tile<kDpRows, NP>(x + i * ldx, ldx, w, panel_size, kp0, kp1, c + i * ldc, ldc);
-  const bf16* xi = x + i * ldx;
-  float* ci = c + i * ldc;
-  static_assert(kDpRows == 6, "the cases below cover 1 to kDpRows - 1 rows");
-  switch (rows - i) {
-    case 5: dp_tile<5, NP>(xi, ldx, w, panel_size, kp0, kp1, ci, ldc); break;
-    case 4: dp_tile<4, NP>(xi, ldx, w, panel_size, kp0, kp1, ci, ldc); break;
-    case 3: dp_tile<3, NP>(xi, ldx, w, panel_size, kp0, kp1, ci, ldc); break;
-    case 2: dp_tile<2, NP>(xi, ldx, w, panel_size, kp0, kp1, ci, ldc); break;
-    case 1: dp_tile<1, NP>(xi, ldx, w, panel_size, kp0, kp1, ci, ldc); break;
-    default: break;
-  }
+  row_tiles(rows, [&](auto r, int64_t i) {
+    dp_tile<decltype(r)::value, NP>(x + i * ldx, ldx, w, panel_size, kp0, kp1, c + i * ldc, ldc);
+  });
 }
 
 // AVX512-BF16 without AMX: each task a row block x a run of panels, its K in blocks of kDpKBlock
