@@ -54,11 +54,9 @@ WORKLOADS = {"rag16": ("RAG-16", 48), "docqa": ("DOC-QA", 32), "one": ("1 questi
 GGUF = {"float32": "SmolLM2-135M-Instruct-f32.gguf", "bfloat16": "SmolLM2-135M-Instruct-bf16.gguf"}
 GGUF_TYPE = {"float32": "f32", "bfloat16": "bf16"}
 SYSTEMS = ("kev", "kev_no_amx", "kev_blas", "llama_server")
-MODELS = {"embedded": None, "llama-0.7b": {"hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 14,
-                                           "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 128}}
+MODELS = ("embedded", "llama-0.7b")  # the latter a random_models shape
 CORES = len(os.sched_getaffinity(0))
 WARM_UP = [{"role": "user", "content": "Say hello."}]
-HAS_AMX = "amx_bf16" in Path("/proc/cpuinfo").read_text().split() if Path("/proc/cpuinfo").exists() else False
 
 
 def messages(workload: str) -> list[Any]:
@@ -80,7 +78,6 @@ def build_model(name: str, folder: Path, convert: str | None) -> Path:
         embedded = loader.converted_gguf_dir(loader.embedded_gguf())
         if not (embedded / "config.json").exists():
             prompt_ids("one")  # loading the embedded model converts it: its config and tokenizer files
-        random_models.SHAPES.setdefault(name, MODELS[name])
         random_models.build(embedded, name, folder, device="cpu", dtype=torch_dtype("bfloat16"))
     for kind in GGUF_TYPE.values():
         gguf = folder / f"{name}-{kind}.gguf"
@@ -259,7 +256,7 @@ def main() -> None:
     ap.add_argument("--gguf-dir", dest="gguf_dir", help="folder with the f32 and bf16 GGUFs of the embedded model")
     ap.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS,
                     help="kev_no_amx runs only for bfloat16 on a CPU with AMX")
-    ap.add_argument("--model", default="embedded", choices=list(MODELS))
+    ap.add_argument("--model", default="embedded", choices=MODELS)
     ap.add_argument("--model-dir", dest="model_dir", help="where a random-weight --model is built (and reused)")
     ap.add_argument("--convert", help="llama.cpp's convert_hf_to_gguf.py: GGUFs of a random-weight --model")
     ap.add_argument("--no-verify", dest="verify", action="store_false", help="skip the packed == alone check")
@@ -276,6 +273,9 @@ def main() -> None:
             ap.error(f"--model {args.model} needs --model-dir")
         model = str(build_model(args.model, Path(args.model_dir), args.convert))
         gguf_dir, gguf_name = args.model_dir, {d: f"{args.model}-{k}.gguf" for d, k in GGUF_TYPE.items()}
+    from kev_engine.platforms.cpu.isa import cpu_flags
+
+    has_amx = "amx_bf16" in cpu_flags("native")
     rows = []
     for dtype in args.dtype:
         for workload in args.workload:
@@ -285,7 +285,7 @@ def main() -> None:
             results: dict[str, dict] = {}
             for name, invariant, isa in (("kev", True, "native"), ("kev_no_amx", True, "no-amx"),
                                          ("kev_blas", False, "native")):
-                if name not in args.systems or (name == "kev_no_amx" and (dtype != "bfloat16" or not HAS_AMX)):
+                if name not in args.systems or (name == "kev_no_amx" and (dtype != "bfloat16" or not has_amx)):
                     continue
                 print(f"--- {args.model} {dtype} {title} {name}", flush=True)
                 results[name] = run_worker(name, {**base, "invariant": invariant}, isa)
