@@ -13,6 +13,7 @@ import torch
 from conftest import QUESTIONS, chat, tiny_model
 
 from kev_engine import Engine, SamplingParams
+from kev_engine.core import pass_cost
 from kev_engine.core.blocks import BlockManager
 from kev_engine.core.latency import Histogram, merged
 from kev_engine.core.pass_cost import GROWTH, CostModel, Work, pairs, target_ms
@@ -114,6 +115,27 @@ def test_after_decode_steps_alone_a_pass_holds_what_a_first_pass_holds() -> None
     model.observe(200, 0.0, 0.2)  # a pass of two-thirds of the target: 1,000 rows a second, the bound
     model.fixed_s, model.seconds_per_flop = 0.0, 1e-6  # a swing of the fit
     assert model.pass_flops(0.3, at_least=256) == pytest.approx(GROWTH * 1000 * 0.3)
+
+
+@pytest.mark.parametrize("anchors", [pass_cost.ANCHORS, 0])  # 0: the control, the window alone
+def test_a_prompt_timed_before_an_answers_decode_steps_still_sizes_the_next_pass(monkeypatch, anchors: int) -> None:
+    """A lone question (the embedded model's shapes, about its timings on a 2-core CPU): its
+    132-token prompt took 150 ms, then 40 decode steps filled the window, one row each, the time
+    drifting up by 0.04 ms a step as the attention grows a token's worth. Fitted on the window
+    alone, that drift is the only slope there is: a prompt then costs 2.5 s, and the next
+    question's 132 tokens would be cut into passes. The anchors keep the prompt's pass in the fit."""
+    monkeypatch.setattr(pass_cost, "ANCHORS", anchors)
+    work = Work(per_token=2.1e8, per_row=5.7e7, per_pair=2.2e5)
+    model = CostModel(work)
+    prompt = 132
+    model.observe(work.dense(prompt, 1), work.per_pair * pairs(0, prompt), 0.150)
+    for step in range(40):
+        model.observe(work.dense(1, 1), work.per_pair * pairs(prompt + step, 1), 0.026 + 0.00004 * step)
+    need = model.units(prompt, 1, pairs(0, prompt))
+    fits = model.pass_flops(0.6, at_least=model.units(FIRST_PASS_TOKENS, 1, 0)) >= need
+    assert fits == bool(anchors)
+    if anchors:
+        assert model.predict(need) == pytest.approx(0.150, rel=0.01)
 
 
 def test_tokens_within_is_the_longest_chunk_whose_work_fits() -> None:

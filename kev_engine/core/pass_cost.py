@@ -16,11 +16,17 @@ Linear products and the attention kernel run at rates of their own (attention ov
 is slower per flop than a product). The three numbers are a least-squares fit over the last
 `WINDOW` passes (refreshed after each), so they follow the machine as it is now: a decode step
 is mostly `fixed` (the weights streamed once), a prefill mostly flops, a chunk of a long prompt
-mostly attention. Until a pass has been timed, nothing is predicted: the scheduler keeps that
-first pass short (`schedule.FIRST_PASS_TOKENS`) so the model learns at once. Then a pass never
-holds more than `GROWTH` times the work per second of the best pass timed, or what that first pass
-held (`pass_flops`): the fit's swings under load, or its reach from decode steps alone, never plan
-a pass of several targets.
+mostly attention. Beside them the fit keeps the last `ANCHORS` passes that held a prompt's worth
+of tokens (`ANCHOR_TOKENS`), however old: after an answer of a few dozen tokens the window holds
+decode steps alone, all of one dense size, and a slope fitted on them (on the attention they add,
+a token's worth at a time) says a prompt costs many times what it does, so the next lone
+question's prompt would be cut into passes it does not need.
+
+Until a pass has been timed, nothing is predicted: the scheduler keeps that first pass short
+(`schedule.FIRST_PASS_TOKENS`) so the model learns at once. Then a pass never holds more than
+`GROWTH` times the work per second of the best pass timed, or what that first pass held
+(`pass_flops`): the fit's swings under load, or its reach from decode steps alone, never plan a
+pass of several targets.
 """
 
 from __future__ import annotations
@@ -35,6 +41,8 @@ from torch import nn
 
 ENV_VAR = "KEV_PASS_TIME_MS"
 WINDOW = 32  # passes the fit reads: enough to span decode steps and prefills, recent enough to follow load
+ANCHORS = 8  # the latest passes of ANCHOR_TOKENS or more kept beside the window: the fit's spread in work
+ANCHOR_TOKENS = 32  # a pass with this many tokens' worth of products is a prefill's (or many rows'), not a step's
 GROWTH = 1.5  # a pass holds at most this times the work per second of the best pass timed (`pass_flops`)
 
 
@@ -105,6 +113,7 @@ class CostModel:
         self.attention_ratio = attention_ratio
         self.learn = learn
         self.history: deque[tuple[float, float, float]] = deque(maxlen=window)  # (dense, attention, seconds)
+        self.anchors: deque[tuple[float, float, float]] = deque(maxlen=ANCHORS)  # the latest heavy ones, any age
 
     def units(self, tokens: int, rows: int, pairs: int) -> float:
         """A chunk's work in dense-equivalent flops: what the budget is counted in."""
@@ -134,7 +143,7 @@ class CostModel:
         far. A pass planned on such a swing can run several targets, and everyone waits for it;
         bounded, it runs at most about `GROWTH` of one, and grows by that much a pass from there."""
         flops = self.flops_within(seconds - self.fixed_s)
-        rates = [(dense + self.attention_ratio * attention) / took for dense, attention, took in self.history]
+        rates = [(dense + self.attention_ratio * attention) / took for dense, attention, took in self.points()]
         return min(flops, max(GROWTH * max(rates) * seconds, at_least)) if rates else flops
 
     def tokens_within(self, flops: float, past: int, rows: int) -> int:
@@ -159,11 +168,19 @@ class CostModel:
         """A pass of `dense` product flops and `attention` flops took `seconds`: refit."""
         if not self.learn or dense + attention <= 0 or not seconds > 0:
             return
-        self.history.append((dense, attention, seconds))
-        self.fixed_s, self.seconds_per_flop, self.attention_ratio = _fit(self.history)
+        point = (dense, attention, seconds)
+        self.history.append(point)
+        if dense >= ANCHOR_TOKENS * self.work.per_token:
+            self.anchors.append(point)
+        self.fixed_s, self.seconds_per_flop, self.attention_ratio = _fit(self.points())
+
+    def points(self) -> list[tuple[float, float, float]]:
+        """What the fit reads: the window, and the anchors that have left it (each pass once)."""
+        recent = {id(point) for point in self.history}
+        return [point for point in self.anchors if id(point) not in recent] + list(self.history)
 
 
-def _fit(points: deque[tuple[float, float, float]]) -> tuple[float, float, float]:
+def _fit(points: list[tuple[float, float, float]]) -> tuple[float, float, float]:
     """Least squares `seconds = fixed + dense_rate x dense + attention_rate x attention`, every
     number >= 0: the full fit where it is, else the best of the simpler ones (one rate for both
     kinds, no fixed part); returns (fixed, dense_rate, attention_rate / dense_rate)."""
