@@ -2,7 +2,8 @@
 own forward over Kev's installed parts, installed only on the listed classes whose forward it
 still matches (checked on a probe) and whose parts all run Kev's forwards without hooks, on both
 CPU paths, removed with the engine; a layer whose projection an adapter wrapped since, or a call
-with a transformers cache, runs the layer's own forward.
+with a transformers cache, runs the layer's own forward. On the batch-invariant path a layer runs
+as one kernel call (`kernels.DecoderLayer`): bitwise its kernels called one by one.
 
 End to end, every isolation and invariance test runs engines that use it against plain
 transformers models and against themselves alone.
@@ -10,6 +11,7 @@ transformers models and against themselves alone.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
@@ -17,7 +19,7 @@ import torch
 from conftest import FAMILIES, tiny_model
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-from kev_engine import Engine
+from kev_engine import Engine, SamplingParams
 from kev_engine.adapters.lora import LoraRouter, wrap_targets
 from kev_engine.model.pack import Segment, pack
 from kev_engine.model.setup import prepare_model
@@ -170,3 +172,46 @@ def test_fused_products_are_each_projection_alone_bitwise(dtype: torch.dtype) ->
     exact_linear.install(torch.nn.Sequential(odd, plain), kernels)
     assert layer_forward._fuse([odd.__dict__["forward"], projections[0].__dict__["forward"]]) is None
     assert layer_forward._fuse([plain.__dict__["forward"], projections[0].__dict__["forward"]]) is None
+
+
+def _per_call(model: torch.nn.Module) -> None:
+    """Every installed layer back to its kernels one call at a time (its parts without `native`)."""
+    for layer in layers(model):
+        forward = layer.__dict__["forward"]
+        layer.forward = functools.partial(layer_forward._forward, layer,
+                                          dataclasses.replace(forward.args[1], native=None))
+
+
+def _logits(engine: Engine, salt: str) -> list[torch.Tensor]:
+    prompts = [[{"role": "user", "content": f"Question {i}: " + "where does the river go " * (3 + 5 * i)}]
+               for i in range(4)]
+    sampling = SamplingParams(temperature=0, max_tokens=6, cache_salt=salt)
+    return [logits for _, logits in engine.generate_with_logits(prompts, [sampling] * 4, [None] * 4)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f != "glm"])
+def test_the_layer_as_one_kernel_call_is_its_kernels_one_by_one_bitwise(family: str, dtype: torch.dtype,
+                                                                       tokenizer) -> None:
+    """`kernels.DecoderLayer` (the batch-invariant path's layer in one call, pool and all) against
+    the same kernels called one by one from Python: prefill and decode steps of a pack, torch.equal
+    on every logit. The control, a native layer built with its norms' eps doubled, differs: the
+    comparison sees one layer's constant."""
+    engine = Engine(tiny_model(family, tokenizer).to(dtype), tokenizer)
+    try:
+        found = layers(engine.model)
+        assert all(parts(layer).native is not None for layer in found)
+        native = _logits(engine, "native")
+        _per_call(engine.model)
+        assert all(parts(layer).native is None for layer in found)
+        assert all(torch.equal(a, b) for a, b in zip(native, _logits(engine, "per-call"), strict=True))
+        first = found[0]
+        norm = first.input_layernorm
+        norm.variance_epsilon *= 2
+        layer_forward.uninstall(engine.model)
+        layer_forward.install(engine.model, load_kernels())
+        norm.variance_epsilon /= 2  # the control's layer holds the doubled eps; the Python path reads it live
+        assert parts(first).native is not None
+        assert not all(torch.equal(a, b) for a, b in zip(native, _logits(engine, "control"), strict=True))
+    finally:
+        engine.close()

@@ -58,7 +58,8 @@ OLD_ENV_VAR = "KEV_DECODE_KERNEL"  # its deprecated name
 CSRC = Path(__file__).resolve().parent / "csrc"
 # sources, headers and flags of each build; the exact build must never reassociate or contract
 BUILDS: dict[str, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]] = {
-    "exact": (("linear.cpp", "attention.cpp", "elementwise.cpp", "rows_linear.cpp", "bind_exact.cpp"), ("simd.h",),
+    "exact": (("linear.cpp", "attention.cpp", "elementwise.cpp", "rows_linear.cpp", "layer.cpp", "bind_exact.cpp"),
+              ("simd.h",),
               ("-O3", "-march=native", "-fno-fast-math", "-ffp-contract=off", "-fopenmp")),
     "fast": (("paged_decode.cpp", "bind_fast.cpp"), (),
              ("-O3", "-march=native", "-ffast-math", "-fopenmp")),
@@ -84,6 +85,7 @@ class Kernels:
         self.rms_norm = exact.rms_norm
         self.rotary = exact.rotary
         self.rows_linear = exact.rows_linear
+        self.DecoderLayer = exact.DecoderLayer
         self.paged_decode = fast.paged_decode
         self.paged_write = fast.paged_write
 

@@ -12,6 +12,9 @@ in, on the same tensors, in the same order, so it gives bitwise what that forwar
 per class on a probe), without the dispatch around them. On the batch-invariant path it also runs
 q, k and v as one packed product, and the MLP's gate and up as one (`_Fused`): every output is
 summed exactly as in its own product, and each call saved is a wake-up of the threads saved.
+Where every part is one of Kev's kernels (the batch-invariant path, the pool Kev's exact one), the
+whole layer is one call (`kernels.DecoderLayer`, csrc/layer.cpp): those kernels in that order,
+without returning to Python between them.
 
 Which layers: instances of the classes listed below (exactly those classes) whose parts all run
 a forward Kev installed (the norms, the attention with its rotary kernel, the MLP, each
@@ -24,6 +27,7 @@ token in the input's dtype.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,6 +41,7 @@ from ...model.attention import KEV_ATTENTION, kev_attention
 from .. import inplace
 from ..inplace import modeling_class
 from . import attention_forward, checked, exact_linear
+from .exact import ExactBackend
 
 CLASSES = ("llama.LlamaDecoderLayer", "mistral.MistralDecoderLayer", "qwen2.Qwen2DecoderLayer",
            "qwen3.Qwen3DecoderLayer")
@@ -102,6 +107,9 @@ class _Parts:
     children: tuple[tuple[nn.Module, str, nn.Module, Forward], ...]  # (owner, name, part, its forward)
     qkv: _Fused | None = None  # q, k and v as one product (batch-invariant path)
     gate_up: tuple[_Fused, Any, Forward] | None = None  # gate and up as one product, silu_mul, down_proj
+    native: Any = None  # the whole layer as one kernel call (`kernels.DecoderLayer`), where it can be built
+    native_dtype: torch.dtype | None = None  # the dtype it computes in
+    native_norms: tuple[tuple[nn.Module, torch.Tensor], ...] = ()  # each norm and the weight it holds
 
     def in_place(self) -> bool:
         """Every part still the module it was, running the forward it ran: nobody wrapped or
@@ -110,10 +118,13 @@ class _Parts:
                    for owner, name, part, forward in self.children)
 
 
-def install(model: nn.Module) -> None:
-    """Give the listed layers whose parts all run Kev's forwards the direct forward."""
+def install(model: nn.Module, kernels: Any = None) -> None:
+    """Give the listed layers whose parts all run Kev's forwards the direct forward; with Kev's
+    `kernels`, a layer of exact products runs as one kernel call (`kernels.DecoderLayer`)."""
     def forward_for(layer: Any) -> Forward | None:
         parts = _parts(layer) if type(layer) in _listed() else None
+        if parts is not None and kernels is not None:
+            parts = _with_native(parts, kernels)
         return functools.partial(_forward, layer, parts) if parts is not None else None
 
     checked.install(model, forward_for, lambda out: out, "Kev's direct layer forward")
@@ -178,6 +189,42 @@ def _parts(layer: Any) -> _Parts | None:
     )
 
 
+def _with_native(parts: _Parts, kernels: Any) -> _Parts:
+    """`parts` with the layer as one kernel call where every part is one of Kev's kernels: q, k, v
+    and gate, up each fused (`_Fused`), o and down exact products, every norm Kev's RMSNorm
+    kernel in the products' dtype. Otherwise `parts` as they are (the calls one by one)."""
+    if parts.qkv is None or parts.gate_up is None:
+        return parts
+    norms: list[Any] = [parts.norms[0], parts.norms[1], *(parts.head_norms or ())]
+    products: list[Any] = [parts.projections[3], parts.gate_up[2]]  # o_proj's and down_proj's forwards
+    if (not all(isinstance(f, functools.partial) and f.func is inplace._rms_norm_kernel for f in norms)
+            or not all(isinstance(f, functools.partial) and f.func is exact_linear._forward for f in products)):
+        return parts
+    modules = [f.args[0] for f in norms]
+    dtype = parts.qkv.packed.dtype
+    (o_proj, o_weight), (down_proj, down_weight) = [(f.args[0], f.args[1]) for f in products]
+    if (any(m.weight.dtype != dtype or m.weight.dim() != 1 for m in modules)
+            or o_weight.packed.dtype != dtype or down_weight.packed.dtype != dtype):
+        return parts
+    gate_up = parts.gate_up[0]
+    q, k, v = parts.qkv.widths
+    heads = parts.head_norms is not None
+    native = kernels.DecoderLayer(
+        modules[0].weight.detach(), modules[1].weight.detach(),
+        modules[2].weight.detach() if heads else None, modules[3].weight.detach() if heads else None,
+        [float(m.variance_epsilon) for m in modules] + ([0.0, 0.0] if not heads else []),
+        parts.qkv.packed, parts.qkv.bias, o_weight.packed, _bias(o_proj), gate_up.packed, gate_up.bias,
+        down_weight.packed, _bias(down_proj), [q, k, v, gate_up.widths[0]], int(parts.attention.head_dim),
+        o_weight.out_features, float(parts.attention.scaling))
+    return dataclasses.replace(parts, native=native, native_dtype=dtype,
+                               native_norms=tuple((m, m.weight) for m in modules))
+
+
+def _bias(module: nn.Module) -> torch.Tensor | None:
+    bias = getattr(module, "bias", None)
+    return bias.detach() if bias is not None else None
+
+
 def _forward(layer: Any, parts: _Parts, hidden_states: torch.Tensor,
              attention_mask: torch.Tensor | None = None,
              position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None, **kwargs: Any) -> torch.Tensor:
@@ -191,6 +238,16 @@ def _forward(layer: Any, parts: _Parts, hidden_states: torch.Tensor,
                                    position_embeddings=position_embeddings, **kwargs)
     attention, (q_proj, k_proj, v_proj, o_proj) = parts.attention, parts.projections
     tokens, dim = shape[1], int(attention.head_dim)
+    batch, backend = kwargs.get("kev_pack"), kwargs.get("kev_backend")
+    if (parts.native is not None and dtype == parts.native_dtype and type(backend) is ExactBackend
+            and batch is not None and batch.slot_blocks is not None and attention_mask is None
+            and all(module.weight is weight for module, weight in parts.native_norms)):
+        cos, sin = (t.reshape(-1, t.shape[-1]).contiguous() for t in position_embeddings)
+        pool, tables, index = backend.pool, batch.attention, int(attention.layer_idx)
+        out = parts.native.forward(hidden_states.reshape(tokens, -1), cos, sin, pool.keys[index], pool.values[index],
+                                   batch.slot_blocks, batch.slot_offsets, tables.block_tables, batch.cu_seqlens,
+                                   tables.past_lens)
+        return out.view(shape)
     residual = hidden_states
     normed = parts.norms[0](hidden_states)
     if parts.qkv is not None:

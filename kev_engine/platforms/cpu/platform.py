@@ -50,7 +50,7 @@ class CpuPlatform(Platform):
             left = rotary_table.install(model)
             attention_forward.install(model, self.kernels.rotary)  # the same bits as transformers' rotary
             left += inplace.install(model, self.kernels.silu_mul, self.kernels.rms_norm)
-            layer_forward.install(model)  # each layer straight to the forwards above: the same bits
+            layer_forward.install(model, self.kernels)  # each layer straight to those kernels: the same bits
             return left
         rows_linear.install(model, self.kernels.rows_linear if self.kernels is not None else None)  # few-row products
         inplace.install(model)  # Llama-style MLPs and RMSNorms: elementwise work in place

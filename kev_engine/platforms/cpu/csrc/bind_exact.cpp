@@ -16,6 +16,7 @@ void silu_mul(const at::Tensor& gate, const at::Tensor& up, at::Tensor& out);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 at::Tensor rows_linear(const at::Tensor& input, const at::Tensor& weight);
+void bind_layer(pybind11::module& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_pack", &linear_pack, "A weight [N, K] in the layout linear_packed reads (see linear.cpp)");
@@ -29,4 +30,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm of each row, batch-invariant (see elementwise.cpp)");
   m.def("rotary", &rotary, "Rotary embeddings, transformers' formula in one call (see elementwise.cpp)");
   m.def("rows_linear", &rows_linear, "input @ weight.T for few rows, float32 (see rows_linear.cpp)");
+  bind_layer(m);
 }

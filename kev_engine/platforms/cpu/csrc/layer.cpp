@@ -1,0 +1,115 @@
+// A Llama-style decoder layer as one call: the same kernels as `layer_forward._forward`, on the
+// same values, in the same order, so it gives the same bits (tests/test_layer_forward.py).
+//
+// Why: a decode step of few rows is thirty layers of small work, and in Python each layer is a
+// dozen kernel calls with views, splits, shape checks and attribute lookups between them: several
+// milliseconds of a step, a fifth to a third of it beside the products of a small model. Here the layer's weights and constants are held once (`DecoderLayer`, built when the
+// engine installs its forwards) and a call runs the whole layer without returning to Python,
+// the interpreter's lock released (the server's event loop and tokenizers run meanwhile).
+//
+// What it runs: RMSNorm; q, k and v as one packed product; Qwen3's per-head norms where given;
+// the rotary kernel for queries and keys; the new keys and values written to the pool; paged
+// attention over it; the output projection and the residual; RMSNorm; gate and up as one packed
+// product; silu(gate) * up; the down projection and the residual. The memory layout of a tensor
+// between kernels may differ from the Python path's (a copy made contiguous here, a view there):
+// every kernel computes each row (or element) by itself, so layout never changes a value.
+#include <torch/extension.h>
+
+#include <string>
+#include <vector>
+
+at::Tensor linear_packed(const at::Tensor& input, const at::Tensor& packed, int64_t n,
+                         const c10::optional<at::Tensor>& bias, const std::string& path);
+at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values,
+                           const at::Tensor& tables, const at::Tensor& cu_seqlens, const at::Tensor& past,
+                           double scale);
+void paged_write_transposed(at::Tensor& keys, at::Tensor& values, const at::Tensor& key, const at::Tensor& value,
+                            const at::Tensor& block_ids, const at::Tensor& offsets);
+void silu_mul(const at::Tensor& gate, const at::Tensor& up, at::Tensor& out);
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+
+namespace {
+
+using Optional = c10::optional<at::Tensor>;
+
+// RMSNorm of every row of width weight.size(0): rows [T, ...] → the same shape.
+at::Tensor norm_rows(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  const auto rows = x.reshape({-1, weight.size(0)});
+  return rms_norm(rows.stride(1) == 1 ? rows : rows.contiguous(), weight, eps).view(x.sizes());
+}
+
+class DecoderLayer {
+ public:
+  // norms: input, post-attention; head_norms: Qwen3's q_norm and k_norm weights (or none);
+  // eps: one per norm, in that order; qkv and gate_up: packed products of [q | k | v] and
+  // [gate | up] (linear.cpp's layout), o and down likewise; widths: q, k, v, intermediate.
+  DecoderLayer(at::Tensor input_norm, at::Tensor post_norm, Optional q_norm, Optional k_norm,
+               std::vector<double> eps, at::Tensor qkv, Optional qkv_bias, at::Tensor o, Optional o_bias,
+               at::Tensor gate_up, Optional gate_up_bias, at::Tensor down, Optional down_bias,
+               std::vector<int64_t> widths, int64_t head_dim, int64_t hidden, double scale)
+      : input_norm_(std::move(input_norm)), post_norm_(std::move(post_norm)), q_norm_(std::move(q_norm)),
+        k_norm_(std::move(k_norm)), eps_(std::move(eps)), qkv_(std::move(qkv)), qkv_bias_(std::move(qkv_bias)),
+        o_(std::move(o)), o_bias_(std::move(o_bias)), gate_up_(std::move(gate_up)),
+        gate_up_bias_(std::move(gate_up_bias)), down_(std::move(down)), down_bias_(std::move(down_bias)),
+        widths_(std::move(widths)), head_dim_(head_dim), hidden_(hidden), scale_(scale) {
+    TORCH_CHECK(eps_.size() == 4 && widths_.size() == 4, "DecoderLayer: four eps and four widths");
+    TORCH_CHECK(q_norm_.has_value() == k_norm_.has_value(), "DecoderLayer: both head norms or neither");
+  }
+
+  // hidden [T, hidden] → [T, hidden]; cos, sin [T, head_dim]; keys, values: this layer's pool;
+  // slot_blocks, slot_offsets: each new token's slot; tables, cu_seqlens, past: the pass's
+  // segments (attention.cpp's arguments).
+  at::Tensor forward(const at::Tensor& hidden, const at::Tensor& cos, const at::Tensor& sin, at::Tensor keys,
+                     at::Tensor values, const at::Tensor& slot_blocks, const at::Tensor& slot_offsets,
+                     const at::Tensor& tables, const at::Tensor& cu_seqlens, const at::Tensor& past) const {
+    TORCH_CHECK(hidden.dim() == 2 && hidden.size(1) == hidden_, "DecoderLayer: hidden must be [tokens, ", hidden_,
+                "]");
+    const int64_t tokens = hidden.size(0);
+    const int64_t q_width = widths_[0], k_width = widths_[1], v_width = widths_[2], inter = widths_[3];
+    const auto normed = norm_rows(hidden, input_norm_, eps_[0]);
+    const auto qkv = linear_packed(normed, qkv_, q_width + k_width + v_width, qkv_bias_, "");
+    auto query = qkv.narrow(1, 0, q_width).view({tokens, -1, head_dim_});
+    auto key = qkv.narrow(1, q_width, k_width).view({tokens, -1, head_dim_});
+    const auto value = qkv.narrow(1, q_width + k_width, v_width).view({tokens, -1, head_dim_});
+    if (q_norm_.has_value()) {
+      query = norm_rows(query, *q_norm_, eps_[2]);
+      key = norm_rows(key, *k_norm_, eps_[3]);
+    }
+    query = rotary(query.contiguous(), cos, sin);  // [T, heads, dim]
+    key = rotary(key.contiguous(), cos, sin);      // [T, kv_heads, dim]
+    paged_write_transposed(keys, values, key.transpose(0, 1), value.transpose(0, 1), slot_blocks, slot_offsets);
+    const auto attended = paged_attention(query, keys, values, tables, cu_seqlens, past, scale_);
+    const auto mixed = at::add(hidden, linear_packed(attended.view({tokens, -1}), o_, hidden_, o_bias_, ""));
+    const auto both = linear_packed(norm_rows(mixed, post_norm_, eps_[1]), gate_up_, 2 * inter, gate_up_bias_, "");
+    auto product = at::empty({tokens, inter}, both.options());
+    silu_mul(both.narrow(1, 0, inter), both.narrow(1, inter, inter), product);
+    return at::add(mixed, linear_packed(product, down_, hidden_, down_bias_, ""));
+  }
+
+ private:
+  at::Tensor input_norm_, post_norm_;
+  Optional q_norm_, k_norm_;
+  std::vector<double> eps_;
+  at::Tensor qkv_;
+  Optional qkv_bias_;
+  at::Tensor o_;
+  Optional o_bias_;
+  at::Tensor gate_up_;
+  Optional gate_up_bias_;
+  at::Tensor down_;
+  Optional down_bias_;
+  std::vector<int64_t> widths_;
+  int64_t head_dim_, hidden_;
+  double scale_;
+};
+
+}  // namespace
+
+void bind_layer(pybind11::module& m) {
+  pybind11::class_<DecoderLayer>(m, "DecoderLayer", "A Llama-style decoder layer in one call (see layer.cpp)")
+      .def(pybind11::init<at::Tensor, at::Tensor, Optional, Optional, std::vector<double>, at::Tensor, Optional,
+                          at::Tensor, Optional, at::Tensor, Optional, at::Tensor, Optional, std::vector<int64_t>,
+                          int64_t, int64_t, double>())
+      .def("forward", &DecoderLayer::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
+}
