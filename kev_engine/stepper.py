@@ -48,6 +48,13 @@ class Stepper:
         life.finish(life.record(chunks, batch, logits, draws, time.perf_counter() - started))
         return batch.num_tokens
 
+    def emptied(self) -> bool:
+        """Whether the last pass left the engine with nothing queued or running, decided when its
+        requests were freed, before their callers heard (called under the engine's lock). A caller
+        answered by it may submit again before the worker looks for work: that request still finds
+        an idle engine, and its first pass waits for those arriving with it (`arrivals`)."""
+        return self.life.emptied
+
     def fail_pass(self, exc: BaseException) -> None:
         """A pass raised: its running requests fail with it; the worker goes on."""
         self.life.fail_running(exc)

@@ -67,6 +67,7 @@ class Lifecycle:
         self.queue_seconds = Histogram()  # each request, submitted to first admitted
         self._request_ids = itertools.count()
         self._groups = itertools.count()
+        self.emptied = True  # the last pass left nothing queued or running (set where its requests are freed)
 
     # ---- requests in (under cond) -----------------------------------------------------------
 
@@ -205,6 +206,7 @@ class Lifecycle:
             for request, _ in finished:
                 self.scheduler.finish(request)
                 self.free(request)
+            self.emptied = not self.scheduler.has_work()  # before any caller hears of it: see `Stepper.emptied`
         for request, error in finished:
             self._deliver(request, request.result() if error is None else None, error)
 
@@ -215,6 +217,7 @@ class Lifecycle:
             for request in failed:
                 self.scheduler.finish(request)
                 self.free(request)
+            self.emptied = not self.scheduler.has_work()
         for request in failed:
             error = PassFailedError(f"the forward pass this request was in failed: {type(exc).__name__}: {exc}")
             error.__cause__ = exc

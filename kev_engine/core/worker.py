@@ -7,7 +7,7 @@ first pass when `arrivals` says the callers arriving together are in, and `hold(
 without a clock. Waiting questions join running ones between decode steps (continuous
 batching). A pass that raises fails its requests, never the thread.
 
-It drives a `Stepper` (`kev_engine/stepper.py`: has work, step, fail a pass, drain), held only
+It drives a `Stepper` (`kev_engine/stepper.py`: has work, step, emptied, fail a pass, drain), held only
 weakly between passes, so an engine dropped without `close()` is collected with its stepper (the
 finalizer wakes the thread, which then ends); at interpreter exit every live engine is closed
 before torch tears down its thread pools.
@@ -30,12 +30,13 @@ IDLE_RECHECK_S = 0.05  # a pass that could schedule nothing waits this long (or 
 
 
 class Stepped(Protocol):
-    """What the worker drives (`Stepper`). `has_work` and `drain` are called under the engine's lock."""
+    """What the worker drives (`Stepper`). `has_work`, `emptied` and `drain` are called under the engine's lock."""
 
     closed: bool
 
     def step(self) -> int: ...
     def has_work(self) -> bool: ...
+    def emptied(self) -> bool: ...
     def drain(self) -> None: ...
     def fail_pass(self, exc: BaseException) -> None: ...
 
@@ -162,6 +163,7 @@ def _loop(owner_ref: weakref.ref[Stepped], worker: Worker) -> None:
         with cond:
             if first:
                 arrivals.first_pass(running=False)
+            was_idle = owner.emptied()  # its callers may have come back before this thread looked
             if not ran:  # nothing could run (e.g. waiting on adapter slots): wait for news, bounded
                 cond.wait(IDLE_RECHECK_S)
         del owner
