@@ -35,7 +35,12 @@ using namespace kev;
 // (row, head) vectors of a tile: their scores over a chunk stay in registers (12 x 2 of the 32
 // AVX-512 registers; 6 x 2 of AVX2's 16, with 16-position chunks), and as many value chains run at once
 constexpr int kMaxTile = kLanes == 16 ? 12 : 6;
-constexpr int kSlices = kLanes == 16 ? 1 : 2;  // head-dimension slices of the values a sweep carries
+// Head-dimension slices of the values a sweep carries for a tile of R vectors: R x S accumulators
+// in registers, as many chains in flight as fit beside the values loaded. A decode row's tile is
+// only its query heads of one kv head (a few vectors): more slices keep the multiply-adds busy.
+constexpr int value_slices(int rows) {
+  return kLanes == 16 ? (rows <= 3 ? 4 : rows <= 6 ? 2 : 1) : (rows <= 2 ? 4 : 2);
+}
 static_assert(kMaxTile <= kLanes, "one exp rescales every row of a tile");
 
 struct Segment {  // one question's rows in this pass
@@ -117,7 +122,7 @@ void tile_chunk(const Pass<T>& p, const float* qbuf, const T* kc, const T* vc, c
   // values: acc = acc * alpha, then a chain of fused multiply-adds over the positions per lane;
   // S slices of the head dimension at once, so S x R chains are in flight (a fused multiply-add
   // waits for the one before it; each element's chain is the same whatever S is)
-  constexpr int S = kSlices;
+  constexpr int S = value_slices(R);
   int64_t d0 = 0;
   for (; d0 + S * kLanes <= dim; d0 += S * kLanes) {
     vf a[R][S];
