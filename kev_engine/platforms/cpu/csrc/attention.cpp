@@ -365,12 +365,26 @@ void paged_write_transposed(at::Tensor& keys, at::Tensor& values, const at::Tens
   char* vd = static_cast<char*>(values.data_ptr());
   const char* ks = static_cast<const char*>(k.data_ptr());
   const char* vs = static_cast<const char*>(v.data_ptr());
+  // a key's head dimension goes to `dim` places `block` apart: one typed store each (a memcpy of
+  // two or four bytes per value was a call per value)
+  auto transpose_key = [&](auto tag, const char* src, char* dst) {
+    using E = decltype(tag);
+    const E* from = reinterpret_cast<const E*>(src);
+    E* to = reinterpret_cast<E*>(dst);
+    for (int64_t d = 0; d < dim; ++d) to[d * block] = from[d];
+  };
   at::parallel_for(0, kv_heads, 1, [&](int64_t h0, int64_t h1) {
     for (int64_t h = h0; h < h1; ++h) {
       for (int64_t t = 0; t < tokens; ++t) {
         const char* src_k = ks + (h * k.stride(0) + t * k.stride(1)) * item;
         char* dst_k = kd + ((id[t] * kv_heads + h) * dim * block + off[t]) * item;
-        for (int64_t d = 0; d < dim; ++d) std::memcpy(dst_k + d * block * item, src_k + d * item, item);
+        if (keys.scalar_type() == at::kFloat) {
+          transpose_key(float{}, src_k, dst_k);
+        } else if (keys.scalar_type() == at::kBFloat16) {
+          transpose_key(at::BFloat16{}, src_k, dst_k);
+        } else {
+          for (int64_t d = 0; d < dim; ++d) std::memcpy(dst_k + d * block * item, src_k + d * item, item);
+        }
         std::memcpy(vd + ((id[t] * kv_heads + h) * block + off[t]) * dim * item,
                     vs + (h * v.stride(0) + t * v.stride(1)) * item, dim * item);
       }
