@@ -192,7 +192,10 @@ def _parts(layer: Any) -> _Parts | None:
 def _with_native(parts: _Parts, kernels: Any) -> _Parts:
     """`parts` with the layer as one kernel call where every part is one of Kev's kernels: q, k, v
     and gate, up each fused (`_Fused`), o and down exact products, every norm Kev's RMSNorm
-    kernel in the products' dtype. Otherwise `parts` as they are (the calls one by one)."""
+    kernel in the products' dtype. Otherwise `parts` as they are (the calls one by one). It holds
+    the norms' weights (views: a change in place is seen) and their eps as they are now, as the
+    packed products hold their weights; a norm whose weight is replaced since runs the calls one
+    by one (`_forward` checks)."""
     if parts.qkv is None or parts.gate_up is None:
         return parts
     norms: list[Any] = [parts.norms[0], parts.norms[1], *(parts.head_norms or ())]

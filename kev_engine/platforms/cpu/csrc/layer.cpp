@@ -3,9 +3,10 @@
 //
 // Why: a decode step of few rows is thirty layers of small work, and in Python each layer is a
 // dozen kernel calls with views, splits, shape checks and attribute lookups between them: several
-// milliseconds of a step, a fifth to a third of it beside the products of a small model. Here the layer's weights and constants are held once (`DecoderLayer`, built when the
-// engine installs its forwards) and a call runs the whole layer without returning to Python,
-// the interpreter's lock released (the server's event loop and tokenizers run meanwhile).
+// milliseconds of a step, a fifth to a third of it beside the products of a small model. Here the
+// layer's weights and constants are held once (`DecoderLayer`, built when the engine installs its
+// forwards) and a call runs the whole layer without returning to Python, the interpreter's lock
+// released (the server's event loop and tokenizers run meanwhile).
 //
 // What it runs: RMSNorm; q, k and v as one packed product; Qwen3's per-head norms where given;
 // the rotary kernel for queries and keys; the new keys and values written to the pool; paged
