@@ -59,7 +59,7 @@ CSRC = Path(__file__).resolve().parent / "csrc"
 # sources, headers and flags of each build; the exact build must never reassociate or contract
 BUILDS: dict[str, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]] = {
     "exact": (("linear.cpp", "attention.cpp", "elementwise.cpp", "rows_linear.cpp", "layer.cpp", "bind_exact.cpp"),
-              ("simd.h",),
+              ("simd.h", "exact.h"),
               ("-O3", "-march=native", "-fno-fast-math", "-ffp-contract=off", "-fopenmp")),
     "fast": (("paged_decode.cpp", "bind_fast.cpp"), (),
              ("-O3", "-march=native", "-ffast-math", "-fopenmp")),

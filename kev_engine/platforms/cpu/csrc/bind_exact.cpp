@@ -1,22 +1,5 @@
 // The exact build's kernels as one Python extension (kernels.py builds and loads it).
-#include <torch/extension.h>
-
-#include <string>
-
-at::Tensor linear_pack(const at::Tensor& weight);
-at::Tensor linear_packed(const at::Tensor& input, const at::Tensor& packed, int64_t n,
-                         const c10::optional<at::Tensor>& bias, const std::string& path);
-std::string linear_paths();
-at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values,
-                           const at::Tensor& tables, const at::Tensor& cu_seqlens, const at::Tensor& past,
-                           double scale);
-void paged_write_transposed(at::Tensor& keys, at::Tensor& values, const at::Tensor& key, const at::Tensor& value,
-                            const at::Tensor& block_ids, const at::Tensor& offsets);
-void silu_mul(const at::Tensor& gate, const at::Tensor& up, at::Tensor& out);
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
-at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
-at::Tensor rows_linear(const at::Tensor& input, const at::Tensor& weight);
-void bind_layer(pybind11::module& m);
+#include "exact.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_pack", &linear_pack, "A weight [N, K] in the layout linear_packed reads (see linear.cpp)");

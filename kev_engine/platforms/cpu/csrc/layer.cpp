@@ -14,21 +14,9 @@
 // product; silu(gate) * up; the down projection and the residual. The memory layout of a tensor
 // between kernels may differ from the Python path's (a copy made contiguous here, a view there):
 // every kernel computes each row (or element) by itself, so layout never changes a value.
-#include <torch/extension.h>
-
-#include <string>
 #include <vector>
 
-at::Tensor linear_packed(const at::Tensor& input, const at::Tensor& packed, int64_t n,
-                         const c10::optional<at::Tensor>& bias, const std::string& path);
-at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values,
-                           const at::Tensor& tables, const at::Tensor& cu_seqlens, const at::Tensor& past,
-                           double scale);
-void paged_write_transposed(at::Tensor& keys, at::Tensor& values, const at::Tensor& key, const at::Tensor& value,
-                            const at::Tensor& block_ids, const at::Tensor& offsets);
-void silu_mul(const at::Tensor& gate, const at::Tensor& up, at::Tensor& out);
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
-at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+#include "exact.h"
 
 namespace {
 
