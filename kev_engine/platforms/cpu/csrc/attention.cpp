@@ -69,14 +69,24 @@ struct Pass {
 // One tile of R query rows (vectors of `dim`) sharing a kv head, over one chunk of `chunk`
 // positions at key/value pointers kc (transposed: [dim][block]) and vc ([block][dim]).
 // n[r]: the chunk's positions row r may see (<= 0: none — the row is past its own length).
+// next_k, next_v: the next chunk's keys and values (or nullptr), requested a line or two per
+// step of the score loop: spread so, the requests stay within what a core keeps in flight while
+// the arithmetic runs (all at once, most wait behind the first ones and the loop waits too).
 template <typename T, int R, int NV>
 void tile_chunk(const Pass<T>& p, const float* qbuf, const T* kc, const T* vc, const int64_t* n, bool first,
-                float* m, float* l, float* acc, float* probs) {
+                float* m, float* l, float* acc, float* probs, const char* next_k, const char* next_v) {
   const int64_t dim = p.dim, block = p.block, chunk = NV * kLanes, padded = (dim + kLanes - 1) / kLanes * kLanes;
   vf s[R][NV];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < NV; ++j) s[r][j] = vf{};
+  constexpr int64_t line = NV * kLanes * sizeof(T);  // a chunk's keys at one d; its values per d of dim
   for (int64_t d = 0; d < dim; ++d) {  // scores: a chain of fused multiply-adds over d per (row, position)
+    if (next_k != nullptr) {
+      for (int64_t b = 0; b < line; b += 64) {
+        __builtin_prefetch(next_k + d * block * static_cast<int64_t>(sizeof(T)) + b);
+        __builtin_prefetch(next_v + d * line + b);
+      }
+    }
     vf key[NV];
     for (int j = 0; j < NV; ++j) key[j] = load_as_float(kc + d * block + j * kLanes);
     for (int r = 0; r < R; ++r) {
@@ -187,21 +197,20 @@ void run_tile(const Pass<T>& p, const Segment& seg, int64_t h, const int64_t* ro
   for (int64_t c = 0; c * chunk < longest; ++c) {
     const int64_t position = c * chunk, id = seg.table[position / p.block], offset = position % p.block;
     TORCH_CHECK(id >= 0 && id < p.num_blocks, "paged_attention: a row names block ", id, " of ", p.num_blocks);
-    if ((c + 1) * chunk < longest) {  // the next chunk's keys and values, requested ahead of use
-      const int64_t next = seg.table[(position + chunk) / p.block];
+    const char* next_k = nullptr;
+    const char* next_v = nullptr;
+    if ((c + 1) * chunk < longest) {  // the next chunk, requested while this one runs (tile_chunk)
+      const int64_t at = position + chunk, next = seg.table[at / p.block];
       if (next >= 0 && next < p.num_blocks) {
-        const int64_t at = (next * p.kv_heads + h) * p.block * dim;
-        for (int64_t i = 0; i < chunk * dim; i += 64 / static_cast<int64_t>(sizeof(T))) {
-          __builtin_prefetch(p.k + at + i);
-          __builtin_prefetch(p.v + at + i);
-        }
+        next_k = reinterpret_cast<const char*>(p.k + (next * p.kv_heads + h) * dim * p.block + at % p.block);
+        next_v = reinterpret_cast<const char*>(p.v + ((next * p.kv_heads + h) * p.block + at % p.block) * dim);
       }
     }
     const T* kc = p.k + (id * p.kv_heads + h) * dim * p.block + offset;
     const T* vc = p.v + ((id * p.kv_heads + h) * p.block + offset) * dim;
     int64_t n[R];
     for (int r = 0; r < R; ++r) n[r] = std::min<int64_t>(chunk, length[r] - position);
-    tile_chunk<T, R, NV>(p, qbuf, kc, vc, n, c == 0, m, l, acc, probs);
+    tile_chunk<T, R, NV>(p, qbuf, kc, vc, n, c == 0, m, l, acc, probs, next_k, next_v);
   }
   for (int r = 0; r < R; ++r) {
     T* orow = p.out + (rows[r] * p.heads + heads[r]) * dim;
