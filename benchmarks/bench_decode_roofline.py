@@ -1,10 +1,13 @@
-"""A decode step against the weight-bandwidth roofline, the machine's bandwidth measured in the same run.
+"""A decode step against the bandwidth roofline, the machine's bandwidth measured in the same run.
 
 Why: a decode step computes little per weight (one multiply-add per weight and row), so every
 step streams all the Linear weights from memory once, and its time is bounded below by
-`weight bytes / read bandwidth`. How far a step is above that bound says what is left to gain:
-at the bound the products are memory-bound and only fewer bytes (a smaller dtype) help; far above
-it, the products' code or everything around them (Python, small operations) is what costs.
+`weight bytes / read bandwidth`. Its attention also reads every row's cached keys and values once
+(each row its own: 16 rows of 300 positions read 16 x 300 positions' worth), so the step's full
+bound is `(weight bytes + KV bytes) / read bandwidth`; both are reported, the weights-only one
+and the one with the cache. How far a step is above the bound says what is left to gain: at the
+bound the step is memory-bound and only fewer bytes (a smaller dtype) help; far above it, the
+products' or attention's code or everything around them (Python, small operations) is what costs.
 
 Measured here, in one process:
   bandwidth  the best of torch's `sum` and its matrix-vector product (MKL's GEMV on x86) over
@@ -14,7 +17,10 @@ Measured here, in one process:
              answers `rows` questions (the RAG-16 chats, reused in turn, each run its own cache
              salt; a first run of the same batch warms up), and every pass in which all of them
              decode one token is timed: the model's forward alone, and the whole step (scheduling,
-             packing, sampling too); medians over the passes.
+             packing, sampling too); medians over the passes;
+  KV bytes   per timed step, the positions its rows attend (each row's past and its new token)
+             x layers x key and value heads x head size x 2 (keys, values) x the cache's element
+             size: what the step's attention reads at least once; the median over the steps.
 
 Models: "embedded" (SmolLM2-135M-Instruct, its own weights) and "llama-0.5b" (0.48B parameters,
 random weights on the embedded model's tokenizer, `random_models`): random weights do not change
@@ -78,6 +84,14 @@ def weight_bytes(model: Any) -> int:
     return total
 
 
+def kv_bytes_per_position(config: Any, dtype: torch.dtype) -> int:
+    """The cached keys and values of one position, all layers: what attention reads per position."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return config.num_hidden_layers * kv_heads * head_dim * 2 * torch.empty(0, dtype=dtype).element_size()
+
+
 def model_folder(name: str, dtype: torch.dtype, scratch: Path) -> str:
     embedded = loader.converted_gguf_dir(loader.embedded_gguf())
     if name == "embedded":
@@ -95,12 +109,15 @@ def decode_steps(folder: str, dtype: torch.dtype, rows: int, steps: int, invaria
     runner, stepper = engine._runner, engine._stepper
     forwards: list[tuple[int, float]] = []
     whole: list[tuple[int, float]] = []
+    attended: list[tuple[int, int]] = []  # (tokens, positions its rows attend) per pass
     forward, step = runner.forward, stepper.step
 
     def timed_forward(batch: Any, adapters: Any) -> torch.Tensor:
         started = time.perf_counter()
         out = forward(batch, adapters)
         forwards.append((batch.num_tokens, time.perf_counter() - started))
+        ends = batch.cu_seqlens_list
+        attended.append((batch.num_tokens, sum(past + ends[i + 1] - ends[i] for i, past in enumerate(batch.past_lens))))
         return out
 
     def timed_step() -> int:
@@ -118,8 +135,10 @@ def decode_steps(folder: str, dtype: torch.dtype, rows: int, steps: int, invaria
         engine.generate(batch, SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True, cache_salt="warm-up"))
         forwards.clear()
         whole.clear()
+        attended.clear()
         engine.generate(batch, sampling)
         weights = weight_bytes(engine.model)
+        per_position = kv_bytes_per_position(engine.model.config, engine.dtype)
     finally:
         engine.close()
     decode_forwards = [s for n, s in forwards if n == rows]
@@ -127,8 +146,10 @@ def decode_steps(folder: str, dtype: torch.dtype, rows: int, steps: int, invaria
     if not decode_forwards:
         raise SystemExit(f"no pass had all {rows} questions decoding (passes of {[n for n, _ in forwards]} tokens); "
                          "raise --steps")
+    positions = [p for n, p in attended if n == rows]
     return {"forward_s": statistics.median(decode_forwards), "step_s": statistics.median(decode_steps_),
-            "passes": len(decode_forwards), "weight_bytes": weights}
+            "passes": len(decode_forwards), "weight_bytes": weights,
+            "kv_bytes": statistics.median(positions) * per_position}
 
 
 def main() -> None:
@@ -161,13 +182,17 @@ def main() -> None:
              f"{'batch_invariant=False' if args.fast else 'batch-invariant'}, KEV_CPU_ISA={isa.resolve()}, "
              f"kernels {kernels.load_kernels().linear_paths})", "",
              f"Read bandwidth {bandwidth / 1e9:.1f} GB/s (best of {how}, 1 GiB float32). Roofline: the "
-             "step's Linear weights (output head included) read once at that bandwidth.", "",
-             "| model | dtype | rows | weights MB | roofline ms | forward ms | step ms | step / roofline | passes |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "step's Linear weights (output head included) read once at that bandwidth; with KV: the "
+             "rows' cached keys and values read once too.", "",
+             "| model | dtype | rows | weights MB | KV MB | roofline ms | with KV ms | forward ms | step ms | "
+             "step / roofline | step / roofline with KV | passes |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, dtype_name, count, r in rows:
         roofline = r["weight_bytes"] / bandwidth
-        lines.append(f"| {name} | {dtype_name} | {count} | {r['weight_bytes'] / 1e6:.0f} | {roofline * 1e3:.1f} | "
-                     f"{r['forward_s'] * 1e3:.1f} | {r['step_s'] * 1e3:.1f} | {r['step_s'] / roofline:.2f} | "
+        with_kv = (r["weight_bytes"] + r["kv_bytes"]) / bandwidth
+        lines.append(f"| {name} | {dtype_name} | {count} | {r['weight_bytes'] / 1e6:.0f} | {r['kv_bytes'] / 1e6:.0f} | "
+                     f"{roofline * 1e3:.1f} | {with_kv * 1e3:.1f} | {r['forward_s'] * 1e3:.1f} | "
+                     f"{r['step_s'] * 1e3:.1f} | {r['step_s'] / roofline:.2f} | {r['step_s'] / with_kv:.2f} | "
                      f"{r['passes']} |")
     text = "\n".join(lines) + "\n"
     Path(args.out).write_text(text)
