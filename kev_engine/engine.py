@@ -158,7 +158,8 @@ class Engine:
         self._adapters = AdapterPool(model, self.device, max_adapters)
         self._adapters.router.products = self._platform.lora_products  # the same products as the layers
         graphs = self._platform.decode_graphs(model, max_num_seqs, self.max_context)  # may reserve a block
-        self._runner = ModelRunner(model, self._backend, self._adapters, device=self.device, graphs=graphs)
+        self._runner = ModelRunner(model, self._backend, self._adapters, device=self.device, graphs=graphs,
+                                   direct=self._platform.model_forward(model))
         self._blocks = BlockManager(self._kv.num_blocks, self._kv.block_size)
         self.pass_time_ms = pass_cost.target_ms(pass_time_ms, self._platform.default_pass_ms)
         self._scheduler = Scheduler(max_batch_tokens, max_num_seqs, self._blocks, max_logits_tokens,

@@ -2,7 +2,8 @@
 
 Where this sits: `Stepper.step` between scheduling and sampling. It owns what touches the model
 and its KV memory during a pass: the platform's attention backend bound to the pool, each
-segment's LoRA adapter routed to its rows, and the platform's decode graphs where it has them.
+segment's LoRA adapter routed to its rows, and the platform's own way to run a pass where it
+has one (decode graphs; a pass of Kev's calls alone, without the model's forward).
 `lock` is held for every forward; adapters install and the model is given back only between passes.
 """
 
@@ -21,7 +22,9 @@ from .pack import PackedBatch, Segment, pack
 
 
 class Graphs(Protocol):
-    """A platform's replayed decode passes (`Platform.decode_graphs`)."""
+    """A platform's own way to run the passes it fits: replayed decode graphs
+    (`Platform.decode_graphs`) or the model's pass as the platform's calls alone
+    (`Platform.model_forward`); `run` returns what `run_model` would."""
 
     def fits(self, batch: PackedBatch) -> bool: ...
 
@@ -30,8 +33,9 @@ class Graphs(Protocol):
 
 class ModelRunner:
     def __init__(self, model: Any, backend: AttentionBackend, adapters: AdapterPool, *, device: torch.device,
-                 graphs: Graphs | None = None) -> None:
-        """`graphs`: the platform's decode graphs, replayed for the passes they fit."""
+                 graphs: Graphs | None = None, direct: Graphs | None = None) -> None:
+        """`graphs`: the platform's decode graphs, replayed for the passes they fit; `direct`: its
+        pass of the model without the model's forward, for the passes it fits."""
         self.model = model
         self.backend = backend
         self.pool = backend.pool
@@ -39,6 +43,7 @@ class ModelRunner:
         self.adapters = adapters
         self.lock = threading.Lock()  # one forward at a time; adapters install between passes
         self.graphs = graphs
+        self.direct = direct
 
     def pack(self, chunks: list[Chunk]) -> PackedBatch:
         """Each chunk's tokens after what its request has computed, with its blocks and adapter."""
@@ -63,6 +68,8 @@ class ModelRunner:
             try:
                 if self.graphs is not None and self.graphs.fits(batch):
                     return self.graphs.run(batch)
+                if self.direct is not None and self.direct.fits(batch):
+                    return self.direct.run(batch)
                 return run_model(self.model, batch, self.backend)
             finally:
                 self.adapters.router.clear()

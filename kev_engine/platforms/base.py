@@ -34,6 +34,7 @@ from ..model.kv_pool import KVPool, Shape, host_kv_cache_bytes
 
 if TYPE_CHECKING:
     from ..model.pack import PackedBatch, Segment
+    from .cpu.model_forward import ModelForward
     from .cuda.graphs import DecodeGraphs
 
 
@@ -118,6 +119,11 @@ class Platform:
 
     def decode_graphs(self, model: nn.Module, max_rows: int, max_context: int) -> DecodeGraphs | None:
         """Decode passes replayed as graphs, or None where the platform has none."""
+        return None
+
+    def model_forward(self, model: nn.Module) -> ModelForward | None:
+        """The model's pass as this platform's calls alone, without the model's forward around
+        them (`fits` and `run`, as the runner takes them), or None where it has none."""
         return None
 
     def default_kv_cache_bytes(self) -> int:

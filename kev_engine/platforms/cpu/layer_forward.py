@@ -223,6 +223,18 @@ def _with_native(parts: _Parts, kernels: Any) -> _Parts:
                                native_norms=tuple((m, m.weight) for m in modules))
 
 
+def native_ready(parts: _Parts) -> bool:
+    """Whether the layer of `parts` runs as its one kernel call on a pass of the exact pool: built,
+    every part still the one installed, the model's attention Kev's, every norm's weight the one
+    the call holds (`model_forward` calls it so directly)."""
+    return (parts.native is not None and parts.in_place()
+            and parts.attention.config._attn_implementation == KEV_ATTENTION and _norms_held(parts))
+
+
+def _norms_held(parts: _Parts) -> bool:
+    return all(module.weight is weight for module, weight in parts.native_norms)
+
+
 def _bias(module: nn.Module) -> torch.Tensor | None:
     bias = getattr(module, "bias", None)
     return bias.detach() if bias is not None else None
@@ -244,7 +256,7 @@ def _forward(layer: Any, parts: _Parts, hidden_states: torch.Tensor,
     batch, backend = kwargs.get("kev_pack"), kwargs.get("kev_backend")
     if (parts.native is not None and dtype == parts.native_dtype and type(backend) is ExactBackend
             and batch is not None and batch.slot_blocks is not None and attention_mask is None
-            and all(module.weight is weight for module, weight in parts.native_norms)):
+            and _norms_held(parts)):
         cos, sin = (t.reshape(-1, t.shape[-1]).contiguous() for t in position_embeddings)
         pool, tables, index = backend.pool, batch.attention, int(attention.layer_idx)
         out = parts.native.forward(hidden_states.reshape(tokens, -1), cos, sin, pool.keys[index], pool.values[index],

@@ -8,7 +8,9 @@ few-row product for decode (`rows_linear`), elementwise work in place, and the c
 kernel (`compiled.CompiledBackend`), or torch's ops where the kernels are off or failed to build.
 On both, wherever the kernels load, the rotary embedding is applied in one call per tensor
 (`attention_forward`: transformers' formula, the same bits), and each decoder layer calls those
-forwards directly (`layer_forward`: the same bits, without the modules' dispatch).
+forwards directly (`layer_forward`: the same bits, without the modules' dispatch). On the
+batch-invariant path a pass may skip the model's forward too (`model_forward`: checked bitwise
+against it on a first small pass).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from . import attention_forward, exact_linear, layer_forward, rotary_table, rows
 from .compiled import CompiledBackend
 from .exact import ExactBackend
 from .kernels import Kernels
+from .model_forward import ModelForward
 
 
 class CpuPlatform(Platform):
@@ -58,6 +61,10 @@ class CpuPlatform(Platform):
             attention_forward.install(model, self.kernels.rotary)
             layer_forward.install(model)
         return []
+
+    def model_forward(self, model: nn.Module) -> ModelForward | None:
+        """On the batch-invariant path: the embedding, each layer's one kernel call, the norm and the head."""
+        return ModelForward(model, self.attention) if isinstance(self.attention, ExactBackend) else None
 
     def _exact_delta(self, weights: LoraWeights, x: torch.Tensor) -> torch.Tensor:
         """Both LoRA products by the packed kernel: a row's delta is the same however many rows of

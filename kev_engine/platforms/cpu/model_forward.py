@@ -1,0 +1,122 @@
+"""A Llama-style model's pass as Kev's calls alone: the embedding, the rotary table, each decoder
+layer's one kernel call (`kernels.DecoderLayer`), the final norm and the output head.
+
+Where this sits: the CPU platform offers it on the batch-invariant path (`CpuPlatform.model_forward`)
+and the runner takes it for a pass it fits (`ModelRunner.forward`), else the model's own forward.
+
+Why: a decode step of few rows is thirty layer calls, and around each the model's forward adds
+`nn.Module.__call__`, transformers' keyword arguments and output wrappers, and the layer's own
+checks; with the forward of the model around them that is about a tenth of a one-row step of a
+small model. Here the same functions run on the same tensors in the same order — the modules'
+forwards Kev installed for the embedding, rotary table, norm and head, and each layer's
+`DecoderLayer` — so a pass gives bitwise what the model's forward gives. That is checked, not
+assumed: the first pass of at most `CHECK_TOKENS` tokens it fits runs both ways, and where they
+differ (a transformers release whose model forward computes something else) it is never used
+again and a warning says so.
+
+Which passes it fits: the model an instance of one of the listed classes, every decoder layer on
+its one-call forward with its parts as installed (`layer_forward.native_ready`), no hooks on the
+model, its base model or a layer (a call through them would run them), the pool Kev's exact one.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.modules import module as torch_module
+
+from ...model.forward import run_model
+from ...model.pack import PackedBatch
+from ..inplace import modeling_class
+from . import layer_forward
+from .exact import ExactBackend
+
+log = logging.getLogger("kev")
+
+CLASSES = ("llama.LlamaForCausalLM", "mistral.MistralForCausalLM", "qwen2.Qwen2ForCausalLM",
+           "qwen3.Qwen3ForCausalLM")
+CHECK_TOKENS = 64  # the pass that checks runs twice: the first small one
+
+
+@functools.cache
+def _listed() -> frozenset[type]:
+    return frozenset(found[0] for name in CLASSES if (found := modeling_class(name)) is not None)
+
+
+def _hooked(module: nn.Module) -> bool:
+    return bool(module._forward_hooks or module._forward_pre_hooks or "forward" in module.__dict__)
+
+
+class ModelForward:
+    """The pass of one model as Kev's calls; `fits` says when it may run instead of the model."""
+
+    def __init__(self, model: nn.Module, backend: ExactBackend) -> None:
+        self.model = model
+        self.backend = backend
+        self.checked: bool | None = None  # None: not yet compared with the model's forward
+
+    def fits(self, batch: PackedBatch) -> bool:
+        if self.checked is False or batch.slot_blocks is None or self._layers() is None:
+            return False
+        return self.checked is True or batch.num_tokens <= CHECK_TOKENS
+
+    def run(self, batch: PackedBatch) -> torch.Tensor:
+        """fp32 logits at `batch.logits_indices` ([K, vocab]), as `run_model` returns them."""
+        logits = self._run(batch)
+        if logits is None:
+            return run_model(self.model, batch, self.backend)
+        if self.checked is None:  # the pool's writes are the same values to the same slots: idempotent
+            own = run_model(self.model, batch, self.backend)
+            self.checked = torch.equal(logits, own)
+            if not self.checked:
+                log.warning("Kev: %s's forward no longer computes what Kev's direct pass does: passes run the "
+                            "model's own forward", type(self.model).__qualname__)
+            return own
+        return logits
+
+    def _layers(self) -> list[tuple[Any, int, torch.dtype]] | None:
+        """Each decoder layer's one call, its pool index and the dtype it computes in, or None
+        where a pass must go through the model."""
+        model: Any = self.model
+        inner: Any = getattr(model, "model", None)
+        if (type(model) not in _listed() or not isinstance(inner, nn.Module) or _hooked(model) or _hooked(inner)
+                or torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks):
+            return None
+        found = []
+        layers: Any = inner.layers
+        for layer in layers:
+            forward = layer.__dict__.get("forward")
+            if (not isinstance(forward, functools.partial) or forward.func is not layer_forward._forward
+                    or layer._forward_hooks or layer._forward_pre_hooks):
+                return None
+            parts = forward.args[1]
+            if not layer_forward.native_ready(parts):
+                return None
+            found.append((parts.native, int(parts.attention.layer_idx), parts.native_dtype))
+        return found
+
+    @torch.inference_mode()
+    def _run(self, batch: PackedBatch) -> torch.Tensor | None:
+        """What LlamaModel.forward and the head do on Kev's forwards, or None where the dtypes say
+        the layers would not take their one call (the model's forward then runs)."""
+        model: Any = self.model
+        inner, layers = model.model, self._layers()
+        if layers is None:
+            return None
+        hidden = inner.embed_tokens(batch.input_ids[None])  # [1, T, hidden]
+        cos, sin = inner.rotary_emb(hidden, batch.position_ids[None])
+        dtype, tokens = hidden.dtype, batch.num_tokens
+        if cos.dtype != dtype or sin.dtype != dtype or any(computes != dtype for _, _, computes in layers):
+            return None
+        cos, sin = cos.reshape(tokens, -1).contiguous(), sin.reshape(tokens, -1).contiguous()
+        pool, tables = self.backend.pool, batch.attention
+        flat = hidden.reshape(tokens, -1)
+        for native, index, _ in layers:
+            flat = native.forward(flat, cos, sin, pool.keys[index], pool.values[index], batch.slot_blocks,
+                                  batch.slot_offsets, tables.block_tables, batch.cu_seqlens, tables.past_lens)
+        hidden = inner.norm(flat.view(1, tokens, -1))
+        return model.lm_head(hidden[:, batch.logits_indices, :])[0].float()

@@ -1,0 +1,120 @@
+"""The model's pass as Kev's calls alone (kev_engine.platforms.cpu.model_forward): bitwise the
+model's own forward on every listed family in both dtypes, checked on the first small pass it
+fits and dropped for good where that check differs, and left for the model's forward where a
+pass cannot take it (a LoRA-wrapped projection, a hook, the fast path, a first pass too big to
+check twice).
+
+End to end, every isolation and invariance test of the batch-invariant CPU path runs engines
+that use it, against plain transformers models and against themselves alone.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import FAMILIES, tiny_model
+
+from kev_engine import Engine, SamplingParams
+from kev_engine.adapters.lora import LoraRouter, wrap_targets
+from kev_engine.platforms.cpu import model_forward
+from kev_engine.platforms.cpu.model_forward import ModelForward
+
+PROMPTS = [[{"role": "user", "content": f"Question {i}: " + "where does the river go " * (2 + 3 * i)}]
+           for i in range(3)]
+
+
+def _logits(engine: Engine, salt: str) -> list[torch.Tensor]:
+    sampling = SamplingParams(temperature=0, max_tokens=5, cache_salt=salt)
+    return [logits for _, logits in engine.generate_with_logits(PROMPTS, [sampling] * len(PROMPTS),
+                                                                [None] * len(PROMPTS))]
+
+
+def _counted(direct: ModelForward) -> list[int]:
+    """The token counts of the passes `direct` runs from now on."""
+    passes: list[int] = []
+    run = direct.run
+
+    def counted(batch):
+        passes.append(batch.num_tokens)
+        return run(batch)
+
+    direct.run = counted  # type: ignore[method-assign]
+    return passes
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f != "glm"])
+def test_the_direct_pass_is_the_models_forward_bitwise(family: str, dtype: torch.dtype, tokenizer) -> None:
+    """Prefill and decode passes of a pack through Kev's calls alone against the same passes
+    through the model's forward: torch.equal on every logit. The control, the direct pass
+    without its last layer, differs: the comparison sees one layer."""
+    engine = Engine(tiny_model(family, tokenizer).to(dtype), tokenizer)
+    try:
+        direct = engine._runner.direct
+        assert isinstance(direct, ModelForward)
+        engine.generate([[{"role": "user", "content": "Hi"}]], SamplingParams(temperature=0, max_tokens=2))
+        assert direct.checked is True  # on its first small pass
+        passes = _counted(direct)
+        ours = _logits(engine, "direct")
+        assert len(passes) == 5 and passes[0] > model_forward.CHECK_TOKENS  # the prompts' pass and 4 decode steps
+        engine._runner.direct = None
+        assert all(torch.equal(a, b) for a, b in zip(ours, _logits(engine, "model"), strict=True))
+        short = ModelForward(engine.model, direct.backend)
+        short.checked = True  # run as checked: what a wrong pass would return
+        found = short._layers
+        short._layers = lambda: (found() or [])[:-1]  # type: ignore[method-assign]
+        engine._runner.direct = short
+        assert not all(torch.equal(a, b) for a, b in zip(ours, _logits(engine, "control"), strict=True))
+    finally:
+        engine.close()
+
+
+def test_a_first_check_that_differs_turns_it_off(monkeypatch: pytest.MonkeyPatch, tokenizer, caplog) -> None:
+    """What a transformers release whose model forward computes something else would look like:
+    the checking pass answers with the model's own logits, a warning says why, and no later pass
+    takes the direct one."""
+    engine = Engine(tiny_model("llama", tokenizer), tokenizer)
+    try:
+        direct = engine._runner.direct
+        assert isinstance(direct, ModelForward)
+        run = direct._run
+        monkeypatch.setattr(direct, "_run", lambda batch: run(batch) * 0.5)
+        passes = _counted(direct)
+        with caplog.at_level("WARNING", logger="kev"):
+            ours = _logits(engine, "changed")
+        assert direct.checked is False and len(passes) == 1
+        assert caplog.text.count("no longer computes what Kev's direct pass does") == 1
+        engine._runner.direct = None
+        assert all(torch.equal(a, b) for a, b in zip(ours, _logits(engine, "model"), strict=True))
+    finally:
+        engine.close()
+
+
+def test_passes_it_cannot_take_go_through_the_model(monkeypatch: pytest.MonkeyPatch, tokenizer) -> None:
+    """A first pass longer than `CHECK_TOKENS` (it would run twice), a forward hook on the model, a
+    projection wrapped for LoRA: the model's forward. The fast path has no direct pass."""
+    engine = Engine(tiny_model("llama", tokenizer), tokenizer)
+    try:
+        direct = engine._runner.direct
+        assert isinstance(direct, ModelForward)
+        passes = _counted(direct)
+        monkeypatch.setattr(model_forward, "CHECK_TOKENS", 4)
+        engine.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=1, cache_salt="long"))
+        assert passes == [] and direct.checked is None  # its one pass, the prompt, is too long to check
+        monkeypatch.undo()
+        handle = engine.model.register_forward_hook(lambda module, args, out: out)
+        engine.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=3, cache_salt="hooked"))
+        assert passes == []
+        handle.remove()
+        engine.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=3, cache_salt="plain"))
+        assert len(passes) == 3 and direct.checked is True
+        wrap_targets(engine.model, ["model.layers.0.self_attn.q_proj"], LoraRouter())
+        engine.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=3, cache_salt="wrapped"))
+        assert len(passes) == 3
+    finally:
+        engine.close()
+    fast = Engine(tiny_model("llama", tokenizer), tokenizer, batch_invariant=False)
+    try:
+        assert fast._runner.direct is None
+    finally:
+        fast.close()
