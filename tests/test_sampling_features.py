@@ -14,7 +14,7 @@ from transformers.generation.logits_process import RepetitionPenaltyLogitsProces
 
 from kev_engine import Engine, InvalidRequestError, SamplingParams
 from kev_engine.sample import penalties as penalties_mod
-from kev_engine.sample.sample import apply_min_p
+from kev_engine.sample.sample import apply_min_p, sample
 
 MIXED = [
     SamplingParams(temperature=0.9, seed=11, max_tokens=10, presence_penalty=1.5, frequency_penalty=0.7,
@@ -157,6 +157,22 @@ def test_repetition_penalty_matches_transformers_over_prompt_and_answer() -> Non
         ids = torch.tensor([row.prompt_ids + row.output_ids])
         expected = RepetitionPenaltyLogitsProcessor(row.sampling.repetition_penalty)(ids, logits[i: i + 1].clone())
         assert torch.equal(out[i], expected[0])
+
+
+def test_greedy_takes_each_rows_first_largest_logit_as_argmax_does() -> None:
+    """Greedy rows give argmax's index: the first of tied maxima, a NaN's place, 0 for a row of
+    -inf. The control: the ties are real (the last of them is another index)."""
+    logits = torch.randn(6, 50_000, generator=torch.Generator().manual_seed(0))
+    top = logits.max() + 1
+    logits[:, [7, 300, 49_999]] = top  # three tied maxima in every row
+    logits[2, 123] = float("nan")
+    logits[4] = float("-inf")
+    rows = logits.shape[0]
+    drawn = sample(logits, temperature=torch.zeros(rows), top_p=torch.ones(rows),
+                   top_k=torch.zeros(rows, dtype=torch.long), generators=[None] * rows)
+    assert torch.equal(drawn, logits.argmax(dim=-1))
+    assert drawn.tolist() == [7, 7, 123, 7, 0, 7]
+    assert (logits.shape[1] - 1 - logits.flip(-1).argmax(dim=-1))[0] == 49_999  # control
 
 
 def test_min_p_keeps_tokens_within_the_ratio_of_the_top_one() -> None:

@@ -123,7 +123,9 @@ def sample(
     min_p: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """logits [N, V] fp32; temperature/top_p/min_p [N] float; top_k [N] long → token ids [N]."""
-    greedy = logits.argmax(dim=-1)  # [N]
+    # [N]: each row's first largest logit, the index argmax gives (ties, NaN and all); torch's max along
+    # a row finds it several times faster than argmax on CPU, every decode step
+    greedy = logits.max(dim=-1).indices
     random_rows = (temperature >= GREEDY_BELOW).nonzero().flatten().tolist()
     if not random_rows:
         return greedy

@@ -58,11 +58,15 @@ class ModelForward:
         self.model = model
         self.backend = backend
         self.checked: bool | None = None  # None: not yet compared with the model's forward
+        self._fitted: list[tuple[Any, int, torch.dtype]] | None = None  # what `fits` found, for `run` next
 
     def fits(self, batch: PackedBatch) -> bool:
-        if self.checked is False or batch.slot_blocks is None or self._layers() is None:
+        """Whether `run` may take this pass; the runner calls `run` next, under its lock."""
+        self._fitted = None
+        if self.checked is False or batch.slot_blocks is None:
             return False
-        return self.checked is True or batch.num_tokens <= CHECK_TOKENS
+        self._fitted = self._layers()
+        return self._fitted is not None and (self.checked is True or batch.num_tokens <= CHECK_TOKENS)
 
     def run(self, batch: PackedBatch) -> torch.Tensor:
         """fp32 logits at `batch.logits_indices` ([K, vocab]), as `run_model` returns them."""
@@ -104,7 +108,8 @@ class ModelForward:
         """What LlamaModel.forward and the head do on Kev's forwards, or None where the dtypes say
         the layers would not take their one call (the model's forward then runs)."""
         model: Any = self.model
-        inner, layers = model.model, self._layers()
+        inner, layers = model.model, self._fitted if self._fitted is not None else self._layers()
+        self._fitted = None
         if layers is None:
             return None
         hidden = inner.embed_tokens(batch.input_ids[None])  # [1, T, hidden]
