@@ -1,5 +1,5 @@
 """The model's pass as Kev's calls alone (kev_engine.platforms.cpu.model_forward): bitwise the
-model's own forward on every listed family in both dtypes, checked on the first small pass it
+model's own forward on every listed family in both dtypes, checked on the first decode pass it
 fits and dropped for good where that check differs, and left for the model's forward where a
 pass cannot take it (a LoRA-wrapped projection, a hook, the fast path, a first pass too big to
 check twice).
@@ -53,10 +53,10 @@ def test_the_direct_pass_is_the_models_forward_bitwise(family: str, dtype: torch
         direct = engine._runner.direct
         assert isinstance(direct, ModelForward)
         engine.generate([[{"role": "user", "content": "Hi"}]], SamplingParams(temperature=0, max_tokens=2))
-        assert direct.checked is True  # on its first small pass
+        assert direct.checked is True  # on its first decode pass
         passes = _counted(direct)
         ours = _logits(engine, "direct")
-        assert len(passes) == 5 and passes[0] > model_forward.CHECK_TOKENS  # the prompts' pass and 4 decode steps
+        assert len(passes) == 5 and passes[0] > model_forward.CHECK_ROWS  # the prompts' pass and 4 decode steps
         engine._runner.direct = None
         assert all(torch.equal(a, b) for a, b in zip(ours, _logits(engine, "model"), strict=True))
         short = ModelForward(engine.model, direct.backend)
@@ -91,26 +91,27 @@ def test_a_first_check_that_differs_turns_it_off(monkeypatch: pytest.MonkeyPatch
 
 
 def test_passes_it_cannot_take_go_through_the_model(monkeypatch: pytest.MonkeyPatch, tokenizer) -> None:
-    """A first pass longer than `CHECK_TOKENS` (it would run twice), a forward hook on the model, a
-    projection wrapped for LoRA: the model's forward. The fast path has no direct pass."""
+    """Before the check, a prompt's pass or more decode rows than `CHECK_ROWS` (either would run
+    twice); a forward hook on the model; a projection wrapped for LoRA: the model's forward. The
+    fast path has no direct pass."""
     engine = Engine(tiny_model("llama", tokenizer), tokenizer)
     try:
         direct = engine._runner.direct
         assert isinstance(direct, ModelForward)
         passes = _counted(direct)
-        monkeypatch.setattr(model_forward, "CHECK_TOKENS", 4)
-        engine.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=1, cache_salt="long"))
-        assert passes == [] and direct.checked is None  # its one pass, the prompt, is too long to check
+        monkeypatch.setattr(model_forward, "CHECK_ROWS", 2)
+        engine.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=3, cache_salt="three"))
+        assert passes == [] and direct.checked is None  # a prompts' pass, then decode passes of 3 rows
         monkeypatch.undo()
         handle = engine.model.register_forward_hook(lambda module, args, out: out)
         engine.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=3, cache_salt="hooked"))
         assert passes == []
         handle.remove()
         engine.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=3, cache_salt="plain"))
-        assert len(passes) == 3 and direct.checked is True
+        assert passes == [1, 1] and direct.checked is True  # its prompt came before the check
         wrap_targets(engine.model, ["model.layers.0.self_attn.q_proj"], LoraRouter())
         engine.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=3, cache_salt="wrapped"))
-        assert len(passes) == 3
+        assert passes == [1, 1]
     finally:
         engine.close()
     fast = Engine(tiny_model("llama", tokenizer), tokenizer, batch_invariant=False)

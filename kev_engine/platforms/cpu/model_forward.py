@@ -10,9 +10,11 @@ checks; with the forward of the model around them that is about a tenth of a one
 small model. Here the same functions run on the same tensors in the same order — the modules'
 forwards Kev installed for the embedding, rotary table, norm and head, and each layer's
 `DecoderLayer` — so a pass gives bitwise what the model's forward gives. That is checked, not
-assumed: the first pass of at most `CHECK_TOKENS` tokens it fits runs both ways, and where they
-differ (a transformers release whose model forward computes something else) it is never used
-again and a warning says so.
+assumed: the first pass it fits of decode rows alone, at most `CHECK_ROWS` of them, runs both
+ways, and where they differ (a transformers release whose model forward computes something else)
+it is never used again and a warning says so. A decode pass, because running it twice costs
+little, and the pass budget's cost model, which times every pass, keeps none that small for long
+(`core/pass_cost.py`: only passes of 32 tokens or more stay as anchors).
 
 Which passes it fits: the model an instance of one of the listed classes, every decoder layer on
 its one-call forward with its parts as installed (`layer_forward.native_ready`), no hooks on the
@@ -39,7 +41,7 @@ log = logging.getLogger("kev")
 
 CLASSES = ("llama.LlamaForCausalLM", "mistral.MistralForCausalLM", "qwen2.Qwen2ForCausalLM",
            "qwen3.Qwen3ForCausalLM")
-CHECK_TOKENS = 64  # the pass that checks runs twice: the first small one
+CHECK_ROWS = 16  # the pass that checks runs twice: the first of decode rows alone, at most this many
 
 
 @functools.cache
@@ -66,7 +68,8 @@ class ModelForward:
         if self.checked is False or batch.slot_blocks is None:
             return False
         self._fitted = self._layers()
-        return self._fitted is not None and (self.checked is True or batch.num_tokens <= CHECK_TOKENS)
+        return self._fitted is not None and (
+            self.checked is True or batch.num_tokens == len(batch.request_ids) <= CHECK_ROWS)
 
     def run(self, batch: PackedBatch) -> torch.Tensor:
         """fp32 logits at `batch.logits_indices` ([K, vocab]), as `run_model` returns them."""

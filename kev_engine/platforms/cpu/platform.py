@@ -10,7 +10,7 @@ On both, wherever the kernels load, the rotary embedding is applied in one call 
 (`attention_forward`: transformers' formula, the same bits), and each decoder layer calls those
 forwards directly (`layer_forward`: the same bits, without the modules' dispatch). On the
 batch-invariant path a pass may skip the model's forward too (`model_forward`: checked bitwise
-against it on a first small pass).
+against it on a first decode pass).
 """
 
 from __future__ import annotations
