@@ -13,8 +13,9 @@ forwards Kev installed for the embedding, rotary table, norm and head, and each 
 assumed: the first pass it fits of decode rows alone, at most `CHECK_ROWS` of them, runs both
 ways, and where they differ (a transformers release whose model forward computes something else)
 it is never used again and a warning says so. A decode pass, because running it twice costs
-little, and the pass budget's cost model, which times every pass, keeps none that small for long
-(`core/pass_cost.py`: only passes of 32 tokens or more stay as anchors).
+little, and the pass budget's cost model, which times every pass, soon forgets it: its fit reads
+the last 32 passes, and of older ones only those with about 32 tokens' products or more
+(`core/pass_cost.py`), which a pass of a few decode rows has not.
 
 Which passes it fits: the model an instance of one of the listed classes, every decoder layer on
 its one-call forward with its parts as installed (`layer_forward.native_ready`), no hooks on the
