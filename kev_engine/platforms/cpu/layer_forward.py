@@ -231,6 +231,15 @@ def native_ready(parts: _Parts) -> bool:
             and parts.attention.config._attn_implementation == KEV_ATTENTION and _norms_held(parts))
 
 
+def run_native(parts: _Parts, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: ExactBackend,
+               batch: Any) -> torch.Tensor:
+    """The layer's one kernel call on the pass `batch` of the exact pool: hidden [T, hidden] and
+    cos, sin [T, head_dim] (contiguous) → [T, hidden]."""
+    pool, tables, index = backend.pool, batch.attention, int(parts.attention.layer_idx)
+    return parts.native.forward(hidden, cos, sin, pool.keys[index], pool.values[index], batch.slot_blocks,
+                                batch.slot_offsets, tables.block_tables, batch.cu_seqlens, tables.past_lens)
+
+
 def _norms_held(parts: _Parts) -> bool:
     return all(module.weight is weight for module, weight in parts.native_norms)
 
@@ -258,11 +267,7 @@ def _forward(layer: Any, parts: _Parts, hidden_states: torch.Tensor,
             and batch is not None and batch.slot_blocks is not None and attention_mask is None
             and _norms_held(parts)):
         cos, sin = (t.reshape(-1, t.shape[-1]).contiguous() for t in position_embeddings)
-        pool, tables, index = backend.pool, batch.attention, int(attention.layer_idx)
-        out = parts.native.forward(hidden_states.reshape(tokens, -1), cos, sin, pool.keys[index], pool.values[index],
-                                   batch.slot_blocks, batch.slot_offsets, tables.block_tables, batch.cu_seqlens,
-                                   tables.past_lens)
-        return out.view(shape)
+        return run_native(parts, hidden_states.reshape(tokens, -1), cos, sin, backend, batch).view(shape)
     residual = hidden_states
     normed = parts.norms[0](hidden_states)
     if parts.qkv is not None:

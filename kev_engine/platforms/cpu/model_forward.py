@@ -61,7 +61,7 @@ class ModelForward:
         self.model = model
         self.backend = backend
         self.checked: bool | None = None  # None: not yet compared with the model's forward
-        self._fitted: list[tuple[Any, int, torch.dtype]] | None = None  # what `fits` found, for `run` next
+        self._fitted: list[Any] | None = None  # the layers' parts `fits` found, for `run` next
 
     def fits(self, batch: PackedBatch) -> bool:
         """Whether `run` may take this pass; the runner calls `run` next, under its lock."""
@@ -86,9 +86,9 @@ class ModelForward:
             return own
         return logits
 
-    def _layers(self) -> list[tuple[Any, int, torch.dtype]] | None:
-        """Each decoder layer's one call, its pool index and the dtype it computes in, or None
-        where a pass must go through the model."""
+    def _layers(self) -> list[Any] | None:
+        """Each decoder layer's installed parts (`layer_forward._Parts`), every one ready for its
+        one call, or None where a pass must go through the model."""
         model: Any = self.model
         inner: Any = getattr(model, "model", None)
         if (type(model) not in _listed() or not isinstance(inner, nn.Module) or _hooked(model) or _hooked(inner)
@@ -104,7 +104,7 @@ class ModelForward:
             parts = forward.args[1]
             if not layer_forward.native_ready(parts):
                 return None
-            found.append((parts.native, int(parts.attention.layer_idx), parts.native_dtype))
+            found.append(parts)
         return found
 
     @torch.inference_mode()
@@ -119,13 +119,11 @@ class ModelForward:
         hidden = inner.embed_tokens(batch.input_ids[None])  # [1, T, hidden]
         cos, sin = inner.rotary_emb(hidden, batch.position_ids[None])
         dtype, tokens = hidden.dtype, batch.num_tokens
-        if cos.dtype != dtype or sin.dtype != dtype or any(computes != dtype for _, _, computes in layers):
+        if cos.dtype != dtype or sin.dtype != dtype or any(parts.native_dtype != dtype for parts in layers):
             return None
         cos, sin = cos.reshape(tokens, -1).contiguous(), sin.reshape(tokens, -1).contiguous()
-        pool, tables = self.backend.pool, batch.attention
         flat = hidden.reshape(tokens, -1)
-        for native, index, _ in layers:
-            flat = native.forward(flat, cos, sin, pool.keys[index], pool.values[index], batch.slot_blocks,
-                                  batch.slot_offsets, tables.block_tables, batch.cu_seqlens, tables.past_lens)
+        for parts in layers:
+            flat = layer_forward.run_native(parts, flat, cos, sin, self.backend, batch)
         hidden = inner.norm(flat.view(1, tokens, -1))
         return model.lm_head(hidden[:, batch.logits_indices, :])[0].float()
