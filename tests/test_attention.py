@@ -267,6 +267,75 @@ def test_compiled_decode_kernel_equals_attention_per_row(shape, dtype) -> None:
         torch.testing.assert_close(out[i].float(), expected[0, :, 0], atol=tolerance, rtol=tolerance)
 
 
+EXACT_SHAPES = [(4, 12, 64, 32), (3, 9, 80, 16), (2, 2, 128, 32)]  # kv heads, heads, head dim, block
+
+
+@pytest.mark.parametrize("shape", EXACT_SHAPES, ids=[f"kv{a}-h{b}-d{c}-b{d}" for a, b, c, d in EXACT_SHAPES])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_exact_kernel_rows_are_bitwise_the_same_in_any_pass(shape, dtype) -> None:
+    """The batch-invariant kernel (csrc/attention.cpp) on 16 decode rows and a prefill chunk in one
+    call against each segment in a call of its own: `torch.equal` (a pass of many decode rows
+    reads several kv heads per task, a pass of one row one head per task), and each against SDPA
+    in float64. NaN fills every slot no row may read. The control: one row's own key changed,
+    only that row's output changes."""
+    kv_heads, heads, dim, block = shape
+    gen = torch.Generator().manual_seed(1)
+    prefill_rows = 5  # segment 0: its last five positions are query rows
+    lengths = [int(n) for n in torch.randint(prefill_rows, 7 * block, (17,), generator=gen)]
+    per = [-(-n // block) for n in lengths]
+    num_blocks = sum(per) + 3
+    keys = torch.full((num_blocks, kv_heads, dim, block), float("nan"))
+    values = torch.full((num_blocks, kv_heads, block, dim), float("nan"))
+    order = torch.randperm(num_blocks, generator=gen)[: sum(per)].tolist()
+    tables, at = [], 0
+    for n, count in zip(lengths, per):
+        table, at = order[at: at + count], at + count
+        tables.append(table)
+        for j, block_id in enumerate(table):
+            used = min(block, n - j * block)
+            keys[block_id, :, :, :used] = torch.randn(kv_heads, dim, used, generator=gen)
+            values[block_id, :, :used] = torch.randn(kv_heads, used, dim, generator=gen)
+    keys, values = keys.to(dtype), values.to(dtype)
+    rows = [prefill_rows] + [1] * 16
+    query = torch.randn(sum(rows), heads, dim, generator=gen).to(dtype)
+    kernel = kernels.load_kernels().paged_attention
+
+    def call(segments: list[int], k: torch.Tensor = keys) -> torch.Tensor:
+        width = max(per[s] for s in segments)
+        table = torch.tensor([tables[s] + [0] * (width - per[s]) for s in segments], dtype=torch.int32)
+        cu = torch.tensor([0] + [sum(rows[s] for s in segments[: i + 1]) for i in range(len(segments))],
+                          dtype=torch.int32)
+        past = torch.tensor([lengths[s] - rows[s] for s in segments], dtype=torch.int32)
+        first = [sum(rows[:s]) for s in segments]
+        q = torch.cat([query[f: f + rows[s]] for f, s in zip(first, segments)])
+        return kernel(q, k, values, table, cu, past, dim ** -0.5)
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        packed = call(list(range(17)))
+        starts = [sum(rows[:s]) for s in range(17)]
+        for s in range(17):
+            alone = call([s])
+            assert torch.equal(packed[starts[s]: starts[s] + rows[s]], alone), f"segment {s}"
+            k = keys[tables[s]].double().permute(1, 0, 3, 2).reshape(kv_heads, -1, dim)[:, : lengths[s]]
+            v = values[tables[s]].double().transpose(0, 1).reshape(kv_heads, -1, dim)[:, : lengths[s]]
+            q = query[starts[s]: starts[s] + rows[s]].double().transpose(0, 1)
+            mask = torch.ones(rows[s], lengths[s], dtype=torch.bool).tril(diagonal=lengths[s] - rows[s])
+            expected = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, enable_gqa=True)
+            tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+            torch.testing.assert_close(alone.double(), expected[0].transpose(0, 1), atol=tolerance, rtol=tolerance)
+        # control: row 3's first key changed; only row 3 sees it
+        changed = keys.clone()
+        changed[tables[3][0], :, :, 0] += 1
+        moved = call(list(range(17)), changed)
+        differ = [s for s in range(17)
+                  if not torch.equal(moved[starts[s]: starts[s] + rows[s]], packed[starts[s]: starts[s] + rows[s]])]
+        assert differ == [3]
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_compiled_decode_kernel_refuses_tables_outside_the_pool() -> None:
     """A block id past the pool or a length past the table is an error naming it, never a stray read."""
     kernel = kernels.load_kernels().paged_decode

@@ -48,8 +48,8 @@ struct Segment {  // one question's rows in this pass
   const int32_t* table;               // its blocks
 };
 
-struct Task {  // rows [r0, r1) of a segment, for one kv head
-  int64_t segment, kv_head, r0, r1, cost;
+struct Task {  // rows [r0, r1) of a segment, for kv heads [h0, h1)
+  int64_t segment, h0, h1, r0, r1, cost;
 };
 
 // Positions per chunk: 16 with 8 lanes (a tile's scores then fit AVX2's registers), else 32 where
@@ -69,7 +69,7 @@ struct Pass {
 // One tile of R query rows (vectors of `dim`) sharing a kv head, over one chunk of `chunk`
 // positions at key/value pointers kc (transposed: [dim][block]) and vc ([block][dim]).
 // n[r]: the chunk's positions row r may see (<= 0: none — the row is past its own length).
-// next_k, next_v: the next chunk's keys and values (or nullptr), requested a line or two per
+// next_k, next_v: the keys and values the task reads next (or nullptr), requested a line or two per
 // step of the score loop: spread so, the requests stay within what a core keeps in flight while
 // the arithmetic runs (all at once, most wait behind the first ones and the loop waits too).
 template <typename T, int R, int NV>
@@ -181,49 +181,73 @@ void tile_chunk(const Pass<T>& p, const float* qbuf, const T* kc, const T* vc, c
   }
 }
 
+// R rows' vectors of a segment under kv heads [h0, h1), chunk by chunk and within a chunk head by
+// head (each head's part of a block follows the previous head's in the pool). heads[r]: vector
+// r's query head under kv head h0 (under kv head h: heads[r] + (h - h0) * group). Each kv head's
+// state sits kMaxTile vectors further into qbuf and acc (and kMaxTile floats into m and l).
+// Every vector's arithmetic is its own, in the same order whichever heads share its task.
 template <typename T, int R, int NV>
-void run_tile(const Pass<T>& p, const Segment& seg, int64_t h, const int64_t* rows, const int64_t* heads,
-              float* qbuf, float* acc, float* probs) {
+void run_tile(const Pass<T>& p, const Segment& seg, int64_t h0, int64_t h1, const int64_t* rows, const int64_t* heads,
+              float* qbuf, float* acc, float* probs, float* m, float* l) {
   const int64_t dim = p.dim, chunk = NV * kLanes, padded = (dim + kLanes - 1) / kLanes * kLanes;
-  float m[R], l[R];
   int64_t length[R], longest = 0;
+  for (int64_t h = h0; h < h1; ++h) {
+    const int64_t at = h - h0;
+    for (int r = 0; r < R; ++r) {
+      const T* qr = p.q + (rows[r] * p.heads + heads[r] + at * p.group) * dim;
+      float* qb = qbuf + (at * kMaxTile + r) * dim;
+      for (int64_t d = 0; d < dim; ++d) qb[d] = static_cast<float>(qr[d]) * p.scale;
+      std::fill(acc + (at * kMaxTile + r) * padded, acc + (at * kMaxTile + r + 1) * padded, 0.f);
+    }
+  }
   for (int r = 0; r < R; ++r) {
-    const T* qr = p.q + (rows[r] * p.heads + heads[r]) * dim;
-    for (int64_t d = 0; d < dim; ++d) qbuf[r * dim + d] = static_cast<float>(qr[d]) * p.scale;
-    std::fill(acc + r * padded, acc + (r + 1) * padded, 0.f);
     length[r] = seg.past + (rows[r] - seg.first_row) + 1;  // its own position and those before it
     longest = std::max(longest, length[r]);
   }
   for (int64_t c = 0; c * chunk < longest; ++c) {
     const int64_t position = c * chunk, id = seg.table[position / p.block], offset = position % p.block;
     TORCH_CHECK(id >= 0 && id < p.num_blocks, "paged_attention: a row names block ", id, " of ", p.num_blocks);
-    const char* next_k = nullptr;
-    const char* next_v = nullptr;
-    if ((c + 1) * chunk < longest) {  // the next chunk, requested while this one runs (tile_chunk)
+    int64_t next_id = -1, next_offset = 0;
+    if ((c + 1) * chunk < longest) {
       const int64_t at = position + chunk, next = seg.table[at / p.block];
-      if (next >= 0 && next < p.num_blocks) {
-        next_k = reinterpret_cast<const char*>(p.k + (next * p.kv_heads + h) * dim * p.block + at % p.block);
-        next_v = reinterpret_cast<const char*>(p.v + ((next * p.kv_heads + h) * p.block + at % p.block) * dim);
-      }
+      if (next >= 0 && next < p.num_blocks) next_id = next, next_offset = at % p.block;
     }
-    const T* kc = p.k + (id * p.kv_heads + h) * dim * p.block + offset;
-    const T* vc = p.v + ((id * p.kv_heads + h) * p.block + offset) * dim;
     int64_t n[R];
     for (int r = 0; r < R; ++r) n[r] = std::min<int64_t>(chunk, length[r] - position);
-    tile_chunk<T, R, NV>(p, qbuf, kc, vc, n, c == 0, m, l, acc, probs, next_k, next_v);
+    for (int64_t h = h0; h < h1; ++h) {
+      // what is read next, requested while this runs (tile_chunk): the next kv head's part of this
+      // chunk, after the last head the first head's part of the next chunk
+      const bool last = h + 1 == h1;
+      const int64_t nid = last ? next_id : id, nh = last ? h0 : h + 1, noff = last ? next_offset : offset;
+      const char* next_k = nullptr;
+      const char* next_v = nullptr;
+      if (nid >= 0) {
+        next_k = reinterpret_cast<const char*>(p.k + (nid * p.kv_heads + nh) * dim * p.block + noff);
+        next_v = reinterpret_cast<const char*>(p.v + ((nid * p.kv_heads + nh) * p.block + noff) * dim);
+      }
+      const T* kc = p.k + (id * p.kv_heads + h) * dim * p.block + offset;
+      const T* vc = p.v + ((id * p.kv_heads + h) * p.block + offset) * dim;
+      const int64_t at = h - h0;
+      tile_chunk<T, R, NV>(p, qbuf + at * kMaxTile * dim, kc, vc, n, c == 0, m + at * kMaxTile, l + at * kMaxTile,
+                           acc + at * kMaxTile * padded, probs, next_k, next_v);
+    }
   }
-  for (int r = 0; r < R; ++r) {
-    T* orow = p.out + (rows[r] * p.heads + heads[r]) * dim;
-    for (int64_t d = 0; d < dim; ++d) orow[d] = static_cast<T>(acc[r * padded + d] / l[r]);
+  for (int64_t h = h0; h < h1; ++h) {
+    const int64_t at = h - h0;
+    for (int r = 0; r < R; ++r) {
+      T* orow = p.out + (rows[r] * p.heads + heads[r] + at * p.group) * dim;
+      const float* a = acc + (at * kMaxTile + r) * padded;
+      for (int64_t d = 0; d < dim; ++d) orow[d] = static_cast<T>(a[d] / l[at * kMaxTile + r]);
+    }
   }
 }
 
 template <typename T, int NV>
-void run_tile_any(int R, const Pass<T>& p, const Segment& seg, int64_t h, const int64_t* rows, const int64_t* heads,
-                  float* qbuf, float* acc, float* probs) {
+void run_tile_any(int R, const Pass<T>& p, const Segment& seg, int64_t h0, int64_t h1, const int64_t* rows,
+                  const int64_t* heads, float* qbuf, float* acc, float* probs, float* m, float* l) {
   switch (R) {
 #define KEV_TILE(N) \
-  case N: return run_tile<T, N, NV>(p, seg, h, rows, heads, qbuf, acc, probs);
+  case N: return run_tile<T, N, NV>(p, seg, h0, h1, rows, heads, qbuf, acc, probs, m, l);
     KEV_TILE(1) KEV_TILE(2) KEV_TILE(3) KEV_TILE(4) KEV_TILE(5) KEV_TILE(6)
 #if defined(__AVX512F__)
     KEV_TILE(7) KEV_TILE(8) KEV_TILE(9) KEV_TILE(10) KEV_TILE(11) KEV_TILE(12)
@@ -235,15 +259,27 @@ void run_tile_any(int R, const Pass<T>& p, const Segment& seg, int64_t h, const 
 
 template <typename T>
 void attend(const Pass<T>& p, const std::vector<Segment>& segments) {
-  // a task: a few consecutive rows of one segment for one kv head, all its query heads — a tile
-  // holds up to kMaxTile (row, head) vectors; rows of a task share every chunk it reads
+  // a task: a few consecutive rows of one segment for some kv heads, all their query heads — a
+  // tile holds up to kMaxTile (row, head) vectors per kv head; rows of a task share every chunk
+  // it reads. A segment of one tile (a decode row) takes several kv heads in one task when there
+  // are enough such segments to keep every thread busy: the task then reads chunk by chunk
+  // across its heads, and a block's heads lie next to each other in the pool (one stream the
+  // hardware prefetcher follows, instead of a separate 4 KB island per head).
   const int64_t rows_per_task = std::max<int64_t>(1, kMaxTile / p.group);
+  int64_t small = 0;
+  for (const Segment& seg : segments) small += seg.num_rows <= rows_per_task;
+  const int64_t heads_per_task =
+      std::clamp<int64_t>(small * p.kv_heads / (4 * at::get_num_threads()), 1, p.kv_heads);
   std::vector<Task> tasks;
   for (int64_t s = 0; s < static_cast<int64_t>(segments.size()); ++s) {
     const Segment& seg = segments[s];
+    const int64_t width = seg.num_rows <= rows_per_task ? heads_per_task : 1;
     for (int64_t r0 = 0; r0 < seg.num_rows; r0 += rows_per_task) {
       const int64_t r1 = std::min(seg.num_rows, r0 + rows_per_task);
-      for (int64_t h = 0; h < p.kv_heads; ++h) tasks.push_back({s, h, r0, r1, seg.past + r1});
+      for (int64_t h = 0; h < p.kv_heads; h += width) {
+        const int64_t h1 = std::min(p.kv_heads, h + width);
+        tasks.push_back({s, h, h1, r0, r1, (seg.past + r1) * (h1 - h)});
+      }
     }
   }
   // the longest first, so no thread is left with one long task while the others are idle
@@ -252,7 +288,8 @@ void attend(const Pass<T>& p, const std::vector<Segment>& segments) {
   const int64_t count = static_cast<int64_t>(tasks.size());
   const int64_t padded = (p.dim + kLanes - 1) / kLanes * kLanes;
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    std::vector<float> qbuf(kMaxTile * p.dim), acc(kMaxTile * padded), probs(kMaxTile * p.chunk);
+    const int64_t span = heads_per_task * kMaxTile;  // per kv head of a task: a tile's state
+    std::vector<float> qbuf(span * p.dim), acc(span * padded), probs(kMaxTile * p.chunk), m(span), l(span);
     std::vector<int64_t> rows(kMaxTile), heads(kMaxTile);
     for (int64_t i = next++; i < count; i = next++) {
       const Task& task = tasks[i];
@@ -261,17 +298,17 @@ void attend(const Pass<T>& p, const std::vector<Segment>& segments) {
       auto flush = [&] {
         if (R == 0) return;
         if (p.chunk == 32)
-          run_tile_any<T, 32 / kLanes>(R, p, seg, task.kv_head, rows.data(), heads.data(), qbuf.data(), acc.data(),
-                                      probs.data());
+          run_tile_any<T, 32 / kLanes>(R, p, seg, task.h0, task.h1, rows.data(), heads.data(), qbuf.data(),
+                                      acc.data(), probs.data(), m.data(), l.data());
         else
-          run_tile_any<T, 16 / kLanes>(R, p, seg, task.kv_head, rows.data(), heads.data(), qbuf.data(), acc.data(),
-                                      probs.data());
+          run_tile_any<T, 16 / kLanes>(R, p, seg, task.h0, task.h1, rows.data(), heads.data(), qbuf.data(),
+                                      acc.data(), probs.data(), m.data(), l.data());
         R = 0;
       };
       for (int64_t r = task.r0; r < task.r1; ++r) {
         for (int64_t g = 0; g < p.group; ++g) {
           rows[R] = seg.first_row + r;
-          heads[R] = task.kv_head * p.group + g;
+          heads[R] = task.h0 * p.group + g;
           if (++R == kMaxTile) flush();
         }
       }
