@@ -249,7 +249,9 @@ struct TileConfig {
   uint8_t rows[16] = {};
 };
 
-void amx_configure() {  // tiles 0-3: C (16 x 16 fp32); 4, 5: A (16 rows x 32 bf16); 6, 7: B (16 k pairs x 16)
+// every tile 16 rows x 64 bytes; prefill (amx_tile): 0-3 C (16 x 16 fp32), 4, 5 A (16 rows x 32
+// bf16), 6, 7 B (16 k pairs x 16); decode (amx_decode): 0-5 C, 6 A, 7 B
+void amx_configure() {
   TileConfig config;
   for (int t = 0; t < 8; ++t) {
     config.rows[t] = 16;
@@ -258,43 +260,76 @@ void amx_configure() {  // tiles 0-3: C (16 x 16 fp32); 4, 5: A (16 rows x 32 bf
   _tile_loadconfig(&config);
 }
 
-// A 32-row (TWO) or 16-row x 32-output tile: rows a (stride lda bytes), panels b0 and b1, steps
-// of 32 along K. The 16-row form serves decode passes, whose few rows are padded to 16, not 32.
-constexpr int64_t kAhead = 4;  // steps (1 KB of each panel) a decode tile prefetches ahead
-
-template <bool TWO>
+// A 32-row x 32-output tile: rows a (stride lda bytes), panels b0 and b1, steps of 32 along K.
 inline void amx_tile(const bf16* a, int64_t lda, const bf16* b0, const bf16* b1, int64_t steps, float* c) {
   _tile_zero(0);
   _tile_zero(1);
-  if constexpr (TWO) {
-    _tile_zero(2);
-    _tile_zero(3);
-  }
+  _tile_zero(2);
+  _tile_zero(3);
   const bf16* a1 = a + 16 * (lda / 2);
   for (int64_t s = 0; s < steps; ++s) {
-    if constexpr (!TWO) {  // a decode pass streams each weight once: ask for it kAhead steps early
-      // (past a panel's end this touches the next one or nothing: a prefetch never faults)
-      for (int line = 0; line < 16; ++line) {
-        _mm_prefetch(reinterpret_cast<const char*>(b0 + (s + kAhead) * 512 + line * 32), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(b1 + (s + kAhead) * 512 + line * 32), _MM_HINT_T0);
-      }
-    }
     _tile_loadd(4, a + s * 32, lda);
     _tile_loadd(6, b0 + s * 512, 64);
     _tile_dpbf16ps(0, 4, 6);
     _tile_loadd(7, b1 + s * 512, 64);
     _tile_dpbf16ps(1, 4, 7);
-    if constexpr (TWO) {
-      _tile_loadd(5, a1 + s * 32, lda);
-      _tile_dpbf16ps(2, 5, 6);
-      _tile_dpbf16ps(3, 5, 7);
-    }
+    _tile_loadd(5, a1 + s * 32, lda);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
   }
   _tile_stored(0, c, 128);
   _tile_stored(1, c + 16, 128);
-  if constexpr (TWO) {
-    _tile_stored(2, c + 16 * 32, 128);
-    _tile_stored(3, c + 16 * 32 + 16, 128);
+  _tile_stored(2, c + 16 * 32, 128);
+  _tile_stored(3, c + 16 * 32 + 16, 128);
+}
+
+constexpr int kDecodePairs = 3;  // pairs of panels (6 panels, 96 outputs) a decode tile streams at once
+
+// A decode pass's tile: 16 rows (a, padded) x the panels from b, panel J in C tile J; A in tile
+// 6, each panel's step loaded into tile 7 just before its product. A decode pass streams every
+// weight once and that streaming is its time: six panels read side by side keep more requests to
+// memory in flight per core than two, which software prefetching did not (docs/benchmarks.md).
+// (the tile intrinsics paste their tile number into the instruction: one line per C tile)
+template <int NP>
+inline void amx_decode(const bf16* a, int64_t lda, const bf16* b, int64_t panel_size, int64_t steps, float* c) {
+  static_assert(NP == 2 || NP == 4 || NP == 6, "a decode tile takes 1 to 3 pairs of panels");
+  constexpr int64_t ldc = NP * 16 * sizeof(float);
+  _tile_zero(0);
+  _tile_zero(1);
+  if constexpr (NP > 2) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  if constexpr (NP > 4) {
+    _tile_zero(4);
+    _tile_zero(5);
+  }
+#define KEV_PANEL(J)                                    \
+  _tile_loadd(7, b + J * panel_size + s * 512, 64); \
+  _tile_dpbf16ps(J, 6, 7)
+  for (int64_t s = 0; s < steps; ++s) {
+    _tile_loadd(6, a + s * 32, lda);
+    KEV_PANEL(0);
+    KEV_PANEL(1);
+    if constexpr (NP > 2) {
+      KEV_PANEL(2);
+      KEV_PANEL(3);
+    }
+    if constexpr (NP > 4) {
+      KEV_PANEL(4);
+      KEV_PANEL(5);
+    }
+  }
+#undef KEV_PANEL
+  _tile_stored(0, c, ldc);
+  _tile_stored(1, c + 16, ldc);
+  if constexpr (NP > 2) {
+    _tile_stored(2, c + 32, ldc);
+    _tile_stored(3, c + 48, ldc);
+  }
+  if constexpr (NP > 4) {
+    _tile_stored(4, c + 64, ldc);
+    _tile_stored(5, c + 80, ldc);
   }
 }
 #endif
@@ -470,7 +505,7 @@ void linear_bf16(const bf16* x, int64_t m, int64_t k, const bf16* w, int64_t n, 
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)
     if (path == Bf16Path::kAmx) amx_configure();
 #endif
-    alignas(64) float c[32 * 32];
+    alignas(64) float c[32 * 32 + 16 * 32];  // a 32 x 32 tile, or a decode tile of 16 x 96
     std::vector<bf16> pad;
     for (int64_t t = begin; t < end; ++t) {
       const int64_t block = t / groups, group = t % groups;
@@ -486,21 +521,31 @@ void linear_bf16(const bf16* x, int64_t m, int64_t k, const bf16* w, int64_t n, 
           a = pad.data();
           lda = kpad;
         }
-        for (int64_t q = q0; q < q1; ++q) {
-          const bf16* b0 = w + (2 * q) * panel_size;
-          const bf16* b1 = b0 + panel_size;
-          const int64_t n0 = 2 * q * kPanel, cols = std::min<int64_t>(2 * kPanel, n - n0);
-          if (cols <= 0) continue;
+        for (int64_t q = q0; q < q1;) {
+          int64_t take = 1;  // pairs of panels this tile: a decode pass's AMX tile takes up to kDecodePairs
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)
-          if (path == Bf16Path::kAmx) {
-            if (tile_rows == 32)
-              amx_tile<true>(a, lda * 2, b0, b1, k_pairs / 16, c);
-            else
-              amx_tile<false>(a, lda * 2, b0, b1, k_pairs / 16, c);
-          } else
+          if (path == Bf16Path::kAmx && tile_rows == 16) take = std::min<int64_t>(kDecodePairs, q1 - q);
 #endif
-            bf16_tile_fma(a, lda, rows, b0, b1, (k + 1) / 2, c);
-          store_bf16(c, 32, rows, bias != nullptr ? bias + n0 : nullptr, out + (m0 + i) * n + n0, n, cols);
+          const bf16* b0 = w + (2 * q) * panel_size;
+          const int64_t n0 = 2 * q * kPanel, cols = std::min<int64_t>(2 * take * kPanel, n - n0);
+          if (cols > 0) {
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+            if (path == Bf16Path::kAmx) {
+              const int64_t steps = k_pairs / 16;
+              if (tile_rows == 32)
+                amx_tile(a, lda * 2, b0, b0 + panel_size, steps, c);
+              else if (take == 3)
+                amx_decode<6>(a, lda * 2, b0, panel_size, steps, c);
+              else if (take == 2)
+                amx_decode<4>(a, lda * 2, b0, panel_size, steps, c);
+              else
+                amx_decode<2>(a, lda * 2, b0, panel_size, steps, c);
+            } else
+#endif
+              bf16_tile_fma(a, lda, rows, b0, b0 + panel_size, (k + 1) / 2, c);
+            store_bf16(c, 32 * take, rows, bias != nullptr ? bias + n0 : nullptr, out + (m0 + i) * n + n0, n, cols);
+          }
+          q += take;
         }
       }
     }
