@@ -223,12 +223,14 @@ def _with_native(parts: _Parts, kernels: Any) -> _Parts:
                                native_norms=tuple((m, m.weight) for m in modules))
 
 
-def native_ready(parts: _Parts) -> bool:
-    """Whether the layer of `parts` runs as its one kernel call on a pass of the exact pool: built,
-    every part still the one installed, the model's attention Kev's, every norm's weight the one
-    the call holds (`model_forward` calls it so directly)."""
-    return (parts.native is not None and parts.in_place()
-            and parts.attention.config._attn_implementation == KEV_ATTENTION and _norms_held(parts))
+def native_ready(layers: list[_Parts]) -> bool:
+    """Whether every layer of `layers` runs as its one kernel call on a pass of the exact pool:
+    built, every part still the one installed, the model's attention Kev's, every norm's weight
+    the one the call holds (`model_forward` calls them so directly). Each distinct config is read
+    once: transformers' config attribute lookups are slow, and every layer shares the model's."""
+    configs = {id(parts.attention.config): parts.attention.config for parts in layers}
+    return (all(config._attn_implementation == KEV_ATTENTION for config in configs.values())
+            and all(parts.native is not None and parts.in_place() and _norms_held(parts) for parts in layers))
 
 
 def run_native(parts: _Parts, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: ExactBackend,
@@ -241,7 +243,7 @@ def run_native(parts: _Parts, hidden: torch.Tensor, cos: torch.Tensor, sin: torc
 
 
 def _norms_held(parts: _Parts) -> bool:
-    return all(module.weight is weight for module, weight in parts.native_norms)
+    return all(module._parameters.get("weight") is weight for module, weight in parts.native_norms)
 
 
 def _bias(module: nn.Module) -> torch.Tensor | None:

@@ -101,11 +101,8 @@ class ModelForward:
             if (not isinstance(forward, functools.partial) or forward.func is not layer_forward._forward
                     or layer._forward_hooks or layer._forward_pre_hooks):
                 return None
-            parts = forward.args[1]
-            if not layer_forward.native_ready(parts):
-                return None
-            found.append(parts)
-        return found
+            found.append(forward.args[1])
+        return found if layer_forward.native_ready(found) else None
 
     @torch.inference_mode()
     def _run(self, batch: PackedBatch) -> torch.Tensor | None:
