@@ -9,6 +9,8 @@ blocks of 128) and its pairs (67: odd). Every bf16 instruction path this CPU has
 only the one its engines use: AMX, AVX512-BF16 (the path of CPUs without AMX, forced here) and the
 fused multiply-add fallback; a path the CPU lacks is reported as skipped with the reason. The control
 shows the comparison can fail: the same row summed in another order (K in two halves) is caught.
+The fma path's arithmetic is pinned bitwise: each output the fp32 sum, k by k from 0, of its exact
+products (a product of two bf16s is exact in fp32, so a fused multiply-add adds it with one rounding).
 """
 
 from __future__ import annotations
@@ -79,3 +81,39 @@ def test_control_a_row_summed_in_another_order_is_caught(kernels) -> None:
     whole = product(kernels, x, weight, None)
     torch.testing.assert_close(split, whole)
     assert rows_differing(split, whole) != []
+
+
+def sequential_sums(x: torch.Tensor, weight: torch.Tensor, reverse: bool = False) -> torch.Tensor:
+    """out[i, j] = fp32 sum over k (from 0, or from K-1) of x[i, k] * w[j, k], rounded once to bf16."""
+    xs, ws = x.float(), weight.float()
+    acc = torch.zeros(x.shape[0], weight.shape[0])
+    for k in (reversed(range(x.shape[1])) if reverse else range(x.shape[1])):
+        acc = acc + xs[:, k: k + 1] * ws[None, :, k]  # each product exact in fp32
+    return acc.to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("rows,in_features,out_features", [(1, 64, 96), (7, 67, 200), (16, 576, 960), (97, 130, 64)])
+def test_the_fma_path_is_each_outputs_sum_in_k_order_bitwise(kernels, threads: int, rows: int, in_features: int,
+                                                             out_features: int) -> None:
+    """The vectorized fma path (AVX-512) and its plain loop (other builds) against the sum written
+    out in torch; the control (below): the same sums taken from k = K-1 down differ somewhere."""
+    generator = torch.Generator().manual_seed(rows + in_features)
+    x = torch.randn(rows, in_features, generator=generator).to(torch.bfloat16)
+    weight = torch.randn(out_features, in_features, generator=generator).to(torch.bfloat16)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = product(kernels, x, weight, None, "fma")
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(got, sequential_sums(x, weight))
+
+
+def test_control_the_fma_reference_sees_another_order(kernels) -> None:
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(16, 576, generator=generator).to(torch.bfloat16)
+    weight = torch.randn(960, 576, generator=generator).to(torch.bfloat16)
+    got = product(kernels, x, weight, None, "fma")
+    assert torch.equal(got, sequential_sums(x, weight))
+    assert not torch.equal(got, sequential_sums(x, weight, reverse=True))

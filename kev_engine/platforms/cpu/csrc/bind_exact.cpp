@@ -7,6 +7,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("input"), pybind11::arg("packed"), pybind11::arg("n"), pybind11::arg("bias") = pybind11::none(),
         pybind11::arg("path") = "");
   m.def("linear_paths", &linear_paths, "Which instructions compute each dtype on this machine");
+  m.def("set_bf16_path", &set_bf16_path, "The bf16 path of products that name none (see linear.cpp)");
   m.def("paged_attention", &paged_attention, "Every row of a pass over its paged KV (see attention.cpp)");
   m.def("paged_write_transposed", &paged_write_transposed, "Store new keys/values in an exact pool");
   m.def("silu_mul", &silu_mul, "out = silu(gate) * up (see elementwise.cpp)");

@@ -9,6 +9,7 @@ at::Tensor linear_pack(const at::Tensor& weight);
 at::Tensor linear_packed(const at::Tensor& input, const at::Tensor& packed, int64_t n,
                          const c10::optional<at::Tensor>& bias, const std::string& path);
 std::string linear_paths();
+void set_bf16_path(const std::string& name);
 at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values,
                            const at::Tensor& tables, const at::Tensor& cu_seqlens, const at::Tensor& past,
                            double scale);

@@ -27,6 +27,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <string>
 #include <type_traits>
@@ -334,7 +335,8 @@ inline void amx_decode(const bf16* a, int64_t lda, const bf16* b, int64_t panel_
 }
 #endif
 
-Bf16Path bf16_path() {
+// The fastest this CPU and build may have: AMX, else AVX512-BF16, else fused multiply-adds.
+Bf16Path native_bf16_path() {
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)
   if (amx_granted()) return Bf16Path::kAmx;
 #endif
@@ -343,6 +345,17 @@ Bf16Path bf16_path() {
 #else
   return Bf16Path::kFma;
 #endif
+}
+
+// The path of products that name none: native_bf16_path(), or the one set_bf16_path chose
+// (kernels.py, when the kernels load: where `vdpbf16ps` is slow, the fma path is faster). Fixed
+// once a product ran on it, so a process computes every bf16 product one way all its life.
+std::atomic<int> chosen_path{-1};
+std::atomic<bool> path_used{false};
+
+Bf16Path bf16_path() {
+  const int chosen = chosen_path.load();
+  return chosen >= 0 ? static_cast<Bf16Path>(chosen) : native_bf16_path();
 }
 
 const char* bf16_path_name(Bf16Path path) {
@@ -371,48 +384,74 @@ void store_bf16(const float* c, int64_t ldc, int64_t rows, const float* bias, bf
 #endif
 }
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__)
 // register tiles of kRows (6) rows x kDpPanels panels: 6 x 4 accumulators, 4 weights and one
-// broadcast pair = 29 of the 32 vector registers
+// broadcast = 29 of the 32 vector registers
 constexpr int kDpPanels = 4;
 constexpr int64_t kDpKBlock = 64;   // k pairs per K block: 4 panels' slice is 16 KB, in L1 across row tiles
 constexpr int64_t kAccFloats = 64 * 1024;  // a task's accumulators at most (256 KB: they stay in L2)
 
 // R rows x NP panels over k pairs [kp0, kp1): fp32 accumulators in c (ldc floats a row), zero when
 // kp0 is 0, else read back; each output adds its k pairs in order from 0 whatever R, NP and blocks.
-template <int R, int NP>
-inline void dp_tile(const bf16* x, int64_t ldx, const bf16* w, int64_t panel_size, int64_t kp0, int64_t kp1,
-                    float* c, int64_t ldc) {
+// X = bf16: `vdpbf16ps` on the rows' pairs (the AVX512-BF16 path). X = float: the fma path's
+// arithmetic (bf16_tile_fma's: per pair the even product, then the odd one, each a fused
+// multiply-add of exact fp32 values) on vectors, the rows given as fp32 — the same bits as that
+// loop, at the rate of fp32's fused multiply-adds: on a core whose `vdpbf16ps` retires slower
+// than two of those, faster than the AVX512-BF16 path (`preferred_bf16_path` measures which).
+template <int R, int NP, typename X>
+inline void pair_tile(const X* x, int64_t ldx, const bf16* w, int64_t panel_size, int64_t kp0, int64_t kp1, float* c,
+                      int64_t ldc) {
   __m512 acc[R][NP];
   for (int i = 0; i < R; ++i)
     for (int j = 0; j < NP; ++j) acc[i][j] = kp0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(c + i * ldc + j * 16);
   for (int64_t kp = kp0; kp < kp1; ++kp) {
-    __m512bh b[NP];
-    for (int j = 0; j < NP; ++j) b[j] = (__m512bh)_mm512_loadu_si512(w + j * panel_size + kp * 32);
-    for (int i = 0; i < R; ++i) {
-      int32_t pair;
-      std::memcpy(&pair, x + i * ldx + 2 * kp, sizeof(pair));
-      const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
-      for (int j = 0; j < NP; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], a, b[j]);
+    if constexpr (std::is_same_v<X, float>) {
+      __m512 b[NP];  // each 32-bit lane holds a pair: the even k in its low half, the odd k in its high half
+      for (int j = 0; j < NP; ++j)
+        b[j] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_loadu_si512(w + j * panel_size + kp * 32), 16));
+      for (int i = 0; i < R; ++i) {
+        const __m512 a = _mm512_set1_ps(x[i * ldx + 2 * kp]);
+        for (int j = 0; j < NP; ++j) acc[i][j] = _mm512_fmadd_ps(a, b[j], acc[i][j]);
+      }
+      const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+      for (int j = 0; j < NP; ++j)
+        b[j] = _mm512_castsi512_ps(_mm512_and_si512(_mm512_loadu_si512(w + j * panel_size + kp * 32), high));
+      for (int i = 0; i < R; ++i) {
+        const __m512 a = _mm512_set1_ps(x[i * ldx + 2 * kp + 1]);
+        for (int j = 0; j < NP; ++j) acc[i][j] = _mm512_fmadd_ps(a, b[j], acc[i][j]);
+      }
+    } else {
+#if defined(__AVX512BF16__)
+      __m512bh b[NP];
+      for (int j = 0; j < NP; ++j) b[j] = (__m512bh)_mm512_loadu_si512(w + j * panel_size + kp * 32);
+      for (int i = 0; i < R; ++i) {
+        int32_t pair;
+        std::memcpy(&pair, x + i * ldx + 2 * kp, sizeof(pair));
+        const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+        for (int j = 0; j < NP; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], a, b[j]);
+      }
+#endif
     }
   }
   for (int i = 0; i < R; ++i)
     for (int j = 0; j < NP; ++j) _mm512_storeu_ps(c + i * ldc + j * 16, acc[i][j]);
 }
 
-template <int NP>
-inline void dp_rows(const bf16* x, int64_t ldx, int64_t rows, const bf16* w, int64_t panel_size, int64_t kp0,
-                    int64_t kp1, float* c, int64_t ldc) {
+template <int NP, typename X>
+inline void pair_rows(const X* x, int64_t ldx, int64_t rows, const bf16* w, int64_t panel_size, int64_t kp0,
+                      int64_t kp1, float* c, int64_t ldc) {
   row_tiles(rows, [&](auto r, int64_t i) {
-    dp_tile<decltype(r)::value, NP>(x + i * ldx, ldx, w, panel_size, kp0, kp1, c + i * ldc, ldc);
+    pair_tile<decltype(r)::value, NP, X>(x + i * ldx, ldx, w, panel_size, kp0, kp1, c + i * ldc, ldc);
   });
 }
 
-// AVX512-BF16 without AMX: each task a row block x a run of panels, its K in blocks of kDpKBlock
-// pairs; within a block the weight slice of kDpPanels panels stays in L1 while every row tile of
-// the block uses it, and the accumulators wait in c between K blocks (stored and reloaded as fp32:
+// bf16 products on AVX-512 without AMX, by pair_tile<X> (X = bf16: AVX512-BF16; float: fused
+// multiply-adds): each task a row block x a run of panels, its K in blocks of kDpKBlock pairs;
+// within a block the weight slice of kDpPanels panels stays in L1 while every row tile of the
+// block uses it, and the accumulators wait in c between K blocks (stored and reloaded as fp32:
 // exact, so blocking changes no sum).
-void linear_bf16_dp(const bf16* x, int64_t m, int64_t k, const bf16* w, int64_t n, const float* bias, bf16* out) {
+template <typename X>
+void linear_bf16_pairs(const bf16* x, int64_t m, int64_t k, const bf16* w, int64_t n, const float* bias, bf16* out) {
   const int64_t panels = panels_bf16(n), panel_size = pairs_bf16(k) * 32, k_pairs = (k + 1) / 2;
   const int64_t per_block = row_block(m, 1), blocks = (m + per_block - 1) / per_block;
   // panels per task: 16 (256 outputs) when there are several row blocks (prefill); one row block
@@ -428,10 +467,11 @@ void linear_bf16_dp(const bf16* x, int64_t m, int64_t k, const bf16* w, int64_t 
     per_task = (tiles + tasks - 1) / tasks * kDpPanels;
   }
   const int64_t groups = (panels + per_task - 1) / per_task;
-  const bool padded = k % 2 != 0;  // pairs read two columns: an odd K gets a zero column
+  const int64_t lda = 2 * k_pairs;  // pairs read two columns: an odd K gets a zero column
   at::parallel_for(0, blocks * groups, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(per_block * per_task * 16);
-    std::vector<bf16> pad;
+    std::vector<X> rows_in;  // the block's rows as X, lda wide
+    int64_t rows_of = -1;     // the row block rows_in holds
     for (int64_t t = begin; t < end; ++t) {
       const int64_t block = t / groups, group = t % groups;
       const int64_t m0 = block * per_block, rows = std::min(per_block, m - m0);
@@ -439,13 +479,11 @@ void linear_bf16_dp(const bf16* x, int64_t m, int64_t k, const bf16* w, int64_t 
       const int64_t n0 = p0 * kPanel, cols = std::min((p1 - p0) * kPanel, n - n0);
       if (cols <= 0) continue;
       const int64_t ldc = (p1 - p0) * 16;
-      const bf16* a = x + m0 * k;
-      int64_t lda = k;
-      if (padded) {
-        pad.assign(rows * (k + 1), bf16(0.f));
-        for (int64_t r = 0; r < rows; ++r) std::memcpy(pad.data() + r * (k + 1), a + r * k, k * sizeof(bf16));
-        a = pad.data();
-        lda = k + 1;
+      if (rows_of != block) {
+        rows_in.assign(rows * lda, X(0.f));
+        for (int64_t r = 0; r < rows; ++r)
+          for (int64_t j = 0; j < k; ++j) rows_in[r * lda + j] = static_cast<X>(x[(m0 + r) * k + j]);
+        rows_of = block;
       }
       for (int64_t kp0 = 0; kp0 < k_pairs; kp0 += kDpKBlock) {
         const int64_t kp1 = std::min(k_pairs, kp0 + kDpKBlock);
@@ -453,9 +491,9 @@ void linear_bf16_dp(const bf16* x, int64_t m, int64_t k, const bf16* w, int64_t 
           const bf16* wp = w + p * panel_size;
           float* cp = acc.data() + (p - p0) * 16;
           if (p1 - p >= kDpPanels)  // panels come in pairs: the last tile of a run has 4 or 2
-            dp_rows<kDpPanels>(a, lda, rows, wp, panel_size, kp0, kp1, cp, ldc);
+            pair_rows<kDpPanels>(rows_in.data(), lda, rows, wp, panel_size, kp0, kp1, cp, ldc);
           else
-            dp_rows<2>(a, lda, rows, wp, panel_size, kp0, kp1, cp, ldc);
+            pair_rows<2>(rows_in.data(), lda, rows, wp, panel_size, kp0, kp1, cp, ldc);
         }
       }
       store_bf16(acc.data(), ldc, rows, bias != nullptr ? bias + n0 : nullptr, out + m0 * n + n0, n, cols);
@@ -485,7 +523,10 @@ void bf16_tile_fma(const bf16* x, int64_t ldx, int64_t rows, const bf16* b0, con
 void linear_bf16(const bf16* x, int64_t m, int64_t k, const bf16* w, int64_t n, const float* bias, bf16* out,
                  Bf16Path path) {
 #if defined(__AVX512BF16__)
-  if (path == Bf16Path::kAvx512Bf16) return linear_bf16_dp(x, m, k, w, n, bias, out);
+  if (path == Bf16Path::kAvx512Bf16) return linear_bf16_pairs<bf16>(x, m, k, w, n, bias, out);
+#endif
+#if defined(__AVX512F__)
+  if (path == Bf16Path::kFma) return linear_bf16_pairs<float>(x, m, k, w, n, bias, out);
 #endif
   const int64_t panels = panels_bf16(n), pairs = panels / 2, k_pairs = pairs_bf16(k), kpad = 2 * k_pairs;
   const int64_t panel_size = k_pairs * 32;                  // bf16 elements of one packed panel
@@ -556,10 +597,13 @@ void linear_bf16(const bf16* x, int64_t m, int64_t k, const bf16* w, int64_t n, 
 }
 
 Bf16Path parse_path(const std::string& name) {
-  if (name.empty()) return bf16_path();
+  if (name.empty()) {
+    path_used = true;
+    return bf16_path();
+  }
   for (Bf16Path p : {Bf16Path::kAmx, Bf16Path::kAvx512Bf16, Bf16Path::kFma}) {
     if (name == bf16_path_name(p)) {
-      if (p == Bf16Path::kAmx && bf16_path() != Bf16Path::kAmx)
+      if (p == Bf16Path::kAmx && native_bf16_path() != Bf16Path::kAmx)
         TORCH_CHECK(false, "linear: the amx path is not available on this machine");
 #if !defined(__AVX512BF16__)
       if (p == Bf16Path::kAvx512Bf16) TORCH_CHECK(false, "linear: this build has no avx512_bf16 path");
@@ -632,6 +676,16 @@ at::Tensor linear_packed(const at::Tensor& input, const at::Tensor& packed, int6
 }
 
 // Which instructions compute each dtype here: "float32:<...> bfloat16:<...>".
+// The bf16 path of products that name none, from now on; refused (naming both) once one ran on
+// another path.
+void set_bf16_path(const std::string& name) {
+  TORCH_CHECK(!name.empty(), "set_bf16_path: name a path: amx, avx512_bf16 or fma");
+  const Bf16Path path = parse_path(name);
+  TORCH_CHECK(!path_used || path == bf16_path(), "set_bf16_path: bfloat16 products already ran on the ",
+              bf16_path_name(bf16_path()), " path in this process; the ", name, " path must be set before any");
+  chosen_path = static_cast<int>(path);
+}
+
 std::string linear_paths() {
 #if defined(__AVX512F__)
   const std::string f32 = "avx512_fma";
