@@ -7,7 +7,9 @@ system prompt opening with its own number so no two share a prefix, 32 new token
 
 * ``kev``          - one ``Engine.generate`` over all questions, batch-invariant (the default)
 * ``kev_no_amx``   - bfloat16 on a CPU with AMX: the same, run as a CPU without AMX runs it
-                     (``KEV_CPU_ISA=no-amx``: Kev's AVX512-BF16 products, oneDNN capped to match)
+                     (``KEV_CPU_ISA=no-amx``: oneDNN capped to match; Kev's bf16 products on the
+                     path measured faster here, AVX512-BF16 or fused multiply-adds)
+* ``kev_no_amx_dp`` - the same with the AVX512-BF16 path forced (``KEV_BF16_PATH=avx512_bf16``)
 * ``kev_blas``     - the same with ``batch_invariant=False``: torch's BLAS and attention kernels
 * ``llama_server`` - llama.cpp's ``llama-server -np N -kvu`` (N slots, one unified KV buffer),
                      every question sent at once as the same prompt ids, greedy, from a GGUF of
@@ -24,7 +26,7 @@ Kev system is checked the way `kev verify --exact` does it: all questions packed
 comparing the logits every token was sampled from with ``torch.equal``.
 
 Usage: python benchmarks/bench_invariance.py [--repeat 2] [--dtype float32 bfloat16]
-           [--workload rag16 docqa one q64] [--systems kev kev_no_amx kev_blas llama_server]
+           [--workload rag16 docqa one q64] [--systems kev kev_no_amx kev_no_amx_dp kev_blas llama_server]
            [--llama-server PATH --gguf-dir DIR] [--model embedded|llama-0.7b --model-dir DIR
            --convert convert_hf_to_gguf.py] [--no-verify]
        DIR holds SmolLM2-135M-Instruct-f32.gguf and SmolLM2-135M-Instruct-bf16.gguf.
@@ -53,7 +55,9 @@ RESULTS_MD = Path(__file__).resolve().parent / "results" / "bench_invariance.md"
 WORKLOADS = {"rag16": ("RAG-16", 48), "docqa": ("DOC-QA", 32), "one": ("1 question", 17), "q64": ("Q-64", 32)}
 GGUF = {"float32": "SmolLM2-135M-Instruct-f32.gguf", "bfloat16": "SmolLM2-135M-Instruct-bf16.gguf"}
 GGUF_TYPE = {"float32": "f32", "bfloat16": "bf16"}
-SYSTEMS = ("kev", "kev_no_amx", "kev_blas", "llama_server")
+SYSTEMS = ("kev", "kev_no_amx", "kev_no_amx_dp", "kev_blas", "llama_server")
+NO_AMX = ("kev_no_amx", "kev_no_amx_dp")
+ENV = {"kev_no_amx_dp": {"KEV_BF16_PATH": "avx512_bf16"}}  # a system's own environment
 MODELS = ("embedded", "llama-0.7b")  # the latter a random_models shape
 CORES = len(os.sched_getaffinity(0))
 WARM_UP = [{"role": "user", "content": "Say hello."}]
@@ -185,7 +189,7 @@ def llama_server_run(binary: str, gguf: Path, prompts: list[list[int]], max_toke
             server.kill()
 
 
-def run_worker(name: str, data: dict, isa: str = "native") -> dict:
+def run_worker(name: str, data: dict, isa: str = "native", env: dict[str, str] | None = None) -> dict:
     """`name` in its own process, as a CPU of instruction set `isa` (KEV_CPU_ISA) would run it;
     a failure is reported, not raised."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -194,7 +198,7 @@ def run_worker(name: str, data: dict, isa: str = "native") -> dict:
         command = [sys.executable, os.path.abspath(__file__), "--worker", str(inp), str(out)]
         if isa != "native":  # torch's own dispatch is capped at its start: the isa runner sets it
             command = [sys.executable, "-m", "kev_engine.platforms.cpu.isa", isa, "--", *command]
-        rc = subprocess.call(command)
+        rc = subprocess.call(command, env={**os.environ, **(env or {})})
         return json.loads(out.read_text()) if rc == 0 else {"skipped": f"{name}: worker exit code {rc}"}
 
 
@@ -255,7 +259,7 @@ def main() -> None:
     ap.add_argument("--llama-server", dest="llama_server", help="path of a llama-server binary (else skipped)")
     ap.add_argument("--gguf-dir", dest="gguf_dir", help="folder with the f32 and bf16 GGUFs of the embedded model")
     ap.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS,
-                    help="kev_no_amx runs only for bfloat16 on a CPU with AMX")
+                    help="kev_no_amx and kev_no_amx_dp run only for bfloat16 on a CPU with AMX")
     ap.add_argument("--model", default="embedded", choices=MODELS)
     ap.add_argument("--model-dir", dest="model_dir", help="where a random-weight --model is built (and reused)")
     ap.add_argument("--convert", help="llama.cpp's convert_hf_to_gguf.py: GGUFs of a random-weight --model")
@@ -284,11 +288,11 @@ def main() -> None:
                     "model": model, "verify": args.verify}
             results: dict[str, dict] = {}
             for name, invariant, isa in (("kev", True, "native"), ("kev_no_amx", True, "no-amx"),
-                                         ("kev_blas", False, "native")):
-                if name not in args.systems or (name == "kev_no_amx" and (dtype != "bfloat16" or not has_amx)):
+                                         ("kev_no_amx_dp", True, "no-amx"), ("kev_blas", False, "native")):
+                if name not in args.systems or (name in NO_AMX and (dtype != "bfloat16" or not has_amx)):
                     continue
                 print(f"--- {args.model} {dtype} {title} {name}", flush=True)
-                results[name] = run_worker(name, {**base, "invariant": invariant}, isa)
+                results[name] = run_worker(name, {**base, "invariant": invariant}, isa, ENV.get(name))
                 print(json.dumps(results[name]), flush=True)
             if "llama_server" not in args.systems:
                 pass

@@ -82,3 +82,78 @@ def test_the_engine_says_what_auto_chose_and_why(monkeypatch) -> None:
         assert engine.stats()["dtype_choice"] == "the model's own dtype"
     finally:
         engine.close()
+
+
+class FakeBuild:
+    """The exact build as `choose_bf16_path` sees it: its own bf16 path, and which it refuses."""
+
+    def __init__(self, native: str, refuse: frozenset[str] = frozenset()) -> None:
+        self.native, self.refuse, self.set_to = native, refuse, None
+
+    def linear_paths(self) -> str:
+        return f"float32:avx512_fma bfloat16:{self.set_to or self.native}"
+
+    def set_bf16_path(self, name: str) -> None:
+        if name in self.refuse:
+            raise RuntimeError(f"linear: the {name} path is not available on this machine")
+        self.set_to = name
+
+
+def never_timed(exact, dtype, path="") -> float:
+    raise AssertionError("measured although it should not have been")
+
+
+def test_with_amx_bf16_products_run_on_amx_unmeasured(monkeypatch) -> None:
+    monkeypatch.delenv(dtype_choice.PATH_ENV, raising=False)
+    monkeypatch.setattr(dtype_choice, "_products", never_timed)
+    build = FakeBuild("amx")
+    assert dtype_choice.choose_bf16_path(build).path == "amx" and build.set_to is None
+    assert dtype_choice.choose_bf16_path(FakeBuild("fma")).path == "fma"  # no native bf16: nothing to choose
+
+
+@pytest.mark.parametrize(("timings", "expected"), [({"avx512_bf16": 3.0, "fma": 5.0}, "avx512_bf16"),
+                                                   ({"avx512_bf16": 9.0, "fma": 5.0}, "fma")])
+def test_without_amx_the_faster_path_is_measured_set_and_cached(monkeypatch, private_cache, caplog, timings,
+                                                                expected) -> None:
+    monkeypatch.delenv(dtype_choice.PATH_ENV, raising=False)
+    monkeypatch.setattr(dtype_choice, "_build_key", lambda: "this build")
+    monkeypatch.setattr(dtype_choice, "_products", lambda exact, dtype, path="": timings[path])
+    build = FakeBuild("avx512_bf16")
+    with caplog.at_level("INFO", logger="kev"):
+        choice = dtype_choice.choose_bf16_path(build)
+    assert choice.path == expected and build.set_to == expected and choice.timings_ms == timings
+    assert f"bfloat16 products run on the {expected} path here" in caplog.text and "measured once" in choice.reason
+    monkeypatch.setattr(dtype_choice, "_products", never_timed)
+    again = FakeBuild("avx512_bf16")
+    assert dtype_choice.choose_bf16_path(again) == choice and again.set_to == expected  # the cache, set again
+    monkeypatch.setattr(dtype_choice, "_build_key", lambda: "another build")
+    with pytest.raises(AssertionError, match="measured although"):
+        dtype_choice.choose_bf16_path(FakeBuild("avx512_bf16"))  # a new build measures again
+
+
+def test_kev_bf16_path_names_one_unmeasured_and_a_bad_one_is_refused(monkeypatch) -> None:
+    monkeypatch.setattr(dtype_choice, "_products", never_timed)
+    monkeypatch.setenv(dtype_choice.PATH_ENV, "avx512_bf16")
+    build = FakeBuild("amx")
+    assert dtype_choice.choose_bf16_path(build).path == "avx512_bf16" and build.set_to == "avx512_bf16"
+    monkeypatch.setenv(dtype_choice.PATH_ENV, "avx1024")
+    with pytest.raises(ValueError, match="KEV_BF16_PATH='avx1024' is not allowed; use one of amx, avx512_bf16, fma"):
+        dtype_choice.choose_bf16_path(FakeBuild("amx"))
+    monkeypatch.setenv(dtype_choice.PATH_ENV, "amx")
+    with pytest.raises(ValueError, match="KEV_BF16_PATH='amx' cannot run here: linear: the amx path is not available"):
+        dtype_choice.choose_bf16_path(FakeBuild("avx512_bf16", refuse=frozenset({"amx"})))
+
+
+def test_the_kernels_keep_one_bf16_path_once_a_product_ran() -> None:
+    """linear.cpp refuses another default path after a product ran on this one, naming both."""
+    from kev_engine.platforms.cpu import kernels
+
+    loaded = kernels.load_kernels()
+    x = torch.ones(2, 8, dtype=torch.bfloat16)
+    loaded.linear_packed(x, loaded.linear_pack(x), 2)  # a product on the process's path
+    current = loaded.bf16_path.path
+    assert f"bfloat16:{current}" in loaded.linear_paths
+    loaded.set_bf16_path(current)  # the same path: nothing changes
+    other = "fma" if current != "fma" else "avx512_bf16"
+    with pytest.raises(RuntimeError, match=f"already ran on the {current} path|this build has no avx512_bf16 path"):
+        loaded.set_bf16_path(other)

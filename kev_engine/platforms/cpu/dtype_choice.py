@@ -1,20 +1,31 @@
-"""`dtype="auto"` on a CPU: bfloat16 only where it is measured faster than float32 here.
+"""`dtype="auto"` on a CPU: bfloat16 only where it is measured faster than float32 here; and which
+instructions Kev's bfloat16 products run on where the CPU offers a choice.
 
 Why: an instruction set says what a CPU can do, not how fast Kev's kernels do it there. On a CPU
 with AMX, Kev's bf16 products run at about twice fp32's speed; on one with AVX512-BF16 but no AMX
-(AMD Zen 4/5) the same kernels can be slower than fp32 — and without either, bf16 is emulated.
-So where the CPU multiplies bf16 natively, the first `dtype="auto"` times the products the
-default (batch-invariant) engine runs — Kev's packed Linear product, a prefill-sized and a
-decode-sized call — in both dtypes and picks the faster; the decision is cached beside the
-kernels (`KEV_CACHE_DIR`), keyed by the kernels' build (CPU, `KEV_CPU_ISA`, torch, sources), so
-each machine and environment measures once. Without native bf16 it is float32, unmeasured. An
-explicit dtype is always honoured.
+(AMD Zen 4/5, Intel Cooper Lake, a VM that hides AMX) the same kernels can be slower than fp32 —
+and without either, bf16 is emulated. So where the CPU multiplies bf16 natively, the first
+`dtype="auto"` times the products the default (batch-invariant) engine runs — Kev's packed Linear
+product, a prefill-sized and a decode-sized call — in both dtypes and picks the faster; the
+decision is cached beside the kernels (`KEV_CACHE_DIR`), keyed by the kernels' build (CPU,
+`KEV_CPU_ISA`, torch, sources), so each machine and environment measures once. Without native
+bf16 it is float32, unmeasured. An explicit dtype is always honoured.
+
+The bf16 path (`choose_bf16_path`, when the kernels load): with AMX, AMX. With AVX512-BF16 but no
+AMX, two paths compute bf16 products, each batch-invariant: `vdpbf16ps` (two products a lane per
+instruction) and the fma path (bf16 pairs widened to fp32 and fused-multiply-added). Where
+`vdpbf16ps` retires at a fused multiply-add's rate (Zen 4/5) it does twice the work; where it
+retires at half that or less (Intel cores without AMX), the fma path is faster. So the two are
+timed on the same calls, once per build, and the faster one serves every product of the process
+(`linear.cpp`'s `set_bf16_path`: a process never mixes them). `KEV_BF16_PATH` (amx, avx512_bf16
+or fma) names one instead, unmeasured.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -28,6 +39,8 @@ from . import isa, kernels
 log = logging.getLogger("kev")
 
 CACHE_FILE = "dtype-choice.json"
+PATH_ENV = "KEV_BF16_PATH"
+BF16_PATHS = ("amx", "avx512_bf16", "fma")
 SHAPES = ((512, 1024, 2048), (16, 1024, 2048))  # (rows, in, out): a prefill chunk and a decode step
 REPEATS = 3  # each shape's best of this many calls, after a warm-up
 
@@ -38,6 +51,13 @@ class DtypeChoice:
     reason: str
     float32_ms: float | None = None
     bfloat16_ms: float | None = None
+
+
+@dataclass(frozen=True)
+class PathChoice:
+    path: str  # one of BF16_PATHS
+    reason: str
+    timings_ms: dict[str, float] | None = None  # each path measured: its milliseconds
 
 
 def choose(measure: Callable[[torch.dtype], float] | None = None) -> DtypeChoice:
@@ -56,15 +76,22 @@ def choose(measure: Callable[[torch.dtype], float] | None = None) -> DtypeChoice
         return DtypeChoice("bfloat16", f"this CPU multiplies bfloat16 natively ({exc}; not measured)")
     faster = "bfloat16" if bf16 < fp32 else "float32"
     choice = DtypeChoice(faster, f"Kev's bfloat16 products took {bf16:.1f} ms against float32's {fp32:.1f} ms "
-                                 f"on this CPU ({isa.resolve()} instruction set), measured once", fp32, bf16)
-    _write_cache(key, choice)
+                                 f"on this CPU ({_where()}), measured once",
+                         fp32, bf16)
+    _write_cache(key, asdict(choice))
     log.info("Kev: dtype='auto' is %s here: %s (cached in %s)", faster, choice.reason, _cache_path())
     return choice
 
 
-def _key() -> str:
-    """The kernels' build names: new sources, flags, `KEV_CPU_ISA`, torch, CPU or toolchain measure again."""
+def _build_key() -> str:
+    """The kernels' build name: new sources, flags, `KEV_CPU_ISA`, torch, CPU or toolchain measure again."""
     return kernels.build_name("exact")
+
+
+def _key() -> str:
+    """The dtype choice's key: the build, and the bf16 path asked for, if any (the products run on it)."""
+    asked = os.environ.get(PATH_ENV)
+    return _build_key() + (f" {PATH_ENV}={asked}" if asked else "")
 
 
 def _cache_path() -> Path:
@@ -79,9 +106,9 @@ def _read_cache() -> dict[str, dict[str, Any]]:
     return data if isinstance(data, dict) else {}
 
 
-def _write_cache(key: str, choice: DtypeChoice) -> None:
+def _write_cache(key: str, entry: dict[str, Any]) -> None:
     data = _read_cache()
-    data[key] = asdict(choice)
+    data[key] = entry
     path = _cache_path()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -89,22 +116,71 @@ def _write_cache(key: str, choice: DtypeChoice) -> None:
         temporary.write_text(json.dumps(data, indent=1))
         temporary.replace(path)  # whole or not at all, if two processes measure at once
     except OSError as exc:
-        log.info("Kev: could not cache the dtype choice in %s (%s); it is measured again next time", path, exc)
+        log.info("Kev: could not cache a choice in %s (%s); it is measured again next time", path, exc)
+
+
+def choose_bf16_path(exact: Any) -> PathChoice:
+    """The path Kev's bfloat16 products take in this process, set on the exact build `exact` before
+    any product runs (kernels.load_kernels), and why (see the module docstring)."""
+    native = _paths(exact)["bfloat16"]
+    asked = os.environ.get(PATH_ENV)
+    if asked:
+        if asked not in BF16_PATHS:
+            raise ValueError(f"{PATH_ENV}={asked!r} is not allowed; use one of {', '.join(BF16_PATHS)}")
+        try:
+            exact.set_bf16_path(asked)
+        except RuntimeError as exc:
+            raise ValueError(f"{PATH_ENV}={asked!r} cannot run here: {str(exc).splitlines()[0]}") from exc
+        choice = PathChoice(asked, f"{PATH_ENV}={asked}")
+    elif native != "avx512_bf16":
+        choice = PathChoice(native, "AMX, this CPU's fastest" if native == "amx" else
+                            "this CPU has neither AMX nor AVX512-BF16: products of bf16 pairs in fp32")
+    else:
+        key = f"{_build_key()} bf16_path"
+        cached = _read_cache().get(key)
+        if cached is not None:
+            choice = PathChoice(**cached)
+        else:
+            timings = {path: _products(exact, torch.bfloat16, path) for path in ("avx512_bf16", "fma")}
+            faster = min(timings, key=timings.__getitem__)
+            measured = ", ".join(f"{path} {ms:.1f} ms" for path, ms in timings.items())
+            choice = PathChoice(faster, f"the faster of the two on Kev's products here ({measured}), measured once",
+                                {path: round(ms, 3) for path, ms in timings.items()})
+            _write_cache(key, asdict(choice))
+        exact.set_bf16_path(choice.path)
+    log.info("Kev: bfloat16 products run on the %s path here: %s", choice.path, choice.reason)
+    return choice
+
+
+def _paths(exact: Any) -> dict[str, str]:
+    """linear_paths()'s "float32:... bfloat16:..." as {dtype: path}."""
+    return dict(part.split(":", 1) for part in exact.linear_paths().split())
+
+
+def _where() -> str:
+    """The instruction set, and the bf16 path where this process's kernels are loaded."""
+    loaded = kernels.loaded()
+    return isa.resolve() + " instruction set" + (f", the {loaded.bf16_path.path} path" if loaded else "")
 
 
 def _kernel_products(dtype: torch.dtype) -> float:
     """Milliseconds of Kev's packed Linear product over `SHAPES` in `dtype` (each shape's best call)."""
-    loaded = kernels.load_kernels()
+    return _products(kernels.load_kernels(), dtype)
+
+
+def _products(loaded: Any, dtype: torch.dtype, path: str = "") -> float:
+    """Milliseconds of `loaded`'s packed product over `SHAPES` in `dtype` (each shape's best call),
+    bf16 on `path` ("" for the process's own)."""
     total = 0.0
     generator = torch.Generator().manual_seed(0)
     for rows, inputs, outputs in SHAPES:
         x = torch.randn(rows, inputs, generator=generator).to(dtype)
         packed = loaded.linear_pack(torch.randn(outputs, inputs, generator=generator).to(dtype))
-        loaded.linear_packed(x, packed, outputs)  # warm-up: pages, caches
+        loaded.linear_packed(x, packed, outputs, None, path)  # warm-up: pages, caches
         best = float("inf")
         for _ in range(REPEATS):
             started = time.perf_counter()
-            loaded.linear_packed(x, packed, outputs)
+            loaded.linear_packed(x, packed, outputs, None, path)
             best = min(best, time.perf_counter() - started)
         total += best * 1000
     return total

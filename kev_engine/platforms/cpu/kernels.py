@@ -21,7 +21,9 @@ rebuilds when a command line changes), with the sources copied in: any checkout 
 finds that environment's build, each virtual environment sharing the cache has its own and never
 rebuilds another's, and a cache shared between machines never loads code built for another CPU.
 A build says so on the "kev" logger and every 15 s while it runs; a process that finds another
-one in its folder (`build_lock`) waits for it and says whose build it waits for and why.
+one in its folder (`build_lock`) waits for it and says whose build it waits for and why. When the
+builds load, the path of bfloat16 products is fixed for the process (`dtype_choice.choose_bf16_path`:
+AMX, or on a CPU without it the faster of AVX512-BF16 and fused multiply-adds, measured once).
 
 Modes (`Engine(cpu_kernels=...)`, else `KEV_CPU_KERNELS`, else "auto"):
   "auto"      use the kernels on CPU; if they cannot be built, say why (a warning on the
@@ -75,9 +77,11 @@ _failure: str | None = None  # a failed build is not retried by every engine of 
 class Kernels:
     """The loaded builds' functions (see each source file for its contract)."""
 
-    def __init__(self, exact: Any, fast: Any) -> None:
+    def __init__(self, exact: Any, fast: Any, bf16_path: Any) -> None:
         self.linear_pack = exact.linear_pack
         self.linear_packed = exact.linear_packed
+        self.bf16_path = bf16_path  # `dtype_choice.PathChoice`: the path bf16 products take, and why
+        self.set_bf16_path = exact.set_bf16_path  # refused once a product ran on another path
         self.linear_paths: str = exact.linear_paths()
         self.paged_attention = exact.paged_attention
         self.paged_write_transposed = exact.paged_write_transposed
@@ -198,12 +202,20 @@ def load_kernels() -> Kernels:
             if _failure is not None:
                 raise RuntimeError(_failure)
             try:
-                _kernels = Kernels(_build("exact"), _build("fast"))
+                exact, fast = _build("exact"), _build("fast")
             except Exception as exc:  # noqa: BLE001 - compiler missing, headers missing, build error: all say why
                 _failure = (f"Kev's CPU kernels could not be built ({type(exc).__name__}: "
                             f"{str(exc).strip()[-2000:]}); they need a C++ compiler and ninja")
                 raise RuntimeError(_failure) from exc
+            from . import dtype_choice  # imports this module: it measures on these kernels
+
+            _kernels = Kernels(exact, fast, dtype_choice.choose_bf16_path(exact))  # before any product runs
         return _kernels
+
+
+def loaded() -> Kernels | None:
+    """The kernels if this process has loaded them; never builds."""
+    return _kernels
 
 
 def choose(mode: str | None, device: torch.device, flash_layout: bool) -> Kernels | None:
