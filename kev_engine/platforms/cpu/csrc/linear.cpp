@@ -16,9 +16,11 @@
 //   bfloat16: fp32 accumulators over k in steps of 32 (AMX `tdpbf16ps` tiles of 16 x 16, rows
 //            padded with zeros to 16), or of 2 (AVX512-BF16 `vdpbf16ps`, register tiles of 6 rows
 //            x 64 outputs with K in blocks of 128 whose accumulators are stored and reloaded
-//            exactly between blocks), or products of pairs converted to fp32 and
-//            fused-multiply-added (anything else); then + bias in fp32 and one rounding to bf16.
-//            A process uses one of these for its whole life.
+//            exactly between blocks), or the fma path: per pair the even product, then the odd
+//            one, each an fp32 fused multiply-add of exact values (the same tiles on AVX-512, a
+//            loop elsewhere); then + bias in fp32 and one rounding to bf16. A process uses one
+//            of these for its whole life (`set_bf16_path`: without AMX, the faster of the other
+//            two on this CPU, measured when the kernels load).
 // Packed layouts (zero-padded, so padding adds exact zeros):
 //   float32  [ceil(N/16)][K][16]
 //   bfloat16 [ceil(N/32)*2][ceil(K/32)*16][16][2]   (k pairs: AMX's and vdpbf16ps's B layout)
@@ -502,8 +504,8 @@ void linear_bf16_pairs(const bf16* x, int64_t m, int64_t k, const bf16* w, int64
 }
 #endif
 
-// Without AMX or AVX512-BF16 (bf16 asked for explicitly): up to 6 rows x 32 outputs, the even
-// product then the odd one, each a fused multiply-add in fp32 (exact products of bf16s).
+// The fma path without AVX-512: up to 6 rows x 32 outputs, the even product then the odd one,
+// each a fused multiply-add in fp32 (exact products of bf16s).
 void bf16_tile_fma(const bf16* x, int64_t ldx, int64_t rows, const bf16* b0, const bf16* b1, int64_t k_pairs,
                    float* c) {
   for (int64_t i = 0; i < rows; ++i) {
