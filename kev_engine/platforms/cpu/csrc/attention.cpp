@@ -263,8 +263,9 @@ void attend(const Pass<T>& p, const std::vector<Segment>& segments) {
   // tile holds up to kMaxTile (row, head) vectors per kv head; rows of a task share every chunk
   // it reads. A segment of one tile (a decode row) takes several kv heads in one task when there
   // are enough such segments to keep every thread busy: the task then reads chunk by chunk
-  // across its heads, and a block's heads lie next to each other in the pool (one stream the
-  // hardware prefetcher follows, instead of a separate 4 KB island per head).
+  // across its heads, and a block's heads lie next to each other in the pool, so it reads one
+  // run of memory per block (and, the allocator handing out runs, mostly one run per row)
+  // instead of a separate 4 KB island per head, each requested ahead as tile_chunk does.
   const int64_t rows_per_task = std::max<int64_t>(1, kMaxTile / p.group);
   int64_t small = 0;
   for (const Segment& seg : segments) small += seg.num_rows <= rows_per_task;
