@@ -399,7 +399,7 @@ constexpr int64_t kAccFloats = 64 * 1024;  // a task's accumulators at most (256
 // arithmetic (bf16_tile_fma's: per pair the even product, then the odd one, each a fused
 // multiply-add of exact fp32 values) on vectors, the rows given as fp32 — the same bits as that
 // loop, at the rate of fp32's fused multiply-adds: on a core whose `vdpbf16ps` retires slower
-// than two of those, faster than the AVX512-BF16 path (`preferred_bf16_path` measures which).
+// than two of those, faster than the AVX512-BF16 path (`dtype_choice.choose_bf16_path` measures which).
 template <int R, int NP, typename X>
 inline void pair_tile(const X* x, int64_t ldx, const bf16* w, int64_t panel_size, int64_t kp0, int64_t kp1, float* c,
                       int64_t ldc) {
