@@ -472,7 +472,7 @@ void linear_bf16_pairs(const bf16* x, int64_t m, int64_t k, const bf16* w, int64
   const int64_t lda = 2 * k_pairs;  // pairs read two columns: an odd K gets a zero column
   at::parallel_for(0, blocks * groups, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(per_block * per_task * 16);
-    std::vector<X> rows_in;  // the block's rows as X, lda wide
+    std::vector<X> rows_in;  // the block's rows as X, lda wide, where they are not already
     int64_t rows_of = -1;     // the row block rows_in holds
     for (int64_t t = begin; t < end; ++t) {
       const int64_t block = t / groups, group = t % groups;
@@ -481,11 +481,18 @@ void linear_bf16_pairs(const bf16* x, int64_t m, int64_t k, const bf16* w, int64
       const int64_t n0 = p0 * kPanel, cols = std::min((p1 - p0) * kPanel, n - n0);
       if (cols <= 0) continue;
       const int64_t ldc = (p1 - p0) * 16;
-      if (rows_of != block) {
-        rows_in.assign(rows * lda, X(0.f));
-        for (int64_t r = 0; r < rows; ++r)
-          for (int64_t j = 0; j < k; ++j) rows_in[r * lda + j] = static_cast<X>(x[(m0 + r) * k + j]);
-        rows_of = block;
+      const X* a = nullptr;
+      if constexpr (std::is_same_v<X, bf16>) {
+        if (lda == k) a = x + m0 * k;  // an even K: the rows as they are
+      }
+      if (a == nullptr) {
+        if (rows_of != block) {
+          rows_in.assign(rows * lda, X(0.f));
+          for (int64_t r = 0; r < rows; ++r)
+            for (int64_t j = 0; j < k; ++j) rows_in[r * lda + j] = static_cast<X>(x[(m0 + r) * k + j]);
+          rows_of = block;
+        }
+        a = rows_in.data();
       }
       for (int64_t kp0 = 0; kp0 < k_pairs; kp0 += kDpKBlock) {
         const int64_t kp1 = std::min(k_pairs, kp0 + kDpKBlock);
@@ -493,9 +500,9 @@ void linear_bf16_pairs(const bf16* x, int64_t m, int64_t k, const bf16* w, int64
           const bf16* wp = w + p * panel_size;
           float* cp = acc.data() + (p - p0) * 16;
           if (p1 - p >= kDpPanels)  // panels come in pairs: the last tile of a run has 4 or 2
-            pair_rows<kDpPanels>(rows_in.data(), lda, rows, wp, panel_size, kp0, kp1, cp, ldc);
+            pair_rows<kDpPanels>(a, lda, rows, wp, panel_size, kp0, kp1, cp, ldc);
           else
-            pair_rows<2>(rows_in.data(), lda, rows, wp, panel_size, kp0, kp1, cp, ldc);
+            pair_rows<2>(a, lda, rows, wp, panel_size, kp0, kp1, cp, ldc);
         }
       }
       store_bf16(acc.data(), ldc, rows, bias != nullptr ? bias + n0 : nullptr, out + m0 * n + n0, n, cols);
