@@ -61,12 +61,26 @@ def test_an_explicit_dtype_is_honoured_whatever_was_measured(monkeypatch) -> Non
 
 
 def test_the_kernels_products_are_really_timed_in_both_dtypes(monkeypatch) -> None:
-    """The default measurement: Kev's packed product, a prefill- and a decode-sized call, each dtype."""
+    """The default measurement: Kev's packed products and attention for a decode step and its prompt
+    rows' prefill, each dtype."""
     monkeypatch.setattr(cpu_isa, "native_bf16", lambda isa=None: True)
     choice = dtype_choice.choose()
     assert choice.float32_ms is not None and choice.float32_ms > 0
     assert choice.bfloat16_ms is not None and choice.bfloat16_ms > 0
     assert choice.dtype == ("bfloat16" if choice.bfloat16_ms < choice.float32_ms else "float32")
+
+
+def test_a_decode_steps_attention_counts_beside_its_products(monkeypatch) -> None:
+    """bf16 halves the KV cache's bytes, which products alone do not show: where the products tie,
+    the attention decides (and it is timed on the kernels' own paged pool, in each dtype)."""
+    loaded = dtype_choice.kernels.load_kernels()
+    for dtype in (torch.float32, torch.bfloat16):
+        assert dtype_choice._attention(loaded, dtype) > 0
+    monkeypatch.setattr(cpu_isa, "native_bf16", lambda isa=None: True)
+    monkeypatch.setattr(dtype_choice, "_products", lambda loaded, dtype, path="": 100.0)
+    monkeypatch.setattr(dtype_choice, "_attention", lambda loaded, dtype: 8.0 if dtype == torch.float32 else 4.0)
+    choice = dtype_choice.choose()
+    assert (choice.dtype, choice.float32_ms, choice.bfloat16_ms) == ("bfloat16", 108.0, 104.0)
 
 
 def test_the_engine_says_what_auto_chose_and_why(monkeypatch) -> None:

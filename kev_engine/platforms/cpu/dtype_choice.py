@@ -5,11 +5,19 @@ Why: an instruction set says what a CPU can do, not how fast Kev's kernels do it
 with AMX, Kev's bf16 products run at about twice fp32's speed; on one with AVX512-BF16 but no AMX
 (AMD Zen 4/5, Intel Cooper Lake, a VM that hides AMX) the same kernels can be slower than fp32 —
 and without either, bf16 is emulated. So where the CPU multiplies bf16 natively, the first
-`dtype="auto"` times the products the default (batch-invariant) engine runs — Kev's packed Linear
-product, a prefill-sized and a decode-sized call — in both dtypes and picks the faster; the
-decision is cached beside the kernels (`KEV_CACHE_DIR`), keyed by the kernels' build (CPU,
-`KEV_CPU_ISA`, torch, sources), so each machine and environment measures once. Without native
-bf16 it is float32, unmeasured. An explicit dtype is always honoured.
+`dtype="auto"` times the products the default (batch-invariant) engine runs, Kev's packed Linear
+product, in both dtypes and picks the faster; the decision is cached beside the kernels
+(`KEV_CACHE_DIR`), keyed by the kernels' build (CPU, `KEV_CPU_ISA`, torch, sources), so each machine
+and environment measures once. Without native bf16 it is float32, unmeasured. An explicit dtype is
+always honoured.
+
+What is timed is a decode step of a model the default one's size with its share of prefill, as the
+RAG batch Kev is built for runs them: the step's products through `STREAM` distinct weights and its
+attention over `LAYERS` layers' KV cache for 16 rows of RAG-sized contexts, plus
+`PROMPT_ROWS_PER_STEP` prompt rows' share of a prefill chunk's products through the same weights
+(compute-bound: a chunk's weights stay in cache across its rows). The step's weights and KV come
+from memory, not cache, as a real model's do: that is where bf16's halved bytes count, and a probe
+that read them from cache would miss it (and pick fp32 where bf16 runs the batch faster).
 
 The bf16 path (`choose_bf16_path`, when the kernels load): with AMX, AMX. With AVX512-BF16 but no
 AMX, two paths compute bf16 products, each batch-invariant: `vdpbf16ps` (two products a lane per
@@ -41,8 +49,13 @@ log = logging.getLogger("kev")
 CACHE_FILE = "dtype-choice.json"
 PATH_ENV = "KEV_BF16_PATH"
 BF16_PATHS = ("amx", "avx512_bf16", "fma")
-SHAPES = ((512, 1024, 2048), (16, 1024, 2048))  # (rows, in, out): a prefill chunk and a decode step
-REPEATS = 3  # each shape's best of this many calls, after a warm-up
+IN, OUT = 1024, 2048  # each timed product's weight: in x out
+STREAM = 64  # distinct weights a decode step reads: 128 M parameters (512 MB in fp32), the default model's
+PREFILL_ROWS = 512  # a prefill chunk
+CONTEXTS = tuple(range(132, 500, 23))  # the decode step's 16 rows: their past tokens, the RAG batch's sizes
+LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 30, 9, 3, 64, 32  # the default model's attention, Kev's KV blocks
+PROMPT_ROWS_PER_STEP = 100  # the RAG batch's mix: 16 questions of ~300 prompt tokens, 48 new tokens
+REPEATS = 3  # each timing the best of this many, after a warm-up
 
 
 @dataclass(frozen=True)
@@ -75,8 +88,9 @@ def choose(measure: Callable[[torch.dtype], float] | None = None) -> DtypeChoice
     except RuntimeError as exc:  # the kernels cannot be built: the engine runs torch's ops, untimed here
         return DtypeChoice("bfloat16", f"this CPU multiplies bfloat16 natively ({exc}; not measured)")
     faster = "bfloat16" if bf16 < fp32 else "float32"
-    choice = DtypeChoice(faster, f"Kev's bfloat16 products took {bf16:.1f} ms against float32's {fp32:.1f} ms "
-                                 f"on this CPU ({_where()}), measured once",
+    choice = DtypeChoice(faster, f"Kev's bfloat16 products and attention took {bf16:.1f} ms against float32's "
+                                 f"{fp32:.1f} ms (a decode step reading its weights and KV from memory, and its "
+                                 f"prompt rows' prefill) on this CPU ({_where()}), measured once",
                          fp32, bf16)
     _write_cache(key, asdict(choice))
     log.info("Kev: dtype='auto' is %s here: %s (cached in %s)", faster, choice.reason, _cache_path())
@@ -164,23 +178,53 @@ def _where() -> str:
 
 
 def _kernel_products(dtype: torch.dtype) -> float:
-    """Milliseconds of Kev's packed Linear product over `SHAPES` in `dtype` (each shape's best call)."""
-    return _products(kernels.load_kernels(), dtype)
+    """Milliseconds of a decode step and its prompt rows' share of prefill in `dtype`, on Kev's
+    kernels (see the module docstring)."""
+    loaded = kernels.load_kernels()
+    return _products(loaded, dtype) + _attention(loaded, dtype)
 
 
 def _products(loaded: Any, dtype: torch.dtype, path: str = "") -> float:
-    """Milliseconds of `loaded`'s packed product over `SHAPES` in `dtype` (each shape's best call),
-    bf16 on `path` ("" for the process's own)."""
-    total = 0.0
+    """Milliseconds of `loaded`'s packed products in `dtype` (bf16 on `path`, "" for the process's
+    own) for one decode step of `len(CONTEXTS)` rows through `STREAM` weights read from memory, plus
+    `PROMPT_ROWS_PER_STEP` rows' share of a `PREFILL_ROWS`-row chunk through the same weights."""
     generator = torch.Generator().manual_seed(0)
-    for rows, inputs, outputs in SHAPES:
-        x = torch.randn(rows, inputs, generator=generator).to(dtype)
-        packed = loaded.linear_pack(torch.randn(outputs, inputs, generator=generator).to(dtype))
-        loaded.linear_packed(x, packed, outputs, None, path)  # warm-up: pages, caches
-        best = float("inf")
-        for _ in range(REPEATS):
-            started = time.perf_counter()
-            loaded.linear_packed(x, packed, outputs, None, path)
-            best = min(best, time.perf_counter() - started)
-        total += best * 1000
-    return total
+    weight = torch.randn(OUT, IN, generator=generator).to(dtype)
+    chunk = torch.randn(PREFILL_ROWS, IN, generator=generator).to(dtype)
+    step = torch.randn(len(CONTEXTS), IN, generator=generator).to(dtype)
+    packed = [loaded.linear_pack(weight) for _ in range(STREAM)]  # distinct copies: read from memory each step
+    prefill_ms = _best(lambda: loaded.linear_packed(chunk, packed[0], OUT, None, path))
+    step_ms = _best(lambda: [loaded.linear_packed(step, one, OUT, None, path) for one in packed])
+    return step_ms + prefill_ms * STREAM * PROMPT_ROWS_PER_STEP / PREFILL_ROWS
+
+
+def _attention(loaded: Any, dtype: torch.dtype) -> float:
+    """Milliseconds of `loaded`'s attention in `dtype` for one decode step of `len(CONTEXTS)` rows
+    over `LAYERS` layers' KV cache, each layer's blocks its own (read from memory, not cache)."""
+    generator = torch.Generator().manual_seed(0)
+    spans = [(past + 1 + BLOCK - 1) // BLOCK for past in CONTEXTS]  # the blocks of each row's past and itself
+    blocks = sum(spans)
+    keys = torch.randn(blocks, KV_HEADS, HEAD_DIM, BLOCK, generator=generator).to(dtype)
+    values = torch.randn(blocks, KV_HEADS, BLOCK, HEAD_DIM, generator=generator).to(dtype)
+    pools = [(keys.clone(), values.clone()) for _ in range(LAYERS)]
+    tables = torch.zeros(len(CONTEXTS), max(spans), dtype=torch.int32)
+    first = 0
+    for row, span in enumerate(spans):
+        tables[row, :span] = torch.arange(first, first + span, dtype=torch.int32)
+        first += span
+    query = torch.randn(len(CONTEXTS), HEADS, HEAD_DIM, generator=generator).to(dtype)
+    cu_seqlens = torch.arange(len(CONTEXTS) + 1, dtype=torch.int32)
+    past = torch.tensor(CONTEXTS, dtype=torch.int32)
+    scale = HEAD_DIM**-0.5
+    return _best(lambda: [loaded.paged_attention(query, k, v, tables, cu_seqlens, past, scale) for k, v in pools])
+
+
+def _best(call: Callable[[], object]) -> float:
+    """Milliseconds of `call`'s fastest run of `REPEATS`, after a warm-up (pages, caches)."""
+    call()
+    best = float("inf")
+    for _ in range(REPEATS):
+        started = time.perf_counter()
+        call()
+        best = min(best, time.perf_counter() - started)
+    return best * 1000
