@@ -56,6 +56,7 @@ CONTEXTS = tuple(range(132, 500, 23))  # the decode step's 16 rows: their past t
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 30, 9, 3, 64, 32  # the default model's attention, Kev's KV blocks
 PROMPT_ROWS_PER_STEP = 100  # the RAG batch's mix: 16 questions of ~300 prompt tokens, 48 new tokens
 REPEATS = 3  # each timing the best of this many, after a warm-up
+PROBE = 2  # what is timed, in the cache's keys: a decision cached by another probe is measured again
 
 
 @dataclass(frozen=True)
@@ -98,8 +99,9 @@ def choose(measure: Callable[[torch.dtype], float] | None = None) -> DtypeChoice
 
 
 def _build_key() -> str:
-    """The kernels' build name: new sources, flags, `KEV_CPU_ISA`, torch, CPU or toolchain measure again."""
-    return kernels.build_name("exact")
+    """The kernels' build name and the probe's: new sources, flags, `KEV_CPU_ISA`, torch, CPU,
+    toolchain or a new probe measure again."""
+    return f"{kernels.build_name('exact')} probe={PROBE}"
 
 
 def _key() -> str:
