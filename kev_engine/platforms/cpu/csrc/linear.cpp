@@ -392,6 +392,7 @@ void store_bf16(const float* c, int64_t ldc, int64_t rows, const float* bias, bf
 constexpr int kDpPanels = 4;
 constexpr int64_t kDpKBlock = 64;   // k pairs per K block: 4 panels' slice is 16 KB, in L1 across row tiles
 constexpr int64_t kAccFloats = 64 * 1024;  // a task's accumulators at most (256 KB: they stay in L2)
+constexpr int64_t kDpAhead = 16;  // a decode pass requests each panel's weights this many k pairs ahead
 
 // R rows x NP panels over k pairs [kp0, kp1): fp32 accumulators in c (ldc floats a row), zero when
 // kp0 is 0, else read back; each output adds its k pairs in order from 0 whatever R, NP and blocks.
@@ -400,13 +401,17 @@ constexpr int64_t kAccFloats = 64 * 1024;  // a task's accumulators at most (256
 // multiply-add of exact fp32 values) on vectors, the rows given as fp32 — the same bits as that
 // loop, at the rate of fp32's fused multiply-adds: on a core whose `vdpbf16ps` retires slower
 // than two of those, faster than the AVX512-BF16 path (`dtype_choice.choose_bf16_path` measures which).
+// ahead (k pairs, 0 for none): each panel's weights that far on are requested per k pair, so a
+// tile whose weights come from memory (a decode pass's first row tile) finds them arriving.
 template <int R, int NP, typename X>
 inline void pair_tile(const X* x, int64_t ldx, const bf16* w, int64_t panel_size, int64_t kp0, int64_t kp1, float* c,
-                      int64_t ldc) {
+                      int64_t ldc, int64_t ahead = 0) {
   __m512 acc[R][NP];
   for (int i = 0; i < R; ++i)
     for (int j = 0; j < NP; ++j) acc[i][j] = kp0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(c + i * ldc + j * 16);
   for (int64_t kp = kp0; kp < kp1; ++kp) {
+    if (ahead != 0)  // past a panel's end: the next panel's start, or nothing (a request never faults)
+      for (int j = 0; j < NP; ++j) __builtin_prefetch(w + j * panel_size + (kp + ahead) * 32);
     if constexpr (std::is_same_v<X, float>) {
       __m512 b[NP];  // each 32-bit lane holds a pair: the even k in its low half, the odd k in its high half
       for (int j = 0; j < NP; ++j)
@@ -439,11 +444,14 @@ inline void pair_tile(const X* x, int64_t ldx, const bf16* w, int64_t panel_size
     for (int j = 0; j < NP; ++j) _mm512_storeu_ps(c + i * ldc + j * 16, acc[i][j]);
 }
 
+// The rows in register tiles over the same weights: the first tile reads them (from memory in a
+// decode pass: it requests them `ahead`), the others from L1.
 template <int NP, typename X>
 inline void pair_rows(const X* x, int64_t ldx, int64_t rows, const bf16* w, int64_t panel_size, int64_t kp0,
-                      int64_t kp1, float* c, int64_t ldc) {
+                      int64_t kp1, float* c, int64_t ldc, int64_t ahead) {
   row_tiles(rows, [&](auto r, int64_t i) {
-    pair_tile<decltype(r)::value, NP, X>(x + i * ldx, ldx, w, panel_size, kp0, kp1, c + i * ldc, ldc);
+    pair_tile<decltype(r)::value, NP, X>(x + i * ldx, ldx, w, panel_size, kp0, kp1, c + i * ldc, ldc,
+                                         i == 0 ? ahead : 0);
   });
 }
 
@@ -494,16 +502,26 @@ void linear_bf16_pairs(const bf16* x, int64_t m, int64_t k, const bf16* w, int64
         }
         a = rows_in.data();
       }
-      for (int64_t kp0 = 0; kp0 < k_pairs; kp0 += kDpKBlock) {
+      // a decode pass (one row block) streams its weights from memory: kDpPanels panels at a time,
+      // each through all of K (a few sequential streams), requested ahead; a prefill block goes K
+      // block by K block across its panels, its rows' slice of K reused from L1 by every panel.
+      // Each output adds its k pairs in order either way.
+      const int64_t ahead = blocks == 1 ? kDpAhead : 0;
+      auto unit = [&](int64_t kp0, int64_t p) {
         const int64_t kp1 = std::min(k_pairs, kp0 + kDpKBlock);
-        for (int64_t p = p0; p < p1; p += kDpPanels) {
-          const bf16* wp = w + p * panel_size;
-          float* cp = acc.data() + (p - p0) * 16;
-          if (p1 - p >= kDpPanels)  // panels come in pairs: the last tile of a run has 4 or 2
-            pair_rows<kDpPanels>(a, lda, rows, wp, panel_size, kp0, kp1, cp, ldc);
-          else
-            pair_rows<2>(a, lda, rows, wp, panel_size, kp0, kp1, cp, ldc);
-        }
+        const bf16* wp = w + p * panel_size;
+        float* cp = acc.data() + (p - p0) * 16;
+        if (p1 - p >= kDpPanels)  // panels come in pairs: the last tile of a run has 4 or 2
+          pair_rows<kDpPanels>(a, lda, rows, wp, panel_size, kp0, kp1, cp, ldc, ahead);
+        else
+          pair_rows<2>(a, lda, rows, wp, panel_size, kp0, kp1, cp, ldc, ahead);
+      };
+      if (blocks == 1) {
+        for (int64_t p = p0; p < p1; p += kDpPanels)
+          for (int64_t kp0 = 0; kp0 < k_pairs; kp0 += kDpKBlock) unit(kp0, p);
+      } else {
+        for (int64_t kp0 = 0; kp0 < k_pairs; kp0 += kDpKBlock)
+          for (int64_t p = p0; p < p1; p += kDpPanels) unit(kp0, p);
       }
       store_bf16(acc.data(), ldc, rows, bias != nullptr ? bias + n0 : nullptr, out + m0 * n + n0, n, cols);
     }
