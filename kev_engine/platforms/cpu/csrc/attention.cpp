@@ -43,6 +43,43 @@ constexpr int value_slices(int rows) {
 }
 static_assert(kMaxTile <= kLanes, "one exp rescales every row of a tile");
 
+// bf16 read in pairs: one load of 2 x kLanes values widened to fp32 as two vectors, the even
+// elements (a 32-bit lane's low half, shifted up) and the odd ones (its high half, masked): two
+// integer operations where widening each half in order takes four. The arithmetic of each element
+// is unchanged; only which lane holds it: scores are put back in position order before the
+// softmax (interleave), values' accumulators stay paired until the output (paired_dim).
+template <typename T>
+constexpr bool kPaired = !std::is_same_v<T, float>;
+typedef uint32_t vpair __attribute__((vector_size(kLanes * 4)));
+template <typename T>
+inline void load_pairs(const T* p, vf& even, vf& odd) {
+  vpair v;
+  std::memcpy(&v, p, sizeof(v));
+  even = (vf)(v << 16);
+  odd = (vf)(v & 0xFFFF0000u);
+}
+// lanes 0..kLanes-1 of the elements in order (the first half of even and odd interleaved), and the rest
+inline vf interleave_low(vf even, vf odd) {
+#if defined(__AVX512F__)
+  return __builtin_shufflevector(even, odd, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+#else
+  return __builtin_shufflevector(even, odd, 0, 8, 1, 9, 2, 10, 3, 11);
+#endif
+}
+inline vf interleave_high(vf even, vf odd) {
+#if defined(__AVX512F__)
+  return __builtin_shufflevector(even, odd, 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+#else
+  return __builtin_shufflevector(even, odd, 4, 12, 5, 13, 6, 14, 7, 15);
+#endif
+}
+// The head dimension an accumulator slot holds where values were read in pairs: slot i of a
+// group of 2 x kLanes holds dimension 2i (the even vector), slot kLanes + i dimension 2i + 1.
+constexpr int64_t paired_dim(int64_t slot) {
+  const int64_t group = slot / (2 * kLanes), within = slot % (2 * kLanes);
+  return group * 2 * kLanes + (within < kLanes ? 2 * within : 2 * (within - kLanes) + 1);
+}
+
 struct Segment {  // one question's rows in this pass
   int64_t first_row, num_rows, past;  // rows first_row.. are positions past, past + 1, ...
   const int32_t* table;               // its blocks
@@ -88,10 +125,21 @@ void tile_chunk(const Pass<T>& p, const float* qbuf, const T* kc, const T* vc, c
       }
     }
     vf key[NV];
-    for (int j = 0; j < NV; ++j) key[j] = load_as_float(kc + d * block + j * kLanes);
+    if constexpr (kPaired<T> && NV == 2) {
+      load_pairs(kc + d * block, key[0], key[1]);  // positions 0, 2, ... and 1, 3, ...
+    } else {
+      for (int j = 0; j < NV; ++j) key[j] = load_as_float(kc + d * block + j * kLanes);
+    }
     for (int r = 0; r < R; ++r) {
       const vf q = vset(qbuf[r * dim + d]);
       for (int j = 0; j < NV; ++j) s[r][j] = vfma(q, key[j], s[r][j]);
+    }
+  }
+  if constexpr (kPaired<T> && NV == 2) {
+    for (int r = 0; r < R; ++r) {
+      const vf even = s[r][0], odd = s[r][1];
+      s[r][0] = interleave_low(even, odd);
+      s[r][1] = interleave_high(even, odd);
     }
   }
   const vi ids = lane_ids();
@@ -145,7 +193,11 @@ void tile_chunk(const Pass<T>& p, const float* qbuf, const T* kc, const T* vc, c
     }
     for (int64_t t = 0; t < widest; ++t) {
       vf value[S];
-      for (int s = 0; s < S; ++s) value[s] = load_as_float(vc + t * dim + d0 + s * kLanes);
+      if constexpr (kPaired<T> && S % 2 == 0) {
+        for (int s = 0; s < S; s += 2) load_pairs(vc + t * dim + d0 + s * kLanes, value[s], value[s + 1]);
+      } else {
+        for (int s = 0; s < S; ++s) value[s] = load_as_float(vc + t * dim + d0 + s * kLanes);
+      }
       for (int r = 0; r < R; ++r) {
         if (n[r] > 0 && (full || t < n[r])) {
           const vf w = vset(probs[r * chunk + t]);
@@ -232,12 +284,16 @@ void run_tile(const Pass<T>& p, const Segment& seg, int64_t h0, int64_t h1, cons
                            acc + at * kMaxTile * padded, probs, next_k, next_v);
     }
   }
+  constexpr int S = value_slices(R);  // tile_chunk's: the dimensions it read in pairs, if any
+  const int64_t paired = kPaired<T> && S % 2 == 0 ? dim / (S * kLanes) * (S * kLanes) : 0;
   for (int64_t h = h0; h < h1; ++h) {
     const int64_t at = h - h0;
     for (int r = 0; r < R; ++r) {
       T* orow = p.out + (rows[r] * p.heads + heads[r] + at * p.group) * dim;
       const float* a = acc + (at * kMaxTile + r) * padded;
-      for (int64_t d = 0; d < dim; ++d) orow[d] = static_cast<T>(a[d] / l[at * kMaxTile + r]);
+      const float total = l[at * kMaxTile + r];
+      for (int64_t i = 0; i < paired; ++i) orow[paired_dim(i)] = static_cast<T>(a[i] / total);
+      for (int64_t d = paired; d < dim; ++d) orow[d] = static_cast<T>(a[d] / total);
     }
   }
 }
