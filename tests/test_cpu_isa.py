@@ -42,7 +42,7 @@ def test_the_level_comes_from_the_argument_then_the_environment_and_is_checked(m
 def test_each_level_takes_its_instruction_sets_away(monkeypatch, tmp_path, flags, isa, bf16, left) -> None:
     monkeypatch.setattr(cpu_isa, "_proc_flags", lambda: list(flags))
     monkeypatch.setenv("KEV_CACHE_DIR", str(tmp_path))  # where bf16 is native, auto measures: a fake bf16 wins
-    monkeypatch.setattr(dtype_choice, "_kernel_products", lambda dtype: 1.0 if dtype == torch.bfloat16 else 2.0)
+    monkeypatch.setattr(dtype_choice, "_kernel_step", lambda dtype: 1.0 if dtype == torch.bfloat16 else 2.0)
     seen = cpu_isa.cpu_flags(isa)
     assert left <= seen
     if isa != "native":

@@ -32,7 +32,7 @@ def test_without_native_bf16_it_is_float32_and_nothing_is_measured(monkeypatch) 
     monkeypatch.setattr(cpu_isa, "native_bf16", lambda isa=None: False)
     choice = dtype_choice.choose(never)
     assert choice.dtype == "float32" and "emulated" in choice.reason
-    monkeypatch.setattr(dtype_choice, "_kernel_products", never)
+    monkeypatch.setattr(dtype_choice, "_kernel_step", never)
     assert loader.resolve_dtype("auto", CPU) == torch.float32
 
 
@@ -54,7 +54,7 @@ def test_with_native_bf16_the_faster_dtype_wins_and_is_cached(monkeypatch, priva
 
 def test_an_explicit_dtype_is_honoured_whatever_was_measured(monkeypatch) -> None:
     monkeypatch.setattr(cpu_isa, "native_bf16", lambda isa=None: True)
-    monkeypatch.setattr(dtype_choice, "_kernel_products", lambda dtype: 1.0 if dtype == torch.float32 else 9.0)
+    monkeypatch.setattr(dtype_choice, "_kernel_step", lambda dtype: 1.0 if dtype == torch.float32 else 9.0)
     assert loader.resolve_dtype("auto", CPU) == torch.float32
     assert loader.resolve_dtype("bfloat16", CPU) == torch.bfloat16
     assert loader.resolve_dtype(torch.bfloat16, CPU) == torch.bfloat16

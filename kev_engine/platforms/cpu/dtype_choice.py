@@ -5,8 +5,8 @@ Why: an instruction set says what a CPU can do, not how fast Kev's kernels do it
 with AMX, Kev's bf16 products run at about twice fp32's speed; on one with AVX512-BF16 but no AMX
 (AMD Zen 4/5, Intel Cooper Lake, a VM that hides AMX) the same kernels can be slower than fp32 —
 and without either, bf16 is emulated. So where the CPU multiplies bf16 natively, the first
-`dtype="auto"` times the products the default (batch-invariant) engine runs, Kev's packed Linear
-product, in both dtypes and picks the faster; the decision is cached beside the kernels
+`dtype="auto"` times what the default (batch-invariant) engine runs, Kev's packed Linear products
+and its attention, in both dtypes and picks the faster; the decision is cached beside the kernels
 (`KEV_CACHE_DIR`), keyed by the kernels' build (CPU, `KEV_CPU_ISA`, torch, sources), so each machine
 and environment measures once. Without native bf16 it is float32, unmeasured. An explicit dtype is
 always honoured.
@@ -84,7 +84,7 @@ def choose(measure: Callable[[torch.dtype], float] | None = None) -> DtypeChoice
     if cached is not None:
         return DtypeChoice(**cached)
     try:
-        timer = measure or _kernel_products
+        timer = measure or _kernel_step
         fp32, bf16 = timer(torch.float32), timer(torch.bfloat16)
     except RuntimeError as exc:  # the kernels cannot be built: the engine runs torch's ops, untimed here
         return DtypeChoice("bfloat16", f"this CPU multiplies bfloat16 natively ({exc}; not measured)")
@@ -179,7 +179,7 @@ def _where() -> str:
     return isa.resolve() + " instruction set" + (f", the {loaded.bf16_path.path} path" if loaded else "")
 
 
-def _kernel_products(dtype: torch.dtype) -> float:
+def _kernel_step(dtype: torch.dtype) -> float:
     """Milliseconds of a decode step and its prompt rows' share of prefill in `dtype`, on Kev's
     kernels (see the module docstring)."""
     loaded = kernels.load_kernels()
