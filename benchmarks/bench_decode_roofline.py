@@ -22,11 +22,11 @@ Measured here, in one process:
              x layers x key and value heads x head size x 2 (keys, values) x the cache's element
              size: what the step's attention reads at least once; the median over the steps.
 
-Models: "embedded" (SmolLM2-135M-Instruct, its own weights) and "llama-0.5b" (0.48B parameters,
-random weights on the embedded model's tokenizer, `random_models`): random weights do not change
-a kernel's speed.
+Models: "embedded" (SmolLM2-135M-Instruct, its own weights), "llama-0.5b" and "llama-0.7b" (0.48B
+and 0.73B parameters, random weights on the embedded model's tokenizer, `random_models`): random
+weights do not change a kernel's speed.
 
-Usage: python benchmarks/bench_decode_roofline.py [--model embedded llama-0.5b] [--dtype float32 bfloat16]
+Usage: python benchmarks/bench_decode_roofline.py [--model embedded llama-0.5b llama-0.7b] [--dtype float32 bfloat16]
        [--rows 1 16] [--steps 24] [--fast] [--out PATH]
        As a CPU without AMX runs it: python -m kev_engine.platforms.cpu.isa no-amx -- python benchmarks/...
 """
@@ -154,7 +154,8 @@ def decode_steps(folder: str, dtype: torch.dtype, rows: int, steps: int, invaria
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", nargs="+", default=["embedded", "llama-0.5b"], choices=["embedded", "llama-0.5b"])
+    models = ["embedded", "llama-0.5b", "llama-0.7b"]
+    ap.add_argument("--model", nargs="+", default=models, choices=models)
     ap.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
     ap.add_argument("--rows", nargs="+", type=int, default=[1, 16])
     ap.add_argument("--steps", type=int, default=24, help="new tokens per question (passes timed: about this many)")

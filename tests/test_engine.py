@@ -311,6 +311,22 @@ def test_generate_with_logits_gives_the_logits_each_token_was_drawn_from(tiny_en
         tiny_engine.generate_with_logits([prompt], SamplingParams(n=2, max_tokens=2))
 
 
+def test_a_penalised_row_never_writes_into_the_logits_its_pack_mates_capture(tiny_engine: Engine) -> None:
+    """Sampling reads a pass's logits in place where nothing penalises or masks them, and copies the
+    rows otherwise: a biased question's captured logits are the raw ones, and so are its plain pack
+    mate's. Control: the bias does change what the biased question draws."""
+    prompt = chat("What is the capital of France?")
+    greedy = SamplingParams(temperature=0, max_tokens=3)
+    ((alone, raw),) = tiny_engine.generate_with_logits([prompt], greedy)
+    banned = alone.token_ids[0]
+    biased = SamplingParams(temperature=0, max_tokens=3, logit_bias={banned: -100})
+    (plain, plain_logits), (steered, steered_logits) = tiny_engine.generate_with_logits([prompt, prompt],
+                                                                                       [greedy, biased])
+    assert steered.token_ids[0] != banned  # the control: the bias is applied to what it draws from
+    assert plain.token_ids == alone.token_ids and torch.equal(plain_logits, raw)
+    assert torch.equal(steered_logits[0], raw[0])  # its first row as the model gave it, unbiased
+
+
 def test_a_token_id_prompt_is_fed_as_given(tiny_engine: Engine) -> None:
     """{"prompt_token_ids": ids} (vLLM's TokensPrompt shape): the same answer as the text those ids
     encode, fed without re-tokenizing; a bad id fails its own request, naming its position."""

@@ -138,6 +138,30 @@ def test_a_prompt_timed_before_an_answers_decode_steps_still_sizes_the_next_pass
         assert model.predict(need) == pytest.approx(0.150, rel=0.01)
 
 
+def test_passes_of_decode_steps_alone_fit_nothing_and_a_prompt_reads_a_fresh_fit(monkeypatch) -> None:
+    """The fit runs when a pass first needs a prediction after a pass was observed: decode steps
+    alone need none (each takes its token whatever the budget), a waiting prompt does, and then
+    sees every pass observed so far. Control: the fit does run for the prompt's pass."""
+    fits: list[int] = []
+    real_fit = pass_cost._fit
+    monkeypatch.setattr(pass_cost, "_fit", lambda points: fits.append(len(points)) or real_fit(points))
+    s = Scheduler(max_batch_tokens=8192, max_num_seqs=16, blocks=BlockManager(4096, 16),
+                  cost=CostModel(MS_PER_TOKEN), pass_time_s=0.1)
+    answers = [request(i, 20, max_tokens=12) for i in range(3)]
+    s.add(answers)
+    timed = 0
+    while any(r.in_prefill for r in answers) or timed < 8:  # the prompts, then decode steps alone
+        chunks = s.schedule()
+        s.update(chunks, [(c.request, 7) for c in chunks if c.needs_logits], seconds=0.001 * (1 + timed))
+        timed += 1
+    assert fits == [] and s.cost is not None and s.cost.ready  # observed, never fitted: nothing asked
+    s.add([request(9, 400)])
+    s.schedule()
+    assert fits == [timed]  # one fit, over every pass observed
+    assert s.cost.seconds_per_flop is not None and s.cost.seconds_per_flop > 0
+    assert fits == [timed]  # read again: the same fit
+
+
 def test_tokens_within_is_the_longest_chunk_whose_work_fits() -> None:
     model = CostModel(Work(per_token=3.0, per_row=50.0, per_pair=0.25), seconds_per_flop=1.0)
     for past in (0, 7, 300):

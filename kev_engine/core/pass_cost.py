@@ -14,7 +14,8 @@ The model: a pass does floating-point work in three kinds, each counted from the
 and takes `fixed + seconds_per_flop x (dense flops + attention_ratio x attention flops)`: the
 Linear products and the attention kernel run at rates of their own (attention over a long past
 is slower per flop than a product). The three numbers are a least-squares fit over the last
-`WINDOW` passes (refreshed after each), so they follow the machine as it is now: a decode step
+`WINDOW` passes (refitted after each, when next read: a pass of decode steps alone plans nothing
+by time and reads none, so it pays no fit), so they follow the machine as it is now: a decode step
 is mostly `fixed` (the weights streamed once), a prefill mostly flops, a chunk of a long prompt
 mostly attention. Beside them the fit keeps the last `ANCHORS` passes that held a prompt's worth
 of tokens (`ANCHOR_TOKENS`), however old: after an answer of a few dozen tokens the window holds
@@ -108,12 +109,46 @@ class CostModel:
     def __init__(self, work: Work, *, seconds_per_flop: float | None = None, fixed_s: float = 0.0,
                  attention_ratio: float = 1.0, learn: bool = True, window: int = WINDOW) -> None:
         self.work = work
-        self.seconds_per_flop = seconds_per_flop
-        self.fixed_s = fixed_s
-        self.attention_ratio = attention_ratio
+        self._fitted: tuple[float, float | None, float] = (fixed_s, seconds_per_flop, attention_ratio)
+        self._stale = False  # a pass was observed since the last fit: the next read fits
         self.learn = learn
         self.history: deque[tuple[float, float, float]] = deque(maxlen=window)  # (dense, attention, seconds)
         self.anchors: deque[tuple[float, float, float]] = deque(maxlen=ANCHORS)  # the latest heavy ones, any age
+
+    # The fit's three numbers, refitted when read after `observe`: a fit is four least-squares
+    # solves, and a pass of decode steps alone reads none of the numbers, so it pays none. Set one
+    # and it holds until the next pass is observed, as a fit's would.
+
+    @property
+    def fixed_s(self) -> float:
+        return self._current()[0]
+
+    @fixed_s.setter
+    def fixed_s(self, value: float) -> None:
+        self._fitted = (value, *self._current()[1:])
+
+    @property
+    def seconds_per_flop(self) -> float | None:
+        return self._current()[1]
+
+    @seconds_per_flop.setter
+    def seconds_per_flop(self, value: float | None) -> None:
+        fixed, _, ratio = self._current()
+        self._fitted = (fixed, value, ratio)
+
+    @property
+    def attention_ratio(self) -> float:
+        return self._current()[2]
+
+    @attention_ratio.setter
+    def attention_ratio(self, value: float) -> None:
+        self._fitted = (*self._current()[:2], value)
+
+    def _current(self) -> tuple[float, float | None, float]:
+        if self._stale:
+            self._stale = False
+            self._fitted = _fit(self.points())
+        return self._fitted
 
     def units(self, tokens: int, rows: int, pairs: int) -> float:
         """A chunk's work in dense-equivalent flops: what the budget is counted in."""
@@ -121,8 +156,9 @@ class CostModel:
 
     @property
     def ready(self) -> bool:
-        """Whether it can predict: a pass was timed, or its numbers were given."""
-        return self.seconds_per_flop is not None
+        """Whether it can predict: a pass was timed, or its numbers were given (asked every pass: it
+        fits nothing)."""
+        return self._stale or self._fitted[1] is not None
 
     def predict(self, flops: float) -> float:
         assert self.seconds_per_flop is not None, "predict() before any pass was timed"
@@ -165,14 +201,14 @@ class CostModel:
         return take
 
     def observe(self, dense: float, attention: float, seconds: float) -> None:
-        """A pass of `dense` product flops and `attention` flops took `seconds`: refit."""
+        """A pass of `dense` product flops and `attention` flops took `seconds`: the next read refits."""
         if not self.learn or dense + attention <= 0 or not seconds > 0:
             return
         point = (dense, attention, seconds)
         self.history.append(point)
         if dense >= ANCHOR_TOKENS * self.work.per_token:
             self.anchors.append(point)
-        self.fixed_s, self.seconds_per_flop, self.attention_ratio = _fit(self.points())
+        self._stale = True
 
     def points(self) -> list[tuple[float, float, float]]:
         """What the fit reads: the window, and the anchors that have left it (each pass once)."""

@@ -335,11 +335,23 @@ class _Pass:
         if bounded is not None and not bounded.ready:  # not timed yet: a short pass, so it learns at once
             self.tokens_left = min(self.tokens_left, max(FIRST_PASS_TOKENS, len(scheduler.running)))
         self.cost = bounded if bounded is not None and bounded.ready else None  # predicts: a target, a timed pass
-        self.flops_left = math.inf
+        self.target = math.inf  # the pass's seconds, where it predicts
         if self.cost is not None:  # one batch alone (nobody else waits or answers) may take ALONE_FACTOR targets
             alone = len({r.group for r in scheduler.running} | {r.group for r in scheduler.waiting}) <= 1
-            target = scheduler.pass_time_s * (ALONE_FACTOR if alone else 1.0)
-            self.flops_left = self.cost.pass_flops(target, at_least=self.cost.units(FIRST_PASS_TOKENS, 1, 0))
+            self.target = scheduler.pass_time_s * (ALONE_FACTOR if alone else 1.0)
+        self.budget: float | None = None  # the flops `target` holds: asked of the cost model when first needed
+
+    @property
+    def flops_left(self) -> float:
+        """What is left of the pass's time budget, in flops (`CostModel.units`): its target's work
+        less the chunks planned so far. Reckoned when a prompt asks, not before: a pass of decode
+        steps alone (each takes its token whatever the budget) never asks, and the cost model fits
+        nothing for it."""
+        if self.cost is None:
+            return math.inf
+        if self.budget is None:
+            self.budget = self.cost.pass_flops(self.target, at_least=self.cost.units(FIRST_PASS_TOKENS, 1, 0))
+        return self.budget - (self.dense + self.cost.attention_ratio * self.attention)
 
     def clip(self, request: Request, take: int) -> int:
         """`take` within what the request has left and the pass's token and logits caps."""
@@ -372,9 +384,7 @@ class _Pass:
         self.tokens_left -= chunk.num_tokens
         if request.all_logits:
             self.logits_left -= chunk.num_tokens
-        if self.model is not None:
+        if self.model is not None:  # the pass's work so far: the cost model learns it, `flops_left` spends it
             rows = chunk.num_tokens if request.all_logits else int(chunk.needs_logits)
-            between = pairs(request.num_computed, chunk.num_tokens)
             self.dense += self.model.work.dense(chunk.num_tokens, rows)
-            self.attention += self.model.work.per_pair * between
-            self.flops_left -= self.model.units(chunk.num_tokens, rows, between)
+            self.attention += self.model.work.per_pair * pairs(request.num_computed, chunk.num_tokens)

@@ -52,9 +52,15 @@ def draw_tokens(plan: Sequence[tuple[Request, int]], logits: torch.Tensor, eos_i
     requests = [request for request, _ in plan]
     settings = [r.sampling for r in requests]
     device = logits.device
-    selected = logits[[row for _, row in plan]]  # [R, vocab], a copy: masking it leaves captured logits raw
-    penalties.apply(selected, penalties.build(requests, selected.shape[-1], eos_ids, device))
-    dead = set(mask_logits(selected, [r.matcher for r in requests], vocab_size))
+    rows = [row for _, row in plan]
+    penalized = penalties.build(requests, logits.shape[-1], eos_ids, device)
+    matchers = [r.matcher for r in requests]
+    if penalized is None and all(m is None for m in matchers) and rows == list(range(len(logits))):
+        selected = logits  # nothing writes to it: no copy (a decode step's rows are the pass's, in order)
+    else:
+        selected = logits[rows]  # [R, vocab], a copy: penalising and masking it leave captured logits raw
+    penalties.apply(selected, penalized)
+    dead = set(mask_logits(selected, matchers, vocab_size))
     temperature = torch.tensor([s.temperature for s in settings], dtype=torch.float32, device=device)
     drawn = sample(
         selected,
