@@ -27,6 +27,7 @@ from ..inputs.params import Defaults
 from ..model.pack import PackedBatch
 from ..outputs.completion import TextPiece
 from ..outputs.delivery import Delivery, hand_text
+from ..outputs.detokenize import Detokenizer
 from ..outputs.unpack import append_token, text_delta
 from ..sample.grammar import Grammars
 from ..sample.logprobs import TokenTexts
@@ -56,7 +57,7 @@ class Lifecycle:
         self.adapters = adapters
         self.grammars = grammars
         self.backend = backend  # its pool: new blocks cleared, a fork's last block copied
-        self.tokenizer = tokenizer
+        self.detokenizer = Detokenizer(tokenizer)  # each reply's text, token by token
         self.eos_ids = eos_ids
         self.max_context = max_context
         self.device = device
@@ -195,7 +196,7 @@ class Lifecycle:
                 request.logits.append(logits[row].clone())
             if logprob is not None and request.logprobs is not None:
                 request.logprobs.append(logprob)
-            if append_token(request, token, self.eos_ids, self.tokenizer):
+            if append_token(request, token, self.eos_ids, self.detokenizer):
                 finished.append((request, None))
             self._stream(request)
         return finished

@@ -53,6 +53,8 @@ class Request:
     generator: torch.Generator | None = None
     num_admissions: int = 0  # more than one: it was preempted and recomputed
     text: str = ""
+    text_ids: int = 0  # output ids whose text is `text_head`: decoding starts after them (`detokenize`)
+    text_head: str = ""
     finish_reason: FinishReason | None = None
     on_text: Callable[[str], None] | None = None  # streaming: called with each new piece of text
     streamed: int = 0  # characters of `text` already posted to on_text

@@ -7,9 +7,9 @@ whatever order the scheduler packed them in.
 from __future__ import annotations
 
 from collections.abc import Collection
-from typing import Any
 
 from ..core.request import Request
+from .detokenize import Detokenizer
 
 
 def _find_stop(text: str, stops: tuple[str, ...], search_from: int) -> int:
@@ -48,18 +48,18 @@ def _ends(request: Request, token: int, eos_ids: Collection[int]) -> bool:
     return not sampling.ignore_eos or (request.matcher is not None and request.matcher.is_terminated())
 
 
-def append_token(request: Request, token: int, eos_ids: Collection[int], tokenizer: Any) -> bool:
+def append_token(request: Request, token: int, eos_ids: Collection[int], detokenizer: Detokenizer) -> bool:
     """Record one generated token; return True when the request is finished.
 
     Before `min_tokens` tokens nothing but the length ends it: the sampler bans the end tokens
     until then, and stop strings are looked for only from there on (vLLM's rule)."""
     request.output_ids.append(token)
     if _ends(request, token, eos_ids):  # kept in token_ids (it was generated), left out of the text
-        request.text = tokenizer.decode(request.output_ids[:-1], skip_special_tokens=True)
+        request.text = detokenizer.text(request, len(request.output_ids) - 1)
         request.finish_reason = "stop"
         return True
     previous = request.text
-    text = tokenizer.decode(request.output_ids, skip_special_tokens=True)
+    text = detokenizer.text(request)
     stops = request.sampling.stop
     if stops and len(request.output_ids) >= request.sampling.min_tokens:
         # a stop string may straddle tokens: search from just before the new text
