@@ -5,15 +5,15 @@ Where this sits: `unpack.append_token` asks it for a request's text after every 
 
 Why: decoding the whole reply at every token costs time in the reply's length, so a reply of n
 tokens costs n² / 2 token decodes: a few hundred tokens in, a pass's rows take longer to decode
-than to sample, every step. Where decoding is concatenation, the
-text of ids is the text of a prefix plus the text of the rest, wherever the prefix's text ends on
-a whole character. That holds for a byte-level BPE decoder (GPT-2's, Llama 3's, Qwen's, SmolLM's:
-each token stands for fixed bytes, all the bytes are joined and read as UTF-8) with no clean-up
-after it: a request keeps the text up to such a boundary (`Request.text_ids`, `text_head`),
-and a token decodes only the ids after it. The boundary moves on when those are `TAIL` or more
-and their text does not end in U+FFFD (a character whose bytes are still coming; a real U+FFFD only
-waits a token longer). Every other tokenizer (SentencePiece's metaspace, word pieces, a clean-up
-pass, a slow tokenizer) decodes the whole reply at every token, as the text is defined.
+than to sample, every step. Where decoding is concatenation, the text of ids is the text of a
+prefix plus the text of the rest, wherever the prefix's text ends on a whole character. That
+holds for a byte-level BPE decoder (GPT-2's, Llama 3's, Qwen's, SmolLM's: each token stands for
+fixed bytes, all the bytes are joined and read as UTF-8) with no clean-up after it: a request
+keeps the text up to such a boundary (`Request.text_ids`, `text_head`), and a token decodes only
+the ids after it. The boundary moves on when those are `TAIL` or more and their text does not end
+in U+FFFD (a character whose bytes are still coming; a real U+FFFD only waits a token longer).
+Every other tokenizer (SentencePiece's metaspace, word pieces, a clean-up pass, a slow tokenizer)
+decodes the whole reply at every token, as the text is defined.
 
 The text is the same string either way: `concatenates` checks the tokenizer's decoder and its
 clean-up setting, then a probe of splits of real token ids — including split characters and
@@ -77,8 +77,7 @@ def _probe(tokenizer: Any) -> bool:
     ids: list[int] = []
     for sample in ("Kev answers, packed: one pass.", "打包的问题各自作答", "ok 🙂👍🏽 done"):
         ids += list(tokenizer.encode(sample, add_special_tokens=False))
-    special = [i for i in (getattr(tokenizer, "all_special_ids", None) or [])][:1]
-    ids = ids[:8] + special + ids[8:]
+    ids = ids[:8] + list(getattr(tokenizer, "all_special_ids", None) or [])[:1] + ids[8:]
 
     def decode(part: list[int]) -> str:
         return str(tokenizer.decode(part, skip_special_tokens=True))
