@@ -66,6 +66,10 @@ $(GPU_VENV)/.installed:
 	@test -d $(GPU_CARRY)/wheels || { echo "gpu-check: no $(GPU_CARRY)/wheels; run 'make gpu-wheels' where there \
 		is a network and bring $(GPU_CARRY)/ along" >&2; exit 2; }
 	$(GPU_PYTHON) -m venv --system-site-packages $(GPU_VENV)  # the machine's CUDA torch and Triton, not a download
+	@# where GPU_PYTHON is itself a venv (the GPU machine's python3 is), --system-site-packages reaches only its base
+	@# interpreter's packages: a .pth file puts GPU_PYTHON's own site-packages after the venv's (carried wheels first)
+	$(GPU_PYTHON) -c 'import site; print("\n".join(site.getsitepackages()))' \
+		> "$$($(GPU_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/gpu_python.pth"
 	$(GPU_VENV)/bin/pip install --quiet --no-index --no-deps $(GPU_CARRY)/wheels/*.whl
 	touch $@
 

