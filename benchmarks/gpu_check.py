@@ -13,7 +13,8 @@ The report (default benchmarks/results/gpu_check.json) is written after every st
 fails or runs out of time leaves what came before and says what broke; the steps share
 `--budget-s` seconds. `ok` is true only when every test passed and the benchmark ran. `targets`
 holds the issue's two bars: packed == alone bitwise in bf16 (the tests named so) and Kev >= 5x
-transformers one at a time on RAG-16.
+transformers one at a time on RAG-16; beside them, apart, whether those tests' controls (their
+`[control]` cases: the comparison on the path that is not batch-invariant) found a difference.
 
 Without a GPU it stops at once and says so; the report's format is tested on CPU
 (tests/test_gpu_check.py) by running these same steps on a tiny model built on the CPU with a
@@ -46,6 +47,7 @@ DEFAULT_MODEL_FILES = ROOT / "gpu-carry" / "model-files"  # `make gpu-wheels` wr
 FORMAT = 1  # the report's layout version: bump when a key changes meaning
 SPEEDUP_TARGET = 5.0  # issue 27: Kev at least 5x transformers one at a time on RAG-16
 BITWISE_TESTS = ("packed_equals_alone", "equal_alone")  # the test names that prove packed == alone
+CONTROL = "[control]"  # such a test's control case: the comparison run where it must find a difference
 
 
 def environment(device: str) -> dict[str, Any]:
@@ -111,12 +113,16 @@ def read_junit(path: Path) -> list[dict[str, Any]]:
 
 def targets(tests: dict[str, Any], bench: dict[str, Any] | None) -> dict[str, Any]:
     """The issue's two bars, from what ran (None: not measured)."""
-    bitwise = [c for c in tests["cases"] if any(word in c["name"] for word in BITWISE_TESTS)]
+    named = [c for c in tests["cases"] if any(word in c["name"] for word in BITWISE_TESTS)]
+    bitwise = [c for c in named if CONTROL not in c["name"]]
+    controls = [c for c in named if CONTROL in c["name"]]  # a failed one found no difference: said apart
     rag16 = (bench or {}).get("workloads", {}).get("rag16")
     speedup = rag16["kev_speedup_vs_hf_serial"] if rag16 else None
     return {
         "packed_equals_alone_bitwise": (all(c["outcome"] == "passed" for c in bitwise) if bitwise else None),
         "packed_equals_alone_tests": [c["name"] for c in bitwise],
+        "controls_found_a_difference": (all(c["outcome"] == "passed" for c in controls) if controls else None),
+        "control_tests": [c["name"] for c in controls],
         "rag16_kev_speedup_vs_hf_serial": speedup,
         "rag16_speedup_at_least_5x": None if speedup is None else speedup >= SPEEDUP_TARGET,
     }

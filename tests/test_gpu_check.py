@@ -88,6 +88,21 @@ def test_report_on_cpu(tmp_path, model_files) -> None:
     assert targets["rag16_kev_speedup_vs_hf_serial"] == bench["workloads"]["rag16"]["kev_speedup_vs_hf_serial"]
 
 
+def test_a_control_that_finds_no_difference_is_reported_apart_from_packed_equals_alone() -> None:
+    """A `[control]` case that failed (it found no difference where it should) is not a bitwise
+    test that failed: the bar says packed == alone held, the controls say theirs did not show."""
+    cases = [{"name": "t::test_packed_equals_alone[invariant]", "outcome": "passed"},
+             {"name": "t::test_packed_equals_alone[control]", "outcome": "failed"},
+             {"name": "t::test_other", "outcome": "passed"}]
+    found = gpu_check.targets({"cases": cases}, None)
+    assert found["packed_equals_alone_bitwise"] is True
+    assert found["packed_equals_alone_tests"] == ["t::test_packed_equals_alone[invariant]"]
+    assert found["controls_found_a_difference"] is False
+    assert found["control_tests"] == ["t::test_packed_equals_alone[control]"]
+    cases[0]["outcome"] = "failed"  # control: a bitwise case that fails fails the bar
+    assert gpu_check.targets({"cases": cases}, None)["packed_equals_alone_bitwise"] is False
+
+
 def test_a_failed_benchmark_still_leaves_the_report(tmp_path, model_files) -> None:
     """A benchmark that breaks (here: a model shape that does not exist) costs only its own step."""
     out = tmp_path / "report.json"
