@@ -23,7 +23,6 @@ decode).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 from ..core.request import Request
@@ -39,21 +38,23 @@ class Detokenizer:
         self.tokenizer = tokenizer
         self.incremental = concatenates(tokenizer)
 
-    def decode(self, ids: Sequence[int]) -> str:
-        return str(self.tokenizer.decode(list(ids), skip_special_tokens=True))
-
     def text(self, request: Request, end: int | None = None) -> str:
         """The text of `request.output_ids[:end]` (all of them by default), special tokens left out;
         the boundary moves on only where `end` is the whole reply."""
         ids = request.output_ids
         end = len(ids) if end is None else end
         if not self.incremental or request.text_ids > end:
-            return self.decode(ids[:end])
-        tail = self.decode(ids[request.text_ids : end])
+            return _decode(self.tokenizer, ids[:end])
+        tail = _decode(self.tokenizer, ids[request.text_ids : end])
         text = request.text_head + tail
         if end == len(ids) and end - request.text_ids >= TAIL and not tail.endswith(REPLACEMENT):
             request.text_head, request.text_ids = text, end
         return text
+
+
+def _decode(tokenizer: Any, ids: list[int]) -> str:
+    """The text of `ids`, special tokens left out: the reply's text as it is defined."""
+    return str(tokenizer.decode(ids, skip_special_tokens=True))
 
 
 def concatenates(tokenizer: Any) -> bool:
@@ -78,13 +79,9 @@ def _probe(tokenizer: Any) -> bool:
     for sample in ("Kev answers, packed: one pass.", "打包的问题各自作答", "ok 🙂👍🏽 done"):
         ids += list(tokenizer.encode(sample, add_special_tokens=False))
     ids = ids[:8] + list(getattr(tokenizer, "all_special_ids", None) or [])[:1] + ids[8:]
-
-    def decode(part: list[int]) -> str:
-        return str(tokenizer.decode(part, skip_special_tokens=True))
-
-    whole = decode(ids)
+    whole = _decode(tokenizer, ids)
     for cut in range(1, len(ids)):
-        head = decode(ids[:cut])
-        if not head.endswith(REPLACEMENT) and head + decode(ids[cut:]) != whole:
+        head = _decode(tokenizer, ids[:cut])
+        if not head.endswith(REPLACEMENT) and head + _decode(tokenizer, ids[cut:]) != whole:
             return False
     return True
