@@ -215,3 +215,44 @@ def test_the_layer_as_one_kernel_call_is_its_kernels_one_by_one_bitwise(family: 
         assert not all(torch.equal(a, b) for a, b in zip(native, _logits(engine, "control"), strict=True))
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_layers_residual_kernel_is_torchs_add_bitwise(dtype: torch.dtype) -> None:
+    """`add_into` (the one-call layer's residual additions) against torch's `residual + out`, in
+    place, over widths with and without a partial last vector and a residual read with a row
+    stride, bitwise. The control rounds the same fp32 sums toward zero: the data holds sums that
+    rounding decides, so a kernel that rounded otherwise would fail."""
+    kernels = load_kernels()
+    generator = torch.Generator().manual_seed(5)
+    for rows, width in ((1, 7), (3, 16), (16, 576), (5, 1000)):
+        wide = torch.randn(rows, width + 9, generator=generator).to(dtype)
+        residual = wide[:, 3:3 + width]  # rows `width + 9` apart
+        out = torch.randn(rows, width, generator=generator).to(dtype)
+        before, expected = out.clone(), residual + out
+        kernels.add_into(out, residual)
+        assert torch.equal(out, expected), (rows, width)
+    if dtype == torch.bfloat16:
+        sums = residual.float() + before.float()
+        truncated = (sums.view(torch.int32) & -65536).view(torch.float32).to(dtype)
+        assert not torch.equal(truncated, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_rotary_kernel_reads_strided_rows_as_their_contiguous_copy(dtype: torch.dtype) -> None:
+    """The one-call layer rotates queries and keys in place in the packed q/k/v product: the rotary
+    kernel over such a strided view gives bitwise what it gives over a contiguous copy. The control
+    reads the neighbouring heads of the same product and differs."""
+    kernels = load_kernels()
+    generator = torch.Generator().manual_seed(6)
+    tokens, dim = 5, 16
+    qkv = torch.randn(tokens, (4 + 2 + 2) * dim, generator=generator).to(dtype)
+    angles = torch.randn(tokens, dim, generator=generator)
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    query = qkv.narrow(1, 0, 4 * dim).view(tokens, -1, dim)
+    key = qkv.narrow(1, 4 * dim, 2 * dim).view(tokens, -1, dim)
+    assert not query.is_contiguous() and not key.is_contiguous()
+    for view in (query, key):
+        assert torch.equal(kernels.rotary(view, cos, sin), kernels.rotary(view.contiguous(), cos, sin))
+    shifted = qkv.narrow(1, dim, 4 * dim).view(tokens, -1, dim)
+    assert not torch.equal(kernels.rotary(shifted, cos, sin), kernels.rotary(query.contiguous(), cos, sin))

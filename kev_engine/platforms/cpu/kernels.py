@@ -6,7 +6,8 @@ Two builds, each with the compiler flags its sources need:
          operations written in the source, in the order written, whatever else is in the pass:
          Linear products from packed weights (`linear_pack`, `linear_packed`), attention for every
          row of a pass over the paged pool (`paged_attention`, `paged_write_transposed`), the
-         MLP's activation (`silu_mul`), RMSNorm (`rms_norm`), rotary embeddings (`rotary`), and the
+         MLP's activation (`silu_mul`), RMSNorm (`rms_norm`), rotary embeddings (`rotary`), the
+         residual additions of a decoder layer in one call (`add_into`, `DecoderLayer`), and the
          few-row float32 product of the non-invariant path (`rows_linear`).
   fast   (`paged_decode.cpp`) — -ffast-math: decode attention and KV writes of the non-invariant
          path (`paged_decode`, `paged_write`), equal to torch's ops up to fp32 rounding.
@@ -88,6 +89,7 @@ class Kernels:
         self.silu_mul = exact.silu_mul
         self.rms_norm = exact.rms_norm
         self.rotary = exact.rotary
+        self.add_into = exact.add_into  # the one-call layer's residual additions
         self.rows_linear = exact.rows_linear
         self.DecoderLayer = exact.DecoderLayer
         self.paged_decode = fast.paged_decode

@@ -12,6 +12,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_write_transposed", &paged_write_transposed, "Store new keys/values in an exact pool");
   m.def("silu_mul", &silu_mul, "out = silu(gate) * up (see elementwise.cpp)");
   m.def("rms_norm", &rms_norm, "RMSNorm of each row, batch-invariant (see elementwise.cpp)");
+  m.def("add_into", &add_into, "out += residual in place, rounded as torch's add (see elementwise.cpp)");
   m.def("rotary", &rotary, "Rotary embeddings, transformers' formula in one call (see elementwise.cpp)");
   m.def("rows_linear", &rows_linear, "input @ weight.T for few rows, float32 (see rows_linear.cpp)");
   bind_layer(m);

@@ -115,6 +115,7 @@ void rms_rows(const at::Tensor& x, const at::Tensor& weight, double eps, at::Ten
 template <typename T>
 void rotate_rows(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& out) {
   const int64_t rows = x.size(0), heads = x.size(1), dim = x.size(2), half = dim / 2;
+  const int64_t row_stride = x.stride(0), head_stride = x.stride(1);
   const T* xs = x.data_ptr<T>();
   const T* cs = cos.data_ptr<T>();
   const T* ss = sin.data_ptr<T>();
@@ -124,7 +125,7 @@ void rotate_rows(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& s
       const T* c = cs + r * dim;
       const T* s = ss + r * dim;
       for (int64_t h = 0; h < heads; ++h) {
-        const T* in = xs + (r * heads + h) * dim;
+        const T* in = xs + r * row_stride + h * head_stride;
         T* res = o + (r * heads + h) * dim;
         for (int64_t i = 0; i < half; i += kLanes) {
           const int64_t count = std::min<int64_t>(kLanes, half - i);
@@ -140,21 +141,59 @@ void rotate_rows(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& s
   });
 }
 
+template <typename T>
+void add_rows(at::Tensor& out, const at::Tensor& residual) {
+  const int64_t rows = out.size(0), width = out.size(1), stride = residual.stride(0);
+  const T* res = residual.data_ptr<T>();
+  T* o = out.data_ptr<T>();
+  at::parallel_for(0, rows, std::max<int64_t>(1, 65536 / std::max<int64_t>(width, 1)), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      for (int64_t c = 0; c < width; c += kLanes) {
+        const int64_t count = std::min<int64_t>(kLanes, width - c);
+        store_part(o + r * width + c, load_part(o + r * width + c, count) + load_part(res + r * stride + c, count),
+                   count);
+      }
+    }
+  });
+}
+
 }  // namespace
 
-// x [rows, heads, dim] rotated by cos, sin [rows, dim] (every head of a row by its row's), all
-// contiguous, one dtype (float32 or bfloat16), dim even; a new tensor.
+// out += residual for out [rows, width] (contiguous) and residual [rows, width] (contiguous rows,
+// any row stride) of one dtype, float32 or bfloat16: each sum in fp32, rounded once to the dtype
+// (to nearest even), which is torch's `residual + out` bit for bit. Why: a decoder layer adds its
+// attention's and its MLP's output to the residual stream; torch's add costs more in dispatch
+// and allocation than in arithmetic at a decode step's few rows, twice per layer.
+void add_into(at::Tensor& out, const at::Tensor& residual) {
+  TORCH_CHECK(out.device().is_cpu() && residual.device().is_cpu(), "add_into runs on CPU tensors");
+  TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && residual.sizes() == out.sizes() && residual.stride(1) == 1,
+              "add_into: out must be contiguous [rows, width] and residual of its shape with contiguous rows, got ",
+              out.sizes(), " and ", residual.sizes());
+  TORCH_CHECK(residual.scalar_type() == out.scalar_type(), "add_into: one dtype for out and residual, got ",
+              out.scalar_type(), " and ", residual.scalar_type());
+  switch (out.scalar_type()) {
+    case at::kFloat: add_rows<float>(out, residual); break;
+    case at::kBFloat16: add_rows<at::BFloat16>(out, residual); break;
+    default: TORCH_CHECK(false, "add_into supports float32 and bfloat16, not ", out.scalar_type());
+  }
+}
+
+// x [rows, heads, dim] rotated by cos, sin [rows, dim] (every head of a row by its row's), one
+// dtype (float32 or bfloat16), dim even; a new contiguous tensor. x's head vectors must be
+// contiguous, its rows and heads may be strided: a layer's queries and keys are read in place
+// from the packed q/k/v product, without a copy of each first.
 at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   TORCH_CHECK(x.device().is_cpu() && cos.device().is_cpu() && sin.device().is_cpu(), "rotary runs on CPU tensors");
-  TORCH_CHECK(x.dim() == 3 && x.is_contiguous() && x.size(2) % 2 == 0,
-              "rotary: x must be contiguous [rows, heads, dim] with dim even, got ", x.sizes());
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.size(2) % 2 == 0,
+              "rotary: x must be [rows, heads, dim] with each head's dim contiguous and even, got ", x.sizes(),
+              " with strides ", x.strides());
   TORCH_CHECK(cos.dim() == 2 && cos.size(0) == x.size(0) && cos.size(1) == x.size(2) && cos.is_contiguous() &&
                   sin.sizes() == cos.sizes() && sin.is_contiguous(),
               "rotary: cos and sin must be contiguous [", x.size(0), ", ", x.size(2), "], got ", cos.sizes(), " and ",
               sin.sizes());
   TORCH_CHECK(cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(),
               "rotary: one dtype for x, cos and sin");
-  auto out = at::empty_like(x);
+  auto out = at::empty(x.sizes(), x.options());
   switch (x.scalar_type()) {
     case at::kFloat: rotate_rows<float>(x, cos, sin, out); break;
     case at::kBFloat16: rotate_rows<at::BFloat16>(x, cos, sin, out); break;

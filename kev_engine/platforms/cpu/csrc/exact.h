@@ -17,6 +17,7 @@ void paged_write_transposed(at::Tensor& keys, at::Tensor& values, const at::Tens
                             const at::Tensor& block_ids, const at::Tensor& offsets);
 void silu_mul(const at::Tensor& gate, const at::Tensor& up, at::Tensor& out);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+void add_into(at::Tensor& out, const at::Tensor& residual);
 at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 at::Tensor rows_linear(const at::Tensor& input, const at::Tensor& weight);
 void bind_layer(pybind11::module& m);  // layer.cpp's DecoderLayer

@@ -1,5 +1,7 @@
 // A Llama-style decoder layer as one call: the same kernels as `layer_forward._forward`, on the
-// same values, in the same order, so it gives the same bits (tests/test_layer_forward.py).
+// same values, in the same order, so it gives the same bits (tests/test_layer_forward.py). The
+// residual additions are `add_into` in place of torch's add: the same sum and rounding, without
+// an allocation and a dispatch each.
 //
 // Why: a decode step of few rows is thirty layers of small work, and in Python each layer is a
 // dozen kernel calls with views, splits, shape checks and attribute lookups between them: several
@@ -12,8 +14,9 @@
 // the rotary kernel for queries and keys; the new keys and values written to the pool; paged
 // attention over it; the output projection and the residual; RMSNorm; gate and up as one packed
 // product; silu(gate) * up; the down projection and the residual. The memory layout of a tensor
-// between kernels may differ from the Python path's (a copy made contiguous here, a view there):
-// every kernel computes each row (or element) by itself, so layout never changes a value.
+// between kernels may differ from the Python path's (the rotary reads queries and keys in place
+// from the product, a copy is contiguous there): every kernel computes each row (or element) by
+// itself, so layout never changes a value.
 #include <vector>
 
 #include "exact.h"
@@ -65,15 +68,18 @@ class DecoderLayer {
       query = norm_rows(query, *q_norm_, eps_[2]);
       key = norm_rows(key, *k_norm_, eps_[3]);
     }
-    query = rotary(query.contiguous(), cos, sin);  // [T, heads, dim]
-    key = rotary(key.contiguous(), cos, sin);      // [T, kv_heads, dim]
+    query = rotary(query, cos, sin);  // [T, heads, dim], read in place from the product
+    key = rotary(key, cos, sin);      // [T, kv_heads, dim]
     paged_write_transposed(keys, values, key.transpose(0, 1), value.transpose(0, 1), slot_blocks, slot_offsets);
     const auto attended = paged_attention(query, keys, values, tables, cu_seqlens, past, scale_);
-    const auto mixed = at::add(hidden, linear_packed(attended.view({tokens, -1}), o_, hidden_, o_bias_, ""));
+    auto mixed = linear_packed(attended.view({tokens, -1}), o_, hidden_, o_bias_, "");
+    add_into(mixed, hidden);
     const auto both = linear_packed(norm_rows(mixed, post_norm_, eps_[1]), gate_up_, 2 * inter, gate_up_bias_, "");
     auto product = at::empty({tokens, inter}, both.options());
     silu_mul(both.narrow(1, 0, inter), both.narrow(1, inter, inter), product);
-    return at::add(mixed, linear_packed(product, down_, hidden_, down_bias_, ""));
+    auto out = linear_packed(product, down_, hidden_, down_bias_, "");
+    add_into(out, mixed);
+    return out;
   }
 
  private:
