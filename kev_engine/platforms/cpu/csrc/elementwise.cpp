@@ -185,7 +185,7 @@ void add_into(at::Tensor& out, const at::Tensor& residual) {
 at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   TORCH_CHECK(x.device().is_cpu() && cos.device().is_cpu() && sin.device().is_cpu(), "rotary runs on CPU tensors");
   TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.size(2) % 2 == 0,
-              "rotary: x must be [rows, heads, dim] with each head's dim contiguous and even, got ", x.sizes(),
+              "rotary: x must be [rows, heads, dim] with dim even and each head's dim contiguous, got ", x.sizes(),
               " with strides ", x.strides());
   TORCH_CHECK(cos.dim() == 2 && cos.size(0) == x.size(0) && cos.size(1) == x.size(2) && cos.is_contiguous() &&
                   sin.sizes() == cos.sizes() && sin.is_contiguous(),
