@@ -93,6 +93,7 @@ def _forward(module: Any, rotary: Rotary, window: str | None, eager: Callable[..
 
 
 def _rotate(rotary: Rotary, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, T, H, D] rotated by its rows' cos/sin [B * T, D] (the kernel takes contiguous rows)."""
+    """x [B, T, H, D] rotated by its rows' cos/sin [B * T, D] (the kernel takes [rows, heads, D] with each head's D
+    contiguous; cos and sin contiguous)."""
     rows = x.reshape(-1, x.shape[-2], x.shape[-1])
     return rotary(rows.contiguous(), cos.contiguous(), sin.contiguous()).view(x.shape)
