@@ -1,8 +1,8 @@
 """The model's pass as Kev's calls alone (kev_engine.platforms.cpu.model_forward): bitwise the
 model's own forward on every listed family in both dtypes, checked on the first decode pass it
 fits and dropped for good where that check differs, and left for the model's forward where a
-pass cannot take it (a LoRA-wrapped projection, a hook, the fast path, a first pass too big to
-check twice).
+pass cannot take it (a LoRA-wrapped projection, a hook — also one registered on a layer's part
+while the engine runs —, the fast path, a first pass too big to check twice).
 
 End to end, every isolation and invariance test of the batch-invariant CPU path runs engines
 that use it, against plain transformers models and against themselves alone.
@@ -119,3 +119,83 @@ def test_passes_it_cannot_take_go_through_the_model(monkeypatch: pytest.MonkeyPa
         assert fast._runner.direct is None
     finally:
         fast.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("where", ["input_layernorm", "self_attn", "self_attn.q_proj", "mlp", "mlp.down_proj",
+                                   "every module"])
+def test_a_hook_registered_while_it_runs_is_called(where: str, dtype: torch.dtype, tokenizer) -> None:
+    """A forward hook registered after the engine started, on a part of a decoder layer or for
+    every module (capturing activations, say), is called on every pass, and those passes go
+    through the modules' own calls: the same logits bitwise (the hook returns nothing). Removed,
+    the direct pass takes the passes again. Without the check, no pass called such a hook: the
+    direct pass and a layer's one function call the parts' forwards, not the parts."""
+    engine = Engine(tiny_model("llama", tokenizer).to(dtype), tokenizer)
+    try:
+        direct = engine._runner.direct
+        assert isinstance(direct, ModelForward)
+        engine.generate([[{"role": "user", "content": "Hi"}]], SamplingParams(temperature=0, max_tokens=2))
+        passes = _counted(direct)
+        before = _logits(engine, "before")
+        assert len(passes) == 5  # the prompts' pass and 4 decode steps
+        calls: list[str] = []
+
+        def hook(module: torch.nn.Module, args: object, out: object) -> None:
+            calls.append(type(module).__name__)
+
+        if where == "every module":
+            handle = torch.nn.modules.module.register_module_forward_hook(hook)
+        else:
+            handle = engine.model.model.layers[1].get_submodule(where).register_forward_hook(hook)
+        try:
+            hooked = _logits(engine, "hooked")
+        finally:
+            handle.remove()
+        assert len(passes) == 5  # no pass took the direct one
+        if where == "every module":
+            assert {"LlamaRMSNorm", "LlamaAttention", "Linear", "LlamaMLP"} <= set(calls)
+        else:
+            assert len(calls) == 5  # once a pass
+        assert all(torch.equal(a, b) for a, b in zip(before, hooked, strict=True))
+        _logits(engine, "after")
+        assert len(passes) == 10
+    finally:
+        engine.close()
+
+
+class _Skip(torch.nn.Module):
+    """A decoder layer that passes its input on."""
+
+    def forward(self, hidden_states: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        return hidden_states
+
+
+def test_a_norm_weight_or_layer_replaced_while_it_runs_is_seen(tokenizer) -> None:
+    """What the direct pass holds (each norm's weight, each layer where it was) replaced while the
+    engine runs: passes go through the model, the same logits bitwise where the values are the
+    same; put back, the direct pass takes them again."""
+    engine = Engine(tiny_model("llama", tokenizer), tokenizer)
+    try:
+        direct = engine._runner.direct
+        assert isinstance(direct, ModelForward)
+        engine.generate([[{"role": "user", "content": "Hi"}]], SamplingParams(temperature=0, max_tokens=2))
+        passes = _counted(direct)
+        before = _logits(engine, "before")
+        layers = engine.model.model.layers
+        norm = layers[1].post_attention_layernorm
+        weight = norm.weight
+        norm.weight = torch.nn.Parameter(weight.detach().clone())
+        assert all(torch.equal(a, b) for a, b in zip(before, _logits(engine, "new weight"), strict=True))
+        assert len(passes) == 5
+        norm.weight = weight
+        _logits(engine, "weight back")
+        assert len(passes) == 10
+        layer = layers[1]
+        layers[1] = _Skip()  # a layer gone: the model computes something else
+        _logits(engine, "no layer")
+        assert len(passes) == 10
+        layers[1] = layer
+        assert all(torch.equal(a, b) for a, b in zip(before, _logits(engine, "put back"), strict=True))
+        assert len(passes) == 15
+    finally:
+        engine.close()

@@ -20,9 +20,10 @@ Which layers: instances of the classes listed below (exactly those classes) whos
 a forward Kev installed (the norms, the attention with its rotary kernel, the MLP, each
 projection), none with hooks, and whose attention is Kev's (`KEV_ATTENTION`) without a sliding
 window. A call runs the layer's own forward instead when a part, or its forward, was replaced
-since (a LoRA adapter wraps its projections: `adapters.lora.wrap_targets`) or the model's
-attention is no longer Kev's, or with a transformers cache, or cos/sin that are not one row per
-token in the input's dtype.
+since (a LoRA adapter wraps its projections: `adapters.lora.wrap_targets`), a forward hook was
+registered on a part or for every module (the parts then run through their own calls, which run
+it: `watch.Watch`), or the model's attention is no longer Kev's, or with a transformers cache, or
+cos/sin that are not one row per token in the input's dtype.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from torch.nn.modules import module as torch_module
 from ...model.attention import KEV_ATTENTION, kev_attention
 from .. import inplace
 from ..inplace import modeling_class
+from ..watch import Watch
 from . import attention_forward, checked, exact_linear
 from .exact import ExactBackend
 
@@ -104,18 +106,17 @@ class _Parts:
     head_norms: tuple[Forward, Forward] | None  # Qwen3's q_norm and k_norm
     mlp: Forward
     rotary: attention_forward.Rotary
-    children: tuple[tuple[nn.Module, str, nn.Module, Forward], ...]  # (owner, name, part, its forward)
+    watch: Watch  # each part the module it was, on its installed forward, no hooks on it or global
     qkv: _Fused | None = None  # q, k and v as one product (batch-invariant path)
     gate_up: tuple[_Fused, Any, Forward] | None = None  # gate and up as one product, silu_mul, down_proj
     native: Any = None  # the whole layer as one kernel call (`kernels.DecoderLayer`), where it can be built
     native_dtype: torch.dtype | None = None  # the dtype it computes in
-    native_norms: tuple[tuple[nn.Module, torch.Tensor], ...] = ()  # each norm and the weight it holds
+    native_norms: Watch = dataclasses.field(default_factory=Watch)  # each norm's weight, the one it holds
 
     def in_place(self) -> bool:
-        """Every part still the module it was, running the forward it ran: nobody wrapped or
-        replaced one since (a LoRA adapter, a test's control)."""
-        return all(owner._modules.get(name) is part and part.__dict__.get("forward") is forward
-                   for owner, name, part, forward in self.children)
+        """Every part still the module it was, running the forward it ran, without hooks: nobody
+        wrapped or replaced one since (a LoRA adapter, a test's control) nor hooked it."""
+        return self.watch.holds()
 
 
 def install(model: nn.Module, kernels: Any = None) -> None:
@@ -175,6 +176,9 @@ def _parts(layer: Any) -> _Parts | None:
         if fused is not None and down_proj is not None:
             gate_up = (fused, mlp_call.args[1], down_proj)
             names += [(mlp, "gate_proj"), (mlp, "up_proj"), (mlp, "down_proj")]
+    watch = Watch().no_global_hooks()
+    for owner, name in names:
+        watch.part(owner, name)
     return _Parts(
         attention=attention,
         norms=(found[0], found[1]),
@@ -182,8 +186,7 @@ def _parts(layer: Any) -> _Parts | None:
         projections=(found[3], found[4], found[5], found[6]),
         head_norms=(found[7], found[8]) if len(found) > 7 else None,
         rotary=attention_call.args[1],
-        children=tuple((owner, name, owner._modules[name], owner._modules[name].__dict__["forward"])
-                       for owner, name in names),
+        watch=watch,
         qkv=_fuse(found[3:6]),
         gate_up=gate_up,
     )
@@ -219,18 +222,25 @@ def _with_native(parts: _Parts, kernels: Any) -> _Parts:
         parts.qkv.packed, parts.qkv.bias, o_weight.packed, _bias(o_proj), gate_up.packed, gate_up.bias,
         down_weight.packed, _bias(down_proj), [q, k, v, gate_up.widths[0]], int(parts.attention.head_dim),
         o_weight.out_features, float(parts.attention.scaling))
-    return dataclasses.replace(parts, native=native, native_dtype=dtype,
-                               native_norms=tuple((m, m.weight) for m in modules))
+    held = Watch()
+    for module in modules:
+        held.entry(module._parameters, "weight", module.weight)
+    return dataclasses.replace(parts, native=native, native_dtype=dtype, native_norms=held)
 
 
 def native_ready(layers: list[_Parts]) -> bool:
     """Whether every layer of `layers` runs as its one kernel call on a pass of the exact pool:
-    built, every part still the one installed, the model's attention Kev's, every norm's weight
-    the one the call holds (`model_forward` calls them so directly). Each distinct config is read
-    once: transformers' config attribute lookups are slow, and every layer shares the model's."""
+    built, every part still the one installed and unhooked, the model's attention Kev's, every
+    norm's weight the one the call holds (`model_forward` calls them so directly)."""
+    return attention_is_kev(layers) and all(
+        parts.native is not None and parts.in_place() and _norms_held(parts) for parts in layers)
+
+
+def attention_is_kev(layers: list[_Parts]) -> bool:
+    """Whether the layers' attention is Kev's. Each distinct config is read once: transformers'
+    config attribute lookups are slow, and every layer shares the model's."""
     configs = {id(parts.attention.config): parts.attention.config for parts in layers}
-    return (all(config._attn_implementation == KEV_ATTENTION for config in configs.values())
-            and all(parts.native is not None and parts.in_place() and _norms_held(parts) for parts in layers))
+    return all(config._attn_implementation == KEV_ATTENTION for config in configs.values())
 
 
 def run_native(parts: _Parts, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: ExactBackend,
@@ -243,7 +253,7 @@ def run_native(parts: _Parts, hidden: torch.Tensor, cos: torch.Tensor, sin: torc
 
 
 def _norms_held(parts: _Parts) -> bool:
-    return all(module._parameters.get("weight") is weight for module, weight in parts.native_norms)
+    return parts.native_norms.holds()
 
 
 def _bias(module: nn.Module) -> torch.Tensor | None:

@@ -18,8 +18,10 @@ the last 32 passes, and of older ones only those with about 32 tokens' products 
 (`core/pass_cost.py`), which a pass of a few decode rows has not.
 
 Which passes it fits: the model an instance of one of the listed classes, every decoder layer on
-its one-call forward with its parts as installed (`layer_forward.native_ready`), no hooks on the
-model, its base model or a layer (a call through them would run them), the pool Kev's exact one.
+its one-call forward with its parts as installed and unhooked (`layer_forward.native_ready`), no
+hooks on the model, its base model or a layer, none for every module (a call through them would
+run them), the pool Kev's exact one. What it found is watched (`watch.Watch`), not looked up
+again each pass.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from torch.nn.modules import module as torch_module
 from ...model.forward import run_model
 from ...model.pack import PackedBatch
 from ..inplace import modeling_class
+from ..watch import Watch
 from . import layer_forward
 from .exact import ExactBackend
 
@@ -62,6 +65,8 @@ class ModelForward:
         self.backend = backend
         self.checked: bool | None = None  # None: not yet compared with the model's forward
         self._fitted: list[Any] | None = None  # the layers' parts `fits` found, for `run` next
+        self._found: list[Any] = []  # the layers' parts last found ([]: none fit)
+        self._watch: Watch | None = None  # what they rest on, while they fit
 
     def fits(self, batch: PackedBatch) -> bool:
         """Whether `run` may take this pass; the runner calls `run` next, under its lock."""
@@ -88,21 +93,47 @@ class ModelForward:
 
     def _layers(self) -> list[Any] | None:
         """Each decoder layer's installed parts (`layer_forward._Parts`), every one ready for its
-        one call, or None where a pass must go through the model."""
+        one call, or None where a pass must go through the model. Once found, a pass only asks
+        whether anything they rest on has changed (`Watch`), and finds them again if so."""
+        if (self._watch is not None and type(self.model) in _listed() and self._watch.holds()
+                and layer_forward.attention_is_kev(self._found)):
+            return self._found
+        self._found = self._find()
+        self._watch = self._watch_over(self._found) if self._found else None
+        return self._found or None
+
+    def _find(self) -> list[Any]:
+        """The layers' parts, looked up; [] where a pass must go through the model."""
         model: Any = self.model
         inner: Any = getattr(model, "model", None)
         if (type(model) not in _listed() or not isinstance(inner, nn.Module) or _hooked(model) or _hooked(inner)
                 or torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks):
-            return None
+            return []
         found = []
         layers: Any = inner.layers
         for layer in layers:
             forward = layer.__dict__.get("forward")
             if (not isinstance(forward, functools.partial) or forward.func is not layer_forward._forward
                     or layer._forward_hooks or layer._forward_pre_hooks):
-                return None
+                return []
             found.append(forward.args[1])
-        return found if layer_forward.native_ready(found) else None
+        return found if layer_forward.native_ready(found) else []
+
+    def _watch_over(self, found: list[Any]) -> Watch:
+        """What `_find` read, to be read again before each pass: the base model and its layer list
+        where they were, none hooked nor given a forward, the list neither longer nor shorter, each layer
+        on its one-call forward, unhooked, its parts (`_Parts.watch`) and norms' weights held."""
+        model: Any = self.model
+        inner, layers = model.model, model.model.layers
+        watch = Watch().no_global_hooks().entry(model._modules, "model", inner).entry(inner._modules, "layers", layers)
+        for module in (model, inner):
+            watch.unhooked(module).entry(module.__dict__, "forward", None)
+        keys = list(layers._modules)
+        watch.entry(layers._modules, str(len(keys)), None)  # nothing appended
+        for key, layer, parts in zip(keys, layers, found, strict=True):
+            watch.entry(layers._modules, key, layer).entry(layer.__dict__, "forward", layer.__dict__["forward"])
+            watch.unhooked(layer).extend(parts.watch).extend(parts.native_norms)
+        return watch
 
     @torch.inference_mode()
     def _run(self, batch: PackedBatch) -> torch.Tensor | None:
