@@ -29,6 +29,7 @@ from kev_engine.platforms.cuda import choice, probe
 from kev_engine.platforms.cuda import graphs as cuda_graphs
 from kev_engine.platforms.cuda import varlen as cuda_backend
 from kev_engine.platforms.cuda.gathered import GatheredBackend
+from kev_engine.platforms.watch import Watch
 
 DOC = "The lighthouse was built in 1874 on a granite rock. " * 3
 PROMPTS = QUESTIONS + [chat("Who built it?", DOC), chat("When was it built?", DOC)]  # a shared prefix
@@ -99,6 +100,49 @@ def test_graph_replay_equals_eager_logits(tokenizer, monkeypatch) -> None:
     assert (via_bucket[0] - eager[1]).abs().max().item() > 10 * tolerance  # control: another row is far outside
     assert engine._runner.graphs.captured == [4] and via_bucket.shape[0] == 3
     engine.close()
+
+
+def test_graphs_follow_the_model(tokenizer, monkeypatch) -> None:
+    """A replay runs no Python and reads the tensors captured, so it must never stand in for a model
+    that changed since. A forward hook registered while the engine runs, on a module or for every
+    module: decode runs eagerly, and the hook on every pass; removed, buckets replay again. A weight
+    swapped for another tensor: the buckets are dropped and captured anew. Control: `watch_model`
+    made to see nothing, the hooked passes replay (on a GPU, without the hook)."""
+    engine, _ = varlen_engine(tokenizer, monkeypatch, graphs=True)
+    graphs, layer = engine._runner.graphs, engine.model.model.layers[1]
+    sampling = SamplingParams(temperature=0, max_tokens=4)
+
+    def answers() -> list[list[int]]:
+        return [c.token_ids for c in engine.generate(QUESTIONS[:2], sampling)]
+
+    def hooked(register) -> list[str]:
+        calls: list[str] = []
+        handle = register(lambda module, args, out: calls.append(type(module).__name__))
+        try:
+            assert answers() == plain
+        finally:
+            handle.remove()
+        return calls
+
+    try:
+        plain = answers()
+        assert graphs.replays == 3 and graphs.captured == [2]  # 3 decode passes of 2 rows
+        assert hooked(layer.mlp.register_forward_hook) == ["LlamaMLP"] * 4  # the prompts' pass, 3 decode passes
+        assert graphs.replays == 3
+        assert "LlamaMLP" in hooked(torch.nn.modules.module.register_module_forward_hook)
+        assert graphs.replays == 3
+        assert answers() == plain and graphs.replays == 6
+        captured = graphs.statics[2]
+        layer.mlp.down_proj.weight = torch.nn.Parameter(layer.mlp.down_proj.weight.detach().clone())
+        assert answers() == plain and graphs.replays == 9
+        assert graphs.captured == [2] and graphs.statics[2] is not captured
+        monkeypatch.setattr(cuda_graphs, "watch_model", lambda model: Watch())
+        graphs.statics.clear()
+        graphs._watch = None
+        hooked(layer.mlp.register_forward_hook)
+        assert graphs.replays == 12
+    finally:
+        engine.close()
 
 
 def test_buckets_and_choice() -> None:

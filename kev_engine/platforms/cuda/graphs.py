@@ -14,6 +14,13 @@ one block the engine never hands out (`trash_block`), so they touch no question'
 their logits are dropped. The kernel's `max_seqlen_k` is the model's context length: an upper
 bound it only uses to size its work, the same at capture and at every replay.
 
+A replay runs the kernels captured on the tensors captured, and no Python: a forward hook
+registered later would never run, a part replaced (a LoRA adapter loaded) or a weight swapped for
+another tensor would never be read. So every module's children, forward, parameters and buffers
+are watched from the first capture (`watch_model`), and checked before each replay: changed,
+the buckets are dropped and captured anew from the model as it is; while any forward hook is
+there (on a module, or for every module), decode runs eagerly, where hooks run.
+
 Replay equals eager bitwise when the engine is batch-invariant (its products and norms do not
 depend on the row count, attention keeps `num_splits=1`): a padded row changes nothing of a real
 one. On a CPU engine (tests) the same static path runs eagerly (`capture=False`).
@@ -26,9 +33,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
+from torch.nn.modules import module as torch_module
 
 from ...core.blocks import blocks_for
 from ...model.pack import PackedBatch
+from ..watch import Watch
 from .varlen import PagedTables
 
 WARMUP_PASSES = 2  # before a capture: lazy inits (cuBLAS handles, Triton compiles) must not be captured
@@ -60,6 +70,23 @@ def why_not_graph(batch: PackedBatch) -> str | None:
     if batch.logits_rows != [(i, i + 1) for i in range(batch.num_segments)]:
         return "a row without exactly one logits row"
     return None
+
+
+def watch_model(model: nn.Module) -> Watch | None:
+    """What a replay of `model`'s graphs takes as it was at capture: every module's children,
+    forward, parameters and buffers, and no forward hooks; None where a hook is there now (a
+    capture would run it once and its replays never)."""
+    if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
+        return None
+    watch = Watch().no_global_hooks()
+    for module in model.modules():
+        if module._forward_hooks or module._forward_pre_hooks:
+            return None
+        watch.unhooked(module).entry(module.__dict__, "forward", module.__dict__.get("forward"))
+        for place in (module._modules, module._parameters, module._buffers):
+            for key, value in place.items():
+                watch.entry(place, key, value)
+    return watch
 
 
 def static_pack(rows: int, block_size: int, max_context: int, device: torch.device) -> PackedBatch:
@@ -137,6 +164,7 @@ class DecodeGraphs:
 
     def __init__(
         self,
+        model: nn.Module,
         forward: Callable[[PackedBatch], torch.Tensor],
         kv: Any,
         max_rows: int,
@@ -144,8 +172,9 @@ class DecodeGraphs:
         trash_block: int,
         capture: bool,
     ) -> None:
-        """`forward`: the model on a pack → logits [rows, vocab]; `capture`: record CUDA graphs
+        """`forward`: `model` on a pack → logits [rows, vocab]; `capture`: record CUDA graphs
         (False: run the same static path eagerly, as on a CPU)."""
+        self.model = model
         self.forward = forward
         self.kv = kv
         self.sizes = buckets(max_rows)
@@ -156,9 +185,20 @@ class DecodeGraphs:
         self.statics: dict[int, StaticDecode] = {}
         self.replays = 0  # passes served by a bucket (replayed, or run statically when not capturing)
         self._pool: Any = None  # one CUDA memory pool shared by every bucket's graph
+        self._watch: Watch | None = None  # the model as the buckets captured it (None: none captured yet)
 
     def fits(self, batch: PackedBatch) -> bool:
-        return why_not_graph(batch) is None and bucket_for(batch.num_segments, self.sizes) is not None
+        return (why_not_graph(batch) is None and bucket_for(batch.num_segments, self.sizes) is not None
+                and self._model_as_captured())
+
+    def _model_as_captured(self) -> bool:
+        """Whether the buckets may replay: the model unchanged since they were captured. Changed,
+        they are dropped (captured anew when needed); hooked, the pass runs eagerly."""
+        if self._watch is not None and self._watch.holds():
+            return True
+        self.statics.clear()
+        self._watch = watch_model(self.model)
+        return self._watch is not None
 
     @property
     def captured(self) -> list[int]:

@@ -53,7 +53,7 @@ class CudaPlatform(Platform):
         pool = self.paged.pool
         trash = pool.reserve_last_block()
         pool.zero([trash])
-        return DecodeGraphs(functools.partial(run_model, model, backend=self.paged), pool, max_rows, max_context,
+        return DecodeGraphs(model, functools.partial(run_model, model, backend=self.paged), pool, max_rows, max_context,
                             trash, capture=self.device.type == "cuda")
 
     def default_kv_cache_bytes(self) -> int:
