@@ -10,6 +10,8 @@ that use it, against plain transformers models and against themselves alone.
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import pytest
 import torch
 from conftest import FAMILIES, tiny_model
@@ -123,11 +125,13 @@ def test_passes_it_cannot_take_go_through_the_model(monkeypatch: pytest.MonkeyPa
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("where", ["input_layernorm", "self_attn", "self_attn.q_proj", "mlp", "mlp.down_proj",
-                                   "every module"])
+                                   "mlp.act_fn", "every module"])
 def test_a_hook_registered_while_it_runs_is_called(where: str, dtype: torch.dtype, tokenizer) -> None:
     """A forward hook registered after the engine started, on a part of a decoder layer or for
     every module (capturing activations, say), is called on every pass, and those passes go
-    through the modules' own calls: the same logits bitwise (the hook returns nothing). Removed,
+    through the modules' own calls: the same logits bitwise (the hook returns nothing), except where
+    the activation itself is hooked (its own hook, or one for every module): it is then called, so
+    torch's silu, not the kernel's. Removed,
     the direct pass takes the passes again. Without the check, no pass called such a hook: the
     direct pass and a layer's one function call the parts' forwards, not the parts."""
     engine = Engine(tiny_model("llama", tokenizer).to(dtype), tokenizer)
@@ -156,7 +160,8 @@ def test_a_hook_registered_while_it_runs_is_called(where: str, dtype: torch.dtyp
             assert {"LlamaRMSNorm", "LlamaAttention", "Linear", "LlamaMLP"} <= set(calls)
         else:
             assert len(calls) == 5  # once a pass
-        assert all(torch.equal(a, b) for a, b in zip(before, hooked, strict=True))
+        if where not in ("mlp.act_fn", "every module"):  # a hooked activation is torch's silu, not the kernel's
+            assert all(torch.equal(a, b) for a, b in zip(before, hooked, strict=True))
         _logits(engine, "after")
         assert len(passes) == 10
     finally:
@@ -197,5 +202,53 @@ def test_a_norm_weight_or_layer_replaced_while_it_runs_is_seen(tokenizer) -> Non
         layers[1] = layer
         assert all(torch.equal(a, b) for a, b in zip(before, _logits(engine, "put back"), strict=True))
         assert len(passes) == 15
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("invariant", [True, False], ids=["invariant", "fast"])
+def test_what_a_hook_keeps_is_never_written_over(invariant: bool, tokenizer) -> None:
+    """A hook may keep the tensor it is handed without a copy (gate_proj's output, the activation's):
+    Kev's MLP computes its activation and product in place, but never over those, so each kept
+    tensor still equals the copy taken when it was handed over. And an activation put in place
+    while the engine runs (GELU for SiLU) is the one computed: the logits move (they did not)."""
+    engine = Engine(tiny_model("llama", tokenizer), tokenizer, batch_invariant=invariant)
+    try:
+        mlp = engine.model.model.layers[1].mlp
+        kept: list[tuple[torch.Tensor, torch.Tensor]] = []
+        handles = [module.register_forward_hook(lambda module, args, out: kept.append((out, out.clone())))
+                   for module in (mlp.gate_proj, mlp.act_fn)]
+        try:
+            before = _logits(engine, "kept")
+        finally:
+            for handle in handles:
+                handle.remove()
+        assert len(kept) == 10 and all(torch.equal(out, copy) for out, copy in kept)  # 5 passes, 2 hooks
+        mlp.act_fn = torch.nn.GELU()
+        assert not any(torch.equal(a, b) for a, b in zip(before, _logits(engine, "gelu"), strict=True))
+    finally:
+        engine.close()
+
+
+def test_a_hook_table_replaced_wholesale_is_seen(tokenizer) -> None:
+    """Code that clears a module's hooks by giving it a new table (`_forward_hooks = OrderedDict()`)
+    and then registers one into it: the hook is called, the pass goes through the modules."""
+    engine = Engine(tiny_model("llama", tokenizer), tokenizer)
+    try:
+        direct = engine._runner.direct
+        assert isinstance(direct, ModelForward)
+        engine.generate([[{"role": "user", "content": "Hi"}]], SamplingParams(temperature=0, max_tokens=2))
+        passes = _counted(direct)
+        _logits(engine, "before")
+        assert len(passes) == 5
+        calls: list[int] = []
+        for module in (engine.model.model.layers[1], engine.model.model.layers[1].self_attn.q_proj):
+            module._forward_hooks = OrderedDict()
+            handle = module.register_forward_hook(lambda module, args, out: calls.append(1))
+            try:
+                _logits(engine, f"new table {len(calls)}")
+            finally:
+                handle.remove()
+        assert len(passes) == 5 and len(calls) == 10
     finally:
         engine.close()

@@ -26,7 +26,9 @@ listed class is checked once per install against its own forward, on one of the 
 modules and a probe input: bitwise equal, or it keeps its forward (logged) — so a transformers
 that rewrites one of them never gets Kev's formula for it. Only an instance whose `forward`
 nobody else replaced (accelerate's hooks do) is changed, through an instance attribute; the
-class is untouched.
+class is untouched. The activation is checked at every call: one replaced or hooked since (its
+own hook, or one for every module) is called, so torch's silu then, not the kernel; and a tensor
+a hook was handed (gate_proj's output, the activation's) is never written over.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules import module as torch_module
 from transformers.activations import SiLUActivation
 
 _SILU = (SiLUActivation, nn.SiLU)  # plain silu: `F.silu(x, inplace=True)` is the same values
@@ -144,21 +147,45 @@ def uninstall(model: nn.Module) -> None:
             del module.forward
 
 
+def _hooked(module: nn.Module) -> bool:
+    """Whether calling `module` runs more than its forward: forward hooks of its own or for every module."""
+    return bool(module._forward_hooks or module._forward_pre_hooks or torch_module._global_forward_hooks
+                or torch_module._global_forward_pre_hooks)
+
+
+def _plain_silu(act: Any) -> bool:
+    """Whether calling `act` is silu and nothing else, so `F.silu` or the kernel may stand in for the
+    call: a SiLU module on its class's forward, unhooked (an activation replaced or hooked while the
+    engine runs is then called)."""
+    return type(act) in _SILU and "forward" not in act.__dict__ and not _hooked(act)
+
+
 def _mlp_forward(module: Any, silu_mul: SiluMul | None, x: torch.Tensor) -> torch.Tensor:
-    """`down_proj(act_fn(gate_proj(x)) * up_proj(x))` with the activation and product in place."""
+    """`down_proj(act_fn(gate_proj(x)) * up_proj(x))` with the activation and product in place. A
+    tensor a hook was handed (gate_proj's output, the activation's) may be kept by it: it is never
+    written over."""
     gate, up = module.gate_proj(x), module.up_proj(x)
+    act_fn = module.act_fn
     if gate is x or gate.dtype != up.dtype or gate.shape != up.shape:  # nothing to write over safely
-        return module.down_proj(module.act_fn(gate) * up)
-    if silu_mul is not None and gate.is_contiguous() and up.is_contiguous():
-        rows = gate.view(-1, gate.shape[-1])
-        silu_mul(rows, up.view(-1, up.shape[-1]), rows)  # [rows, intermediate], written over the gate
-        return module.down_proj(gate)
-    act = F.silu(gate, inplace=True) if type(module.act_fn) in _SILU else module.act_fn(gate)
+        return module.down_proj(act_fn(gate) * up)
+    if _plain_silu(act_fn) and not _hooked(module.gate_proj):
+        if silu_mul is not None and gate.is_contiguous() and up.is_contiguous():
+            rows = gate.view(-1, gate.shape[-1])
+            silu_mul(rows, up.view(-1, up.shape[-1]), rows)  # [rows, intermediate], written over the gate
+            return module.down_proj(gate)
+        act = F.silu(gate, inplace=True)
+    else:
+        act = act_fn(gate)
+        if _hooked(act_fn) or act is gate:
+            return module.down_proj(act * up)
     return module.down_proj(act.mul_(up) if act.dtype == up.dtype and act.shape == up.shape else act * up)
 
 
 def _glm_mlp_forward(module: Any, silu_mul: SiluMul, x: torch.Tensor) -> torch.Tensor:
-    """GLM's `down_proj(up * act(gate))` over one fused `gate_up_proj`, by the kernel."""
+    """GLM's `down_proj(up * act(gate))` over one fused `gate_up_proj`, by the kernel (torch's ops
+    where the activation is no longer plain silu)."""
+    if not _plain_silu(module.activation_fn):
+        return _glm_mlp_torch(module, x)
     both = module.gate_up_proj(x)  # [..., 2 * intermediate]: gate, then up
     width = both.shape[-1] // 2
     rows = both.reshape(-1, 2 * width)

@@ -176,6 +176,8 @@ def _parts(layer: Any) -> _Parts | None:
         if fused is not None and down_proj is not None:
             gate_up = (fused, mlp_call.args[1], down_proj)
             names += [(mlp, "gate_proj"), (mlp, "up_proj"), (mlp, "down_proj")]
+            if "act_fn" in mlp._modules:  # the activation the kernel stands in for (`inplace` chose it by type)
+                names.append((mlp, "act_fn"))
     watch = Watch().no_global_hooks()
     for owner, name in names:
         watch.part(owner, name)
@@ -224,7 +226,7 @@ def _with_native(parts: _Parts, kernels: Any) -> _Parts:
         o_weight.out_features, float(parts.attention.scaling))
     held = Watch()
     for module in modules:
-        held.entry(module._parameters, "weight", module.weight)
+        held.entry(held.table(module, "_parameters"), "weight", module.weight)
     return dataclasses.replace(parts, native=native, native_dtype=dtype, native_norms=held)
 
 

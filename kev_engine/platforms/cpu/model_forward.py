@@ -98,42 +98,40 @@ class ModelForward:
         if (self._watch is not None and type(self.model) in _listed() and self._watch.holds()
                 and layer_forward.attention_is_kev(self._found)):
             return self._found
-        self._found = self._find()
-        self._watch = self._watch_over(self._found) if self._found else None
+        self._found, self._watch = self._find()
         return self._found or None
 
-    def _find(self) -> list[Any]:
-        """The layers' parts, looked up; [] where a pass must go through the model."""
+    def _find(self) -> tuple[list[Any], Watch | None]:
+        """The layers' parts, looked up ([] where a pass must go through the model), and a watch
+        over what was read, each object as it was read (another thread may change the model
+        meanwhile: the next pass then sees it): the base model and its layer list where they
+        were, neither hooked nor given a forward, the list neither longer nor shorter, each layer
+        on its one-call forward, unhooked, its parts (`_Parts.watch`) and norms' weights held."""
         model: Any = self.model
-        inner: Any = getattr(model, "model", None)
+        watch = Watch().no_global_hooks()
+        inner: Any = watch.table(model, "_modules").get("model")
         if (type(model) not in _listed() or not isinstance(inner, nn.Module) or _hooked(model) or _hooked(inner)
                 or torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks):
-            return []
+            return [], None
+        layers: Any = watch.table(inner, "_modules").get("layers")
+        if not isinstance(layers, nn.ModuleList):
+            return [], None
+        watch.entry(model._modules, "model", inner).entry(inner._modules, "layers", layers)
+        for module in (model, inner):
+            watch.unhooked(module).entry(module.__dict__, "forward", None)
+        entries = tuple(watch.table(layers, "_modules").items())  # one read: a list edited meanwhile is seen next pass
+        watch.entry(layers._modules, str(len(entries)), None)  # nothing appended
         found = []
-        layers: Any = inner.layers
-        for layer in layers:
+        for key, layer in entries:
             forward = layer.__dict__.get("forward")
             if (not isinstance(forward, functools.partial) or forward.func is not layer_forward._forward
                     or layer._forward_hooks or layer._forward_pre_hooks):
-                return []
-            found.append(forward.args[1])
-        return found if layer_forward.native_ready(found) else []
-
-    def _watch_over(self, found: list[Any]) -> Watch:
-        """What `_find` read, to be read again before each pass: the base model and its layer list
-        where they were, none hooked nor given a forward, the list neither longer nor shorter, each layer
-        on its one-call forward, unhooked, its parts (`_Parts.watch`) and norms' weights held."""
-        model: Any = self.model
-        inner, layers = model.model, model.model.layers
-        watch = Watch().no_global_hooks().entry(model._modules, "model", inner).entry(inner._modules, "layers", layers)
-        for module in (model, inner):
-            watch.unhooked(module).entry(module.__dict__, "forward", None)
-        keys = list(layers._modules)
-        watch.entry(layers._modules, str(len(keys)), None)  # nothing appended
-        for key, layer, parts in zip(keys, layers, found, strict=True):
-            watch.entry(layers._modules, key, layer).entry(layer.__dict__, "forward", layer.__dict__["forward"])
+                return [], None
+            parts = forward.args[1]
+            watch.entry(layers._modules, key, layer).entry(layer.__dict__, "forward", forward)
             watch.unhooked(layer).extend(parts.watch).extend(parts.native_norms)
-        return watch
+            found.append(parts)
+        return (found, watch) if layer_forward.native_ready(found) else ([], None)
 
     @torch.inference_mode()
     def _run(self, batch: PackedBatch) -> torch.Tensor | None:
