@@ -102,12 +102,13 @@ def test_graph_replay_equals_eager_logits(tokenizer, monkeypatch) -> None:
     engine.close()
 
 
-def test_graphs_follow_the_model(tokenizer, monkeypatch) -> None:
+def test_graphs_follow_the_model(tokenizer, monkeypatch, caplog) -> None:
     """A replay runs no Python and reads the tensors captured, so it must never stand in for a model
     that changed since. A forward hook registered while the engine runs, on a module or for every
-    module: decode runs eagerly, and the hook on every pass; removed, buckets replay again. A weight
-    swapped for another tensor: the buckets are dropped and captured anew. Control: `watch_model`
-    made to see nothing, the hooked passes replay (on a GPU, without the hook)."""
+    module: decode runs eagerly (a warning says so, once), and the hook on every pass; removed,
+    buckets replay again. A weight swapped for another tensor: the buckets are dropped and captured
+    anew. Control: `watch_model` made to see nothing, the hooked passes replay (on a GPU, without
+    the hook)."""
     engine, _ = varlen_engine(tokenizer, monkeypatch, graphs=True)
     graphs, layer = engine._runner.graphs, engine.model.model.layers[1]
     sampling = SamplingParams(temperature=0, max_tokens=4)
@@ -127,8 +128,11 @@ def test_graphs_follow_the_model(tokenizer, monkeypatch) -> None:
     try:
         plain = answers()
         assert graphs.replays == 3 and graphs.captured == [2]  # 3 decode passes of 2 rows
-        assert hooked(layer.mlp.register_forward_hook) == ["LlamaMLP"] * 4  # the prompts' pass, 3 decode passes
+        with caplog.at_level("WARNING", logger="kev"):
+            assert hooked(layer.mlp.register_forward_hook) == ["LlamaMLP"] * 4  # the prompts' pass, 3 decode passes
         assert graphs.replays == 3
+        assert caplog.text.count("run eagerly, without CUDA graphs, while a forward hook is registered "
+                                 "(on model.model.layers.1.mlp)") == 1
         assert "LlamaMLP" in hooked(torch.nn.modules.module.register_module_forward_hook)
         assert graphs.replays == 3
         assert answers() == plain and graphs.replays == 6
@@ -136,7 +140,7 @@ def test_graphs_follow_the_model(tokenizer, monkeypatch) -> None:
         layer.mlp.down_proj.weight = torch.nn.Parameter(layer.mlp.down_proj.weight.detach().clone())
         assert answers() == plain and graphs.replays == 9
         assert graphs.captured == [2] and graphs.statics[2] is not captured
-        monkeypatch.setattr(cuda_graphs, "watch_model", lambda model: Watch())
+        monkeypatch.setattr(cuda_graphs, "watch_model", lambda model: (Watch(), [], ""))
         graphs.statics.clear()
         graphs._watch = None
         hooked(layer.mlp.register_forward_hook)

@@ -28,6 +28,7 @@ one. On a CPU engine (tests) the same static path runs eagerly (`capture=False`)
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +41,8 @@ from ...core.blocks import blocks_for
 from ...model.pack import PackedBatch
 from ..watch import Watch
 from .varlen import PagedTables
+
+log = logging.getLogger("kev")
 
 WARMUP_PASSES = 2  # before a capture: lazy inits (cuBLAS handles, Triton compiles) must not be captured
 
@@ -72,21 +75,41 @@ def why_not_graph(batch: PackedBatch) -> str | None:
     return None
 
 
-def watch_model(model: nn.Module) -> Watch | None:
+Hooked = list[tuple[dict[str, Any], str, dict[Any, Any]]]  # (holder, name, table): hook tables in use
+
+
+def watch_model(model: nn.Module) -> tuple[Watch | None, Hooked, str]:
     """What a replay of `model`'s graphs takes as it was at capture: every module's children,
-    forward, parameters and buffers, and no forward hooks; None where a hook is there now (a
-    capture would run it once and its replays never)."""
-    if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
-        return None
+    forward, parameters and buffers, and no forward hooks. Where hooks are there now (a capture
+    would run them once and its replays never): no watch, the tables that hold them (to see them
+    gone) and where the first hangs. Each module's dictionaries are read once each: a change by
+    another thread meanwhile is seen at the next pass. Their entries are watched, not the
+    dictionaries themselves (torch writes into them; one replaced wholesale is not seen): every
+    replay pays for each entry."""
+    shared = vars(torch_module)  # the hook tables for every module
+    hooked: Hooked = [(shared, name, shared[name]) for name in ("_global_forward_hooks", "_global_forward_pre_hooks")
+                      if shared[name]]
+    where = "every module" if hooked else ""
     watch = Watch().no_global_hooks()
-    for module in model.modules():
-        if module._forward_hooks or module._forward_pre_hooks:
-            return None
+    stack: list[tuple[str, nn.Module]] = [("model", model)]
+    seen: set[int] = set()
+    while stack:
+        name, module = stack.pop()
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        for table in ("_forward_hooks", "_forward_pre_hooks"):
+            if module.__dict__[table]:
+                hooked.append((module.__dict__, table, module.__dict__[table]))
+                where = where or name
         watch.unhooked(module).entry(module.__dict__, "forward", module.__dict__.get("forward"))
-        for place in (module._modules, module._parameters, module._buffers):
-            for key, value in place.items():
+        for table in ("_modules", "_parameters", "_buffers"):
+            place = module.__dict__[table]
+            for key, value in tuple(place.items()):
                 watch.entry(place, key, value)
-    return watch
+                if table == "_modules" and value is not None:
+                    stack.append((f"{name}.{key}", value))
+    return (None if hooked else watch), hooked, where
 
 
 def static_pack(rows: int, block_size: int, max_context: int, device: torch.device) -> PackedBatch:
@@ -185,7 +208,9 @@ class DecodeGraphs:
         self.statics: dict[int, StaticDecode] = {}
         self.replays = 0  # passes served by a bucket (replayed, or run statically when not capturing)
         self._pool: Any = None  # one CUDA memory pool shared by every bucket's graph
-        self._watch: Watch | None = None  # the model as the buckets captured it (None: none captured yet)
+        self._watch: Watch | None = None  # the model as the buckets captured it (None: not watched)
+        self._hooked: Hooked = []  # while hooks keep decode eager: the tables that hold them
+        self._said: set[str] = set()  # where hooks kept decode eager, said once each
 
     def fits(self, batch: PackedBatch) -> bool:
         return (why_not_graph(batch) is None and bucket_for(batch.num_segments, self.sizes) is not None
@@ -193,11 +218,20 @@ class DecodeGraphs:
 
     def _model_as_captured(self) -> bool:
         """Whether the buckets may replay: the model unchanged since they were captured. Changed,
-        they are dropped (captured anew when needed); hooked, the pass runs eagerly."""
+        they are dropped (captured anew when needed); hooked, the pass runs eagerly, and only
+        whether those hooks are gone is asked until they are."""
         if self._watch is not None and self._watch.holds():
             return True
+        if any(holder.get(name) is table and table for holder, name, table in self._hooked):
+            return False
+        if self.statics:
+            log.info("Kev: the model changed since its decode graphs were captured; they are captured anew")
         self.statics.clear()
-        self._watch = watch_model(self.model)
+        self._watch, self._hooked, where = watch_model(self.model)
+        if self._watch is None and where not in self._said:
+            self._said.add(where)
+            log.warning("Kev: decode passes run eagerly, without CUDA graphs, while a forward hook is registered "
+                        "(on %s): a graph's replay would not run it", where)
         return self._watch is not None
 
     @property
