@@ -252,3 +252,21 @@ def test_a_hook_table_replaced_wholesale_is_seen(tokenizer) -> None:
         assert len(passes) == 5 and len(calls) == 10
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("invariant", [True, False], ids=["invariant", "fast"])
+def test_glms_activation_hooked_is_called(invariant: bool, tokenizer) -> None:
+    """GLM's fused MLP (`gate_up_proj`, then the kernel's silu and product) calls its activation
+    once it is hooked: once a pass."""
+    engine = Engine(tiny_model("glm", tokenizer), tokenizer, batch_invariant=invariant)
+    try:
+        calls: list[int] = []
+        handle = engine.model.model.layers[0].mlp.activation_fn.register_forward_hook(
+            lambda module, args, out: calls.append(1))
+        try:
+            _logits(engine, "hooked")
+        finally:
+            handle.remove()
+        assert len(calls) == 5
+    finally:
+        engine.close()
