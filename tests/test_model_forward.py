@@ -210,22 +210,27 @@ def test_a_norm_weight_or_layer_replaced_while_it_runs_is_seen(tokenizer) -> Non
 def test_what_a_hook_keeps_is_never_written_over(invariant: bool, tokenizer) -> None:
     """A hook may keep the tensor it is handed without a copy (gate_proj's output, the activation's):
     Kev's MLP computes its activation and product in place, but never over those, so each kept
-    tensor still equals the copy taken when it was handed over. And an activation put in place
-    while the engine runs (GELU for SiLU) is the one computed: the logits move (they did not)."""
+    tensor still equals the copy taken when it was handed over. With gate_proj hooked the logits
+    stay bitwise those of no hook (the same arithmetic into a new tensor). And an activation put in
+    place while the engine runs (GELU for SiLU) is the one computed: the logits move (they did not)."""
     engine = Engine(tiny_model("llama", tokenizer), tokenizer, batch_invariant=invariant)
     try:
         mlp = engine.model.model.layers[1].mlp
-        kept: list[tuple[torch.Tensor, torch.Tensor]] = []
-        handles = [module.register_forward_hook(lambda module, args, out: kept.append((out, out.clone())))
-                   for module in (mlp.gate_proj, mlp.act_fn)]
-        try:
-            before = _logits(engine, "kept")
-        finally:
-            for handle in handles:
-                handle.remove()
-        assert len(kept) == 10 and all(torch.equal(out, copy) for out, copy in kept)  # 5 passes, 2 hooks
+        plain = _logits(engine, "plain")
+        for hooked, salt in (((mlp.gate_proj,), "gate"), ((mlp.gate_proj, mlp.act_fn), "both")):
+            kept: list[tuple[torch.Tensor, torch.Tensor]] = []
+            handles = [module.register_forward_hook(lambda module, args, out: kept.append((out, out.clone())))
+                       for module in hooked]
+            try:
+                logits = _logits(engine, salt)
+            finally:
+                for handle in handles:
+                    handle.remove()
+            assert len(kept) == 5 * len(hooked) and all(torch.equal(out, copy) for out, copy in kept)
+            if salt == "gate":
+                assert all(torch.equal(a, b) for a, b in zip(plain, logits, strict=True))
         mlp.act_fn = torch.nn.GELU()
-        assert not any(torch.equal(a, b) for a, b in zip(before, _logits(engine, "gelu"), strict=True))
+        assert not any(torch.equal(a, b) for a, b in zip(plain, _logits(engine, "gelu"), strict=True))
     finally:
         engine.close()
 

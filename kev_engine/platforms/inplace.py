@@ -163,17 +163,19 @@ def _plain_silu(act: Any) -> bool:
 def _mlp_forward(module: Any, silu_mul: SiluMul | None, x: torch.Tensor) -> torch.Tensor:
     """`down_proj(act_fn(gate_proj(x)) * up_proj(x))` with the activation and product in place. A
     tensor a hook was handed (gate_proj's output, the activation's) may be kept by it: it is never
-    written over."""
+    written over (the same values go to a new tensor)."""
     gate, up = module.gate_proj(x), module.up_proj(x)
     act_fn = module.act_fn
     if gate is x or gate.dtype != up.dtype or gate.shape != up.shape:  # nothing to write over safely
         return module.down_proj(act_fn(gate) * up)
-    if _plain_silu(act_fn) and not _hooked(module.gate_proj):
+    kept = _hooked(module.gate_proj)
+    if _plain_silu(act_fn):
         if silu_mul is not None and gate.is_contiguous() and up.is_contiguous():
             rows = gate.view(-1, gate.shape[-1])
-            silu_mul(rows, up.view(-1, up.shape[-1]), rows)  # [rows, intermediate], written over the gate
-            return module.down_proj(gate)
-        act = F.silu(gate, inplace=True)
+            out = torch.empty_like(rows) if kept else rows  # [rows, intermediate], over the gate where it may be
+            silu_mul(rows, up.view(-1, up.shape[-1]), out)
+            return module.down_proj(out.view(gate.shape))
+        act = F.silu(gate, inplace=not kept)
     else:
         act = act_fn(gate)
         if _hooked(act_fn) or act is gate:
