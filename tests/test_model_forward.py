@@ -219,8 +219,10 @@ def test_what_a_hook_keeps_is_never_written_over(invariant: bool, tokenizer) -> 
         plain = _logits(engine, "plain")
         for hooked, salt in (((mlp.gate_proj,), "gate"), ((mlp.gate_proj, mlp.act_fn), "both")):
             kept: list[tuple[torch.Tensor, torch.Tensor]] = []
-            handles = [module.register_forward_hook(lambda module, args, out: kept.append((out, out.clone())))
-                       for module in hooked]
+            def keep(module: torch.nn.Module, args: object, out: torch.Tensor, kept: list = kept) -> None:
+                kept.append((out, out.clone()))
+
+            handles = [module.register_forward_hook(keep) for module in hooked]
             try:
                 logits = _logits(engine, salt)
             finally:
