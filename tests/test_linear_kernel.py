@@ -4,8 +4,9 @@ tile, in row blocks of any split — and equal to a float64 reference within rou
 
 The row counts cross the kernel's seams: 1 (its one-row path), tiles of 6 and their remainders,
 blocks of 96 and the balanced blocks of 97, 191 and 307 rows; the output counts cross its panels of
-16 (200 = 12 panels + 8, 40 = 2 panels + 8), and K crosses the AVX512-BF16 path's K blocks (576 = 4.5
-blocks of 128) and its pairs (67: odd). Every bf16 instruction path this CPU has is checked, not
+16 (200 = 12 panels + 8, 40 = 2 panels + 8), and K crosses the paths without AMX's K blocks (576 =
+4.5 of a decode pass's blocks of 128; 2051 = a prefill pass's block of 2048 and 3 more) and their
+pairs (67 and 2051: odd). Every bf16 instruction path this CPU has is checked, not
 only the one its engines use: AMX, AVX512-BF16 (the path of CPUs without AMX, forced here) and the
 fused multiply-add fallback; a path the CPU lacks is reported as skipped with the reason. The control
 shows the comparison can fail: the same row summed in another order (K in two halves) is caught.
@@ -48,7 +49,7 @@ def rows_differing(got: torch.Tensor, alone: torch.Tensor) -> list[int]:
 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("dtype,path", PATHS, ids=["fp32", "bf16-amx", "bf16-avx512_bf16", "bf16-fma"])
-@pytest.mark.parametrize("out_features,in_features", [(200, 48), (40, 67), (576, 576)])
+@pytest.mark.parametrize("out_features,in_features", [(200, 48), (40, 67), (576, 576), (40, 2051)])
 def test_every_row_equals_itself_alone(kernels, threads: int, dtype: torch.dtype, path: str, out_features: int,
                                        in_features: int) -> None:
     if path:
@@ -93,7 +94,7 @@ def sequential_sums(x: torch.Tensor, weight: torch.Tensor, reverse: bool = False
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("rows,in_features,out_features", [(1, 64, 96), (7, 67, 200), (16, 576, 960), (97, 130, 64)])
+@pytest.mark.parametrize("rows,in_features,out_features", [(1, 64, 96), (7, 67, 200), (16, 576, 960), (97, 130, 64), (200, 2051, 40)])
 def test_the_fma_path_is_each_outputs_sum_in_k_order_bitwise(kernels, threads: int, rows: int, in_features: int,
                                                              out_features: int) -> None:
     """The vectorized fma path (AVX-512) and its plain loop (other builds) against the sum written
