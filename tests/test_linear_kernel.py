@@ -94,7 +94,8 @@ def sequential_sums(x: torch.Tensor, weight: torch.Tensor, reverse: bool = False
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("rows,in_features,out_features", [(1, 64, 96), (7, 67, 200), (16, 576, 960), (97, 130, 64), (200, 2051, 40)])
+@pytest.mark.parametrize("rows,in_features,out_features",
+                         [(1, 64, 96), (7, 67, 200), (16, 576, 960), (97, 130, 64), (200, 2051, 40)])
 def test_the_fma_path_is_each_outputs_sum_in_k_order_bitwise(kernels, threads: int, rows: int, in_features: int,
                                                              out_features: int) -> None:
     """The vectorized fma path (AVX-512) and its plain loop (other builds) against the sum written
