@@ -392,8 +392,8 @@ void store_bf16(const float* c, int64_t ldc, int64_t rows, const float* bias, bf
 constexpr int kDpPanels = 4;
 constexpr int64_t kDpKBlock = 64;   // k pairs per K block in a decode pass: 4 panels' slice is 16 KB, in L1 across row tiles
 // k pairs per K block in a prefill pass: 4 panels' slice is 256 KB, read from L2 by each row tile.
-// Each block stores and reloads every row tile's accumulators, which cost more than the L1 reuse
-// of 64-pair blocks gained (a 0.7B layer's 512-row products 12 % faster on a Zen 4, both paths).
+// Every block stores and reloads each row tile's accumulators (a row block's are 96 KB, in L2):
+// in a prefill that traffic costs more than keeping the slice in L1 saves (docs/benchmarks.md).
 constexpr int64_t kPrefillKBlock = 1024;
 constexpr int64_t kAccFloats = 64 * 1024;  // a task's accumulators at most (256 KB: they stay in L2)
 constexpr int64_t kDpAhead = 16;  // a decode pass requests each panel's weights this many k pairs ahead
@@ -450,8 +450,8 @@ inline void pair_tile(const X* x, int64_t ldx, const bf16* w, int64_t panel_size
 
 // The rows in register tiles over the same weights: the first tile reads them (from memory in a
 // decode pass: it requests them `ahead`), the others from L1. In a decode pass those others request
-// the next K block's slice meanwhile, so memory is busy while they compute instead of only during
-// the first tile (a 0.7B layer's 16-row products from memory 19 % faster on a Zen 4: docs/benchmarks.md).
+// the next K block's slice meanwhile, so memory is busy while they compute, not only during the
+// first tile.
 template <int NP, typename X>
 inline void pair_rows(const X* x, int64_t ldx, int64_t rows, const bf16* w, int64_t panel_size, int64_t kp0,
                       int64_t kp1, float* c, int64_t ldc, int64_t ahead) {
