@@ -525,9 +525,9 @@ void linear_bf16_pairs(const bf16* x, int64_t m, int64_t k, const bf16* w, int64
       };
       if (blocks == 1) {
         for (int64_t p = p0; p < p1; p += kDpPanels)
-          for (int64_t kp0 = 0; kp0 < k_pairs; kp0 += kDpKBlock) unit(kp0, p);
+          for (int64_t kp0 = 0; kp0 < k_pairs; kp0 += k_block) unit(kp0, p);
       } else {
-        for (int64_t kp0 = 0; kp0 < k_pairs; kp0 += kPrefillKBlock)
+        for (int64_t kp0 = 0; kp0 < k_pairs; kp0 += k_block)
           for (int64_t p = p0; p < p1; p += kDpPanels) unit(kp0, p);
       }
       store_bf16(acc.data(), ldc, rows, bias != nullptr ? bias + n0 : nullptr, out + m0 * n + n0, n, cols);
