@@ -8,7 +8,7 @@ decode step; "hot" reads one copy again and again (in cache where it fits: gate/
 not fit a 32 MB L3). Compare the GFLOP/s with the core's peak (`dp_peak.c`) and the GB/s with
 the machine's read bandwidth (`bench_decode_roofline.py` measures it).
 
-Shapes: "llama-0.7b" (hidden 2048, MLP 5632, 16 query and 4 key heads of 128) or "embedded"
+Shapes: a `random_models` Llama ("llama-0.5b", "llama-0.7b": their configs) or "embedded"
 (SmolLM2-135M: hidden 576, MLP 1536, 9 and 3 heads of 64).
 
 Usage: python benchmarks/bench_products.py [--model llama-0.7b] [--rows 16 1] [--dtype bfloat16]
@@ -26,15 +26,24 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import random_models  # noqa: E402
 from machine import cpu_line  # noqa: E402
 
 from kev_engine.platforms.cpu.kernels import load_kernels  # noqa: E402
 
-SHAPES = {  # name: (outputs, inputs) of each product, q/k/v and gate/up fused as the engine packs them
-    "llama-0.7b": {"qkv": (3072, 2048), "o": (2048, 2048), "gate_up": (11264, 2048), "down": (2048, 5632)},
-    "embedded": {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)},
-}
+EMBEDDED = {"hidden_size": 576, "intermediate_size": 1536, "num_attention_heads": 9, "num_key_value_heads": 3,
+            "head_dim": 64}  # SmolLM2-135M-Instruct's config
+MODELS = {"embedded": EMBEDDED, "llama-0.5b": random_models.SHAPES["llama-0.5b"],
+          "llama-0.7b": random_models.SHAPES["llama-0.7b"]}
 COLD_BYTES = 1.2e9  # the copies cycled over: several times any L3
+
+
+def products(config: dict[str, int]) -> dict[str, tuple[int, int]]:
+    """(outputs, inputs) of a layer's products, q/k/v and gate/up fused as the engine's layer fuses them."""
+    hidden, mlp, dim = config["hidden_size"], config["intermediate_size"], config["head_dim"]
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    return {"qkv": ((heads + 2 * kv_heads) * dim, hidden), "o": (hidden, heads * dim), "gate_up": (2 * mlp, hidden),
+            "down": (hidden, mlp)}
 
 
 def best_of(repeat: int, kernels: Any, x: torch.Tensor, weights: list[torch.Tensor], n: int, path: str) -> float:
@@ -50,7 +59,7 @@ def best_of(repeat: int, kernels: Any, x: torch.Tensor, weights: list[torch.Tens
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="llama-0.7b", choices=list(SHAPES))
+    ap.add_argument("--model", default="llama-0.7b", choices=list(MODELS))
     ap.add_argument("--rows", type=int, nargs="+", default=[16, 1])
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     ap.add_argument("--path", default="", help="a bf16 path by name; default: the one an engine here uses")
@@ -62,7 +71,7 @@ def main() -> None:
           f"{args.dtype}, kernels {kernels.linear_paths}{', path ' + args.path if args.path else ''}")
     for rows in args.rows:
         total_cold = total_hot = 0.0
-        for name, (n, k) in SHAPES[args.model].items():
+        for name, (n, k) in products(MODELS[args.model]).items():
             size = n * k * dtype.itemsize
             weights = [kernels.linear_pack(torch.randn(n, k).to(dtype)) for _ in range(max(2, int(COLD_BYTES // size)))]
             x = torch.randn(rows, k).to(dtype)
