@@ -14,6 +14,7 @@ is a budgeted pool of blocks, shared between questions that start with the same 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import math
 import queue
@@ -178,7 +179,7 @@ class Engine:
     @classmethod
     def from_pretrained(
         cls,
-        source: str | None = None,
+        model: str | None = None,
         *,
         device: str | torch.device | None = None,
         dtype: str | torch.dtype | None = None,
@@ -186,19 +187,23 @@ class Engine:
         adapters: dict[str, str] | None = None,
         **engine_kwargs: Any,
     ) -> Engine:
-        """Load from a local folder, a .gguf file or a hub id; None is the embedded SmolLM2-135M-Instruct.
+        """Load `model` from a local folder, a .gguf file or a hub id; None is the embedded SmolLM2-135M-Instruct.
 
-        `adapters` maps names to PEFT LoRA folders, loaded before the engine serves.
+        `model` is the name `ChatKev`, LlamaIndex's `Kev`, `kev --model` and vLLM's `LLM(model=...)`
+        use. `adapters` maps names to PEFT LoRA folders, loaded before the engine serves.
+        `engine_kwargs` are `Engine`'s settings; they are checked before the (slow) load.
 
         The loading runs on a thread that ends when it is done, so the caller's thread keeps no
         OpenMP team beside the scheduler thread's (see `threads`: that slows every pass).
         """
+        _check_engine_kwargs(cls, engine_kwargs)
+
         def build() -> Engine:
             chosen, why = dtype, None
             if dtype is None or dtype == "auto":  # decided here, once, so the engine can say why
                 chosen, why = platforms.auto_dtype(loader.resolve_device(device))
-            model, tokenizer, name = loader.load(source, device, chosen, trust_remote_code)
-            engine = cls(model, tokenizer, name=name, **engine_kwargs)
+            loaded, tokenizer, name = loader.load(model, device, chosen, trust_remote_code)
+            engine = cls(loaded, tokenizer, name=name, **engine_kwargs)
             if why is not None:
                 engine.dtype_choice = why
             for adapter_name, path in (adapters or {}).items():
@@ -633,6 +638,21 @@ class Engine:
                 future.cancel()
             raise
         return results
+
+
+def _check_engine_kwargs(cls: type[Engine], engine_kwargs: dict[str, Any]) -> None:
+    """Refuse, before the load, what `Engine(...)` would refuse after it: a keyword it lacks, or one
+    that `from_pretrained` fills in itself from what it loads (otherwise "multiple values")."""
+    for key in ("tokenizer", "name"):
+        if key in engine_kwargs:
+            raise TypeError(f"from_pretrained() sets {key}= itself from the model it loads; to choose it, "
+                            f"build Engine(model, tokenizer, name=...) from transformers objects")
+    parameters = inspect.signature(cls.__init__).parameters.values()
+    settings = [p.name for p in parameters if p.kind is p.KEYWORD_ONLY and p.name != "name"]
+    unknown = sorted(set(engine_kwargs) - set(settings))
+    if unknown:
+        raise TypeError(f"from_pretrained() got unexpected keyword argument(s) {unknown}; it takes model, device, "
+                        f"dtype, trust_remote_code, adapters and Engine's settings {settings}")
 
 
 def _logits_width(model: Any) -> int:

@@ -23,8 +23,8 @@ def loads(monkeypatch: pytest.MonkeyPatch, tiny_engine: Engine) -> list[tuple[An
     """Make `Engine.from_pretrained` hand out the tiny engine; record how it was called."""
     calls: list[tuple[Any, dict[str, Any]]] = []
 
-    def fake_from_pretrained(source: Any = None, **kwargs: Any) -> Engine:
-        calls.append((source, kwargs))
+    def fake_from_pretrained(model: Any = None, **kwargs: Any) -> Engine:
+        calls.append((model, kwargs))
         return tiny_engine
 
     monkeypatch.setattr(Engine, "from_pretrained", fake_from_pretrained)

@@ -276,8 +276,8 @@ def test_spellings_of_one_engine_share_it(isolated_shared: None, monkeypatch: py
     """The key logic only: a counting stand-in for `Engine.from_pretrained`, so no model loads."""
     loads: list[tuple[Any, ...]] = []
 
-    def from_pretrained(source: Any, *, device: Any, dtype: Any) -> Any:
-        loads.append((source, device, dtype))
+    def from_pretrained(model: Any, *, device: Any, dtype: Any) -> Any:
+        loads.append((model, device, dtype))
         return mock.Mock(name=f"engine{len(loads)}")
 
     monkeypatch.setattr(shared.Engine, "from_pretrained", from_pretrained)
