@@ -184,6 +184,7 @@ def test_the_openai_client_gets_the_engines_answers(fleet: Fleet) -> None:
     metrics = httpx.get(fleet.url + "/metrics", headers={"Authorization": f"Bearer {OPS}"}, timeout=60).text
     assert httpx.get(fleet.url + "/metrics", headers=AUTH, timeout=60).status_code == 403  # a tenant's key
     assert 'kev_http_requests_total{endpoint="/v1/chat/completions",status="200"}' in metrics
+    assert "\nkev_requests_total " in metrics  # the engines' questions, summed over the replicas
     assert httpx.post(fleet.url + "/admin/defaults", json={"temperature": 1}, timeout=60).status_code == 501
 
     # an adapter that fails to load fails its own request, named, and the replica serves on
