@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx
+import openai
 import pytest
 from conftest import tiny_model
 from server_util import serving
@@ -79,6 +80,10 @@ def test_a_tool_reply_to_no_call_made_is_400_naming_its_id_and_the_calls(url: st
     early = chat(url, [asked, {"role": "tool", "tool_call_id": "call_a", "content": "Sunny"}, calls])
     assert early.status_code == 400 and early.json()["error"]["param"] == "messages[1].tool_call_id"
     assert "no earlier assistant message made a tool call" in early.json()["error"]["message"]
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
+    with pytest.raises(openai.BadRequestError, match="'call_zzz' answers no tool call") as caught:
+        client.chat.completions.create(model=MODEL, messages=[asked, calls, stray], max_tokens=2)
+    assert caught.value.body["param"] == "messages[2].tool_call_id"
 
 
 def test_tool_replies_to_calls_made_are_answered_whichever_turn_made_them(url: str) -> None:
