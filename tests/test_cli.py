@@ -16,6 +16,7 @@ from kev_engine import Engine, SamplingParams
 from kev_engine.platforms.cpu import kernels
 from kev_engine.tools import cli
 from kev_engine.tools import visualize as vis
+from kev_engine.tools.verify import verify
 
 
 @pytest.fixture
@@ -260,6 +261,36 @@ def test_verify_reports_packed_equals_solo_with_shared_prefixes(tmp_path, capsys
     rows = [json.loads(line) for line in out.splitlines()]
     assert [r["id"] for r in rows] == ["q0", "q1", "q2"] and all(r["ok"] and r["tokens_match"] for r in rows)
     assert rows[1]["shared_prefix_tokens"] > 0 and "3/3 prompts packed == solo" in err
+    # the comparison asked, apart from its outcome: the CPU engine is batch-invariant, so bit for bit
+    assert all(r["compare"] == "bitwise" and r["logits_match"] and "bitwise" not in r for r in rows)
+    assert cli.main(["verify", "--file", str(path), "--max-tokens", "4", "--no-bitwise"]) == 0
+    assert {json.loads(line)["compare"] for line in capsys.readouterr().out.splitlines()} == {"within rounding"}
+
+
+class NudgedPacks:
+    """An engine whose packed logits differ from solo by 1e-5, within fp32's rounding tolerance
+    (1e-4) but not bitwise: the greedy tokens stay the same."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine, self.model = engine, engine.model
+
+    def generate_with_logits(self, prompts: list[Any], samplings: list[Any], adapters: list[Any]) -> list[Any]:
+        out = self.engine.generate_with_logits(prompts, samplings, adapters)
+        return out if len(prompts) == 1 else [(completion, logits + 1e-5) for completion, logits in out]
+
+
+def test_a_verify_row_names_the_comparison_apart_from_its_outcome(tiny_engine: Engine) -> None:
+    """A row's mode (`compare`) is never read as a result: asked bitwise, logits that differ by
+    rounding fail `logits_match` and `ok`; asked within rounding, the same logits pass."""
+    nudged = NudgedPacks(tiny_engine)
+    prompts = ["The capital of France is", "Once upon a time"]
+    exact = verify(nudged, prompts, [None, None], 3, bitwise=True)
+    loose = verify(nudged, prompts, [None, None], 3, bitwise=False)
+    assert [(r["compare"], r["tokens_match"], r["logits_match"], r["ok"]) for r in exact] == [
+        ("bitwise", True, False, False)] * 2
+    assert [(r["compare"], r["tokens_match"], r["logits_match"], r["ok"]) for r in loose] == [
+        ("within rounding", True, True, True)] * 2
+    assert all("bitwise" not in r for r in exact + loose)
 
 
 def test_build_kernel_builds_or_says_why(capsys, monkeypatch) -> None:

@@ -43,7 +43,7 @@ def test_the_bridge_relays_the_apps_answers(tiny_engine: Engine) -> None:
     assert "".join(e["choices"][0]["delta"].get("content") or "" for e in events) == expected
 
     start, body = asyncio.run(_collect(app, _chat({"model": "nope", "messages": messages})))
-    assert start.status == 400 and "'nope' is not served here" in json.loads(body)["error"]["message"]
+    assert start.status == 404 and json.loads(body)["error"]["code"] == "model_not_found"
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -172,7 +172,7 @@ def test_the_openai_client_gets_the_engines_answers(fleet: Fleet) -> None:
     expected = fleet.reference.generate(prompts, SamplingParams(temperature=0, max_tokens=6), adapters="A")
     assert [c.text for c in sorted(completions.choices, key=lambda c: c.index)] == [e.text for e in expected]
 
-    with pytest.raises(openai.BadRequestError, match="'nope' is not served here"):
+    with pytest.raises(openai.NotFoundError, match="the model 'nope' does not exist here"):
         client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
     stranger = openai.OpenAI(base_url=fleet.url + "/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
@@ -184,6 +184,7 @@ def test_the_openai_client_gets_the_engines_answers(fleet: Fleet) -> None:
     metrics = httpx.get(fleet.url + "/metrics", headers={"Authorization": f"Bearer {OPS}"}, timeout=60).text
     assert httpx.get(fleet.url + "/metrics", headers=AUTH, timeout=60).status_code == 403  # a tenant's key
     assert 'kev_http_requests_total{endpoint="/v1/chat/completions",status="200"}' in metrics
+    assert "\nkev_requests_total " in metrics  # the engines' questions, summed over the replicas
     assert httpx.post(fleet.url + "/admin/defaults", json={"temperature": 1}, timeout=60).status_code == 501
 
     # an adapter that fails to load fails its own request, named, and the replica serves on

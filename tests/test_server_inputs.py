@@ -1,5 +1,6 @@
-"""Loose input is refused by name (issue 23, item 8): chat roles outside OpenAI's five, and stop
-lists past the engine's limit — on the real app over loopback for every endpoint that takes them."""
+"""Loose input is refused by name: chat roles outside OpenAI's five, tool replies to no call made,
+and stop lists past the engine's limit — on the real app over loopback for every endpoint that
+takes them."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx
+import openai
 import pytest
 from conftest import tiny_model
 from server_util import serving
@@ -47,11 +49,52 @@ def test_a_role_outside_the_five_is_400_naming_it_and_the_allowed_ones(url: str)
     assert "role='alien'" in error["message"] and str(ALLOWED) in error["message"]
 
 
+def call(call_id: str, name: str = "get_weather") -> dict[str, Any]:
+    """One tool call of an assistant message, in OpenAI's shape."""
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": '{"city": "Paris"}'}}
+
+
+def chat(url: str, messages: list[dict[str, Any]]) -> httpx.Response:
+    return httpx.post(url + "/v1/chat/completions", timeout=60,
+                      json={"model": MODEL, "messages": messages, "max_tokens": 2})
+
+
 def test_every_allowed_role_is_answered(url: str) -> None:
-    messages = [{"role": role, "content": f"a {role} turn", **({"tool_call_id": "call_1"} if role == "tool" else {})}
+    extra = {"assistant": {"tool_calls": [call("call_1")]}, "tool": {"tool_call_id": "call_1"}}
+    messages = [{"role": role, "content": f"a {role} turn", **extra.get(role, {})}
                 for role in ALLOWED] + [{"role": "user", "content": "and now?"}]
     response = httpx.post(url + "/v1/chat/completions", timeout=60,
                           json={"model": MODEL, "messages": messages, "max_tokens": 2})
+    assert response.status_code == 200, response.text
+
+
+def test_a_tool_reply_to_no_call_made_is_400_naming_its_id_and_the_calls(url: str) -> None:
+    asked = {"role": "user", "content": "Weather in Paris and Rome?"}
+    calls = {"role": "assistant", "content": "", "tool_calls": [call("call_a"), call("call_b")]}
+    stray = {"role": "tool", "tool_call_id": "call_zzz", "content": "Sunny"}
+    response = chat(url, [asked, calls, {"role": "tool", "tool_call_id": "call_a", "content": "Sunny"}, stray])
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "messages[3].tool_call_id" and error["type"] == "invalid_request_error"
+    assert "'call_zzz'" in error["message"] and "['call_a', 'call_b']" in error["message"]
+    early = chat(url, [asked, {"role": "tool", "tool_call_id": "call_a", "content": "Sunny"}, calls])
+    assert early.status_code == 400 and early.json()["error"]["param"] == "messages[1].tool_call_id"
+    assert "no earlier assistant message made a tool call" in early.json()["error"]["message"]
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
+    with pytest.raises(openai.BadRequestError, match="'call_zzz' answers no tool call") as caught:
+        client.chat.completions.create(model=MODEL, messages=[asked, calls, stray], max_tokens=2)
+    assert caught.value.body["param"] == "messages[2].tool_call_id"
+
+
+def test_tool_replies_to_calls_made_are_answered_whichever_turn_made_them(url: str) -> None:
+    """Two calls in one message, answered out of order, and one of them only after a later round."""
+    first = {"role": "assistant", "content": "", "tool_calls": [call("call_a"), call("call_b", "get_time")]}
+    second = {"role": "assistant", "content": "", "tool_calls": [call("call_c")]}
+    messages = [{"role": "user", "content": "Weather and time in Paris?"}, first,
+                {"role": "tool", "tool_call_id": "call_b", "content": "12:00"}, second,
+                {"role": "tool", "tool_call_id": "call_c", "content": "Sunny"},
+                {"role": "tool", "tool_call_id": "call_a", "content": "Sunny, 24 C"}]
+    response = chat(url, messages)
     assert response.status_code == 200, response.text
 
 

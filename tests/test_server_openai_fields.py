@@ -82,6 +82,24 @@ def test_an_unknown_model_id_is_404_model_not_found(client: openai.OpenAI, url: 
     assert error["code"] == "model_not_found" and error["param"] == "model" and "'org/gpt-4'" in error["message"]
 
 
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_an_unknown_model_is_404_model_not_found_where_answers_are_asked(client: openai.OpenAI, url: str,
+                                                                          path: str) -> None:
+    """As OpenAI and vLLM answer, and as /v1/models/{id} does: the `openai` client's `NotFoundError`."""
+    ask = client.chat.completions.create if path == "/v1/chat/completions" else client.completions.create
+    body = {"messages": CHAT} if path == "/v1/chat/completions" else {"prompt": PROMPT}
+    with pytest.raises(openai.NotFoundError) as caught:
+        ask(model="gpt-4", max_tokens=2, **body)
+    assert caught.value.body["code"] == "model_not_found"
+    raw = post(url, path, {**body, "model": "org/gpt-4", "max_tokens": 2})
+    assert raw.status_code == 404, raw.text
+    error = raw.json()["error"]
+    assert error == {"message": f"the model 'org/gpt-4' does not exist here; served: {[MODEL, ADAPTER]}",
+                     "type": "invalid_request_error", "param": "model", "code": "model_not_found"}
+    assert error == httpx.get(url + "/v1/models/org/gpt-4", timeout=60).json()["error"]  # the same shape
+    assert ask(model=ADAPTER, max_tokens=2, **body).usage.completion_tokens == 2  # a served name still answers
+
+
 # ---- token-id prompts -------------------------------------------------------------------------
 
 

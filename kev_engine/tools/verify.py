@@ -3,8 +3,9 @@
 Beside the flow, not part of it: the prompts are answered greedily in ONE packed call (sharing
 whatever prefixes they share), then each alone (a private `cache_salt`, so it shares nothing),
 and the logits every generated token was sampled from are compared. Packed must equal solo:
-greedy tokens identical, and logits bitwise equal (`bitwise`: what a batch-invariant engine
-promises) or within the dtype's rounding tolerance.
+greedy tokens identical, and logits bitwise equal (what a batch-invariant engine promises) or
+within the dtype's rounding tolerance. Each row names the comparison asked (`compare`) apart from
+its outcomes (`tokens_match`, `logits_match`, `ok`): the mode never reads as a result.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from ..inputs.params import SamplingParams
 
 FP32_ATOL = 1e-4
 HALF_ULPS = 4  # bf16/fp16: this many units in the last place of the largest logit
+BITWISE, WITHIN_ROUNDING = "bitwise", "within rounding"  # a row's `compare`: the comparison asked
 
 
 def tolerance(dtype: torch.dtype, logits: torch.Tensor) -> float:
@@ -30,10 +32,11 @@ def tolerance(dtype: torch.dtype, logits: torch.Tensor) -> float:
 def verify(
     engine: Any, prompts: Sequence[Any], adapters: Sequence[str | None], max_tokens: int, bitwise: bool | None = None
 ) -> list[dict]:
-    """One row per prompt: greedy tokens match, max logit difference, shared prefix tokens, ok.
+    """One row per prompt: shared prefix tokens, the comparison asked (`compare`), and its outcomes:
+    greedy tokens match, max logit difference, logits match, ok (both match).
 
-    `bitwise` (None: the engine's `batch_invariant`): ok needs bitwise-equal logits (`torch.equal`);
-    otherwise a difference within the dtype's tolerance passes.
+    `bitwise` (None: the engine's `batch_invariant`): logits match only when bitwise equal
+    (`torch.equal`); otherwise a difference within the dtype's tolerance matches.
     """
     if bitwise is None:
         bitwise = bool(getattr(engine, "batch_invariant", False))
@@ -52,14 +55,15 @@ def verify(
         diff = float((logits[:compared] - solo_logits[:compared]).abs().max())
         tokens_match = completion.token_ids == solo_completion.token_ids
         if bitwise:
-            close = len(logits) == len(solo_logits) and torch.equal(logits, solo_logits)
+            logits_match = len(logits) == len(solo_logits) and torch.equal(logits, solo_logits)
         else:
-            close = diff <= tolerance(dtype, solo_logits)
+            logits_match = diff <= tolerance(dtype, solo_logits)
         rows.append({
             "adapter": adapter or "base", "prompt_tokens": completion.prompt_tokens,
             "shared_prefix_tokens": completion.cached_tokens, "tokens": len(completion.token_ids),
-            "tokens_match": tokens_match, "max_logit_diff": diff, "bitwise": bitwise,
-            "ok": tokens_match and close,
+            "compare": BITWISE if bitwise else WITHIN_ROUNDING,
+            "tokens_match": tokens_match, "max_logit_diff": diff, "logits_match": logits_match,
+            "ok": tokens_match and logits_match,
         })
     return rows
 

@@ -19,6 +19,7 @@ TEXT_PART_TYPES = ("text", "input_text")
 # OpenAI's chat roles: any other string would reach the chat template, which renders most as
 # they are ("<|im_start|>alien") and gives the model a turn it was never trained on
 ROLES = ("system", "developer", "user", "assistant", "tool")
+MAX_IDS_SHOWN = 20  # the call ids an unmatched tool reply's error lists (a long agent loop makes many)
 
 
 def _text(content: Any, index: int) -> str | None:
@@ -89,6 +90,23 @@ def _turn(message: Any, index: int) -> Turn:
     return Turn(role_of(role), content, name=name if role == "user" else None)
 
 
+def _check_tool_replies(turns: Sequence[Turn]) -> None:
+    """Each tool message answers a call an earlier assistant message made, as OpenAI requires: a
+    reply to no call would reach the model as a result nobody asked for (and a template that
+    writes calls natively would pair it with nothing)."""
+    made: list[str] = []
+    for index, turn in enumerate(turns):
+        made += [call.id for call in turn.tool_calls if call.id is not None]
+        if turn.role != "tool" or turn.tool_call_id in made:
+            continue
+        shown = made[-MAX_IDS_SHOWN:]
+        known = (f"the calls made before it have the ids {shown}"
+                 + (f" (the last {len(shown)} of {len(made)})" if len(made) > len(shown) else "")
+                 if made else "no earlier assistant message made a tool call")
+        raise bad_request(f"messages[{index}].tool_call_id={(turn.tool_call_id or '')[:100]!r} answers no tool "
+                          f"call of an earlier assistant message; {known}", param=f"messages[{index}].tool_call_id")
+
+
 def chat_prompt(messages: Sequence[Any], tools: Sequence[Mapping[str, Any]], tool_choice: Any,
                 tokenizer: Any) -> tuple[Any, list[str]]:
     """The engine prompt for these messages and the names of the tools offered (empty: none)."""
@@ -98,6 +116,7 @@ def chat_prompt(messages: Sequence[Any], tools: Sequence[Mapping[str, Any]], too
             raise bad_request(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ..., 'parameters': "
                               "{...}}}}", param=f"tools[{i}]")
     turns = [_turn(m, i) for i, m in enumerate(messages)]
+    _check_tool_replies(turns)
     prompt = build_prompt(turns, tools, tool_choice, tokenizer)
     return prompt, [t["function"]["name"] for t in offered_tools(tools, tool_choice)]
 

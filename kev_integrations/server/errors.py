@@ -42,6 +42,13 @@ def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param=param)
 
 
+def model_not_found(model: str, served: list[str]) -> APIError:
+    """A `model` this server does not serve: 404 ``model_not_found``, as OpenAI and vLLM answer
+    (the `openai` client raises `NotFoundError`), on /v1/models/{id} and the generating endpoints alike."""
+    return APIError(404, f"the model {model[:200]!r} does not exist here; served: {served}", param="model",
+                    code="model_not_found")
+
+
 def engine_error(exc: BaseException, index: int | None, fields: Mapping[str, str] | None = None) -> APIError:
     """A failed engine request as an HTTP error; the prompt's index is named for lists. `fields`:
     the client's name for what the engine's error is about (its `param`: "prompt" was `messages`,

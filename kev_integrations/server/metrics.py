@@ -14,6 +14,7 @@ from kev_engine import Histogram, prometheus
 
 LATENCY_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 ENGINE_COUNTERS = {  # engine stat → (metric, help)
+    "requests": ("kev_requests_total", "Questions the engine took (a prompt counts once, whatever its n)."),
     "forward_passes": ("kev_forward_passes_total", "Packed forward passes run."),
     "prefill_passes": ("kev_prefill_passes_total", "Passes that prefilled at least one prompt."),
     "decode_steps": ("kev_decode_steps_total", "Passes that decoded at least one token."),

@@ -13,7 +13,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from .errors import APIError
+from .errors import model_not_found
 from .state import ServerState
 
 
@@ -37,6 +37,5 @@ def add_model_routes(app: FastAPI, state: ServerState,
     async def model(request: Request, model_id: str) -> JSONResponse:
         served = ids(request)
         if model_id not in served:
-            raise APIError(404, f"the model {model_id[:200]!r} does not exist here; served: {served}",
-                           param="model", code="model_not_found")
+            raise model_not_found(model_id, served)
         return JSONResponse(model_card(model_id, state.model_name))

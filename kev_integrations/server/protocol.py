@@ -27,7 +27,7 @@ from ..tool_format import tool_call_constraint
 from .chat_prompt import chat_prompt
 from .config import ServerConfig
 from .constraints import CONSTRAINT_FIELDS, reply_constraint
-from .errors import bad_request, engine_error
+from .errors import bad_request, engine_error, model_not_found
 from .token_prompts import prompt_list
 
 # fields accepted only at the value that means "off"
@@ -85,7 +85,8 @@ def _check_fields(body: Mapping[str, Any], allowed: set[str], no_ops: Mapping[st
 
 
 def _model_and_adapter(body: Mapping[str, Any], base_model: str, adapters: list[str]) -> tuple[str, str | None]:
-    """`model` names the base model or an adapter (vLLM's convention); `adapter` may name one too."""
+    """`model` names the base model or an adapter (vLLM's convention); `adapter` may name one too.
+    A `model` served by neither is a 404 (`model_not_found`), as on /v1/models/{id}."""
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad_request(f"model={model!r} is required; use one of {[base_model, *adapters]}", param="model")
@@ -97,7 +98,7 @@ def _model_and_adapter(body: Mapping[str, Any], base_model: str, adapters: list[
             raise bad_request(f"model={model!r} and adapter={adapter!r} name different adapters", param="adapter")
         return model, model
     if model != base_model:
-        raise bad_request(f"model={model!r} is not served here; use one of {[base_model, *adapters]}", param="model")
+        raise model_not_found(model, [base_model, *adapters])
     return model, adapter
 
 
