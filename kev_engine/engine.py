@@ -77,6 +77,10 @@ class Engine:
             larger one runs in consecutive passes (up to twice the target while it is alone on the
             engine). `math.inf`: passes bounded by `max_batch_tokens` alone.
         max_num_seqs: most questions running at once.
+        max_model_len: the longest question (prompt and answer) this engine takes, at most the
+            model's context (None: the model's `max_position_embeddings`). A model with a sliding
+            window narrower than its context (Mistral-7B-v0.1: 4096) loads only with this at most
+            the window: Kev's packed attention has no window, and then needs none.
         coalesce_ms: the quiet window an idle engine waits for concurrent callers before its first
             pass: it starts once nobody arrived for this long and no caller is still submitting, and
             widens itself (up to 8 times) when a burst's stragglers missed it (`arrivals`). 0: start
@@ -129,6 +133,7 @@ class Engine:
         cuda_attention: str | None = None,
         cuda_graphs: bool = True,
         decode_kernel: str | None = None,
+        max_model_len: int | None = None,
     ) -> None:
         self.name = name or getattr(model.config, "_name_or_path", "") or type(model).__name__
         self.dtype_choice = "the model's own dtype"  # from_pretrained(dtype="auto") says why it chose
@@ -138,7 +143,8 @@ class Engine:
         cpu_kernels = _renamed("decode_kernel", decode_kernel, "cpu_kernels", cpu_kernels)
         # before claiming the model: a bad mode, a failed "compiled" build or a model Kev cannot
         # pack (or not batch-invariantly, when that was asked for) leaves it as it came
-        check_packable(model)
+        max_context = context_length(model, tokenizer, max_model_len)
+        check_packable(model, max_context)
         self._platform = platforms.choose(model, cpu_kernels=cpu_kernels, batch_invariant=batch_invariant,
                                           cuda_attention=cuda_attention, cuda_graphs=cuda_graphs)
         claim_model(model, self)
@@ -149,7 +155,7 @@ class Engine:
                         "difference between packs is possible there)", ", ".join(torch_elementwise[:4]))
         self.model, self.tokenizer = model, tokenizer
         self.dtype, self.device = parameter.dtype, parameter.device
-        self.max_context = context_length(model, tokenizer)
+        self.max_context = max_context
         self.eos_ids = eos_ids(model, tokenizer)
         self._defaults = Defaults.from_env()
         self._backend = self._platform.attention

@@ -53,8 +53,13 @@ def kev_attention(
         )
     if attention_mask is not None:
         raise RuntimeError("Kev's packed attention takes no attention mask; the pack defines the segments")
-    if kwargs.get("sliding_window") is not None or kwargs.get("softcap") is not None:
-        raise NotImplementedError("Kev's packed attention supports neither sliding windows nor soft-capping yet")
+    if kwargs.get("softcap") is not None:
+        raise NotImplementedError("Kev's packed attention does not soft-cap attention scores")
+    window = kwargs.get("sliding_window")
+    if window is not None and batch.longest_context > window:  # a window the engine's context never reaches is none
+        raise NotImplementedError(
+            f"a question of {batch.longest_context} tokens exceeds the model's sliding window of {window}; "
+            "Kev's packed attention has no window (an Engine with max_model_len at most the window never does this)")
     layer = int(module.layer_idx)  # type: ignore[arg-type]
     backend = kwargs.get("kev_backend") or UNPOOLED
     q, k, v = query[0], key[0], value[0]

@@ -64,6 +64,11 @@ class PackedBatch:
     def num_segments(self) -> int:
         return len(self.request_ids)
 
+    @property
+    def longest_context(self) -> int:
+        """The most tokens any segment attends to: its past and its new tokens."""
+        return max(past + b - a for past, a, b in zip(self.past_lens, self.cu_seqlens_list, self.cu_seqlens_list[1:]))
+
     def segment_lengths(self) -> list[int]:
         return [b - a for a, b in zip(self.cu_seqlens_list, self.cu_seqlens_list[1:])]
 

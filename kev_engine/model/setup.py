@@ -14,6 +14,8 @@ from .attention import KEV_ATTENTION
 
 OWNER_ATTR = "_kev_owner"  # weakref to the live Engine serving this model
 ORIGINAL_ATTN_ATTR = "_kev_original_attn"
+UNSUPPORTED_FIELDS = ("attn_logit_softcapping",)  # Gemma 2: scores soft-capped inside attention
+SINK_PARAMETERS = ("sinks",)  # GPT-OSS: a learnt logit per head beside the keys
 
 
 def claim_model(model: Any, engine: Any) -> None:
@@ -39,17 +41,51 @@ def release_model(model: Any) -> None:
             object.__delattr__(model, attr)
 
 
-def check_packable(model: Any) -> None:
-    """Refuse what Kev's packed attention cannot do, before anything about the model changes."""
-    config = model.config.get_text_config()
-    if "sliding_attention" in (getattr(config, "layer_types", None) or []):
+def check_packable(model: Any, context: int) -> None:
+    """Refuse what Kev's packed attention cannot compute, before anything about the model changes,
+    so a model never loads to fail every request: a sliding window narrower than `context` (the
+    engine's context length), soft-capped attention scores, attention sinks, a model outside
+    transformers' AttentionInterface, rope types a pack cannot share."""
+    name = type(model).__name__
+    window = attention_window(model.config.get_text_config())
+    if window is not None and window[0] < context:
+        size, field = window
         raise ValueError(
-            f"{type(model).__name__} uses sliding-window attention (config.layer_types); "
-            "Kev's packed attention supports full attention only"
+            f"{name} attends within a sliding window of {size} tokens (config.{field}), but its context is "
+            f"{context} tokens; Kev's packed attention has no window. Pass max_model_len={size} (or less) "
+            "to serve it with a context the window never cuts"
         )
+    for field in UNSUPPORTED_FIELDS:
+        value = getattr(model.config.get_text_config(), field, None)
+        if value is not None:
+            raise ValueError(f"{name} sets config.{field}={value!r}; Kev's packed attention does not "
+                             "soft-cap attention scores")
+    sinks = [key for key, _ in model.named_parameters() if key.rsplit(".", 1)[-1] in SINK_PARAMETERS]
+    if sinks:
+        raise ValueError(f"{name} has attention sinks ({sinks[0]}); Kev's packed attention has none")
     if not hasattr(model, "set_attn_implementation") or not model._can_set_attn_implementation():
-        raise ValueError(f"{type(model).__name__} does not use transformers' AttentionInterface; Kev cannot pack it")
+        raise ValueError(f"{name} does not use transformers' AttentionInterface; Kev cannot pack it")
     rotary.check(model)
+
+
+def attention_window(config: Any) -> tuple[int, str] | None:
+    """The narrowest sliding window any layer attends within, and the config field that sets it,
+    or None where every layer attends to its whole context. `layer_types` (Qwen2/3, Gemma, GPT-OSS)
+    says which layers slide; without it a set `sliding_window` applies to every layer (Mistral,
+    Phi-3), unless `use_sliding_window` is False."""
+    size = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        sliding = [kind for kind in layer_types if "sliding" in str(kind)]
+        if not sliding:
+            return None
+        if not isinstance(size, int):
+            raise ValueError(f"config.layer_types has {sliding[0]!r} layers but config.sliding_window is {size!r}; "
+                             "Kev cannot tell their window")
+        return size, "sliding_window"
+    if size is None or getattr(config, "use_sliding_window", True) is False:
+        return None
+    return int(size), "sliding_window"
 
 
 def prepare_model(model: Any) -> None:
@@ -60,14 +96,21 @@ def prepare_model(model: Any) -> None:
     model.eval().requires_grad_(False)
 
 
-def context_length(model: Any, tokenizer: Any) -> int:
+def context_length(model: Any, tokenizer: Any, max_model_len: int | None = None) -> int:
+    """The engine's context: the model's (`max_position_embeddings`, else the tokenizer's), or
+    `max_model_len` where that is shorter (vLLM's name)."""
     config = model.config.get_text_config()
     length = getattr(config, "max_position_embeddings", None)
     if not length:
         length = getattr(tokenizer, "model_max_length", None)
     if not length or length > 10**8:
         raise ValueError("cannot tell the model's context length (no config.max_position_embeddings)")
-    return int(length)
+    if max_model_len is None:
+        return int(length)
+    if isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or not 2 <= max_model_len <= length:
+        raise ValueError(f"max_model_len={max_model_len!r} is not allowed; give an int from 2 to the model's "
+                         f"context, {length}")
+    return max_model_len
 
 
 def eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:

@@ -246,6 +246,9 @@ def build_parser(extra: Sequence[Command] = ()) -> argparse.ArgumentParser:
     common.add_argument("--device", help="cpu, cuda, cuda:1... (default: cuda if available)")
     common.add_argument("--dtype", help="auto, float32, bfloat16, float16 (default auto: bf16 on CUDA, and on CPUs "
                         "where bf16 measures faster than fp32; else fp32)")
+    common.add_argument("--max-model-len", dest="max_model_len", type=int, metavar="TOKENS",
+                        help="longest question (prompt + answer) in tokens, at most the model's context (default: "
+                        "the model's); a model with a narrower sliding window loads only with this at most the window")
     common.add_argument("--system", help="system message put before every question")
     common.add_argument("--raw", action="store_true", help="send plain text, not chat messages")
     gen = commands.add_parser("generate", parents=[common], help="answer questions, one JSON line each")
@@ -304,7 +307,8 @@ def main(argv: Sequence[str] | None = None, extra: Sequence[Command] = ()) -> in
         elif args.max_pixels < 16:
             raise UsageError(f"--max-pixels={args.max_pixels} is too small; use at least 16")
         adapters = parse_adapters(args)
-        engine = Engine.from_pretrained(args.model, device=args.device, dtype=args.dtype)
+        engine = Engine.from_pretrained(args.model, device=args.device, dtype=args.dtype,
+                                        max_model_len=args.max_model_len)
     except (UsageError, ValueError, OSError) as exc:
         print(f"kev: error: {exc}", file=sys.stderr)
         return 2

@@ -53,6 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", help="cpu, cuda, cuda:1... (default: cuda if available)")
     parser.add_argument("--dtype", help="auto, float32, bfloat16, float16 (default auto: bf16 on CUDA, and on CPUs "
                         "where bf16 measures faster than fp32; else fp32)")
+    parser.add_argument("--max-model-len", dest="max_model_len", type=int, metavar="TOKENS",
+                        help="longest question (prompt + answer) in tokens, at most the model's context (default: "
+                        "the model's); a model with a narrower sliding window loads only with this at most the window")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--api-key", dest="api_keys", action="append", metavar="KEY",
@@ -117,11 +120,11 @@ def missing_adapter_folder(adapters: dict[str, str]) -> str | None:
 
 
 def engine_factory(model: str | None, device: str | None, dtype: str | None,
-                   adapters: dict[str, str]) -> Callable[[], Engine]:
+                   adapters: dict[str, str], max_model_len: int | None = None) -> Callable[[], Engine]:
     """The engine with its adapters, or a `StartError` naming the flag whose value did not load."""
     def load() -> Engine:
         try:
-            engine = Engine.from_pretrained(model, device=device, dtype=dtype)
+            engine = Engine.from_pretrained(model, device=device, dtype=dtype, max_model_len=max_model_len)
         except Exception as exc:
             raise StartError(f"--model {model or EMBEDDED_NAME!r} could not be loaded: "
                              f"{type(exc).__name__}: {exc}") from exc
@@ -229,7 +232,8 @@ def serve(args: Any) -> int:
         server.should_exit = True
 
     ready = Ready(name, stop)
-    app = build_app(ready.loader(engine_factory(args.model, args.device, args.dtype, adapters)), config,
+    app = build_app(ready.loader(engine_factory(
+        args.model, args.device, args.dtype, adapters, args.max_model_len)), config,
                     model_name=name)
     server = Server(uvicorn.Config(app, host=args.host, port=args.port, timeout_graceful_shutdown=args.grace,
                                    log_level="info", http=header_deadline_protocol(

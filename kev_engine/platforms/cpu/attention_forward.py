@@ -9,11 +9,11 @@ dispatching them, for every layer, than computing them. Kev's `rotary` kernel co
 formula with the same roundings in one call for the queries and one for the keys, so the module
 gives bitwise what its own forward gives.
 
-Which modules: instances of the classes listed below (exactly those classes), each class checked
-once per install against its own forward on one of the model's modules and a probe input: bitwise
-equal, or it keeps its forward (logged). An instance whose `forward` someone else replaced is left
-alone; a call with a transformers cache, or whose cos/sin are not one row per token in the input's
-dtype, runs the class's own forward.
+Which modules: instances of the classes listed below (exactly those classes) in float32 or bfloat16
+(the kernel's dtypes), each class checked once per install against its own forward on one of the
+model's modules and a probe input: bitwise equal, or it keeps its forward (logged, with why). An
+instance whose `forward` someone else replaced is left alone; a call with a transformers cache, or
+whose cos/sin are not one row per token in the input's dtype, runs the class's own forward.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from ..inplace import modeling_class
 from . import checked
 
+DTYPES = (torch.float32, torch.bfloat16)  # what the rotary kernel computes
 Rotary = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # (x [T, H, D], cos, sin [T, D])
 
 # transformers.models.<package>.modeling_<package>.<class>: where its `sliding_window` argument comes from
@@ -53,7 +54,9 @@ def install(model: nn.Module, rotary: Rotary) -> None:
     """Give the listed attention modules the forward whose rotary is `rotary` (the kernel)."""
     def forward_for(module: Any) -> Callable[..., Any] | None:
         listed = _listed().get(type(module))
-        return functools.partial(_forward, module, rotary, *listed) if listed is not None else None
+        if listed is None or module.q_proj.weight.dtype not in DTYPES:  # float16: the class's own rotary
+            return None
+        return functools.partial(_forward, module, rotary, *listed)
 
     checked.install(model, forward_for, lambda out: out[0], "Kev's rotary kernel")
 

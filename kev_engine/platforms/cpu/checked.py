@@ -4,7 +4,8 @@ Where this sits: `attention_forward` (attention modules) and `layer_forward` (de
 install through it. Why: a forward Kev writes for a transformers class is only right while that
 class still computes what it was written against. So each class is checked once per install, on
 one of the model's own modules and a probe pack of 3 tokens, against its own forward: bitwise
-equal, or every instance keeps its own (logged) — a transformers release that rewrites the class
+equal (within float16's rounding in float16, which the kernels cannot round as torch does), or every
+instance keeps its own, logged with the reason — a transformers release that rewrites the class
 never gets Kev's version of it.
 """
 
@@ -21,6 +22,8 @@ from torch import nn
 from ...model.pack import Segment, pack
 
 Forward = Callable[..., Any]
+EXACT_DTYPES = (torch.float32, torch.bfloat16)  # the kernels give torch's bits in these
+ROUNDING = {torch.float16: {"rtol": 1e-3, "atol": 1e-3}}  # torch.testing's float16 tolerances
 log = logging.getLogger("kev")
 
 
@@ -38,9 +41,10 @@ def install(model: nn.Module, forward_for: Callable[[Any], Forward | None],
             continue
         cls = type(module)
         if cls not in checked:
-            checked[cls] = _same_as_own(module, forward, first)
-            if not checked[cls]:
-                log.warning("%s.forward no longer computes what %s does: it keeps its own", cls.__qualname__, what)
+            why = _differs_from_own(module, forward, first)
+            checked[cls] = why is None
+            if why is not None:
+                log.warning("%s keeps its own forward, not %s: %s", cls.__qualname__, what, why)
         if checked[cls]:
             module.forward = forward  # type: ignore[method-assign]
 
@@ -65,11 +69,32 @@ def probe(attention: Any) -> tuple[torch.Tensor, dict[str, Any]]:
     return hidden, {"position_embeddings": (cos, sin), "attention_mask": None, "kev_pack": pass_}
 
 
-def _same_as_own(module: Any, forward: Forward, first: Callable[[Any], torch.Tensor]) -> bool:
-    """`forward` against the class's own on the probe: bitwise equal results."""
+def _differs_from_own(module: Any, forward: Forward, first: Callable[[Any], torch.Tensor]) -> str | None:
+    """`forward` against the class's own on the probe: None where they agree, else why not."""
     hidden, kwargs = probe(getattr(module, "self_attn", module))
     with torch.inference_mode():
         try:
-            return torch.equal(first(forward(hidden, **kwargs)), first(type(module).forward(module, hidden, **kwargs)))
-        except Exception:  # noqa: BLE001 - a forward that no longer fits the class's arguments
-            return False
+            ours = first(forward(hidden, **kwargs))
+        except Exception as exc:  # noqa: BLE001 - a forward that no longer fits the class's arguments
+            return f"Kev's version raised {type(exc).__name__}: {exc}"
+        try:
+            own = first(type(module).forward(module, hidden, **kwargs))
+        except Exception as exc:  # noqa: BLE001 - the class itself fails on the probe: nothing to compare
+            return f"its own forward raised {type(exc).__name__} on the probe: {exc}"
+    return differs(ours, own)
+
+
+def differs(ours: torch.Tensor, own: torch.Tensor) -> str | None:
+    """None where `ours` computes what `own` does: bit for bit in the dtypes Kev's kernels round
+    exactly as torch does (float32, bfloat16), within the dtype's rounding in the others (float16's
+    elementwise ops on a CPU round intermediate results where the kernels keep fp32); else a
+    reason naming the largest difference."""
+    if ours.shape != own.shape or ours.dtype != own.dtype:
+        return f"it returns {tuple(ours.shape)} {ours.dtype} where the class returns {tuple(own.shape)} {own.dtype}"
+    if own.dtype in EXACT_DTYPES:
+        if torch.equal(ours, own):
+            return None
+    elif torch.allclose(ours.float(), own.float(), **ROUNDING.get(own.dtype, {})):
+        return None
+    gap = (ours.float() - own.float()).abs().max().item()
+    return f"its results differ by up to {gap:.3g} in {own.dtype} (a transformers release that computes otherwise)"
