@@ -106,10 +106,11 @@ def test_the_openai_tool_loop_runs_five_turns_and_takes_back_its_own_cut_call(ur
     carries the cut call as OpenAI does (its arguments the text written, finish_reason "length"),
     and the history holding it is accepted on the next turn — never a 4xx for the server's own output."""
     client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=120)
-    messages: list[dict] = [{"role": "user", "content": "What is the weather in Paris?"}]
+    # a city whose call outgrows its markup: "Paris" fits whole in the smallest budget allowed (22)
+    messages: list[dict] = [{"role": "user", "content": "What's the weather like in Buenos Aires today?"}]
     cut = None
     for turn in range(5):
-        budget = 18 if turn == 1 else 48  # turn 1 is cut inside its arguments
+        budget = 24 if turn == 1 else 48  # turn 1 is cut inside its arguments (its markup alone takes 22)
         reply = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], max_tokens=budget,
                                                tool_choice="required" if turn < 3 else "auto")
         choice = reply.choices[0]
@@ -130,8 +131,8 @@ def test_chat_openai_bind_tools_loop_sends_back_a_cut_call(url: str) -> None:
     from langchain_openai import ChatOpenAI
 
     llm = ChatOpenAI(base_url=url + "/v1", api_key=KEY, model=MODEL, temperature=0, max_retries=0)
-    messages: list = [HumanMessage("What is the weather in Paris?")]
-    cut = llm.bind_tools([WEATHER], tool_choice="any").bind(max_tokens=18).invoke(messages)
+    messages: list = [HumanMessage("What's the weather like in Buenos Aires today?")]  # a call longer than 24 tokens
+    cut = llm.bind_tools([WEATHER], tool_choice="any").bind(max_tokens=24).invoke(messages)
     assert cut.invalid_tool_calls and not cut.tool_calls  # langchain-openai could not parse the cut call
     messages += [cut, ToolMessage("error: the call was cut; call again", tool_call_id=cut.invalid_tool_calls[0]["id"])]
     again = llm.bind_tools([WEATHER], tool_choice="any").bind(max_tokens=48).invoke(messages)
