@@ -137,3 +137,28 @@ def test_chat_openai_bind_tools_loop_sends_back_a_cut_call(url: str) -> None:
     messages += [cut, ToolMessage("error: the call was cut; call again", tool_call_id=cut.invalid_tool_calls[0]["id"])]
     again = llm.bind_tools([WEATHER], tool_choice="any").bind(max_tokens=48).invoke(messages)
     assert again.tool_calls and again.tool_calls[0]["name"] == "get_weather"
+
+
+def test_chat_openai_structured_output_with_a_small_budget_raises_never_none(url: str) -> None:
+    """Issue 57, item 8: ChatOpenAI's function-calling structured output on 16-26 tokens. Below
+    the call's markup (21 tokens) the request is refused up front; above it, a call cut inside its
+    arguments is a 400 too (langchain-openai returned None for it); 48 tokens hold the call."""
+    from langchain_openai import ChatOpenAI
+    from pydantic import BaseModel
+
+    class Person(BaseModel):
+        """A person mentioned in the text."""
+
+        name: str
+        age: int
+
+    def structured(max_tokens: int):
+        llm = ChatOpenAI(base_url=url + "/v1", api_key=KEY, model=MODEL, temperature=0, max_retries=0,
+                         max_tokens=max_tokens)
+        return llm.with_structured_output(Person, method="function_calling")
+
+    with pytest.raises(openai.BadRequestError, match=r"max_tokens=16 is too small .* use max_tokens >= 2\d"):
+        structured(16).invoke("Alice is 30 years old.")
+    with pytest.raises(openai.BadRequestError, match="max_tokens=24 cut the call of 'Person'"):
+        structured(24).invoke("Alice is 30 years old.")
+    assert structured(48).invoke("Alice is 30 years old.") == Person(name="Alice", age=30)

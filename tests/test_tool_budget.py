@@ -166,3 +166,27 @@ def test_chat_openai_structured_output_gets_the_400_not_none(url: str) -> None:
         llm(16).with_structured_output(Person, method="function_calling").invoke("Alice is 30.")
     ample = llm(200).with_structured_output(Verdict, method="function_calling")
     assert isinstance(ample.invoke("Is it fine?"), Verdict)
+
+
+def test_a_named_call_cut_inside_its_arguments_is_a_400_on_the_server_not_none(url: str, tokenizer: Any) -> None:
+    """Past the up-front check, at the markup's own length: the arguments' required keys never fit.
+    langchain-openai's parsers read only well-formed calls, so a cut one would come back as None."""
+    from langchain_openai import ChatOpenAI
+
+    minimum = markup_tokens(tokenizer, {"type": "function", "function": {"name": "Person", "parameters": {}}})
+    llm = ChatOpenAI(base_url=url + "/v1", api_key="x", model=MODEL, temperature=0, max_retries=0,
+                     max_tokens=minimum)
+    structured = llm.with_structured_output(Person, method="function_calling")
+    with pytest.raises(openai.BadRequestError, match=f"max_tokens={minimum} cut the call of 'Person'"):
+        structured.invoke("Alice is 30.")
+    with pytest.raises(openai.APIError, match=f"max_tokens={minimum} cut the call of 'Person'"):
+        list(structured.stream("Alice is 30."))  # the error event closing the stream
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60)
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=MODEL, messages=CHAT, tools=[ADD], max_tokens=21,
+                                       tool_choice={"type": "function", "function": {"name": "add"}})
+    assert refused.value.body["param"] == "max_tokens" and "finish_reason 'length'" in refused.value.body["message"]
+    # "required" keeps OpenAI's shape: the cut call comes back, for an agent to see and call again
+    required = client.chat.completions.create(model=MODEL, messages=CHAT, tools=[ADD], max_tokens=21,
+                                              tool_choice="required")
+    assert required.choices[0].finish_reason == "length"

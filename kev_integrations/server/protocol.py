@@ -24,7 +24,7 @@ from typing import Any
 from kev_engine import MAX_TOP_LOGPROBS, SETTING_FIELDS, InvalidRequestError, SamplingParams
 
 from ..tool_budget import check_forced_call_budget
-from ..tool_format import tool_call_constraint
+from ..tool_format import tool_call_constraint, tool_choice_name
 from .chat_prompt import chat_prompt
 from .config import ServerConfig
 from .constraints import CONSTRAINT_FIELDS, reply_constraint
@@ -59,6 +59,8 @@ class EngineCall:
     stream: bool = False
     include_usage: bool = False
     tool_names: list[str] = field(default_factory=list)
+    forced_tool: str | None = None
+    """The tool `tool_choice` names: a reply that max_tokens cut before its call was whole is a 400."""
     endpoint: str = ""
     fields: dict[str, str] = field(default_factory=dict)
     """The body field each engine argument came from, for errors' `param` (`errors.engine_error`)."""
@@ -207,7 +209,8 @@ def parse_chat(body: Mapping[str, Any], config: ServerConfig, base_model: str, a
         _check_tool_budget(body, sampling.max_tokens, tools, tool_choice, tokenizer)
     return EngineCall([prompt], sampling, adapter, model, stream,
                       include_usage, names if tool_choice != "none" else [], fields=fields,
-                      continuous_usage=continuous, show_logprobs=shown)
+                      continuous_usage=continuous, show_logprobs=shown,
+                      forced_tool=tool_choice_name(tool_choice, tools) if names else None)
 
 
 def _check_tool_budget(body: Mapping[str, Any], max_tokens: int, tools: list[Any], tool_choice: Any,
