@@ -12,7 +12,8 @@ tokens. A budget below it is cut inside that markup on every try, and the reply 
 call at all (LangChain's ``with_structured_output(method="function_calling")`` returns None for
 it): the constraint the caller forced would be defeated without a word. So it is refused up
 front, naming `max_tokens`, the minimum and why. A call cut later, inside its arguments, comes
-back as cut (`tool_format.split_tool_calls`).
+back as cut (`tool_format.split_tool_calls`) — except a call named by `tool_choice` on the
+server, which is a 400 (`server.chat_prompt.cut_forced_call`).
 """
 
 from __future__ import annotations

@@ -110,6 +110,7 @@ def reply_tool_calls(
     The text never holds call markup. A call that does not parse (only possible when max_tokens
     cut it) comes as OpenAI sends one: in the calls, its `arguments` the text written before the
     cut, beside `finish_reason` "length"; one cut before its name was whole has nothing to send.
+    (A cut call that `tool_choice` named never gets here: `cut_forced_call` makes it a 400.)
     """
     remaining, calls, invalid = split_tool_calls(text, tool_names, finish_reason=finish_reason)
     written = [(c["name"], json.dumps(c["arguments"], ensure_ascii=False)) for c in calls]
