@@ -64,7 +64,7 @@ def tool_choice_name(tool_choice: Any, tools: Sequence[dict[str, Any]]) -> str |
     return tool_choice if isinstance(tool_choice, str) and tool_choice in names else None
 
 
-def _call_tag(tool: dict[str, Any], newline: bool) -> dict[str, Any]:
+def call_tag(tool: dict[str, Any], newline: bool) -> dict[str, Any]:
     """One tool's call: its name fixed in the opening text, its arguments by its JSON schema."""
     function = tool["function"]
     gap = "\n" if newline else ""
@@ -95,7 +95,7 @@ def tool_call_constraint(
         return {"type": "structural_tag", "format": {"type": "any_text", "excludes": ["<tool_call>"]}}
     tool_choice_instruction(tool_choice, tools)  # an unknown choice raises, naming the allowed ones
     newline = tool_call_newline(tokenizer)
-    tags = [_call_tag(tool, newline) for tool in tools]
+    tags = [call_tag(tool, newline) for tool in tools]
     forced = tool_choice_name(tool_choice, tools)
     if forced is not None:
         fmt: dict[str, Any] = next(t for t, tool in zip(tags, tools) if tool["function"]["name"] == forced)

@@ -164,15 +164,19 @@ def test_include_raw_reports_a_cut_reply_and_a_refused_value(embedded_engine: En
     assert out["parsed"] is None and "no name is accepted here" in str(out["parsing_error"])
     assert isinstance(json.loads(out["raw"].content), dict)  # the reply itself parsed: the validator refused
 
-    calls = ChatKev(engine=embedded_engine, max_tokens=8).with_structured_output(
+    # 24 tokens hold the call's markup (21) but not its arguments: the call is cut inside them
+    calls = ChatKev(engine=embedded_engine, max_tokens=24).with_structured_output(
         Person, method="function_calling", include_raw=True
     ).invoke(PEOPLE[0])
     assert calls["parsed"] is None and "cut by max_tokens" in str(calls["parsing_error"])
+    with pytest.raises(ValueError, match=r"max_tokens=8 .* use max_tokens >= 2\d"):  # below it: refused up front
+        ChatKev(engine=embedded_engine, max_tokens=8).with_structured_output(
+            Person, method="function_calling", include_raw=True).invoke(PEOPLE[0])
 
 
 def test_a_tool_call_cut_by_max_tokens_is_an_invalid_call_saying_so(embedded_engine: Engine) -> None:
-    # 18 tokens end inside the arguments, after the name (the full call takes about 33)
-    llm = ChatKev(engine=embedded_engine, max_tokens=18).bind_tools([get_weather, add], tool_choice="add")
+    # 24 tokens end inside the arguments, after the name (the markup takes 21, the full call about 33)
+    llm = ChatKev(engine=embedded_engine, max_tokens=24).bind_tools([get_weather, add], tool_choice="add")
     message = llm.invoke(TOOL_QUESTIONS[1])
     assert message.tool_calls == [] and message.response_metadata["finish_reason"] == "length"
     (bad,) = message.invalid_tool_calls

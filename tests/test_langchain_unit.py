@@ -450,7 +450,8 @@ def test_repeated_calls_collapse_and_a_cut_call_is_invalid() -> None:
     assert [c["args"] for c in message.tool_calls] == [{"a": 3, "b": 4}]  # the repeat collapsed
     assert "cut by" not in message.invalid_tool_calls[0]["error"]  # an open call at "stop" is a parse error
     engine.script = lambda p, s, a: (call + " " + '<tool_call>{"name": "add", "arguments": {"a": 3,', "length")
-    cut = ChatKev(engine=engine, max_tokens=11).bind_tools([add], tool_choice="any", parallel_tool_calls=True)
+    # the script ends the reply; the budget need only hold the forced call's markup (tool_budget)
+    cut = ChatKev(engine=engine, max_tokens=100).bind_tools([add], tool_choice="any", parallel_tool_calls=True)
     for message in (cut.invoke("3 + 4?"), _merged(cut.stream("3 + 4?"))):
         assert message.response_metadata["finish_reason"] == "length"
         assert [c["args"] for c in message.tool_calls] == [{"a": 3, "b": 4}]

@@ -106,10 +106,11 @@ def test_the_openai_tool_loop_runs_five_turns_and_takes_back_its_own_cut_call(ur
     carries the cut call as OpenAI does (its arguments the text written, finish_reason "length"),
     and the history holding it is accepted on the next turn — never a 4xx for the server's own output."""
     client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=120)
-    messages: list[dict] = [{"role": "user", "content": "What is the weather in Paris?"}]
+    # a city whose call outgrows its markup: "Paris" fits whole in the smallest budget allowed (22)
+    messages: list[dict] = [{"role": "user", "content": "What's the weather like in Buenos Aires today?"}]
     cut = None
     for turn in range(5):
-        budget = 18 if turn == 1 else 48  # turn 1 is cut inside its arguments
+        budget = 24 if turn == 1 else 48  # turn 1 is cut inside its arguments (its markup alone takes 22)
         reply = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], max_tokens=budget,
                                                tool_choice="required" if turn < 3 else "auto")
         choice = reply.choices[0]
@@ -130,9 +131,34 @@ def test_chat_openai_bind_tools_loop_sends_back_a_cut_call(url: str) -> None:
     from langchain_openai import ChatOpenAI
 
     llm = ChatOpenAI(base_url=url + "/v1", api_key=KEY, model=MODEL, temperature=0, max_retries=0)
-    messages: list = [HumanMessage("What is the weather in Paris?")]
-    cut = llm.bind_tools([WEATHER], tool_choice="any").bind(max_tokens=18).invoke(messages)
+    messages: list = [HumanMessage("What's the weather like in Buenos Aires today?")]  # a call longer than 24 tokens
+    cut = llm.bind_tools([WEATHER], tool_choice="any").bind(max_tokens=24).invoke(messages)
     assert cut.invalid_tool_calls and not cut.tool_calls  # langchain-openai could not parse the cut call
     messages += [cut, ToolMessage("error: the call was cut; call again", tool_call_id=cut.invalid_tool_calls[0]["id"])]
     again = llm.bind_tools([WEATHER], tool_choice="any").bind(max_tokens=48).invoke(messages)
     assert again.tool_calls and again.tool_calls[0]["name"] == "get_weather"
+
+
+def test_chat_openai_structured_output_with_a_small_budget_raises_never_none(url: str) -> None:
+    """Issue 57, item 8: ChatOpenAI's function-calling structured output on 16-26 tokens. Below
+    the call's markup (21 tokens) the request is refused up front; above it, a call cut inside its
+    arguments is a 400 too (langchain-openai returned None for it); 48 tokens hold the call."""
+    from langchain_openai import ChatOpenAI
+    from pydantic import BaseModel
+
+    class Person(BaseModel):
+        """A person mentioned in the text."""
+
+        name: str
+        age: int
+
+    def structured(max_tokens: int):
+        llm = ChatOpenAI(base_url=url + "/v1", api_key=KEY, model=MODEL, temperature=0, max_retries=0,
+                         max_tokens=max_tokens)
+        return llm.with_structured_output(Person, method="function_calling")
+
+    with pytest.raises(openai.BadRequestError, match=r"max_tokens=16 is too small .* use max_tokens >= 2\d"):
+        structured(16).invoke("Alice is 30 years old.")
+    with pytest.raises(openai.BadRequestError, match="max_tokens=24 cut the call of 'Person'"):
+        structured(24).invoke("Alice is 30 years old.")
+    assert structured(48).invoke("Alice is 30 years old.") == Person(name="Alice", age=30)

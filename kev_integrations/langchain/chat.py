@@ -20,7 +20,8 @@ from kev_engine import Completion
 
 from ..chat_format import offered_tools, schema_instruction
 from ..logprob_format import chat_logprobs
-from ..tokens import prompt_token_count
+from ..tokens import prompt_token_count, text_token_ids
+from ..tool_budget import check_forced_call_budget
 from ..tool_format import tool_choice_instruction
 from . import packing
 from .configurable import KevConfigurableFields
@@ -114,7 +115,8 @@ class ChatKev(KevFields, BaseChatModel):
         still up to the model. Tools are described by the model's chat template when it renders
         them, else in a system message (Hermes ``<tool_call>`` format). One call per reply unless
         ``parallel_tool_calls=True``. A reply cut by max_tokens is reported, never half-parsed:
-        an invalid tool call / an ``OutputParserException`` saying so.
+        an invalid tool call / an ``OutputParserException`` saying so; a max_tokens too small for
+        even the forced call's markup is refused before anything runs (`InvalidRequestError`).
 
     Response metadata:
         ``usage_metadata`` (input/output/total tokens); ``response_metadata`` has
@@ -190,6 +192,8 @@ class ChatKev(KevFields, BaseChatModel):
         if tools:
             constraint = tools_constraint(tools, tool_choice, extra.get("parallel_tool_calls"), engine.tokenizer)
             sampling = constrain(sampling, constraint, "bind_tools(...)")
+            check_forced_call_budget(sampling.max_tokens, tools, tool_choice, engine.tokenizer,
+                                     lambda text: len(text_token_ids(engine, text)))
         kind, schema = response_format_schema(extra.get("response_format"))
         sampling = constrain(sampling, format_constraint(kind, schema), "response_format")
         system_extra = schema_instruction(schema) if kind != "text" else ""
@@ -373,7 +377,9 @@ class ChatKev(KevFields, BaseChatModel):
         `parallel_tool_calls`: None (default) allows ONE call per reply, True several (see
         `constraints.PARALLEL_TOOL_CALLS_DEFAULT` for why). Calls are always strict: the name is
         a bound tool and the arguments match its schema by construction, so `strict` changes
-        nothing. A call cut by max_tokens comes back in `invalid_tool_calls`, its error saying so.
+        nothing. A call cut by max_tokens comes back in `invalid_tool_calls`, its error saying so;
+        when `tool_choice` forces a call, a max_tokens below its markup's tokens (about 20) raises
+        `InvalidRequestError` naming the minimum (`kev_integrations.tool_budget`).
         """
         schemas = convert_tools(tools)
         if tool_choice is not None and tool_choice is not False:

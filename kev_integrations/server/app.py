@@ -34,6 +34,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kev_engine import Arrival, Completion, Engine, KevError
 
 from .admin import add_admin_routes
+from .chat_prompt import cut_forced_call
 from .config import ServerConfig
 from .echo import echoed_prompts, on_passing_thread, unanswered
 from .endings import Endings
@@ -44,7 +45,7 @@ from .models import add_model_routes
 from .native import add_native_routes
 from .pieces import Pieces
 from .protocol import EngineCall, parse_chat, parse_completion
-from .responses import ChunkWriter, chat_response, completion_response, sse
+from .responses import ChunkWriter, chat_response, choices_of, completion_response, sse
 from .state import ServerState
 from .tenants import Tenant, check_key, matching_key
 from .token_prompts import engine_prompts
@@ -199,7 +200,9 @@ async def _events(state: ServerState, call: EngineCall, chat: bool, engine: Engi
                 completion = future.result()
                 finished.append(completion)
                 for j, choice in enumerate(completion.samples or (completion,)):
-                    yield sse(writer.finish(i * n + j, choice, call.tool_names))
+                    cut = cut_forced_call(choice.text, call.tool_names, choice.finish_reason, call.forced_tool,
+                                          call.sampling.max_tokens, f" (choice {i * n + j})" if n > 1 else "")
+                    yield sse(cut.body() if cut is not None else writer.finish(i * n + j, choice, call.tool_names))
             if call.include_usage:
                 yield sse(writer.usage(finished))
             yield sse("[DONE]")
@@ -329,9 +332,15 @@ def build_app(engine: Engine | Callable[[], Engine], config: ServerConfig | None
         if results is None:  # the client is gone; nobody reads a response
             state.metrics.observe(endpoint, 499)
             return Response(status_code=499)
-        state.metrics.observe(endpoint, 200, time.perf_counter() - started)
         if chat:
+            for index, choice in enumerate(choices_of(results)):
+                cut = cut_forced_call(choice.text, call.tool_names, choice.finish_reason, call.forced_tool,
+                                      call.sampling.max_tokens, f" (choice {index})" if call.sampling.n > 1 else "")
+                if cut is not None:
+                    raise cut
+            state.metrics.observe(endpoint, 200, time.perf_counter() - started)
             return JSONResponse(chat_response(results[0], call.model, call.tool_names))
+        state.metrics.observe(endpoint, 200, time.perf_counter() - started)
         echoed = results.pop() if call.echo else None
         if not call.generate:
             assert echoed is not None  # max_tokens 0 is refused without echo

@@ -13,7 +13,7 @@ from typing import Any
 
 from ..chat_format import ToolCall, Turn, arguments_of, build_prompt, call_id, offered_tools, role_of
 from ..tool_format import split_tool_calls
-from .errors import bad_request
+from .errors import APIError, bad_request
 
 TEXT_PART_TYPES = ("text", "input_text")
 # OpenAI's chat roles: any other string would reach the chat template, which renders most as
@@ -129,6 +129,7 @@ def reply_tool_calls(
     The text never holds call markup. A call that does not parse (only possible when max_tokens
     cut it) comes as OpenAI sends one: in the calls, its `arguments` the text written before the
     cut, beside `finish_reason` "length"; one cut before its name was whole has nothing to send.
+    (A cut call that `tool_choice` named never gets here: `cut_forced_call` makes it a 400.)
     """
     remaining, calls, invalid = split_tool_calls(text, tool_names, finish_reason=finish_reason)
     written = [(c["name"], json.dumps(c["arguments"], ensure_ascii=False)) for c in calls]
@@ -137,3 +138,24 @@ def reply_tool_calls(
         {"id": call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
         for name, arguments in written
     ]
+
+
+def cut_forced_call(text: str, tool_names: Sequence[str], finish_reason: str | None, forced: str | None,
+                    max_tokens: int, where: str = "") -> APIError | None:
+    """The 400 for a reply that max_tokens cut before the call `tool_choice` named (`forced`) was
+    whole, else None. `where`: which choice, when there are several.
+
+    Why not OpenAI's 200 with the cut call: a named tool_choice is how clients ask for one
+    structure (langchain-openai's ``with_structured_output(method="function_calling")``,
+    instructor), and langchain-openai's parsers skip a call whose arguments do not parse, so they
+    return None — the forced structure silently missing. "required"/"any" keep OpenAI's shape:
+    an agent sees the cut call and calls again.
+    """
+    if forced is None or finish_reason != "length":
+        return None
+    _, calls, _ = split_tool_calls(text, tool_names, finish_reason=finish_reason)
+    if any(call["name"] == forced for call in calls):  # whole: only its closing tag was cut
+        return None
+    return APIError(400, f"max_tokens={max_tokens} cut the call of {forced!r} that tool_choice forces before it "
+                    f"was complete (finish_reason 'length'){where}; the reply holds no call to return. Raise "
+                    "max_tokens: the call's arguments need more tokens", param="max_tokens", code="tool_call_cut")

@@ -23,7 +23,8 @@ from typing import Any
 
 from kev_engine import MAX_TOP_LOGPROBS, SETTING_FIELDS, InvalidRequestError, SamplingParams
 
-from ..tool_format import tool_call_constraint
+from ..tool_budget import check_forced_call_budget
+from ..tool_format import tool_call_constraint, tool_choice_name
 from .chat_prompt import chat_prompt
 from .config import ServerConfig
 from .constraints import CONSTRAINT_FIELDS, reply_constraint
@@ -58,6 +59,8 @@ class EngineCall:
     stream: bool = False
     include_usage: bool = False
     tool_names: list[str] = field(default_factory=list)
+    forced_tool: str | None = None
+    """The tool `tool_choice` names: a reply that max_tokens cut before its call was whole is a 400."""
     endpoint: str = ""
     fields: dict[str, str] = field(default_factory=dict)
     """The body field each engine argument came from, for errors' `param` (`errors.engine_error`)."""
@@ -202,9 +205,24 @@ def parse_chat(body: Mapping[str, Any], config: ServerConfig, base_model: str, a
                           "see the OpenAI chat completions format", param="messages") from None
     stream, include_usage, continuous = _stream_options(body)
     logprobs, shown = _counted(_chat_logprobs(body), continuous)
-    return EngineCall([prompt], _sampling(body, config, {**extra, **logprobs}, fields), adapter, model, stream,
+    sampling = _sampling(body, config, {**extra, **logprobs}, fields)
+    if names:
+        _check_tool_budget(body, sampling.max_tokens, tools, tool_choice, tokenizer)
+    return EngineCall([prompt], sampling, adapter, model, stream,
                       include_usage, names if tool_choice != "none" else [], fields=fields,
-                      continuous_usage=continuous, show_logprobs=shown)
+                      continuous_usage=continuous, show_logprobs=shown,
+                      forced_tool=tool_choice_name(tool_choice, tools) if names else None)
+
+
+def _check_tool_budget(body: Mapping[str, Any], max_tokens: int, tools: list[Any], tool_choice: Any,
+                       tokenizer: Any) -> None:
+    """A 400 naming the budget's field when it cannot hold the call `tool_choice` forces (`tool_budget`)."""
+    try:
+        check_forced_call_budget(max_tokens, tools, tool_choice, tokenizer,
+                                 lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"]))
+    except InvalidRequestError as exc:
+        field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+        raise bad_request(str(exc), param=field) from None
 
 
 def parse_completion(body: Mapping[str, Any], config: ServerConfig, base_model: str,
