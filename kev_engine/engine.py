@@ -35,7 +35,7 @@ from .core.blocks import BlockManager
 from .core.lifecycle import Lifecycle
 from .core.request import Status
 from .core.schedule import Scheduler
-from .core.threads import run_on_passing_thread
+from .core.threads import run_on_passing_thread, use_threads
 from .core.worker import Worker
 from .errors import EngineClosedError, InvalidRequestError, KevError
 from .inputs.intake import AdapterArg, Intake, Prepared, SamplingArg, raise_refused
@@ -92,6 +92,10 @@ class Engine:
         block_size: tokens per KV block (None: 32, or 256 with a paged CUDA kernel, whose blocks
             must be a multiple of 256). Prefixes are shared in whole blocks.
         max_logits_tokens: most `prompt_logits` positions computed in one pass (each is a vocab row).
+        threads: the CPU threads that compute (None: `KEV_THREADS`, else torch's default, one per
+            physical core). Process-wide, as torch's own count is. Kev's kernels hand their work
+            out to whichever thread is free, so another program taking a core slows a pass by
+            that core's share, not by a whole barrier per call.
         cpu_kernels: Kev's compiled CPU kernels, for every product and attention they cover (see
             `platforms.cpu.kernels`): "auto" (built once per environment; if they cannot be built,
             a warning and torch's ops), "compiled" (the kernels or an error), "torch" (never build
@@ -134,6 +138,7 @@ class Engine:
         cuda_graphs: bool = True,
         decode_kernel: str | None = None,
         max_model_len: int | None = None,
+        threads: int | None = None,
     ) -> None:
         self.name = name or getattr(model.config, "_name_or_path", "") or type(model).__name__
         self.dtype_choice = "the model's own dtype"  # from_pretrained(dtype="auto") says why it chose
@@ -141,12 +146,14 @@ class Engine:
         if not isinstance(cuda_graphs, bool):
             raise TypeError(f"cuda_graphs={cuda_graphs!r} is not allowed; use True or False")
         cpu_kernels = _renamed("decode_kernel", decode_kernel, "cpu_kernels", cpu_kernels)
+        self.threads = use_threads(threads)
         # before claiming the model: a bad mode, a failed "compiled" build or a model Kev cannot
         # pack (or not batch-invariantly, when that was asked for) leaves it as it came
         max_context = context_length(model, tokenizer, max_model_len)
         check_packable(model, max_context)
         self._platform = platforms.choose(model, cpu_kernels=cpu_kernels, batch_invariant=batch_invariant,
                                           cuda_attention=cuda_attention, cuda_graphs=cuda_graphs)
+        self._platform.use_threads(self.threads)
         claim_model(model, self)
         prepare_model(model)
         torch_elementwise = self._platform.install(model)
@@ -180,7 +187,8 @@ class Engine:
                                eos_ids=self.eos_ids, max_context=self.max_context, device=self.device)
         arrivals = Arrivals(max(0.0, coalesce_ms) / 1000)  # under the engine's lock
         self._stepper = Stepper(self._life, self._runner, self._scheduler, arrivals)
-        self._worker = Worker(self._stepper, self._cond, arrivals, close=self.close)
+        self._worker = Worker(self._stepper, self._cond, arrivals, close=self.close,
+                              enter=self._platform.enter_pass_thread)
 
     @classmethod
     def from_pretrained(
@@ -370,6 +378,7 @@ class Engine:
                 "dtype": str(self.dtype).removeprefix("torch."),
                 "dtype_choice": self.dtype_choice,
                 "batch_invariant": self._platform.batch_invariant,
+                "threads": self.threads,
                 "pass_time_ms": self.pass_time_ms if math.isfinite(self.pass_time_ms) else None,  # None: no bound
                 "pass_seconds": self._life.pass_seconds.snapshot(),
                 "queue_seconds": self._life.queue_seconds.snapshot(),

@@ -57,9 +57,11 @@ class Worker:
     """The scheduler thread of one engine, with `hold()` and the pass lock."""
 
     def __init__(self, owner: Stepped, cond: threading.Condition, arrivals: Arrivals,
-                 close: Callable[..., None]) -> None:
+                 close: Callable[..., None], enter: Callable[[], None] = lambda: None) -> None:
         """`close(timeout=...)`: the engine's, run at interpreter exit (it holds the engine only
-        through that bound method's weak entry, keyed by the stepper)."""
+        through that bound method's weak entry, keyed by the stepper). `enter()`: run first on the
+        thread (the platform's setup of a pass thread)."""
+        self.enter = enter
         self.cond = cond  # the engine's lock: every state change notifies it
         self.arrivals = arrivals  # under `cond`
         self.thread: threading.Thread | None = None
@@ -123,6 +125,7 @@ class Worker:
 
 def _loop(owner_ref: weakref.ref[Stepped], worker: Worker) -> None:
     """The thread: wait for work (holding the engine only weakly), coalesce, pass, repeat."""
+    worker.enter()
     cond = worker.cond
     arrivals = worker.arrivals
     was_idle = True

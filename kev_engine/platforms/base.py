@@ -126,6 +126,12 @@ class Platform:
         them (`fits` and `run`, as the runner takes them), or None where it has none."""
         return None
 
+    def use_threads(self, threads: int) -> None:
+        """Compute on `threads` CPU threads (the engine's `threads`; torch's count is already set)."""
+
+    def enter_pass_thread(self) -> None:
+        """Set up the thread that runs this engine's passes, first thing on it."""
+
     def default_kv_cache_bytes(self) -> int:
         """The KV budget when the caller gives none."""
         return host_kv_cache_bytes()

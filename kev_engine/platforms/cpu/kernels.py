@@ -62,12 +62,12 @@ CSRC = Path(__file__).resolve().parent / "csrc"
 # sources, headers and flags of each build; the exact build must never reassociate or contract
 BUILDS: dict[str, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]] = {
     "exact": (("linear.cpp", "attention.cpp", "elementwise.cpp", "rows_linear.cpp", "layer.cpp", "bind_exact.cpp"),
-              ("simd.h", "exact.h"),
+              ("simd.h", "exact.h", "pool.h"),
               ("-O3", "-march=native", "-fno-fast-math", "-ffp-contract=off", "-fopenmp")),
-    "fast": (("paged_decode.cpp", "bind_fast.cpp"), (),
+    "fast": (("paged_decode.cpp", "bind_fast.cpp"), ("pool.h",),
              ("-O3", "-march=native", "-ffast-math", "-fopenmp")),
 }
-LDFLAGS = ("-fopenmp",)  # resolves to the libgomp torch already loaded (same soname): one thread pool
+LDFLAGS = ("-fopenmp",)  # resolves to the libgomp torch already loaded (same soname); Kev's threads are pool.h's
 PROGRESS_EVERY_S = 15.0
 
 _lock = threading.Lock()
@@ -94,6 +94,13 @@ class Kernels:
         self.DecoderLayer = exact.DecoderLayer
         self.paged_decode = fast.paged_decode
         self.paged_write = fast.paged_write
+        self.serial_torch_here = exact.serial_torch_here
+        self._builds = (exact, fast)
+
+    def set_threads(self, threads: int) -> None:
+        """Every build's kernels on `threads` threads from now on (csrc/pool.h); process-wide."""
+        for build in self._builds:
+            build.set_threads(threads)
 
 
 def resolve_mode(mode: str | None) -> str:

@@ -62,6 +62,20 @@ class CpuPlatform(Platform):
             layer_forward.install(model)
         return []
 
+    def use_threads(self, threads: int) -> None:
+        """Kev's kernels on `threads` threads (csrc/pool.h: tasks to whichever is free)."""
+        if self.kernels is not None:
+            self.kernels.set_threads(threads)
+
+    def enter_pass_thread(self) -> None:
+        """On the batch-invariant path every product, norm and attention is Kev's, on Kev's threads;
+        torch's own ops of a pass (the embedding, sampling) are small, and on torch's threads each
+        would end in a barrier that waits for a thread whose core another program took: they run
+        on the pass's thread alone (this thread's OpenMP count, not the process's)."""
+        if self.batch_invariant and self.kernels is not None:
+            torch.get_num_threads()  # torch's lazy per-thread setup first, so it cannot undo this
+            self.kernels.serial_torch_here()
+
     def model_forward(self, model: nn.Module) -> ModelForward | None:
         """On the batch-invariant path: the embedding, each layer's one kernel call, the norm and the head."""
         return ModelForward(model, self.attention) if isinstance(self.attention, ExactBackend) else None

@@ -26,6 +26,7 @@
 #include <limits>
 #include <vector>
 
+#include "pool.h"
 #include "simd.h"
 
 namespace {
@@ -344,7 +345,7 @@ void attend(const Pass<T>& p, const std::vector<Segment>& segments) {
   std::atomic<int64_t> next{0};
   const int64_t count = static_cast<int64_t>(tasks.size());
   const int64_t padded = (p.dim + kLanes - 1) / kLanes * kLanes;
-  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+  kev::on_threads([&] {
     const int64_t span = heads_per_task * kMaxTile;  // per kv head of a task: a tile's state
     std::vector<float> qbuf(span * p.dim), acc(span * padded), probs(kMaxTile * p.chunk), m(span), l(span);
     std::vector<int64_t> rows(kMaxTile), heads(kMaxTile);
@@ -476,7 +477,7 @@ void paged_write_transposed(at::Tensor& keys, at::Tensor& values, const at::Tens
     E* to = reinterpret_cast<E*>(dst);
     for (int64_t d = 0; d < dim; ++d) to[d * block] = from[d];
   };
-  at::parallel_for(0, kv_heads, 1, [&](int64_t h0, int64_t h1) {
+  kev::parallel_for(0, kv_heads, 1, [&](int64_t h0, int64_t h1) {
     for (int64_t h = h0; h < h1; ++h) {
       for (int64_t t = 0; t < tokens; ++t) {
         const char* src_k = ks + (h * k.stride(0) + t * k.stride(1)) * item;

@@ -1,5 +1,8 @@
 // The exact build's kernels as one Python extension (kernels.py builds and loads it).
+#include <omp.h>
+
 #include "exact.h"
+#include "pool.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_pack", &linear_pack, "A weight [N, K] in the layout linear_packed reads (see linear.cpp)");
@@ -15,5 +18,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_into", &add_into, "out += residual in place, rounded as torch's add (see elementwise.cpp)");
   m.def("rotary", &rotary, "Rotary embeddings, transformers' formula in one call (see elementwise.cpp)");
   m.def("rows_linear", &rows_linear, "input @ weight.T for few rows, float32 (see rows_linear.cpp)");
+  m.def("set_threads", &kev::set_threads, "Kev's kernels' threads from now on, 0: torch's count (see pool.h)");
+  m.def("serial_torch_here", [] { omp_set_num_threads(1); },
+        "torch's own ops on the calling thread run on that thread alone (its OpenMP count, not the process's)");
   bind_layer(m);
 }

@@ -24,7 +24,7 @@
 // Packed layouts (zero-padded, so padding adds exact zeros):
 //   float32  [ceil(N/16)][K][16]
 //   bfloat16 [ceil(N/32)*2][ceil(K/32)*16][16][2]   (k pairs: AMX's and vdpbf16ps's B layout)
-// Threads: torch's own pool; a thread's share never changes what an element sums.
+// Threads: Kev's pool (pool.h), tasks claimed as threads are free; a task never changes what an element sums.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -41,10 +41,15 @@
 #include <unistd.h>
 #endif
 
+#include "pool.h"
+
 namespace {
 
 constexpr int64_t kPanel = 16;  // outputs per packed panel
 constexpr int64_t kRows = 6;    // rows per register tile (fp32; bf16 without AMX)
+// decode products in this many tasks per thread: a thread whose core another program takes
+// streams fewer of them (pool.h), the others more
+constexpr int64_t kSharesPerThread = 4;
 constexpr int64_t kRowBlock = 96;  // rows per task at most: their inputs stay in L2 while the panels stream
 
 // Rows per task: at most kRowBlock, and the same for every block (rounded up to `tile`, the rows
@@ -183,7 +188,7 @@ void linear_f32(const float* x, int64_t m, int64_t k, const float* w, int64_t n,
 #if !defined(__AVX512F__)
   if (m == 1) {  // one row: each thread an even share of the panels, kWideRow at a time (f32_row_wide)
     const int64_t panels = panels_f32(n);
-    at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    kev::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
       for (int64_t p0 = begin; p0 < end; p0 += kWideRow) {
         const int64_t n0 = p0 * kPanel, cols = std::min(kWideRow * kPanel, n - n0);
         const float* wp = w + p0 * k * kPanel;
@@ -201,7 +206,7 @@ void linear_f32(const float* x, int64_t m, int64_t k, const float* w, int64_t n,
 #endif
   const int64_t panels = panels_f32(n), groups = (panels + kGroup - 1) / kGroup;
   const int64_t per_block = row_block(m, 1), blocks = (m + per_block - 1) / per_block;
-  at::parallel_for(0, blocks * groups, 1, [&](int64_t begin, int64_t end) {
+  kev::parallel_for(0, blocks * groups, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t block = t / groups, group = t % groups;
       const int64_t m0 = block * per_block, rows = std::min(per_block, m - m0);
@@ -472,19 +477,19 @@ void linear_bf16_pairs(const bf16* x, int64_t m, int64_t k, const bf16* w, int64
   const int64_t per_block = row_block(m, 1), blocks = (m + per_block - 1) / per_block;
   // panels per task: 16 (256 outputs) when there are several row blocks (prefill); one row block
   // (a decode pass) splits its panels into whole register tiles, in as few tasks as keep a task's
-  // accumulators within kAccFloats, as many as a multiple of the threads: no thread streams more
-  // of the weights than another
+  // accumulators within kAccFloats, as many as a multiple of kSharesPerThread per thread: no thread
+  // streams more of the weights than another, and one whose core is taken streams less
   int64_t per_task = 16;
   if (blocks == 1) {
-    const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+    const int64_t shares = kSharesPerThread * std::max<int64_t>(1, at::get_num_threads());
     const int64_t tiles = (panels + kDpPanels - 1) / kDpPanels;
     const int64_t most = std::max<int64_t>(1, kAccFloats / (16 * per_block) / kDpPanels);
-    const int64_t tasks = ((tiles + most - 1) / most + threads - 1) / threads * threads;
+    const int64_t tasks = ((tiles + most - 1) / most + shares - 1) / shares * shares;
     per_task = (tiles + tasks - 1) / tasks * kDpPanels;
   }
   const int64_t groups = (panels + per_task - 1) / per_task;
   const int64_t lda = 2 * k_pairs;  // pairs read two columns: an odd K gets a zero column
-  at::parallel_for(0, blocks * groups, 1, [&](int64_t begin, int64_t end) {
+  kev::parallel_for(0, blocks * groups, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(per_block * per_task * 16);
     std::vector<X> rows_in;  // the block's rows as X, lda wide, where they are not already
     int64_t rows_of = -1;     // the row block rows_in holds
@@ -572,11 +577,11 @@ void linear_bf16(const bf16* x, int64_t m, int64_t k, const bf16* w, int64_t n, 
   const int64_t blocks = (m + per_block - 1) / per_block;
   // pairs of panels per task: 8 (256 outputs: their panels stay in L2 while each row tile of the
   // block reads them again); a pass of one row tile (a decode step) reads each panel once, so
-  // each thread takes an even share, as the weights' streaming is its time
-  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
-  const int64_t per_task = m <= tile_rows ? (pairs + threads - 1) / threads : 8;
+  // each thread takes even shares, kSharesPerThread of them, as the weights' streaming is its time
+  const int64_t shares = kSharesPerThread * std::max<int64_t>(1, at::get_num_threads());
+  const int64_t per_task = m <= tile_rows ? (pairs + shares - 1) / shares : 8;
   const int64_t groups = (pairs + per_task - 1) / per_task;
-  at::parallel_for(0, blocks * groups, 1, [&](int64_t begin, int64_t end) {
+  kev::parallel_for(0, blocks * groups, 1, [&](int64_t begin, int64_t end) {
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)
     if (path == Bf16Path::kAmx) amx_configure();
 #endif
@@ -659,7 +664,7 @@ at::Tensor linear_pack(const at::Tensor& weight) {
     auto packed = at::zeros({panels_f32(n), k, kPanel}, w.options());
     const float* src = w.data_ptr<float>();
     float* dst = packed.data_ptr<float>();
-    at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
+    kev::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
       for (int64_t j = begin; j < end; ++j)
         for (int64_t kk = 0; kk < k; ++kk) dst[((j / kPanel) * k + kk) * kPanel + j % kPanel] = src[j * k + kk];
     });
@@ -670,7 +675,7 @@ at::Tensor linear_pack(const at::Tensor& weight) {
   auto packed = at::zeros({panels_bf16(n), k_pairs, kPanel, 2}, w.options());
   const bf16* src = w.data_ptr<bf16>();
   bf16* dst = packed.data_ptr<bf16>();
-  at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
+  kev::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
     for (int64_t j = begin; j < end; ++j)
       for (int64_t kk = 0; kk < k; ++kk)
         dst[(((j / kPanel) * k_pairs + kk / 2) * kPanel + j % kPanel) * 2 + kk % 2] = src[j * k + kk];

@@ -8,7 +8,7 @@
 //
 // Layout (kv_pool.py): keys/values [num_blocks, kv_heads, block_size, head_dim], contiguous.
 // Only the first lens[b] tokens of row b's table are read: stale memory past them (a freed
-// tail, another question's tokens) is never touched. Threads: torch's own pool (at::parallel_for).
+// tail, another question's tokens) is never touched. Threads: Kev's pool (pool.h).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -17,6 +17,8 @@
 #include <cmath>
 #include <type_traits>
 #include <vector>
+
+#include "pool.h"
 
 namespace {
 
@@ -138,7 +140,7 @@ void decode(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& v
   // other finishes the long rows): each thread takes the next (row, kv head) task as it is free.
   std::atomic<int64_t> next{0};
   const int64_t tasks = rows * kv_heads;
-  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+  kev::on_threads([&] {
     std::vector<float> qf(group * dim), acc(group * dim), score(group * block), row_max(group), total(group);
     std::vector<float> buffer(dim);
     for (int64_t task = next++; task < tasks; task = next++) {

@@ -18,6 +18,8 @@
 
 #include <algorithm>
 
+#include "pool.h"
+
 #if defined(__FMA__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -126,7 +128,7 @@ at::Tensor rows_linear(const at::Tensor& input, const at::Tensor& weight) {
   const float* wp = weight.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t tiles = n / kOutputs;
-  at::parallel_for(0, tiles, 16, [&](int64_t begin, int64_t end) {
+  kev::parallel_for(0, tiles, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float* next = t + 1 < tiles ? wp + (t + 1) * kOutputs * k : nullptr;
       outputs<kOutputs>(xp, wp, op, m, k, n, t * kOutputs, next);
