@@ -32,7 +32,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_engine import GGUF_NAME, gguf_dir
-from bench_invariance import llama_server_run, prompt_ids
+from bench_invariance import llama_server_run, prompt_ids, write_report
 from workload import load_rag, rag_messages
 
 CORES = len(os.sched_getaffinity(0))
@@ -183,11 +183,7 @@ def main() -> None:
         print(json.dumps({k: {c: v[c].get("walls") for c in ("idle", "busy") if c in v}
                           for k, v in results.items()}), flush=True)
     md = report(rows, args.repeat)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(md)
-    out.with_suffix(".json").write_text(json.dumps(rows, indent=1))
-    print("\n" + md)
+    write_report(args.out, md, rows)
 
 
 if __name__ == "__main__":

@@ -251,6 +251,15 @@ def report(rows: list[dict], repeat: int) -> str:
     return "\n".join(lines) + "\n"
 
 
+def write_report(path: str, md: str, rows: list[dict]) -> None:
+    """The report at `path` (.md), its raw rows beside it (.json), and the report on stdout."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(md)
+    out.with_suffix(".json").write_text(json.dumps(rows, indent=1))
+    print("\n" + md)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeat", type=int, default=2)
@@ -308,11 +317,7 @@ def main() -> None:
                 results["llama_server"] = {"skipped": "no --llama-server and --gguf-dir given"}
             rows.append({"model": args.model, "dtype": dtype, "workload": title, "results": results})
     md = report(rows, args.repeat)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(md)
-    out.with_suffix(".json").write_text(json.dumps(rows, indent=1))
-    print("\n" + md)
+    write_report(args.out, md, rows)
 
 
 if __name__ == "__main__":

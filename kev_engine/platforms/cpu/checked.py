@@ -4,9 +4,8 @@ Where this sits: `attention_forward` (attention modules) and `layer_forward` (de
 install through it. Why: a forward Kev writes for a transformers class is only right while that
 class still computes what it was written against. So each class is checked once per install, on
 one of the model's own modules and a probe pack of 3 tokens, against its own forward: bitwise
-equal (within float16's rounding in float16, which the kernels cannot round as torch does), or every
-instance keeps its own, logged with the reason — a transformers release that rewrites the class
-never gets Kev's version of it.
+equal, or every instance keeps its own, logged with the reason — a transformers release that
+rewrites the class never gets Kev's version of it.
 """
 
 from __future__ import annotations
@@ -22,8 +21,6 @@ from torch import nn
 from ...model.pack import Segment, pack
 
 Forward = Callable[..., Any]
-EXACT_DTYPES = (torch.float32, torch.bfloat16)  # the kernels give torch's bits in these
-ROUNDING = {torch.float16: {"rtol": 1e-3, "atol": 1e-3}}  # torch.testing's float16 tolerances
 log = logging.getLogger("kev")
 
 
@@ -85,16 +82,11 @@ def _differs_from_own(module: Any, forward: Forward, first: Callable[[Any], torc
 
 
 def differs(ours: torch.Tensor, own: torch.Tensor) -> str | None:
-    """None where `ours` computes what `own` does: bit for bit in the dtypes Kev's kernels round
-    exactly as torch does (float32, bfloat16), within the dtype's rounding in the others (float16's
-    elementwise ops on a CPU round intermediate results where the kernels keep fp32); else a
-    reason naming the largest difference."""
+    """None where `ours` is bitwise `own`, else a reason naming the largest difference. Kev's
+    forwards are installed only in the dtypes whose kernels round as torch does (float32, bfloat16)."""
     if ours.shape != own.shape or ours.dtype != own.dtype:
         return f"it returns {tuple(ours.shape)} {ours.dtype} where the class returns {tuple(own.shape)} {own.dtype}"
-    if own.dtype in EXACT_DTYPES:
-        if torch.equal(ours, own):
-            return None
-    elif torch.allclose(ours.float(), own.float(), **ROUNDING.get(own.dtype, {})):
+    if torch.equal(ours, own):
         return None
     gap = (ours.float() - own.float()).abs().max().item()
     return f"its results differ by up to {gap:.3g} in {own.dtype} (a transformers release that computes otherwise)"

@@ -327,7 +327,7 @@ void attend(const Pass<T>& p, const std::vector<Segment>& segments) {
   int64_t small = 0;
   for (const Segment& seg : segments) small += seg.num_rows <= rows_per_task;
   const int64_t heads_per_task =
-      std::clamp<int64_t>(small * p.kv_heads / (4 * at::get_num_threads()), 1, p.kv_heads);
+      std::clamp<int64_t>(small * p.kv_heads / (kev::kTasksPerThread * kev::pool_threads()), 1, p.kv_heads);
   std::vector<Task> tasks;
   for (int64_t s = 0; s < static_cast<int64_t>(segments.size()); ++s) {
     const Segment& seg = segments[s];

@@ -47,19 +47,16 @@ namespace {
 
 constexpr int64_t kPanel = 16;  // outputs per packed panel
 constexpr int64_t kRows = 6;    // rows per register tile (fp32; bf16 without AMX)
-// decode products in this many tasks per thread: a thread whose core another program takes
-// streams fewer of them (pool.h), the others more
-constexpr int64_t kSharesPerThread = 4;
 constexpr int64_t kRowBlock = 96;  // rows per task at most: their inputs stay in L2 while the panels stream
 
 // Rows per task: at most kRowBlock, and the same for every block (rounded up to `tile`, the rows
-// an AMX tile takes), in a number of blocks that the threads share evenly. torch's pool gives each
-// thread an equal run of tasks, so a short last block (96 + 96 + 96 + 19 rows) would leave one
-// thread with 192 of 307 rows while the other waits. A pass of at most kRowBlock rows (a decode
+// an AMX tile takes), in a number of blocks that the threads share evenly: a short last block
+// (96 + 96 + 96 + 19 rows) would leave one thread with 192 of 307 rows while the other waits, when
+// both have their cores. A pass of at most kRowBlock rows (a decode
 // step) stays one block: its threads split the panels, and each weight is read once.
 int64_t row_block(int64_t m, int64_t tile) {
   int64_t blocks = (m + kRowBlock - 1) / kRowBlock;
-  const int64_t threads = at::get_num_threads();
+  const int64_t threads = kev::pool_threads();
   if (blocks > 1 && threads > 1) blocks = (blocks + threads - 1) / threads * threads;
   const int64_t rows = (m + blocks - 1) / blocks;
   return (rows + tile - 1) / tile * tile;
@@ -477,11 +474,11 @@ void linear_bf16_pairs(const bf16* x, int64_t m, int64_t k, const bf16* w, int64
   const int64_t per_block = row_block(m, 1), blocks = (m + per_block - 1) / per_block;
   // panels per task: 16 (256 outputs) when there are several row blocks (prefill); one row block
   // (a decode pass) splits its panels into whole register tiles, in as few tasks as keep a task's
-  // accumulators within kAccFloats, as many as a multiple of kSharesPerThread per thread: no thread
+  // accumulators within kAccFloats, as many as a multiple of kev::kTasksPerThread per thread: no thread
   // streams more of the weights than another, and one whose core is taken streams less
   int64_t per_task = 16;
   if (blocks == 1) {
-    const int64_t shares = kSharesPerThread * std::max<int64_t>(1, at::get_num_threads());
+    const int64_t shares = kev::kTasksPerThread * kev::pool_threads();
     const int64_t tiles = (panels + kDpPanels - 1) / kDpPanels;
     const int64_t most = std::max<int64_t>(1, kAccFloats / (16 * per_block) / kDpPanels);
     const int64_t tasks = ((tiles + most - 1) / most + shares - 1) / shares * shares;
@@ -577,8 +574,8 @@ void linear_bf16(const bf16* x, int64_t m, int64_t k, const bf16* w, int64_t n, 
   const int64_t blocks = (m + per_block - 1) / per_block;
   // pairs of panels per task: 8 (256 outputs: their panels stay in L2 while each row tile of the
   // block reads them again); a pass of one row tile (a decode step) reads each panel once, so
-  // each thread takes even shares, kSharesPerThread of them, as the weights' streaming is its time
-  const int64_t shares = kSharesPerThread * std::max<int64_t>(1, at::get_num_threads());
+  // each thread takes even shares, kev::kTasksPerThread of them, as the weights' streaming is its time
+  const int64_t shares = kev::kTasksPerThread * kev::pool_threads();
   const int64_t per_task = m <= tile_rows ? (pairs + shares - 1) / shares : 8;
   const int64_t groups = (pairs + per_task - 1) / per_task;
   kev::parallel_for(0, blocks * groups, 1, [&](int64_t begin, int64_t end) {

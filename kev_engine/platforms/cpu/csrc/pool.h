@@ -48,6 +48,10 @@ inline int pool_threads() {
   return set > 0 ? set : std::max(1, at::get_num_threads());
 }
 
+// Tasks a call is cut into per thread where their size is the kernel's to choose: enough that a
+// thread whose core another program takes can leave its share to the others.
+constexpr int64_t kTasksPerThread = 2;
+
 // Kev's kernels on `threads` threads from now on (0: torch's count, read at each call).
 inline void set_threads(int64_t threads) {
   TORCH_CHECK(threads >= 0, "set_threads: ", threads, " threads");
@@ -179,7 +183,7 @@ class Pool {
   std::shared_ptr<Job> job_;
   std::atomic<uint64_t> generation_{0};  // one more for each call's job
   std::atomic<int> sleeping_{0};
-  std::atomic<int> wanted_{0};  // workers that take jobs: torch's thread count less the caller
+  std::atomic<int> wanted_{0};  // workers that take jobs: the pool's threads less the caller
   int started_ = 0;             // workers running loop()
 };
 
@@ -188,12 +192,11 @@ class Pool {
 // a thread whose core is taken computes fewer of them.
 template <typename F>
 void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
-  constexpr int64_t kChunksPerThread = 4;
   const int64_t range = end - begin;
   if (range <= 0) return;
   const int64_t threads = pool_threads();
   const int64_t chunk = std::max<int64_t>(std::max<int64_t>(grain, 1),
-                                          (range + threads * kChunksPerThread - 1) / (threads * kChunksPerThread));
+                                          (range + threads * kTasksPerThread - 1) / (threads * kTasksPerThread));
   const int64_t chunks = (range + chunk - 1) / chunk;
   Pool::get().run(chunks, [&](int64_t i) {
     const int64_t b = begin + i * chunk;
