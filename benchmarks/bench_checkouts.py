@@ -1,14 +1,23 @@
-"""This tree against an earlier checkout, in the same run: RAG-16's wall time and some tests' time.
+"""This tree against an earlier checkout, in the same run: load, one question and RAG-16 per dtype, and some tests.
 
 For a change that should cost nothing (a reshaped layout, renamed modules), the ratio matters and
-the machine's drift does not: each round runs every tree once, alternating, each in a fresh
-process with that tree first on `PYTHONPATH`, and the medians are compared.
+the machine's drift does not: each round runs every tree once, alternating, each measurement in a
+fresh process with that tree first on `PYTHONPATH`, and the medians are compared. Before round 1
+each tree loads once per dtype, untimed, so the GGUF conversion, the kernels' build and the bfloat16
+path's choice are cached and `load` times a load from the cache.
 
-  rag16   `Engine.from_pretrained()` (the embedded model, fp32, the engine's defaults), a warm-up,
-          then ONE `generate` of the 16 RAG chats (benchmarks/workload.py), greedy, 48 new tokens
+Per dtype (`--dtypes`), one process per tree and round measures, in this order:
+  load    `Engine.from_pretrained(dtype=...)` (the embedded model from its cached safetensors, the
+          engine's defaults): its wall time, and the process's peak RSS right after it (ru_maxrss)
+  one     after a warm-up (the last RAG chat, 4 tokens, so the first one's prompt is not in the
+          prefix cache), ONE `generate` of the first RAG chat alone, greedy, 48 new tokens
+  rag16   then ONE `generate` of the 16 RAG chats (benchmarks/workload.py), greedy, 48 new tokens
+and, once per tree and round:
   tests   `pytest -q` on `--tests` (files both trees have), its wall time
+The answers' token ids (one and rag16, last round) are compared between the trees per dtype.
 
-Usage: python benchmarks/bench_checkouts.py --baseline DIR [--rounds 3] [--tests tests/test_schedule.py ...]
+Usage: python benchmarks/bench_checkouts.py --baseline DIR [--rounds 3] [--dtypes float32,bfloat16]
+       [--tests tests/test_schedule.py ...]
 (make DIR with `git worktree add DIR COMMIT`.)
 """
 
@@ -23,33 +32,49 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "bench_checkouts.md"
 DEFAULT_TESTS = ["tests/test_schedule.py", "tests/test_lifecycle.py", "tests/test_engine.py", "tests/test_lora.py"]
-RAG_WORKER = """
-import json, sys, time
+PRIME = "import sys; from kev_engine import Engine; Engine.from_pretrained(dtype=sys.argv[1]).close()"
+WORKER = """
+import json, resource, sys, time
 from kev_engine import Engine
-chats = json.load(open(sys.argv[1]))
-engine = Engine.from_pretrained(dtype="float32")
-engine.generate(chats[:1], {"temperature": 0, "max_tokens": 4})
+chats, dtype = json.load(open(sys.argv[1])), sys.argv[2]
 started = time.perf_counter()
-answers = engine.generate(chats, {"temperature": 0, "max_tokens": 48})
-print(json.dumps({"seconds": time.perf_counter() - started, "tokens": [a.token_ids for a in answers]}))
+engine = Engine.from_pretrained(dtype=dtype)
+result = {"load": time.perf_counter() - started, "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+engine.generate(chats[-1:], {"temperature": 0, "max_tokens": 4})
+for name, batch in (("one", chats[:1]), ("rag16", chats)):
+    started = time.perf_counter()
+    answers = engine.generate(batch, {"temperature": 0, "max_tokens": 48})
+    result[name] = time.perf_counter() - started
+    result[name + " tokens"] = [a.token_ids for a in answers]
+print(json.dumps(result))
 engine.close()
 """
+# the worker's numbers: key -> (the report's label, its format)
+MEASURES = {"load": ("load s", ".2f"), "rss": ("peak RSS after load MiB", ".0f"),
+            "one": ("one question s", ".2f"), "rag16": ("RAG-16 generate s", ".2f")}
 
 
 def _env(tree: Path) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(tree)}
 
 
-def rag16(tree: Path, chats_file: str) -> tuple[float, list[list[int]]]:
-    out = subprocess.run([sys.executable, "-c", RAG_WORKER, chats_file], env=_env(tree), cwd=tree,
-                         capture_output=True, text=True, check=True).stdout
-    result = json.loads(out.strip().splitlines()[-1])
-    return result["seconds"], result["tokens"]
+def _python(tree: Path, script: str, *argv: str) -> str:
+    run = subprocess.run([sys.executable, "-c", script, *argv], env=_env(tree), cwd=tree,
+                         capture_output=True, text=True)
+    if run.returncode != 0:
+        raise SystemExit(f"a worker ({' '.join(argv)}) failed in {tree}:\n{run.stderr[-3000:]}")
+    return run.stdout
+
+
+def measure(tree: Path, chats_file: str, dtype: str) -> dict:
+    """One fresh process: load (s), rss (MiB), one and rag16 (s), and their answers' token ids."""
+    return json.loads(_python(tree, WORKER, chats_file, dtype).strip().splitlines()[-1])
 
 
 def tests(tree: Path, files: list[str]) -> float:
@@ -68,11 +93,22 @@ def _cpu() -> str:
     return platform.processor() or "unknown CPU"
 
 
+def _row(label: str, fmt: str, samples: dict[str, list[float]]) -> str:
+    this, base = statistics.median(samples["this tree"]), statistics.median(samples["baseline"])
+    return f"| {label} | {this:{fmt}} | {base:{fmt}} | {this / base:.3f}x |"
+
+
+def _same(answers: dict[tuple[str, str], dict], dtype: str, key: str) -> bool:
+    return answers["this tree", dtype][f"{key} tokens"] == answers["baseline", dtype][f"{key} tokens"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--baseline", type=Path, required=True, help="a checkout of an earlier commit")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--tests", nargs="*", default=DEFAULT_TESTS, help="test files (none: RAG-16 alone)")
+    parser.add_argument("--dtypes", type=lambda text: [d for d in text.split(",") if d], default="float32,bfloat16",
+                        help="comma-separated dtypes for Engine.from_pretrained")
+    parser.add_argument("--tests", nargs="*", default=DEFAULT_TESTS, help="test files (none: no tests)")
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from workload import load_rag, rag_messages
@@ -80,26 +116,36 @@ def main() -> None:
     trees = {"this tree": ROOT, "baseline": args.baseline.resolve()}
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as handle:
         json.dump([rag_messages(item) for item in load_rag()], handle)
-    rag: dict[str, list[float]] = {name: [] for name in trees}
-    suite: dict[str, list[float]] = {name: [] for name in trees}
-    answers: dict[str, list[list[int]]] = {}
+    for tree in trees.values():
+        for dtype in args.dtypes:
+            _python(tree, PRIME, dtype)  # untimed: fills the caches a load reads
+    samples: dict[str, dict[str, list[float]]] = defaultdict(lambda: {name: [] for name in trees})
+    answers: dict[tuple[str, str], dict] = {}
     for round_ in range(args.rounds):
         for name, tree in (trees.items() if round_ % 2 == 0 else reversed(trees.items())):
-            seconds, answers[name] = rag16(tree, handle.name)
-            rag[name].append(seconds)
-            suite[name].append(tests(tree, args.tests) if args.tests else 0.0)
-            print(f"round {round_ + 1}, {name}: RAG-16 {seconds:.2f} s, tests {suite[name][-1]:.1f} s", flush=True)
-    same = answers["this tree"] == answers["baseline"]
-    rows = [f"| {name} | {statistics.median(rag[name]):.2f} | {statistics.median(suite[name]):.1f} |"
-            for name in trees]
-    ratio_rag = statistics.median(rag["this tree"]) / statistics.median(rag["baseline"])
-    ratio_tests = statistics.median(suite["this tree"]) / (statistics.median(suite["baseline"]) or 1.0)
+            parts = []
+            for dtype in args.dtypes:
+                result = answers[name, dtype] = measure(tree, handle.name, dtype)
+                for key in MEASURES:
+                    samples[f"{dtype} {key}"][name].append(result[key])
+                parts.append(f"{dtype} load {result['load']:.2f} s ({result['rss']:.0f} MiB), "
+                             f"one {result['one']:.2f} s, RAG-16 {result['rag16']:.2f} s")
+            if args.tests:
+                samples["tests"][name].append(tests(tree, args.tests))
+                parts.append(f"tests {samples['tests'][name][-1]:.1f} s")
+            print(f"round {round_ + 1}, {name}: {'; '.join(parts)}", flush=True)
+    rows = [_row(f"{dtype} {label}", fmt, samples[f"{dtype} {key}"])
+            for dtype in args.dtypes for key, (label, fmt) in MEASURES.items()]
+    if args.tests:
+        rows.append(_row("tests s", ".1f", samples["tests"]))
+    same = [f"{dtype} one {_same(answers, dtype, 'one')}, RAG-16 {_same(answers, dtype, 'rag16')}"
+            for dtype in args.dtypes]
     text = "\n".join([
-        f"# bench_checkouts ({time.strftime('%Y-%m-%d')}, {_cpu()}, {os.cpu_count()} CPUs; embedded model fp32)", "",
+        f"# bench_checkouts ({time.strftime('%Y-%m-%d')}, {_cpu()}, {os.cpu_count()} CPUs; "
+        f"embedded model, {', '.join(args.dtypes)})", "",
         f"Medians of {args.rounds} alternating rounds; tests: {' '.join(args.tests) or 'none'}", "",
-        "| tree | RAG-16 generate s | tests s |", "|---|---|---|", *rows, "",
-        f"this tree / baseline: RAG-16 {ratio_rag:.3f}x" + (f", tests {ratio_tests:.3f}x" if args.tests else "") + "; "
-        f"RAG-16 answers identical: {same}", ""])
+        "| measurement | this tree | baseline | this tree / baseline |", "|---|---|---|---|", *rows, "",
+        f"answers identical (token ids, last round): {'; '.join(same)}", ""])
     RESULTS.write_text(text)
     print(text)
 

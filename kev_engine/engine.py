@@ -14,6 +14,7 @@ is a budgeted pool of blocks, shared between questions that start with the same 
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import logging
 import math
@@ -26,7 +27,7 @@ from typing import Any, Literal, overload
 
 import torch
 
-from . import platforms
+from . import models, platforms
 from .adapters.pool import AdapterPool
 from .adapters.pool import check_name as check_adapter_name
 from .core import pass_cost
@@ -65,8 +66,12 @@ class Engine:
     """Many questions, one isolated packed forward pass.
 
     Args:
-        model: a transformers causal LM (its attention is switched to Kev's packed attention
-            while this engine lives; `close()` gives it back as it came).
+        model: a transformers causal LM, or Kev's own model (`models.DecoderModel`, what
+            `from_pretrained` loads for the families Kev owns). On Kev's path (`model_impl`) the
+            engine computes with its own forward over the model's tensors, and `engine.model` is
+            Kev's model: forward hooks on the transformers model are not run. On the fallback its
+            attention is switched to Kev's packed attention while this engine lives (`close()`
+            gives it back as it came), and hooks and replaced modules are honoured.
         tokenizer: its tokenizer; chat prompts use its chat template.
         max_batch_tokens: most tokens in one pass (prefill chunks + one token per decode): a hard cap.
         pass_time_ms: the target duration of one pass (None: `KEV_PASS_TIME_MS`, else 300 on CPU,
@@ -113,9 +118,14 @@ class Engine:
             segment), "varlen" or "flash-attn" (that kernel or an error), "torch" (SDPA per
             segment). Each kernel is tried on a probe pack first. Ignored on CPU, except that
             naming a kernel is an error.
-        cuda_graphs: replay decode passes (no prefill chunk, no adapter) as CUDA graphs, one per
-            row-count bucket (`platforms.cuda.graphs`), on a paged CUDA attention; bitwise the
-            eager result when batch-invariant (padding rows change nothing). False: eager.
+        model_impl: which forward computes, with vLLM's names: "kev" (Kev's own, for the Llama,
+            Mistral, Qwen2 and Qwen3 families: an error for others), "transformers" (the
+            transformers model through Kev's attention), "auto" (None: Kev's where the family is
+            Kev's, else transformers'). `stats()["model_impl"]` says which runs.
+        cuda_graphs: replay Kev's own model's decode passes (no prefill chunk, no adapter) as
+            CUDA graphs, one per row-count bucket (`platforms.cuda.graphs`), on a paged CUDA
+            attention; bitwise the eager result when batch-invariant (padding rows change
+            nothing). False: eager. The transformers fallback always runs eagerly.
     """
 
     def __init__(
@@ -139,28 +149,39 @@ class Engine:
         decode_kernel: str | None = None,
         max_model_len: int | None = None,
         threads: int | None = None,
+        model_impl: str | None = None,
     ) -> None:
         self.name = name or getattr(model.config, "_name_or_path", "") or type(model).__name__
         self.dtype_choice = "the model's own dtype"  # from_pretrained(dtype="auto") says why it chose
-        parameter = next(model.parameters())
         if not isinstance(cuda_graphs, bool):
             raise TypeError(f"cuda_graphs={cuda_graphs!r} is not allowed; use True or False")
         cpu_kernels = _renamed("decode_kernel", decode_kernel, "cpu_kernels", cpu_kernels)
+        impl = models.choose_impl(model_impl, model.config)
         self.threads = use_threads(threads)
-        # before claiming the model: a bad mode, a failed "compiled" build or a model Kev cannot
-        # pack (or not batch-invariantly, when that was asked for) leaves it as it came
+        # before anything about a transformers model changes: a bad mode, a failed "compiled" build
+        # or a model Kev cannot pack (or not batch-invariantly, when that was asked for) leaves it as it came
         max_context = context_length(model, tokenizer, max_model_len)
         check_packable(model, max_context)
+        if impl == "kev" and not isinstance(model, models.DecoderModel):
+            model = models.from_module(model)  # Kev's layout over the transformers model's tensors
+        elif impl == "transformers" and isinstance(model, models.DecoderModel):
+            raise ValueError("model_impl='transformers' needs a transformers model; this one is Kev's own "
+                             "(Engine.from_pretrained(..., model_impl='transformers') loads one)")
         self._platform = platforms.choose(model, cpu_kernels=cpu_kernels, batch_invariant=batch_invariant,
                                           cuda_attention=cuda_attention, cuda_graphs=cuda_graphs)
         self._platform.use_threads(self.threads)
-        claim_model(model, self)
-        prepare_model(model)
-        torch_elementwise = self._platform.install(model)
-        if torch_elementwise:  # said, not hidden: these keep torch's activation, whose last bit may move
-            log.warning("Kev: batch-invariant, except that %s keep torch's own elementwise code (a last-bit "
-                        "difference between packs is possible there)", ", ".join(torch_elementwise[:4]))
+        if impl == "kev":
+            model.use(self._platform.ops())
+        else:
+            claim_model(model, self)
+            prepare_model(model)
+            torch_elementwise = self._platform.install(model)
+            if torch_elementwise:  # said, not hidden: these keep torch's activation, whose last bit may move
+                log.warning("Kev: batch-invariant, except that %s keep torch's own elementwise code (a last-bit "
+                            "difference between packs is possible there)", ", ".join(torch_elementwise[:4]))
+        self.model_impl = impl
         self.model, self.tokenizer = model, tokenizer
+        parameter = next(model.parameters())
         self.dtype, self.device = parameter.dtype, parameter.device
         self.max_context = max_context
         self.eos_ids = eos_ids(model, tokenizer)
@@ -170,10 +191,13 @@ class Engine:
                                           useful_tokens=2 * max_num_seqs * self.max_context,
                                           default_bytes=self._platform.default_kv_cache_bytes)
         self._adapters = AdapterPool(model, self.device, max_adapters)
-        self._adapters.router.products = self._platform.lora_products  # the same products as the layers
-        graphs = self._platform.decode_graphs(model, max_num_seqs, self.max_context)  # may reserve a block
-        self._runner = ModelRunner(model, self._backend, self._adapters, device=self.device, graphs=graphs,
-                                   direct=self._platform.model_forward(model))
+        # the fallback's LoRA layers compute with the platform's products; Kev's model with its ops'
+        self._adapters.router.products = model.ops.lora_products if impl == "kev" else self._platform.lora_products
+        graphs = None
+        if impl == "kev":  # may reserve a block
+            graphs = self._platform.decode_graphs(functools.partial(model.forward, backend=self._backend),
+                                                  max_num_seqs, self.max_context)
+        self._runner = ModelRunner(model, self._backend, self._adapters, device=self.device, graphs=graphs)
         self._blocks = BlockManager(self._kv.num_blocks, self._kv.block_size)
         self.pass_time_ms = pass_cost.target_ms(pass_time_ms, self._platform.default_pass_ms)
         self._scheduler = Scheduler(max_batch_tokens, max_num_seqs, self._blocks, max_logits_tokens,
@@ -216,7 +240,8 @@ class Engine:
             chosen, why = dtype, None
             if dtype is None or dtype == "auto":  # decided here, once, so the engine can say why
                 chosen, why = platforms.auto_dtype(loader.resolve_device(device))
-            loaded, tokenizer, name = loader.load(model, device, chosen, trust_remote_code)
+            loaded, tokenizer, name = loader.load(model, device, chosen, trust_remote_code,
+                                                  engine_kwargs.get("model_impl"))
             engine = cls(loaded, tokenizer, name=name, **engine_kwargs)
             if why is not None:
                 engine.dtype_choice = why
@@ -378,6 +403,7 @@ class Engine:
                 "dtype": str(self.dtype).removeprefix("torch."),
                 "dtype_choice": self.dtype_choice,
                 "batch_invariant": self._platform.batch_invariant,
+                "model_impl": self.model_impl,
                 "threads": self.threads,
                 "pass_time_ms": self.pass_time_ms if math.isfinite(self.pass_time_ms) else None,  # None: no bound
                 "pass_seconds": self._life.pass_seconds.snapshot(),
@@ -572,8 +598,9 @@ class Engine:
         with self._runner.lock, self._cond:
             self._life.drain()
             self._adapters.restore_model()
-            release_model(self.model)
-            platforms.uninstall(self.model)
+            if self.model_impl == "transformers":
+                release_model(self.model)
+                platforms.uninstall(self.model)
             self._worker.thread = None
         self._life.delivery.close()
 
@@ -672,6 +699,8 @@ def _check_engine_kwargs(cls: type[Engine], engine_kwargs: dict[str, Any]) -> No
 
 def _logits_width(model: Any) -> int:
     """How many logits the model emits per position (its lm_head rows; may exceed the tokenizer)."""
+    if isinstance(model, models.DecoderModel):
+        return model.head.out_features
     head = model.get_output_embeddings()
     weight = getattr(head, "weight", None)
     return int(weight.shape[0]) if weight is not None else int(model.config.vocab_size)

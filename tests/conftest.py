@@ -18,6 +18,8 @@ from transformers import (
     GlmForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen3Config,
@@ -38,6 +40,7 @@ FAMILIES: dict[str, tuple[Any, Any]] = {
     "qwen3": (Qwen3Config, Qwen3ForCausalLM),
     "glm": (GlmConfig, GlmForCausalLM),
 }
+MODEL_CLASSES = {**FAMILIES, "mistral": (MistralConfig, MistralForCausalLM)}  # tiny_model's, beyond the suite's four
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -67,7 +70,7 @@ def tokenizer(request: pytest.FixtureRequest) -> Any:
 
 def tiny_model(family: str, tokenizer: Any, seed: int = 0, **overrides: Any) -> torch.nn.Module:
     """A random-weight model of `family` small enough for CPU tests, on the real vocabulary."""
-    config_cls, model_cls = FAMILIES[family]
+    config_cls, model_cls = MODEL_CLASSES[family]
     kwargs = dict(
         vocab_size=len(tokenizer),
         hidden_size=64,

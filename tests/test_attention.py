@@ -92,7 +92,7 @@ def test_no_dense_mask_reaches_the_attention(tokenizer, monkeypatch) -> None:
         return original(module, query, key, value, attention_mask, **kwargs)
 
     monkeypatch.setitem(attention.AttentionInterface._global_mapping, attention.KEV_ATTENTION, spy)
-    engine = Engine(tiny_model("qwen3", tokenizer), tokenizer)
+    engine = Engine(tiny_model("qwen3", tokenizer), tokenizer, model_impl="transformers")  # the fallback's attention
     engine.prompt_logits(QUESTIONS)
     assert seen and all(mask is None for mask in seen)
 
@@ -108,7 +108,7 @@ def test_segment_attention_with_prefix_is_bottom_right_causal() -> None:
 
 def test_model_used_outside_the_engine_fails_loudly(tokenizer) -> None:
     model = tiny_model("llama", tokenizer)
-    Engine(model, tokenizer)
+    Engine(model, tokenizer, model_impl="transformers")  # on the fallback, the model's attention is Kev's
     try:
         model(input_ids=torch.tensor([[1, 2, 3]]))
     except RuntimeError as exc:
@@ -394,9 +394,9 @@ def test_cpu_kernels_mode_is_checked_and_a_failed_build_is_said(tokenizer, monke
     model = tiny_model("llama", tokenizer)
     reference = reference_copy(model)  # before an engine claims the model
     with pytest.raises(RuntimeError, match="no C\\+\\+ compiler on PATH"):
-        Engine(model, tokenizer, cpu_kernels="compiled")
+        Engine(model, tokenizer, cpu_kernels="compiled", model_impl="transformers")
     with caplog.at_level("WARNING", logger="kev"):
-        engine = Engine(model, tokenizer)  # the failed "compiled" left the model unclaimed
+        engine = Engine(model, tokenizer, model_impl="transformers")  # the failed "compiled" left the model unclaimed
     assert engine.attention == "torch" and not engine.batch_invariant
     assert "no C++ compiler on PATH" in caplog.text and "not batch-invariant" in caplog.text
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]

@@ -80,7 +80,7 @@ def test_compiled_product_refuses_what_it_cannot_compute() -> None:
 
 def test_engine_installs_on_float32_cpu_and_close_removes(tokenizer) -> None:
     model = tiny_model("llama", tokenizer)
-    engine = Engine(model, tokenizer, batch_invariant=False)
+    engine = Engine(model, tokenizer, batch_invariant=False, model_impl="transformers")
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     head = model.get_output_embeddings()
     assert all(ours(m) is not None for m in linears)
@@ -97,18 +97,19 @@ def test_engine_leaves_other_forwards_and_dtypes_alone(tokenizer) -> None:
     model = tiny_model("llama", tokenizer)
     hooked = model.model.layers[0].self_attn.q_proj
     hook = hooked.forward = functools.partial(torch.nn.Linear.forward, hooked)  # as accelerate's hooks do
-    engine = Engine(model, tokenizer, batch_invariant=False)
+    engine = Engine(model, tokenizer, batch_invariant=False, model_impl="transformers")
     assert hooked.__dict__["forward"] is hook
     engine.close()
     assert hooked.__dict__["forward"] is hook
 
     plain = tiny_model("llama", tokenizer)
-    engine = Engine(plain, tokenizer, cpu_kernels="torch", batch_invariant=False)  # no kernels: W @ x.T, MKL
+    # no kernels: W @ x.T, MKL
+    engine = Engine(plain, tokenizer, cpu_kernels="torch", batch_invariant=False, model_impl="transformers")
     assert {ours(m).args[2] for m in plain.modules() if isinstance(m, torch.nn.Linear)} == {None}
     engine.close()
 
     half = tiny_model("llama", tokenizer).to(torch.bfloat16)
-    engine = Engine(half, tokenizer, batch_invariant=False)
+    engine = Engine(half, tokenizer, batch_invariant=False, model_impl="transformers")
     assert not any("forward" in m.__dict__ for m in half.modules() if isinstance(m, torch.nn.Linear))
     engine.close()
 

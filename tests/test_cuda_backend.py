@@ -23,13 +23,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from varlen_contract import GatheredContract, GatheredContractIsCausal, VarlenContract
 
 from kev_engine import Engine, SamplingParams
-from kev_engine.model.forward import run_model
 from kev_engine.model.pack import Segment, pack
 from kev_engine.platforms.cuda import choice, probe
 from kev_engine.platforms.cuda import graphs as cuda_graphs
 from kev_engine.platforms.cuda import varlen as cuda_backend
 from kev_engine.platforms.cuda.gathered import GatheredBackend
-from kev_engine.platforms.watch import Watch
 
 DOC = "The lighthouse was built in 1874 on a granite rock. " * 3
 PROMPTS = QUESTIONS + [chat("Who built it?", DOC), chat("When was it built?", DOC)]  # a shared prefix
@@ -44,6 +42,7 @@ def varlen_engine(tokenizer, monkeypatch, *, graphs: bool, gathered: bool = Fals
     monkeypatch.setattr(choice, "choose", lambda mode, device, dtype: backend)
     model = tiny_model("llama", tokenizer)
     engine = Engine(model, tokenizer, block_size=block_size, cuda_graphs=graphs, **kwargs)
+    engine.source = model  # the transformers model Kev's model was read from: the tests' reference
     for keys, values in zip(engine._kv.keys, engine._kv.values):  # stale memory: NaN wherever nobody wrote
         keys.fill_(math.nan)
         values.fill_(math.nan)
@@ -56,7 +55,7 @@ def test_varlen_path_matches_solo(tokenizer, monkeypatch, graphs) -> None:
     """Chunked prefill over cached blocks, a shared prefix, decode rows: every answer equals plain
     transformers alone, one varlen call per layer per pass, NaN in stale memory reaching nothing."""
     engine, kernel = varlen_engine(tokenizer, monkeypatch, graphs=graphs, max_batch_tokens=40, max_num_seqs=8)
-    reference = reference_copy(engine.model)
+    reference = reference_copy(engine.source)
     assert engine.attention == "varlen" and engine.cuda_graphs == graphs
     results = engine.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=6))
     for prompt, result in zip(PROMPTS, results):
@@ -91,7 +90,7 @@ def test_graph_replay_equals_eager_logits(tokenizer, monkeypatch) -> None:
     decode = pack(segments, engine.device, backend)
     assert engine._runner.graphs.fits(decode)
     via_bucket = engine._runner.graphs.run(decode)
-    eager = run_model(engine.model, decode, backend)
+    eager = engine.model.forward(decode, backend)
     # not bitwise here: this stand-in engine is not batch-invariant, and torch's CPU BLAS may sum the
     # bucket's 4 rows in another order than the eager pass's 3 (it does on some CPUs). Bitwise
     # replay on the invariant path is a GPU claim: tests/test_cuda.py
@@ -102,51 +101,26 @@ def test_graph_replay_equals_eager_logits(tokenizer, monkeypatch) -> None:
     engine.close()
 
 
-def test_graphs_follow_the_model(tokenizer, monkeypatch, caplog) -> None:
-    """A replay runs no Python and reads the tensors captured, so it must never stand in for a model
-    that changed since. A forward hook registered while the engine runs, on a module or for every
-    module: decode runs eagerly (a warning says so, once), and the hook on every pass; removed,
-    buckets replay again. A weight swapped for another tensor: the buckets are dropped and captured
-    anew. Control: `watch_model` made to see nothing, the hooked passes replay (on a GPU, without
-    the hook)."""
+def test_graphs_are_kevs_models_and_the_fallback_runs_its_hooks(tokenizer, monkeypatch) -> None:
+    """Decode graphs replay Kev's own model, whose weights stay where they were put; the transformers
+    fallback has none (a hook or a replaced module there would not run in a replay), and every
+    pass of it runs the hooks registered meanwhile."""
     engine, _ = varlen_engine(tokenizer, monkeypatch, graphs=True)
-    graphs, layer = engine._runner.graphs, engine.model.model.layers[1]
     sampling = SamplingParams(temperature=0, max_tokens=4)
-
-    def answers() -> list[list[int]]:
-        return [c.token_ids for c in engine.generate(QUESTIONS[:2], sampling)]
-
-    def hooked(register) -> list[str]:
-        calls: list[str] = []
-        handle = register(lambda module, args, out: calls.append(type(module).__name__))
-        try:
-            assert answers() == plain
-        finally:
-            handle.remove()
-        return calls
-
     try:
-        plain = answers()
-        assert graphs.replays == 3 and graphs.captured == [2]  # 3 decode passes of 2 rows
-        with caplog.at_level("WARNING", logger="kev"):
-            assert hooked(layer.mlp.register_forward_hook) == ["LlamaMLP"] * 4  # the prompts' pass, 3 decode passes
-        assert graphs.replays == 3
-        assert caplog.text.count("run eagerly, without CUDA graphs, while a forward hook is registered "
-                                 "(on model.model.layers.1.mlp)") == 1
-        assert "LlamaMLP" in hooked(torch.nn.modules.module.register_module_forward_hook)
-        assert graphs.replays == 3
-        assert answers() == plain and graphs.replays == 6
-        captured = graphs.statics[2]
-        layer.mlp.down_proj.weight = torch.nn.Parameter(layer.mlp.down_proj.weight.detach().clone())
-        assert answers() == plain and graphs.replays == 9
-        assert graphs.captured == [2] and graphs.statics[2] is not captured
-        monkeypatch.setattr(cuda_graphs, "watch_model", lambda model: (Watch(), [], ""))
-        graphs.statics.clear()
-        graphs._watch = None
-        hooked(layer.mlp.register_forward_hook)
-        assert graphs.replays == 12
+        plain = [c.token_ids for c in engine.generate(QUESTIONS[:2], sampling)]
+        assert engine._runner.graphs.replays == 3 and engine._runner.graphs.captured == [2]  # 3 decode passes of 2 rows
     finally:
         engine.close()
+    fallback, _ = varlen_engine(tokenizer, monkeypatch, graphs=True, model_impl="transformers")
+    calls: list[str] = []
+    try:
+        assert not fallback.cuda_graphs
+        fallback.model.model.layers[1].mlp.register_forward_hook(lambda module, args, out: calls.append("mlp"))
+        assert [c.token_ids for c in fallback.generate(QUESTIONS[:2], sampling)] == plain
+        assert calls == ["mlp"] * 4  # the prompts' pass and 3 decode passes
+    finally:
+        fallback.close()
 
 
 def test_buckets_and_choice() -> None:
@@ -310,7 +284,7 @@ def test_gathered_path_matches_solo(tokenizer, monkeypatch, block_size) -> None:
     (only the listed slots are gathered, so blocks handed out are not even cleared)."""
     engine, kernel = varlen_engine(tokenizer, monkeypatch, graphs=True, gathered=True, block_size=block_size,
                                    max_batch_tokens=40, max_num_seqs=8)
-    reference = reference_copy(engine.model)
+    reference = reference_copy(engine.source)
     assert engine.attention == "varlen" and engine._backend.form == "gathered" and not engine.cuda_graphs
     assert engine._backend.causal == {"window_size": (-1, 0)} and not engine._backend.takes_enable_gqa
     results = engine.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=6))

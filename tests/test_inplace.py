@@ -37,7 +37,7 @@ def is_mlp(module: torch.nn.Module) -> bool:
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_engine_installs_on_the_listed_classes_and_close_removes(family: str, tokenizer) -> None:
     model = tiny_model(family, tokenizer)
-    engine = Engine(model, tokenizer, batch_invariant=False)
+    engine = Engine(model, tokenizer, batch_invariant=False, model_impl="transformers")
     try:
         norms = [m for m in model.modules() if is_norm(m)]
         mlps = [m for m in model.modules() if is_mlp(m)]
@@ -64,7 +64,7 @@ def test_engine_installs_on_the_listed_classes_and_close_removes(family: str, to
 def test_batch_invariant_engine_computes_every_mlp_activation_by_the_kernel(family: str, tokenizer) -> None:
     """GLM's fused gate_up MLP included; equal to the module's own forward up to silu's rounding."""
     model = tiny_model(family, tokenizer)
-    engine = Engine(model, tokenizer, batch_invariant=True)
+    engine = Engine(model, tokenizer, batch_invariant=True, model_impl="transformers")
     try:
         mlps = [m for m in model.modules() if is_mlp(m)]
         assert mlps and all(ours(m) for m in mlps)
@@ -83,7 +83,7 @@ def test_batch_invariant_engine_computes_every_norm_by_the_kernel(family: str, t
     """Qwen3's head-sized q/k norms included; equal to the module's own forward up to the order of
     the squares' sum, and a row's result the same alone as among others."""
     model = tiny_model(family, tokenizer)
-    engine = Engine(model, tokenizer, batch_invariant=True)
+    engine = Engine(model, tokenizer, batch_invariant=True, model_impl="transformers")
     try:
         norms = [m for m in model.modules() if is_norm(m)]
         assert norms and all(m.__dict__["forward"].func is inplace._rms_norm_kernel for m in norms)

@@ -21,6 +21,7 @@ import torch
 from conftest import FAMILIES, make_adapter, tiny_model
 
 from kev_engine import Engine, SamplingParams
+from kev_engine.models import DecoderModel
 from kev_engine.tools.verify import _run
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -206,19 +207,34 @@ def test_embedded_model_packed_equals_alone_bitwise(embedded: Engine) -> None:
     assert len({tuple(tokens) for tokens, _ in packed}) > 1  # each question got its own answer
 
 
-def reorder_by_pass_size(model: torch.nn.Module) -> None:
+def reorder_by_pass_size(model: Any) -> None:
     """Break invariance on purpose: every MLP's down projection sums its K products in two parts
     split at a place that moves with the pass's row count (each part rounded in the model's
-    dtype, then added) — the kind of order a BLAS picks by shape, here by construction."""
-    def forward(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    dtype, then added) — the kind of order a BLAS picks by shape, here by construction. On Kev's
+    model its ops' product is replaced for the down projections (each layer then runs op by op);
+    on the transformers fallback the modules' forwards."""
+    def split_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         k = x.shape[-1]
         split = 1 + x.shape[-2] % (k - 1)
-        return (torch.nn.functional.linear(x[..., :split], layer.weight[:, :split])
-                + torch.nn.functional.linear(x[..., split:], layer.weight[:, split:], layer.bias))
+        return (torch.nn.functional.linear(x[..., :split], weight[:, :split])
+                + torch.nn.functional.linear(x[..., split:], weight[:, split:], bias))
 
+    if isinstance(model, DecoderModel):
+        product, downs = model.ops.linear, {id(layer.down) for layer in model.layers}
+
+        def linear(x: torch.Tensor, part: Any) -> torch.Tensor:
+            if id(part) not in downs:
+                return product(x, part)
+            weight = product(torch.eye(part.in_features, dtype=x.dtype), part).T  # W itself: one product per entry
+            return split_product(x, weight, part.bias)
+
+        model.ops.linear = linear
+        for layer in model.layers:
+            layer.native = None
+        return
     for name, module in model.named_modules():
         if name.endswith("mlp.down_proj"):
-            module.forward = functools.partial(forward, module)
+            module.forward = functools.partial(lambda layer, x: split_product(x, layer.weight, layer.bias), module)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])

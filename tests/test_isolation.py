@@ -91,12 +91,11 @@ def test_perturbing_b_at_same_length_leaves_a_bit_identical(tokenizer) -> None:
     assert len(b_changed) == len(b) and all(x != y for x, y in zip(b, b_changed))
     text_b, text_b2 = tokenizer.decode(b), tokenizer.decode(b_changed)
     # prompt_logits takes prompts, so feed raw ids through a model-level pack instead
-    from kev_engine.model.forward import run_model
     from kev_engine.model.pack import Segment, pack
 
     def a_logits(other: list[int]) -> torch.Tensor:
         batch = pack([Segment(0, other, 0, True), Segment(1, a, 0, True)])
-        return run_model(engine.model, batch, all_logits=True)[len(other):]
+        return engine.model.forward(batch, all_logits=True)[len(other):]
 
     assert text_b != text_b2
     assert torch.equal(a_logits(b), a_logits(b_changed))  # bit for bit

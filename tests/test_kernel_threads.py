@@ -16,6 +16,7 @@ from conftest import tiny_model
 
 from kev_engine import Engine
 from kev_engine.core.threads import use_threads
+from kev_engine.models import DecoderModel
 from kev_engine.platforms.cpu.kernels import load_kernels
 
 SHAPES = [(1, 576, 1536), (16, 576, 1536), (200, 576, 1000)]  # a decode row, a decode step, a prefill
@@ -132,12 +133,17 @@ def test_threads_is_set_checked_and_said(tokenizer: Any, restore_threads: None, 
 
 @pytest.mark.parametrize("batch_invariant", [True, False])
 def test_torch_runs_serially_on_the_pass_thread_only_where_kev_computes_everything(
-        tokenizer: Any, restore_threads: None, batch_invariant: bool) -> None:
+        tokenizer: Any, restore_threads: None, batch_invariant: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     torch.set_num_threads(2)
     seen: list[int] = []
-    model = tiny_model("llama", tokenizer)
-    model.register_forward_pre_hook(lambda *_: seen.append(torch.get_num_threads()))
-    with Engine(model, tokenizer, batch_invariant=batch_invariant) as engine:
+    forward = DecoderModel.forward
+
+    def spy(self: DecoderModel, *args: Any, **kwargs: Any) -> torch.Tensor:
+        seen.append(torch.get_num_threads())
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(DecoderModel, "forward", spy)
+    with Engine(tiny_model("llama", tokenizer), tokenizer, batch_invariant=batch_invariant) as engine:
         engine.generate([{"prompt_token_ids": [1, 2, 3]}])
     # batch-invariant: Kev's pool does the work, torch's own ops stay on the pass's thread; the
     # control: on torch's kernels (BLAS) torch keeps its threads

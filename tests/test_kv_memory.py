@@ -59,7 +59,7 @@ def test_shared_prefix_logits_equal_plain_forward(family, tokenizer) -> None:
     """Question B starts after the document blocks that question A writes in the same pass."""
     model = tiny_model(family, tokenizer)
     reference = reference_copy(model)
-    Engine(model, tokenizer)  # switches the model to Kev's attention
+    Engine(model, tokenizer, model_impl="transformers")  # switches the model to Kev's attention
     a_ids, b_ids = (encode_prompt(tokenizer, p, 1024) for p in DOC_QUESTIONS[:2])
     backend = TorchBackend()
     kv = backend.allocate(model, torch.device("cpu"), torch.float32, kv_cache_bytes=8 << 20, block_size=16)

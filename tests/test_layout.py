@@ -19,7 +19,7 @@ DEVICE_BRANCH = re.compile(
     r"|[=!]= *['\"](cuda|cpu|mps|xpu)['\"]|['\"](cuda|cpu|mps|xpu)['\"] *[=!]="
     r"|(backend|attention|platform)\.name *[=!]="
 )
-STAGES = ("inputs", "core", "model", "adapters", "sample", "outputs", "platforms", "tools")
+STAGES = ("inputs", "core", "model", "models", "adapters", "sample", "outputs", "platforms", "tools")
 
 
 def engine_imports(source: str) -> list[str]:

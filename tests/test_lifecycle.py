@@ -311,15 +311,18 @@ def test_a_failed_pass_fails_each_request_with_its_own_error(
 
 
 def test_a_model_serves_one_live_engine_and_comes_back_clean(tokenizer: Any, tmp_path: Path) -> None:
+    """On the transformers fallback an engine changes the model it serves (its attention, LoRA
+    layers), so one model serves one live engine; Kev's own path reads its tensors and changes
+    nothing, so two engines may share one."""
     model = tiny_model("llama", tokenizer)
     reference = reference_copy(model)
     original_attention = model.config._attn_implementation
     folder = make_adapter(model, tmp_path / "a", seed=1)
-    first = make_engine(tokenizer, model, name="first-engine")
+    first = make_engine(tokenizer, model, name="first-engine", model_impl="transformers")
     first.load_adapter("a", str(folder))
     assert first.generate([QUESTIONS[0]], GREEDY, adapters="a")[0].completion_tokens == 8
     with pytest.raises(ValueError, match="first-engine"):
-        make_engine(tokenizer, model, name="second-engine")
+        make_engine(tokenizer, model, name="second-engine", model_impl="transformers")
     assert first.generate([QUESTIONS[0]], GREEDY)[0].completion_tokens == 8  # the refusal left it serving
     close_bounded(first)
 
@@ -330,7 +333,7 @@ def test_a_model_serves_one_live_engine_and_comes_back_clean(tokenizer: Any, tmp
         expected = reference(input_ids=ids).logits[0]
         torch.testing.assert_close(model(input_ids=ids).logits[0], expected, atol=ATOL, rtol=0)
 
-    second = make_engine(tokenizer, model, name="second-engine")
+    second = make_engine(tokenizer, model, name="second-engine", model_impl="transformers")
     second.load_adapter("a", str(folder))
     plain, adapted = second.prompt_logits([QUESTIONS[1], QUESTIONS[1]], adapters=[None, "a"])
     torch.testing.assert_close(plain, expected, atol=ATOL, rtol=0)
@@ -339,6 +342,10 @@ def test_a_model_serves_one_live_engine_and_comes_back_clean(tokenizer: Any, tmp
         torch.testing.assert_close(adapted, peft(input_ids=ids).logits[0], atol=ATOL, rtol=0)
     assert not torch.allclose(plain, adapted, atol=1e-3)
     close_bounded(second)
+    own = [make_engine(tokenizer, model, name=f"own-{i}") for i in range(2)]
+    assert [e.prompt_logits([QUESTIONS[1]])[0].shape for e in own] == [expected.shape] * 2
+    for engine in own:
+        close_bounded(engine)
 
 
 # ---- worker: an engine dropped without close() ---------------------------------------------------

@@ -34,6 +34,8 @@ class LoraWeights:
 
 LoraProducts = Callable[[LoraWeights, torch.Tensor], torch.Tensor]
 """A platform's `B(A(x)) * scaling` for rows x [n, in] in the adapter's dtype → [n, out]."""
+LoraRoutes = "Sequence[tuple[LoraAdapter, slice | torch.Tensor]]"
+"""Each adapter of a pass with its rows of the pack (`LoraRouter.routes`)."""
 
 
 def torch_delta(weights: LoraWeights, x: torch.Tensor) -> torch.Tensor:

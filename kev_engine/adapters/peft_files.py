@@ -118,7 +118,27 @@ def _warn_if_other_base(name: str, config: dict[str, Any], model: nn.Module) -> 
         )
 
 
-def load_adapter(name: str, path: str | Path, model: nn.Module) -> LoraAdapter:
+def _target_shape(name: str, model: Any, module_name: str) -> tuple[int, int]:
+    """(in_features, out_features) of the projection an adapter targets: a part of Kev's own model
+    (q/k/v/o/gate/up/down, by PEFT's module name), or a Linear of a transformers model."""
+    if not isinstance(model, nn.Module):
+        shape = model.lora_target(module_name)
+        if shape is None:
+            raise AdapterError(f"adapter {name!r} targets {module_name!r}; Kev's own model takes LoRA on the "
+                               "decoder layers' q/k/v/o_proj and gate/up/down_proj (Engine(model_impl="
+                               "'transformers') serves adapters on other modules)")
+        return shape
+    try:
+        base = model.get_submodule(module_name)
+    except AttributeError:
+        raise AdapterError(f"adapter {name!r} targets {module_name!r}, which this base model does not have") from None
+    base = base.base if isinstance(base, MultiLoRALinear) else base
+    if not isinstance(base, nn.Linear):
+        raise AdapterError(f"adapter {name!r} targets {module_name!r}, a {type(base).__name__}; only Linear layers")
+    return base.in_features, base.out_features
+
+
+def load_adapter(name: str, path: str | Path, model: Any) -> LoraAdapter:
     """Read and validate a PEFT LoRA adapter against `model`; weights stay on the CPU.
 
     The base-model check is by shape: an adapter whose matrices do not fit `model` is refused.
@@ -167,21 +187,13 @@ def load_adapter(name: str, path: str | Path, model: nn.Module) -> LoraAdapter:
         if set(ab) != {"lora_A", "lora_B"}:
             missing = ({"lora_A", "lora_B"} - set(ab)).pop()
             raise AdapterError(f"adapter {name!r}: module {module_name!r} lacks {missing}")
-        try:
-            base = model.get_submodule(module_name)
-        except AttributeError:
-            raise AdapterError(
-                f"adapter {name!r} targets {module_name!r}, which this base model does not have"
-            ) from None
-        base = base.base if isinstance(base, MultiLoRALinear) else base
-        if not isinstance(base, nn.Linear):
-            raise AdapterError(f"adapter {name!r} targets {module_name!r}, a {type(base).__name__}; only Linear layers")
+        in_features, out_features = _target_shape(name, model, module_name)
         lora_A, lora_B = ab["lora_A"], ab["lora_B"]
         r = _pattern_value(rank_pattern, module_name, rank)
-        if lora_A.shape != (r, base.in_features) or lora_B.shape != (base.out_features, r):
+        if lora_A.shape != (r, in_features) or lora_B.shape != (out_features, r):
             raise AdapterError(
                 f"adapter {name!r}: {module_name} has lora_A {list(lora_A.shape)} and lora_B {list(lora_B.shape)}; "
-                f"this base model needs [{r}, {base.in_features}] and [{base.out_features}, {r}] "
+                f"this base model needs [{r}, {in_features}] and [{out_features}, {r}] "
                 "(an adapter for another base model?)"
             )
         a = float(_pattern_value(alpha_pattern, module_name, alpha))  # checked finite above

@@ -90,8 +90,10 @@ class AdapterPool:
         )
 
     def install(self, adapter: LoraAdapter) -> None:
-        """Make a read adapter servable: wrap its target modules (under the forward lock)."""
-        wrap_targets(self.model, list(adapter.modules), self.router)
+        """Make a read adapter servable: on a transformers model, wrap its target modules (under the
+        forward lock); Kev's own model reads the router's routes itself."""
+        if isinstance(self.model, nn.Module):
+            wrap_targets(self.model, list(adapter.modules), self.router)
         self.unloading.discard(adapter.name)
         self.known[adapter.name] = adapter
         self.versions[adapter.name] = next(_versions)
@@ -103,7 +105,7 @@ class AdapterPool:
     def restore_model(self) -> None:
         """Put the model's original Linear layers back (closing: the model leaves clean; starting:
         it arrives clean)."""
-        for module_name, module in list(self.model.named_modules()):
+        for module_name, module in list(self.model.named_modules()) if isinstance(self.model, nn.Module) else []:
             if isinstance(module, MultiLoRALinear):
                 parent_name, _, child = module_name.rpartition(".")
                 parent = self.model.get_submodule(parent_name) if parent_name else self.model

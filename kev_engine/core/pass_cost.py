@@ -57,16 +57,20 @@ class Work:
 
     @classmethod
     def of(cls, model: Any) -> Work:
-        """From the model's own Linear layers and config (any HF causal LM)."""
+        """From the model's products (Kev's model, or any HF causal LM's Linear layers) and config."""
         config = model.config
         text = getattr(config, "get_text_config", lambda: config)()
         hidden = int(text.hidden_size)
         layers = int(text.num_hidden_layers)
         heads = int(getattr(text, "num_attention_heads", 1) or 1)
         head_dim = int(getattr(text, "head_dim", None) or hidden // heads)
-        head = model.get_output_embeddings()
-        head_weights = head.weight.numel() if getattr(head, "weight", None) is not None else 0
-        linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
+        if hasattr(model, "linears"):  # Kev's own model: its products, the output head last
+            sizes = [linear.in_features * linear.out_features for linear in model.linears()]
+            head_weights, linear = sizes[-1], sum(sizes)
+        else:
+            head = model.get_output_embeddings()
+            head_weights = head.weight.numel() if getattr(head, "weight", None) is not None else 0
+            linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
         return cls(per_token=2.0 * max(linear - head_weights, 1), per_row=2.0 * max(head_weights, 1),
                    per_pair=4.0 * heads * head_dim * layers)
 

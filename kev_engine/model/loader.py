@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from .. import platforms
+from .. import models, platforms
 
 log = logging.getLogger("kev")
 
@@ -166,13 +166,16 @@ def load(
     device: str | torch.device | None = None,
     dtype: str | torch.dtype | None = None,
     trust_remote_code: bool = False,
+    model_impl: str | None = None,
 ) -> tuple[Any, Any, str]:
     """Return (model, tokenizer, name) for a source; None is the embedded default.
 
     A source is a local folder, a .gguf file or a hub id (`owner/name`); a path that does not
-    exist raises `FileNotFoundError` naming it, without touching the network.
+    exist raises `FileNotFoundError` naming it, without touching the network. A folder of a family
+    Kev owns is read straight into Kev's model (`models.from_folder`, unless `model_impl` is
+    "transformers"); any other loads as a transformers model.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
@@ -201,8 +204,12 @@ def load(
     else:
         kwargs = {"trust_remote_code": trust_remote_code}
         tokenizer = AutoTokenizer.from_pretrained(str(folder), **kwargs)
+        # the model's name, not the cache folder's: adapters compare it to their base model's
+        own_name = name if source is None or Path(source).suffix == ".gguf" else None
+        config = AutoConfig.from_pretrained(str(folder), **kwargs)
+        if models.choose_impl(model_impl, config) == "kev":
+            return models.from_folder(folder, torch_dtype, torch_device, own_name), tokenizer, name
         model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch_dtype, **kwargs)
-        if source is None or Path(source).suffix == ".gguf":
-            # the model's name, not the cache folder's: adapters compare it to their base model's
-            model.config._name_or_path = name
+        if own_name is not None:
+            model.config._name_or_path = own_name
     return model.to(torch_device), tokenizer, name  # type: ignore[arg-type]

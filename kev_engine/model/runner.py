@@ -2,40 +2,35 @@
 
 Where this sits: `Stepper.step` between scheduling and sampling. It owns what touches the model
 and its KV memory during a pass: the platform's attention backend bound to the pool, each
-segment's LoRA adapter routed to its rows, and the platform's own way to run a pass where it
-has one (decode graphs; a pass of Kev's calls alone, without the model's forward).
-`lock` is held for every forward; adapters install and the model is given back only between passes.
+segment's LoRA adapter routed to its rows, and which implementation computes: Kev's own model
+(`models`: its forward, or its decode passes replayed as the platform's graphs) or the
+transformers fallback (`forward.run_model`). `lock` is held for every forward; adapters install
+and the model is given back only between passes.
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..adapters.pool import AdapterPool
 from ..core.schedule import Chunk
+from ..models import DecoderModel
 from ..platforms.base import AttentionBackend
 from .forward import run_model
 from .pack import PackedBatch, Segment, pack
 
-
-class Graphs(Protocol):
-    """A platform's own way to run the passes it fits: replayed decode graphs
-    (`Platform.decode_graphs`) or the model's pass as the platform's calls alone
-    (`Platform.model_forward`); `run` returns what `run_model` would."""
-
-    def fits(self, batch: PackedBatch) -> bool: ...
-
-    def run(self, batch: PackedBatch) -> torch.Tensor: ...
+if TYPE_CHECKING:
+    from ..platforms.cuda.graphs import DecodeGraphs
 
 
 class ModelRunner:
     def __init__(self, model: Any, backend: AttentionBackend, adapters: AdapterPool, *, device: torch.device,
-                 graphs: Graphs | None = None, direct: Graphs | None = None) -> None:
-        """`graphs`: the platform's decode graphs, replayed for the passes they fit; `direct`: its
-        pass of the model without the model's forward, for the passes it fits."""
+                 graphs: DecodeGraphs | None = None) -> None:
+        """`model`: Kev's (`models.DecoderModel`) or a transformers model (the fallback); `graphs`:
+        the platform's decode graphs of Kev's model, replayed for the passes they fit."""
         self.model = model
         self.backend = backend
         self.pool = backend.pool
@@ -43,7 +38,7 @@ class ModelRunner:
         self.adapters = adapters
         self.lock = threading.Lock()  # one forward at a time; adapters install between passes
         self.graphs = graphs
-        self.direct = direct
+        self.own = isinstance(model, DecoderModel)
 
     def pack(self, chunks: list[Chunk]) -> PackedBatch:
         """Each chunk's tokens after what its request has computed, with its blocks and adapter."""
@@ -66,10 +61,10 @@ class ModelRunner:
         with self.lock:
             self.adapters.router.set_routes(batch.cu_seqlens_list, batch.adapters, resident)
             try:
+                if not self.own:
+                    return run_model(self.model, batch, self.backend)
                 if self.graphs is not None and self.graphs.fits(batch):
                     return self.graphs.run(batch)
-                if self.direct is not None and self.direct.fits(batch):
-                    return self.direct.run(batch)
-                return run_model(self.model, batch, self.backend)
+                return self.model.forward(batch, self.backend, self.adapters.router.routes)
             finally:
                 self.adapters.router.clear()

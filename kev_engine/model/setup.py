@@ -9,6 +9,8 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
+from torch import nn
+
 from . import rotary
 from .attention import KEV_ATTENTION
 
@@ -44,8 +46,8 @@ def release_model(model: Any) -> None:
 def check_packable(model: Any, context: int) -> None:
     """Refuse what Kev's packed attention cannot compute, before anything about the model changes,
     so a model never loads to fail every request: a sliding window narrower than `context` (the
-    engine's context length), soft-capped attention scores, attention sinks, a model outside
-    transformers' AttentionInterface, rope types a pack cannot share."""
+    engine's context length), soft-capped attention scores; of a transformers model also attention
+    sinks, a model outside transformers' AttentionInterface, rope types a pack cannot share."""
     name = type(model).__name__
     window = attention_window(model.config.get_text_config())
     if window is not None and window[0] < context:
@@ -60,6 +62,8 @@ def check_packable(model: Any, context: int) -> None:
         if value is not None:
             raise ValueError(f"{name} sets config.{field}={value!r}; Kev's packed attention does not "
                              "soft-cap attention scores")
+    if not isinstance(model, nn.Module):  # Kev's own model: its rope was checked when it was built
+        return
     sinks = [key for key, _ in model.named_parameters() if key.rsplit(".", 1)[-1] in SINK_PARAMETERS]
     if sinks:
         raise ValueError(f"{name} has attention sinks ({sinks[0]}); Kev's packed attention has none")

@@ -18,7 +18,7 @@ from torch import nn
 
 from . import inplace, invariance
 from .base import AttentionBackend, Platform
-from .cpu import attention_forward, dtype_choice, exact_linear, kernels, layer_forward, rotary_table, rows_linear
+from .cpu import dtype_choice, exact_linear, kernels, rotary_table, rows_linear
 from .cpu.platform import CpuPlatform
 from .cpu.platform import why_not_invariant as cpu_why_not
 from .cuda import choice as cuda_choice
@@ -52,13 +52,11 @@ def choose(model: nn.Module, *, cpu_kernels: str | None, batch_invariant: bool |
 
 
 def uninstall(model: nn.Module) -> None:
-    """Every platform's forwards off the model: it computes as it came."""
+    """Every platform's forwards off a transformers model (the fallback): it computes as it came."""
     rows_linear.uninstall(model)
     exact_linear.uninstall(model)
     cuda_invariant.uninstall(model)
     rotary_table.uninstall(model)
-    attention_forward.uninstall(model)
-    layer_forward.uninstall(model)
     inplace.uninstall(model)
 
 

@@ -1,8 +1,9 @@
 """The platform seam: how an engine computes on its device, and who keeps its keys/values.
 
 `Platform` is everything device-specific an engine needs, chosen once in `Engine.__init__`
-(`platforms.choose`): what it installs on the model (Linear products, elementwise work), its
-attention backend, the LoRA deltas' products, whether it runs batch-invariant, decode graphs, the
+(`platforms.choose`): the ops Kev's own model computes with (`ops`), what it installs on a
+transformers model on the fallback path (Linear products, elementwise work), its attention
+backend, the LoRA deltas' products there, whether it runs batch-invariant, decode graphs, the
 default KV budget and pass duration. Nothing outside `platforms/` asks which device or kernel runs.
 
 `AttentionBackend`, the platform's attention: chosen with it, it allocates the
@@ -31,10 +32,10 @@ from torch import nn
 
 from ..adapters.lora import LoraProducts, torch_delta
 from ..model.kv_pool import KVPool, Shape, host_kv_cache_bytes
+from ..models.ops import Ops
 
 if TYPE_CHECKING:
     from ..model.pack import PackedBatch, Segment
-    from .cpu.model_forward import ModelForward
     from .cuda.graphs import DecodeGraphs
 
 
@@ -112,18 +113,19 @@ class Platform:
         self.lora_products: LoraProducts = torch_delta  # the LoRA deltas: the same products as the layers
 
     def install(self, model: nn.Module) -> list[str]:
-        """Give the model this platform's forwards (the model is already on Kev's attention); return
-        the modules left on torch's own elementwise code on the batch-invariant path, for the
-        engine to say. `platforms.uninstall` takes every platform's forwards off again."""
+        """Give a transformers model (the fallback path, already on Kev's attention) this
+        platform's forwards; return the modules left on torch's own elementwise code on the
+        batch-invariant path, for the engine to say. `platforms.uninstall` takes every platform's forwards off again."""
         return []
 
-    def decode_graphs(self, model: nn.Module, max_rows: int, max_context: int) -> DecodeGraphs | None:
-        """Decode passes replayed as graphs, or None where the platform has none."""
-        return None
+    def ops(self) -> Ops:
+        """The ops Kev's own model computes with on this platform (`models.ops`: torch's here)."""
+        return Ops()
 
-    def model_forward(self, model: nn.Module) -> ModelForward | None:
-        """The model's pass as this platform's calls alone, without the model's forward around
-        them (`fits` and `run`, as the runner takes them), or None where it has none."""
+    def decode_graphs(self, forward: Callable[[PackedBatch], torch.Tensor], max_rows: int,
+                      max_context: int) -> DecodeGraphs | None:
+        """Decode passes of Kev's model (`forward`: a pack → logits) replayed as graphs, or None
+        where the platform has none."""
         return None
 
     def use_threads(self, threads: int) -> None:

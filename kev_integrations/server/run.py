@@ -56,6 +56,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", dest="max_model_len", type=int, metavar="TOKENS",
                         help="longest question (prompt + answer) in tokens, at most the model's context (default: "
                         "the model's); a model with a narrower sliding window loads only with this at most the window")
+    parser.add_argument("--model-impl", dest="model_impl", choices=("auto", "kev", "transformers"),
+                        help="the model's implementation: auto (default: Kev's own forward for the Llama, Mistral, "
+                        "Qwen2 and Qwen3 families, else transformers' modeling code), kev, transformers")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--api-key", dest="api_keys", action="append", metavar="KEY",
@@ -120,11 +123,13 @@ def missing_adapter_folder(adapters: dict[str, str]) -> str | None:
 
 
 def engine_factory(model: str | None, device: str | None, dtype: str | None,
-                   adapters: dict[str, str], max_model_len: int | None = None) -> Callable[[], Engine]:
+                   adapters: dict[str, str], max_model_len: int | None = None,
+                   model_impl: str | None = None) -> Callable[[], Engine]:
     """The engine with its adapters, or a `StartError` naming the flag whose value did not load."""
     def load() -> Engine:
         try:
-            engine = Engine.from_pretrained(model, device=device, dtype=dtype, max_model_len=max_model_len)
+            engine = Engine.from_pretrained(model, device=device, dtype=dtype, max_model_len=max_model_len,
+                                            model_impl=model_impl)
         except Exception as exc:
             raise StartError(f"--model {model or EMBEDDED_NAME!r} could not be loaded: "
                              f"{type(exc).__name__}: {exc}") from exc
@@ -233,7 +238,7 @@ def serve(args: Any) -> int:
 
     ready = Ready(name, stop)
     app = build_app(ready.loader(engine_factory(
-        args.model, args.device, args.dtype, adapters, args.max_model_len)), config,
+        args.model, args.device, args.dtype, adapters, args.max_model_len, args.model_impl)), config,
                     model_name=name)
     server = Server(uvicorn.Config(app, host=args.host, port=args.port, timeout_graceful_shutdown=args.grace,
                                    log_level="info", http=header_deadline_protocol(

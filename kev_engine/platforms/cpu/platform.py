@@ -1,16 +1,15 @@
-"""The CPU platform: Kev's compiled kernels on the model, batch-invariant where they cover it.
+"""The CPU platform: Kev's compiled kernels, batch-invariant where they cover the model.
 
-Batch-invariant (the default where the kernels load, in float32 and bfloat16): every `nn.Linear`,
-the output head and LoRA deltas by the packed product (`exact_linear`, one summation order fixed by
-K alone), rotary cos/sin from a table (`rotary_table`), the MLP's `silu(gate) * up` and RMSNorm
-by kernels (`inplace`), and every attention row by the exact kernel (`exact.ExactBackend`). Otherwise: the
-few-row product for decode (`rows_linear`), elementwise work in place, and the compiled decode
-kernel (`compiled.CompiledBackend`), or torch's ops where the kernels are off or failed to build.
-On both, wherever the kernels load, the rotary embedding is applied in one call per tensor
-(`attention_forward`: transformers' formula, the same bits), and each decoder layer calls those
-forwards directly (`layer_forward`: the same bits, without the modules' dispatch). On the
-batch-invariant path a pass may skip the model's forward too (`model_forward`: checked bitwise
-against it on a first decode pass).
+Kev's own model computes with the platform's ops (`ops`): batch-invariant (the default where the
+kernels load, in float32 and bfloat16) every product by the packed kernel, each layer as one
+kernel call, and every attention row by the exact kernel (`exact.ExactBackend`); otherwise the
+few-row product for decode and the compiled decode kernel (`compiled.CompiledBackend`), or
+torch's ops where the kernels are off or failed to build.
+
+A transformers model on the fallback path gets the same kernels installed on its modules: every
+`nn.Linear` (the output head too) by the packed product (`exact_linear`), rotary cos/sin from a
+table (`rotary_table`), the MLP's `silu(gate) * up` and RMSNorm by kernels (`inplace`); or the
+few-row product (`rows_linear`) and elementwise work in place.
 """
 
 from __future__ import annotations
@@ -21,14 +20,15 @@ import torch
 from torch import nn
 
 from ...adapters.lora import LoraWeights
+from ...models.ops import Ops
 from .. import inplace
 from ..base import AttentionBackend, Platform
 from ..torch_ops import TorchBackend
-from . import attention_forward, exact_linear, layer_forward, rotary_table, rows_linear
+from . import exact_linear, rotary_table, rows_linear
 from .compiled import CompiledBackend
 from .exact import ExactBackend
 from .kernels import Kernels
-from .model_forward import ModelForward
+from .ops import ExactOps, FastOps
 
 
 class CpuPlatform(Platform):
@@ -51,15 +51,10 @@ class CpuPlatform(Platform):
             assert self.kernels is not None
             exact_linear.install(model, self.kernels)  # every Linear: one summation order at any row count
             left = rotary_table.install(model)
-            attention_forward.install(model, self.kernels.rotary)  # the same bits as transformers' rotary
             left += inplace.install(model, self.kernels.silu_mul, self.kernels.rms_norm)
-            layer_forward.install(model, self.kernels)  # each layer straight to those kernels: the same bits
             return left
         rows_linear.install(model, self.kernels.rows_linear if self.kernels is not None else None)  # few-row products
         inplace.install(model)  # Llama-style MLPs and RMSNorms: elementwise work in place
-        if self.kernels is not None:
-            attention_forward.install(model, self.kernels.rotary)
-            layer_forward.install(model)
         return []
 
     def use_threads(self, threads: int) -> None:
@@ -76,9 +71,11 @@ class CpuPlatform(Platform):
             torch.get_num_threads()  # torch's lazy per-thread setup first, so it cannot undo this
             self.kernels.serial_torch_here()
 
-    def model_forward(self, model: nn.Module) -> ModelForward | None:
-        """On the batch-invariant path: the embedding, each layer's one kernel call, the norm and the head."""
-        return ModelForward(model, self.attention) if isinstance(self.attention, ExactBackend) else None
+    def ops(self) -> Ops:
+        """Kev's kernels: batch-invariant (`ExactOps`), or fast (`FastOps`); torch's without them."""
+        if self.kernels is None:
+            return Ops()
+        return ExactOps(self.kernels) if self.batch_invariant else FastOps(self.kernels)
 
     def _exact_delta(self, weights: LoraWeights, x: torch.Tensor) -> torch.Tensor:
         """Both LoRA products by the packed kernel: a row's delta is the same however many rows of

@@ -14,12 +14,10 @@ one block the engine never hands out (`trash_block`), so they touch no question'
 their logits are dropped. The kernel's `max_seqlen_k` is the model's context length: an upper
 bound it only uses to size its work, the same at capture and at every replay.
 
-A replay runs the kernels captured on the tensors captured, and no Python: a forward hook
-registered later would never run, a part replaced (a LoRA adapter loaded) or a weight swapped for
-another tensor would never be read. So every module's children, forward, parameters and buffers
-are watched from the first capture (`watch_model`), and checked before each replay: changed,
-the buckets are dropped and captured anew from the model as it is; while any forward hook is
-there (on a module, or for every module), decode runs eagerly, where hooks run.
+A replay runs the kernels captured on the tensors captured, and no Python: the graphs are of Kev's
+own model (`models`), whose weights stay where they were put when the engine started; a pass with
+an adapter runs eagerly. The transformers fallback has no graphs: its modules may be hooked or
+replaced at any time, and a replay would not see it.
 
 Replay equals eager bitwise when the engine is batch-invariant (its products and norms do not
 depend on the row count, attention keeps `num_splits=1`): a padded row changes nothing of a real
@@ -28,21 +26,15 @@ one. On a CPU engine (tests) the same static path runs eagerly (`capture=False`)
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import nn
-from torch.nn.modules import module as torch_module
 
 from ...core.blocks import blocks_for
 from ...model.pack import PackedBatch
-from ..watch import Watch
 from .varlen import PagedTables
-
-log = logging.getLogger("kev")
 
 WARMUP_PASSES = 2  # before a capture: lazy inits (cuBLAS handles, Triton compiles) must not be captured
 
@@ -73,43 +65,6 @@ def why_not_graph(batch: PackedBatch) -> str | None:
     if batch.logits_rows != [(i, i + 1) for i in range(batch.num_segments)]:
         return "a row without exactly one logits row"
     return None
-
-
-Hooked = list[tuple[dict[str, Any], str, dict[Any, Any]]]  # (holder, name, table): hook tables in use
-
-
-def watch_model(model: nn.Module) -> tuple[Watch | None, Hooked, str]:
-    """What a replay of `model`'s graphs takes as it was at capture: every module's children,
-    forward, parameters and buffers, and no forward hooks. Where hooks are there now (a capture
-    would run them once and its replays never): no watch, the tables that hold them (to see them
-    gone) and where the first hangs. Each module's dictionaries are read once each: a change by
-    another thread meanwhile is seen at the next pass. Their entries are watched, not the
-    dictionaries themselves (torch writes into them; one replaced wholesale is not seen): every
-    replay pays for each entry."""
-    shared = vars(torch_module)  # the hook tables for every module
-    hooked: Hooked = [(shared, name, shared[name]) for name in ("_global_forward_hooks", "_global_forward_pre_hooks")
-                      if shared[name]]
-    where = "every module" if hooked else ""
-    watch = Watch().no_global_hooks()
-    stack: list[tuple[str, nn.Module]] = [("model", model)]
-    seen: set[int] = set()
-    while stack:
-        name, module = stack.pop()
-        if id(module) in seen:
-            continue
-        seen.add(id(module))
-        for table in ("_forward_hooks", "_forward_pre_hooks"):
-            if module.__dict__[table]:
-                hooked.append((module.__dict__, table, module.__dict__[table]))
-                where = where or name
-        watch.unhooked(module).entry(module.__dict__, "forward", module.__dict__.get("forward"))
-        for table in ("_modules", "_parameters", "_buffers"):
-            place = module.__dict__[table]
-            for key, value in tuple(place.items()):
-                watch.entry(place, key, value)
-                if table == "_modules" and value is not None:
-                    stack.append((f"{name}.{key}", value))
-    return (None if hooked else watch), hooked, where
 
 
 def static_pack(rows: int, block_size: int, max_context: int, device: torch.device) -> PackedBatch:
@@ -187,7 +142,6 @@ class DecodeGraphs:
 
     def __init__(
         self,
-        model: nn.Module,
         forward: Callable[[PackedBatch], torch.Tensor],
         kv: Any,
         max_rows: int,
@@ -195,9 +149,8 @@ class DecodeGraphs:
         trash_block: int,
         capture: bool,
     ) -> None:
-        """`forward`: `model` on a pack → logits [rows, vocab]; `capture`: record CUDA graphs
+        """`forward`: Kev's model on a pack → logits [rows, vocab]; `capture`: record CUDA graphs
         (False: run the same static path eagerly, as on a CPU)."""
-        self.model = model
         self.forward = forward
         self.kv = kv
         self.sizes = buckets(max_rows)
@@ -208,31 +161,9 @@ class DecodeGraphs:
         self.statics: dict[int, StaticDecode] = {}
         self.replays = 0  # passes served by a bucket (replayed, or run statically when not capturing)
         self._pool: Any = None  # one CUDA memory pool shared by every bucket's graph
-        self._watch: Watch | None = None  # the model as the buckets captured it (None: not watched)
-        self._hooked: Hooked = []  # while hooks keep decode eager: the tables that hold them
-        self._said: set[str] = set()  # where hooks kept decode eager, said once each
 
     def fits(self, batch: PackedBatch) -> bool:
-        return (why_not_graph(batch) is None and bucket_for(batch.num_segments, self.sizes) is not None
-                and self._model_as_captured())
-
-    def _model_as_captured(self) -> bool:
-        """Whether the buckets may replay: the model unchanged since they were captured. Changed,
-        they are dropped (captured anew when needed); hooked, the pass runs eagerly, and only
-        whether those hooks are gone is asked until they are."""
-        if self._watch is not None and self._watch.holds():
-            return True
-        if any(holder.get(name) is table and table for holder, name, table in self._hooked):
-            return False
-        if self.statics:
-            log.info("Kev: the model changed since its decode graphs were captured; they are captured anew")
-        self.statics.clear()
-        self._watch, self._hooked, where = watch_model(self.model)
-        if self._watch is None and where not in self._said:
-            self._said.add(where)
-            log.warning("Kev: decode passes run eagerly, without CUDA graphs, while a forward hook is registered "
-                        "(on %s): a graph's replay would not run it", where)
-        return self._watch is not None
+        return why_not_graph(batch) is None and bucket_for(batch.num_segments, self.sizes) is not None
 
     @property
     def captured(self) -> list[int]:

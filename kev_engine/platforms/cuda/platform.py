@@ -10,17 +10,20 @@ runs on torch's SDPA per segment, with neither graphs nor invariance.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from ...adapters.lora import LoraWeights
-from ...model.forward import run_model
+from ...model.pack import PackedBatch
+from ...models.ops import Ops
 from .. import inplace
 from ..base import AttentionBackend, Platform
 from ..torch_ops import TorchBackend
 from . import invariant
 from .graphs import DecodeGraphs
+from .ops import InvariantOps
 from .varlen import VarlenBackend
 
 DEFAULT_KV_FRACTION = 0.5  # of the device memory still free after the model loaded
@@ -47,14 +50,22 @@ class CudaPlatform(Platform):
         inplace.install(model)
         return []
 
-    def decode_graphs(self, model: nn.Module, max_rows: int, max_context: int) -> DecodeGraphs | None:
+    def ops(self) -> Ops:
+        if not self.batch_invariant:
+            return Ops()
+        kernels, why = invariant.triton_or_why()
+        if why is not None:
+            raise RuntimeError(why)
+        return InvariantOps(kernels)
+
+    def decode_graphs(self, forward: Callable[[PackedBatch], torch.Tensor], max_rows: int,
+                      max_context: int) -> DecodeGraphs | None:
         if not self.graphs or self.paged is None or self.paged.form != "paged":
             return None  # a graph replays fixed-size tables: the gathered form's key count moves every pass
         pool = self.paged.pool
         trash = pool.reserve_last_block()
         pool.zero([trash])
-        return DecodeGraphs(model, functools.partial(run_model, model, backend=self.paged), pool, max_rows, max_context,
-                            trash, capture=self.device.type == "cuda")
+        return DecodeGraphs(forward, pool, max_rows, max_context, trash, capture=self.device.type == "cuda")
 
     def default_kv_cache_bytes(self) -> int:
         if self.device.type != "cuda":  # the paged path tested on CPU tensors (tests/test_cuda_backend.py)

@@ -1,0 +1,157 @@
+"""Kev's forward for the Llama-shaped families: Llama (SmolLM2, Llama 2/3), Mistral, Qwen2/2.5, Qwen3.
+
+Where this sits: `ModelRunner.forward` calls `DecoderModel.forward` on every pass's `PackedBatch`;
+`models.load` builds it from a checkpoint. It is plain code over Kev's weight layout (`layout`)
+and the platform's ops (`ops.Ops`): the same forward on every platform, nothing of transformers'
+modules on the way (their tokenizer and chat template are still Kev's, in `inputs`).
+
+What differs between the families is read from the config and the checkpoint, never guessed:
+q/k/v biases (Qwen2; Llama's `attention_bias`) are there when the checkpoint has them, Qwen3's
+per-head q/k norms likewise, `head_dim` where the config sets it, the rope block (`rope`), a tied
+output head (`tie_word_embeddings`: the head reads the embedding table). A sliding window narrower
+than the engine's context is refused at load (`setup.check_packable`): Kev's attention has none.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..adapters.lora import LoraRoutes
+from .layout import Layer, Linear, Tensors, read_tensor
+from .ops import Ops
+from .rope import Rope
+
+ATTENTION_PARTS = ("q_proj", "k_proj", "v_proj")
+MLP_PARTS = ("gate_proj", "up_proj")
+
+
+class DecoderModel:
+    """One Llama-shaped causal LM in Kev's layout. Not an `nn.Module`: nothing hooks into it, and
+    `forward` is the whole computation."""
+
+    impl = "kev"
+
+    def __init__(self, family: str, config: Any, tensors: Tensors, dtype: torch.dtype, device: torch.device,
+                 generation_config: Any = None) -> None:
+        text = config.get_text_config()
+        self.family, self.config, self.generation_config = family, config, generation_config
+        self.dtype, self.device = dtype, device
+        self.num_heads = int(text.num_attention_heads)
+        self.num_kv_heads = int(getattr(text, "num_key_value_heads", None) or self.num_heads)
+        self.head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // self.num_heads)
+        self.hidden = int(text.hidden_size)
+        self.intermediate = int(text.intermediate_size)
+        self.eps = float(text.rms_norm_eps)
+        self.scaling = self.head_dim**-0.5
+        self.embed = read_tensor(tensors, "model.embed_tokens.weight", dtype, device)  # [vocab, hidden]
+        self.layers = [self._read_layer(tensors, i) for i in range(int(text.num_hidden_layers))]
+        self.norm = read_tensor(tensors, "model.norm.weight", dtype, device)
+        if getattr(text, "tie_word_embeddings", False) or getattr(config, "tie_word_embeddings", False):
+            self.head = Linear(self.embed, None, (int(self.embed.shape[0]),), ("lm_head",), self.hidden)
+        else:
+            self.head = Linear.read(tensors, ["lm_head"], dtype, device)
+        self.rope = Rope(text, self.head_dim, dtype, device)
+        self.ops = Ops()
+
+    def _read_layer(self, tensors: Tensors, index: int) -> Layer:
+        prefix = f"model.layers.{index}."
+
+        def linear(names: list[str]) -> Linear:
+            return Linear.read(tensors, [prefix + name for name in names], self.dtype, self.device)
+
+        def norm(name: str) -> torch.Tensor:
+            return read_tensor(tensors, prefix + name, self.dtype, self.device)
+
+        heads = tensors(prefix + "self_attn.q_norm.weight") is not None
+        return Layer(
+            index=index,
+            input_norm=norm("input_layernorm.weight"),
+            post_norm=norm("post_attention_layernorm.weight"),
+            qkv=linear([f"self_attn.{p}" for p in ATTENTION_PARTS]),
+            o=linear(["self_attn.o_proj"]),
+            gate_up=linear([f"mlp.{p}" for p in MLP_PARTS]),
+            down=linear(["mlp.down_proj"]),
+            q_norm=norm("self_attn.q_norm.weight") if heads else None,
+            k_norm=norm("self_attn.k_norm.weight") if heads else None,
+        )
+
+    def use(self, ops: Ops) -> DecoderModel:
+        """Compute with `ops` from now on (a platform's; each weight put in its layout once)."""
+        self.ops = ops
+        ops.prepare(self)
+        return self
+
+    def parameters(self) -> Any:
+        """The tensors Kev computes with (the embedding first: its dtype and device are the model's)."""
+        yield self.embed
+        for layer in self.layers:
+            yield from (t for t in (layer.input_norm, layer.post_norm, layer.q_norm, layer.k_norm) if t is not None)
+            yield from (t for linear in layer.linears for t in (linear.weight, linear.bias) if t is not None)
+        yield self.norm
+
+    def linears(self) -> list[Linear]:
+        """Every product of a token's pass, the output head last."""
+        return [linear for layer in self.layers for linear in layer.linears] + [self.head]
+
+    def lora_target(self, name: str) -> tuple[int, int] | None:
+        """(in_features, out_features) of the projection a LoRA adapter names (PEFT's module
+        name, e.g. `model.layers.0.self_attn.q_proj`), or None where Kev has no such part."""
+        for linear in self.linears()[:-1]:
+            if name in linear.names:
+                return linear.in_features, linear.widths[linear.names.index(name)]
+        return None
+
+    @torch.inference_mode()
+    def forward(self, batch: Any, backend: Any = None, routes: LoraRoutes = (),
+                all_logits: bool = False) -> torch.Tensor:
+        """fp32 logits [K, vocab] at `batch.logits_indices` (or [T, vocab] with `all_logits`).
+
+        `backend`: the attention backend `batch` was packed for, bound to the KV pool (None: a pack
+        without KV memory); `routes`: each adapter's rows of this pass."""
+        ops = self.ops
+        hidden = ops.embedding(batch.input_ids, self.embed)  # [T, hidden]
+        cos, sin = self.rope.lookup(batch.position_ids)  # [T, head_dim] each
+        for layer in self.layers:
+            out = None if routes else ops.layer(layer, hidden, cos, sin, backend, batch)
+            hidden = out if out is not None else self._layer(layer, hidden, cos, sin, backend, batch, routes)
+        rows = hidden if all_logits else hidden.index_select(0, batch.logits_indices)  # [K, hidden]
+        rows = ops.rms_norm(rows, self.norm, self.eps)
+        return ops.linear(rows, self.head).float()  # [K, vocab]
+
+    def _layer(self, layer: Layer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: Any,
+               batch: Any, routes: LoraRoutes) -> torch.Tensor:
+        """One decoder layer, op by op: hidden [T, hidden] → [T, hidden]."""
+        ops, tokens = self.ops, hidden.shape[0]
+
+        def linear(x: torch.Tensor, part: Linear) -> torch.Tensor:
+            out = ops.linear(x, part)
+            return ops.with_lora(out, x, part, routes) if routes else out
+
+        normed = ops.rms_norm(hidden, layer.input_norm, self.eps)
+        q_width, k_width, _ = layer.qkv.widths
+        qkv = linear(normed, layer.qkv)  # [T, q + k + v]
+        query = qkv[:, :q_width].view(tokens, self.num_heads, self.head_dim)
+        key = qkv[:, q_width : q_width + k_width].view(tokens, self.num_kv_heads, self.head_dim)
+        value = qkv[:, q_width + k_width :].view(tokens, self.num_kv_heads, self.head_dim)
+        if layer.q_norm is not None and layer.k_norm is not None:  # Qwen3: per-head norms before the rotary
+            query, key = ops.rms_norm(query, layer.q_norm, self.eps), ops.rms_norm(key, layer.k_norm, self.eps)
+        query, key = ops.rotary(query, cos, sin), ops.rotary(key, cos, sin)  # [T, heads, D], [T, kv_heads, D]
+        attended = attend(backend, layer.index, batch, query, key, value, self.scaling)  # [T, heads, D]
+        hidden = hidden + linear(attended.reshape(tokens, -1), layer.o)
+        gate_up = linear(ops.rms_norm(hidden, layer.post_norm, self.eps), layer.gate_up)  # [T, 2 * inter]
+        return hidden + linear(ops.silu_mul(gate_up, self.intermediate), layer.down)
+
+
+def attend(backend: Any, layer: int, batch: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+           scaling: float) -> torch.Tensor:
+    """Every segment over its own keys: query [T, H, D], key/value [T, kvH, D] → [T, H, D]. The
+    new keys/values go into the pool first: a later segment of the same pass may read them."""
+    from ..model.attention import UNPOOLED
+
+    backend = backend or UNPOOLED
+    key, value = key.transpose(0, 1), value.transpose(0, 1)  # [kvH, T, D]
+    if batch.slot_blocks is not None:
+        backend.write(layer, batch, key, value)
+    return backend.attend(layer, batch, query.transpose(0, 1), key, value, scaling)

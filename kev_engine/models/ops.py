@@ -1,0 +1,81 @@
+"""The ops a family's forward is written in, and their reference: torch's own functions.
+
+Where this sits: `llama.DecoderModel.forward` calls nothing else. Each platform implements these
+over its kernels (`platforms.*.ops`: on CPU Kev's compiled kernels, on CUDA Triton's fixed-order
+products) and hands the model its ops once (`DecoderModel.use`); this class is the reference,
+and the ops of every device torch runs on without kernels of Kev's. The formulas are
+transformers' (RMSNorm in float32 then the weight in the model's dtype, `rotate_half`, SiLU), so
+Kev's forward computes what the family's modeling code computes, up to each kernel's summation
+order.
+
+Attention is the engine's attention backend's (`platforms.base.AttentionBackend`): every new
+token's keys/values into the paged pool first, then every segment over its own keys.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..adapters.lora import LoraProducts, LoraRoutes, torch_delta
+from .layout import Layer, Linear
+
+
+class Ops:
+    """torch's ops; subclasses override what their device computes otherwise."""
+
+    name = "torch"
+    lora_products: LoraProducts = staticmethod(torch_delta)  # type: ignore[assignment]
+
+    def prepare(self, model: Any) -> None:
+        """Put each weight in this platform's layout, once, before the first pass (nothing here)."""
+
+    def embedding(self, input_ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        """input_ids [T] → [T, hidden]."""
+        return F.embedding(input_ids, table)
+
+    def linear(self, x: torch.Tensor, linear: Linear) -> torch.Tensor:
+        """x [T, in] → [T, out]."""
+        return F.linear(x, linear.weight, linear.bias)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """Each row of x [..., width] normalised in float32, then times the weight in x's dtype."""
+        dtype = x.dtype
+        x32 = x.to(torch.float32)
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * x32.to(dtype)
+
+    def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [T, heads, D] rotated by its rows' cos, sin [T, D]."""
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos[:, None] + rotated * sin[:, None]
+
+    def silu_mul(self, gate_up: torch.Tensor, width: int) -> torch.Tensor:
+        """gate_up [T, 2 * width] → silu(gate) * up [T, width]."""
+        gate, up = gate_up.split(width, dim=-1)
+        return F.silu(gate) * up
+
+    def layer(self, layer: Layer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: Any,
+              batch: Any) -> torch.Tensor | None:
+        """The whole layer as one platform call where there is one (`Layer.native`), else None:
+        the forward then calls the ops one by one."""
+        return None
+
+    def with_lora(self, out: torch.Tensor, x: torch.Tensor, linear: Linear, routes: LoraRoutes) -> torch.Tensor:
+        """Each adapter's `B(A(x)) * scaling` added to its own rows of `out` [T, out], part by part
+        of a fused product (PEFT's math on the token dimension; the adapter's own dtype)."""
+        for adapter, rows in routes:
+            start = 0
+            for name, width in zip(linear.names, linear.widths):
+                weights = adapter.modules.get(name)
+                if weights is not None:
+                    delta = self.lora_products(weights, x[rows].to(weights.lora_A.dtype))  # [n, width]
+                    if isinstance(rows, slice):
+                        out[rows, start : start + width] += delta.to(out.dtype)
+                    else:
+                        out[:, start : start + width].index_add_(0, rows, delta.to(out.dtype))
+                start += width
+        return out

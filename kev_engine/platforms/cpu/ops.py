@@ -1,0 +1,112 @@
+"""Kev's model's ops on CPU: the compiled kernels (csrc/), batch-invariant or fast.
+
+Where this sits: `CpuPlatform.ops()` hands these to Kev's model (`models.llama.DecoderModel.use`).
+
+`ExactOps` (the batch-invariant path, the default where the kernels load, float32 and bfloat16):
+every product by `linear_packed` (csrc/linear.cpp: each output summed in one order fixed by K
+alone, so a row's result does not depend on how many rows share the call), the weights packed
+once into its panels and the torch copies dropped; RMSNorm, the rotary embedding and
+`silu(gate) * up` by their kernels (one formula per row or element); and each decoder layer as
+one call (`kernels.DecoderLayer`, csrc/layer.cpp: these kernels in this order without returning
+to Python) on a pass of the exact pool without LoRA rows. The LoRA deltas by the packed product
+too: a row's delta is the same however many rows of its adapter share the pass.
+
+`FastOps` (`batch_invariant=False`): torch's BLAS for prefill, Kev's few-row kernel for decode
+rows (`rows_linear`), the same elementwise kernels.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ...adapters.lora import LoraWeights
+from ...models.layout import Layer, Linear
+from ...models.ops import Ops
+from . import rows_linear
+from .exact import ExactBackend
+
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+
+
+class _KernelElementwise(Ops):
+    """RMSNorm, rotary and silu_mul by Kev's kernels in float32 and bfloat16 (torch's in other dtypes)."""
+
+    def __init__(self, kernels: Any) -> None:
+        self.kernels = kernels
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if x.dtype not in KERNEL_DTYPES:
+            return super().rms_norm(x, weight, eps)
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        return self.kernels.rms_norm(rows, weight, eps).view(x.shape)
+
+    def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if x.dtype not in KERNEL_DTYPES:
+            return super().rotary(x, cos, sin)
+        return self.kernels.rotary(x if x.stride(-1) == 1 else x.contiguous(), cos, sin)
+
+    def silu_mul(self, gate_up: torch.Tensor, width: int) -> torch.Tensor:
+        if gate_up.dtype not in KERNEL_DTYPES:
+            return super().silu_mul(gate_up, width)
+        out = gate_up.new_empty(gate_up.shape[0], width)
+        self.kernels.silu_mul(gate_up[:, :width], gate_up[:, width:], out)
+        return out
+
+
+class ExactOps(_KernelElementwise):
+    name = "cpu-exact"
+
+    def prepare(self, model: Any) -> None:
+        """Each product packed once (the torch copy dropped, but the embedding table a tied head
+        reads), and each layer's one call built."""
+        for linear in model.linears():
+            if linear.packed is None:
+                linear.packed = self.kernels.linear_pack(linear.weight)
+                if linear.weight is not model.embed:
+                    linear.weight = None
+        for layer in model.layers:
+            layer.native = self._native(layer, model)
+
+    def _native(self, layer: Layer, model: Any) -> Any:
+        q, k, v = layer.qkv.widths
+        return self.kernels.DecoderLayer(
+            layer.input_norm, layer.post_norm, layer.q_norm, layer.k_norm, [model.eps] * 4,
+            layer.qkv.packed, layer.qkv.bias, layer.o.packed, layer.o.bias, layer.gate_up.packed, layer.gate_up.bias,
+            layer.down.packed, layer.down.bias, [q, k, v, model.intermediate], model.head_dim, model.hidden,
+            float(model.scaling))
+
+    def linear(self, x: torch.Tensor, linear: Linear) -> torch.Tensor:
+        return self.kernels.linear_packed(x, linear.packed, linear.out_features, linear.bias)
+
+    def layer(self, layer: Layer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: Any,
+              batch: Any) -> torch.Tensor | None:
+        if layer.native is None or type(backend) is not ExactBackend or batch.slot_blocks is None:
+            return None
+        pool, tables = backend.pool, batch.attention
+        return layer.native.forward(hidden, cos, sin, pool.keys[layer.index], pool.values[layer.index],
+                                    batch.slot_blocks, batch.slot_offsets, tables.block_tables, batch.cu_seqlens,
+                                    tables.past_lens)
+
+    def lora_products(self, weights: LoraWeights, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        """Both LoRA products by the packed kernel (A and B packed once per adapter)."""
+        if weights.packed is None:
+            weights.packed = (self.kernels.linear_pack(weights.lora_A), self.kernels.linear_pack(weights.lora_B))
+        low = self.kernels.linear_packed(x.contiguous(), weights.packed[0], weights.lora_A.shape[0])  # [n, r]
+        return self.kernels.linear_packed(low, weights.packed[1], weights.lora_B.shape[0]) * weights.scaling
+
+
+class FastOps(_KernelElementwise):
+    name = "cpu-fast"
+
+    def linear(self, x: torch.Tensor, linear: Linear) -> torch.Tensor:
+        """Few rows (float32) by Kev's row kernel, else torch's BLAS."""
+        assert linear.weight is not None
+        if (x.dtype == torch.float32 and x.shape[0] <= rows_linear.KERNEL_ROWS and linear.in_features % 8 == 0
+                and linear.weight.is_contiguous()):
+            out = self.kernels.rows_linear(x, linear.weight)
+            return out + linear.bias if linear.bias is not None else out
+        return torch.nn.functional.linear(x, linear.weight, linear.bias)

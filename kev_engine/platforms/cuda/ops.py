@@ -1,0 +1,37 @@
+"""Kev's model's ops on CUDA: fixed-order Triton products and norms where the engine is batch-invariant.
+
+Where this sits: `CudaPlatform.ops()` hands these to Kev's model (`models.llama.DecoderModel.use`).
+Batch-invariant (`invariant`): every product (the output head and LoRA deltas too) by
+`triton_kernels.linear`, one tile shape and one K order for every row count, and every RMSNorm
+(Qwen3's per-head norms too) by `triton_kernels.rms_norm`, one program per row; attention is the
+paged varlen backend's, unsplit. The rotary embedding, residuals and SiLU are elementwise: one
+formula per element whatever the shape. Otherwise torch's ops (`models.ops.Ops`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ...adapters.lora import LoraWeights
+from ...models.layout import Linear
+from ...models.ops import Ops
+
+
+class InvariantOps(Ops):
+    name = "cuda-invariant"
+
+    def __init__(self, kernels: Any) -> None:
+        self.kernels = kernels  # `triton_kernels`
+
+    def linear(self, x: torch.Tensor, linear: Linear) -> torch.Tensor:
+        return self.kernels.linear(x, linear.weight, linear.bias)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return self.kernels.rms_norm(x, weight, eps)
+
+    def lora_products(self, weights: LoraWeights, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        """Both LoRA products by the fixed-order kernel."""
+        low = self.kernels.linear(x, weights.lora_A, None)
+        return self.kernels.linear(low, weights.lora_B, None) * weights.scaling
