@@ -57,15 +57,21 @@ def test_a_changed_weight_is_seen(tokenizer: Any) -> None:
     assert not torch.equal(before, after)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_from_a_safetensors_folder_equals_from_the_model(family: str, tokenizer: Any, tmp_path: Any) -> None:
-    model = tiny_model(family, tokenizer, tie_word_embeddings=family == "llama")
-    model.save_pretrained(tmp_path)
+def test_from_a_safetensors_folder_equals_from_the_model(family: str, dtype: torch.dtype, tokenizer: Any,
+                                                         tmp_path: Any) -> None:
+    """Kev's reader (each tensor read from the file into its own memory) gives the tensors
+    transformers' loading gives, in the checkpoint's dtype and converted to another."""
+    model = tiny_model(family, tokenizer, tie_word_embeddings=family == "llama").to(dtype)
+    model.save_pretrained(tmp_path, max_shard_size="100KB")  # shards and their index
+    assert (tmp_path / "model.safetensors.index.json").is_file()
     ids = _ids(tokenizer)
-    folder = from_folder(tmp_path, torch.float32, torch.device("cpu"))
-    assert folder.head.weight is folder.embed if family == "llama" else folder.head.weight is not folder.embed
-    assert torch.equal(folder.forward(_one_pack(ids), all_logits=True),
-                       from_module(model).forward(_one_pack(ids), all_logits=True))
+    for wanted in DTYPES:
+        folder = from_folder(tmp_path, wanted, torch.device("cpu"))
+        assert folder.head.weight is folder.embed if family == "llama" else folder.head.weight is not folder.embed
+        assert torch.equal(folder.forward(_one_pack(ids), all_logits=True),
+                           from_module(model.to(wanted)).forward(_one_pack(ids), all_logits=True))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import struct
 import time
 from pathlib import Path
 from typing import Any
@@ -66,13 +67,20 @@ def from_folder(folder: str | Path, dtype: torch.dtype, device: torch.device, na
     return model
 
 
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                      "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                      "BOOL": torch.bool}
+
+
 class SafetensorsFolder:
     """The tensors of a folder's safetensors files by name (`model.safetensors`, or the shards an
-    index names), each read when asked for."""
+    index names), each read from its file into memory of its own when asked for.
+
+    Read, not mapped: a mapped file's pages stay resident while the mapping lives, so a model
+    read through a mapping holds its file's size in memory beside the weights Kev keeps (and
+    the platform's packed copies made from them). Here only the tensors asked for exist."""
 
     def __init__(self, folder: Path) -> None:
-        from safetensors import safe_open
-
         index = folder / "model.safetensors.index.json"
         if index.is_file():
             weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
@@ -81,16 +89,36 @@ class SafetensorsFolder:
             files = sorted(p.name for p in folder.glob("*.safetensors"))
         if not files:
             raise FileNotFoundError(f"model folder {str(folder)!r} has no .safetensors files")
-        self._handles = [safe_open(str(folder / file), framework="pt") for file in files]
-        self._where = {key: handle for handle in self._handles for key in handle.keys()}
+        self._files = [open(folder / file, "rb") for file in files]  # noqa: SIM115 - closed by __exit__
+        self._where: dict[str, tuple[Any, int, dict[str, Any]]] = {}
+        for stream in self._files:
+            size = struct.unpack("<Q", stream.read(8))[0]
+            header = json.loads(stream.read(size))
+            header.pop("__metadata__", None)
+            for key, entry in header.items():
+                self._where[key] = (stream, 8 + size, entry)
 
     def get(self, name: str) -> torch.Tensor | None:
-        handle = self._where.get(name)
-        return None if handle is None else handle.get_tensor(name)
+        found = self._where.get(name)
+        if found is None:
+            return None
+        stream, base, entry = found
+        if entry["dtype"] not in SAFETENSORS_DTYPES:
+            raise ValueError(f"{name} is stored as {entry['dtype']}; Kev reads {sorted(SAFETENSORS_DTYPES)}")
+        start, end = entry["data_offsets"]
+        tensor = torch.empty(entry["shape"], dtype=SAFETENSORS_DTYPES[entry["dtype"]])
+        if tensor.nbytes != end - start:
+            raise ValueError(f"{name}: {end - start} bytes in the file for a {entry['dtype']} tensor of shape "
+                             f"{entry['shape']}; the file is damaged")
+        stream.seek(base + start)
+        if tensor.nbytes and stream.readinto(memoryview(tensor.view(-1).view(torch.uint8).numpy())) != tensor.nbytes:
+            raise ValueError(f"{name}: the file ends before its data; the file is damaged")
+        return tensor
 
     def __enter__(self) -> SafetensorsFolder:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._handles.clear()
+        for stream in self._files:
+            stream.close()
         self._where.clear()
