@@ -519,7 +519,8 @@ class Engine:
         """Start no new pass while inside: everything submitted meanwhile shares the next pass.
 
         Coalescing without a clock: tests (and callers that know a burst is coming) submit under
-        `hold()` and the pack is formed when the block exits. A pass already running finishes.
+        `hold()` and the pack is formed when the block exits. A pass already running finishes,
+        and the passes it lets run between its slices (`stepper`) may take what was submitted.
         """
         with self._worker.hold():
             yield

@@ -6,15 +6,25 @@ Where this sits: `Engine` composes the components and hands the worker (`core/wo
 `Stepper`, a narrow view of them — whether there is work, one step, failing the requests of a
 pass that raised, draining on close. The worker holds it only weakly (an engine dropped without
 `close()` is collected, and its thread ends), and neither calls back into the `Engine`.
+
+A pass that pauses: with a time target and Kev's own model, a batch is one pass whatever its size
+(`Scheduler.schedule(whole=True)`), and its forward runs in slices of layers, each about one
+target long by the cost model's prediction. Between two slices, while anything else is queued or
+answering, one ordinary pass runs for it (the running answers' next tokens, newly arrived
+questions; nothing of the paused pass, whose blocks under way it cannot see), then the paused
+pass resumes. Alone on the engine it runs to its end. Its rows are the same bits either way: the
+kernels are batch-invariant, and between its slices it holds only its hidden states.
 """
 
 from __future__ import annotations
 
+import math
 import time
 
 from .core.arrivals import Arrivals
 from .core.lifecycle import Lifecycle
-from .core.schedule import Scheduler
+from .core.request import Request
+from .core.schedule import Chunk, Scheduler
 from .model.runner import ModelRunner
 
 
@@ -35,9 +45,12 @@ class Stepper:
         worker's pass lock (`Worker.run_pass`), never the engine's: each stage takes it itself."""
         life = self.life
         life.cancel()
-        chunks = life.schedule(lambda r: r.follow_up and self.arrivals.defers(r.queued_at))
+        whole = self.runner.num_layers is not None and math.isfinite(self.scheduler.pass_time_s)
+        chunks = life.schedule(self._defer, whole=whole)
         if not chunks:
             return 0
+        if whole:
+            return self._in_slices(chunks)
         started = time.perf_counter()
         try:
             batch = self.runner.pack(chunks)
@@ -47,6 +60,64 @@ class Stepper:
         draws = life.sample(life.rows_to_sample(chunks, batch), logits)
         life.finish(life.record(chunks, batch, logits, draws, time.perf_counter() - started))
         return batch.num_tokens
+
+    def _defer(self, request: Request) -> bool:
+        return request.follow_up and self.arrivals.defers(request.queued_at)
+
+    def _in_slices(self, chunks: list[Chunk]) -> int:
+        """One pass of `chunks`, paused between slices of layers while others wait (module docstring)."""
+        life, runner = self.life, self.runner
+        planned = self.scheduler.planned
+        in_flight = frozenset(id(chunk.request) for chunk in chunks)
+        layers = runner.num_layers
+        assert layers is not None
+        per_slice = self.slice_layers(planned, layers)
+        pauses, computing, paused_s, started = 0, 0.0, 0.0, time.perf_counter()
+        try:
+            batch = runner.pack(chunks)
+            state = runner.begin(batch, life.resident_adapters())
+            while state.next_layer < layers:
+                runner.advance(state, per_slice)
+                if state.next_layer < layers and life.others_wait(in_flight):
+                    paused = time.perf_counter()
+                    computing += paused - started
+                    if self._between(in_flight):
+                        pauses += 1
+                        paused_s += time.perf_counter() - paused
+                    started = time.perf_counter()
+            logits = runner.end(state)  # [K, vocab]
+        finally:
+            life.end_pass()
+        draws = life.sample(life.rows_to_sample(chunks, batch), logits)
+        computing += time.perf_counter() - started
+        life.finish(life.record(chunks, batch, logits, draws, computing, planned, pauses, paused_s))
+        return batch.num_tokens
+
+    def slice_layers(self, planned: tuple[float, float], layers: int) -> int:
+        """Layers per slice: as many as the pass target holds by the cost model's prediction of
+        the whole pass (one before it has timed a pass)."""
+        seconds = self.scheduler.predict(*planned)
+        if seconds is None or seconds <= 0:
+            return 1
+        return max(1, min(layers, int(layers * self.scheduler.pass_time_s / seconds)))
+
+    def _between(self, in_flight: frozenset[int]) -> bool:
+        """One ordinary pass for what waits beside a paused pass; whether one ran."""
+        life = self.life
+        with life.between_slices():
+            life.cancel(in_flight)
+            chunks = life.schedule(self._defer, in_flight=in_flight)
+            if not chunks:
+                return False
+            started = time.perf_counter()
+            try:
+                batch = self.runner.pack(chunks)
+                logits = self.runner.forward(batch, life.resident_adapters())  # [K, vocab]
+            finally:
+                life.end_pass()
+        draws = life.sample(life.rows_to_sample(chunks, batch), logits)
+        life.finish(life.record(chunks, batch, logits, draws, time.perf_counter() - started))
+        return True
 
     def emptied(self) -> bool:
         """Whether the last pass left the engine with nothing queued or running, decided when its

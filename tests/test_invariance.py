@@ -220,13 +220,15 @@ def reorder_by_pass_size(model: Any) -> None:
                 + torch.nn.functional.linear(x[..., split:], weight[:, split:], bias))
 
     if isinstance(model, DecoderModel):
-        product, downs = model.ops.linear, {id(layer.down) for layer in model.layers}
+        product = model.ops.linear
+        weights: dict[int, torch.Tensor] = {}  # each down projection's W, from its packed form
+        for layer in model.layers:
+            eye = torch.eye(layer.down.in_features, dtype=model.dtype)
+            weights[id(layer.down)] = product(eye, layer.down).T.contiguous()  # one product per entry: W exactly
 
         def linear(x: torch.Tensor, part: Any) -> torch.Tensor:
-            if id(part) not in downs:
-                return product(x, part)
-            weight = product(torch.eye(part.in_features, dtype=x.dtype), part).T  # W itself: one product per entry
-            return split_product(x, weight, part.bias)
+            weight = weights.get(id(part))
+            return product(x, part) if weight is None else split_product(x, weight, part.bias)
 
         model.ops.linear = linear
         for layer in model.layers:

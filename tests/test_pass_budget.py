@@ -463,10 +463,12 @@ def test_the_scheduler_teaches_the_cost_model_each_pass() -> None:
     assert sum(c.num_tokens for c in s.schedule()) == 50  # 100 ms at 2 ms a token (two batches: not alone)
 
 
-# ---- the engine, stepped by hand ---------------------------------------------------------------
+# ---- the engine, stepped by hand: the transformers fallback, whose passes cannot pause, cuts a batch
+# into passes of the budget (Kev's own model pauses a whole pass instead: test_paused_pass.py) ----
 
 
 def budget_engine(tokenizer, budget_ms: float, ms: float, **kwargs) -> Engine:
+    kwargs.setdefault("model_impl", "transformers")
     engine = Engine(tiny_model("llama", tokenizer), tokenizer, pass_time_ms=budget_ms, **kwargs)
     engine._scheduler.cost = per_token(ms)
     return engine

@@ -203,6 +203,13 @@ class BlockManager:
     def end_pass(self) -> None:
         self.filling.clear()
 
+    def swap_filling(self, filling: dict) -> dict:
+        """Put `filling` in place of the blocks the current pass is computing and return those: a
+        pass paused between its layers has computed only some layers of them, so a pass run
+        meanwhile must not start after them (`Stepper`); the paused pass takes them back."""
+        previous, self.filling = self.filling, filling
+        return previous
+
     def _key_blocks(self, table: BlockTable, token_ids: Sequence[int], extra: ExtraKey, upto: int, into: dict) -> None:
         if not table.cacheable:
             return

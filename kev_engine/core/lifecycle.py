@@ -10,11 +10,12 @@ method is one stage of `Stepper.step`.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -40,7 +41,7 @@ from .schedule import Chunk, Scheduler
 
 STAT_KEYS = (
     "requests", "prefill_passes", "decode_steps", "forward_passes", "prompt_tokens", "generated_tokens",
-    "cancelled", "prefix_hit_tokens", "kv_cache_peak_bytes", "forked_samples",
+    "cancelled", "prefix_hit_tokens", "kv_cache_peak_bytes", "forked_samples", "pass_slices",
 )
 Finished = list[tuple[Request, BaseException | None]]  # each finished request, with its error if it failed
 
@@ -63,7 +64,8 @@ class Lifecycle:
         self.device = device
         self.token_texts = TokenTexts(tokenizer)  # logprobs name their tokens
         self.delivery = Delivery("kev")  # on_text and results reach callers from here, never from a pass
-        self.stats = dict.fromkeys(STAT_KEYS, 0)
+        self.stats: dict[str, Any] = dict.fromkeys(STAT_KEYS, 0)
+        self.stats["paused_seconds"] = 0.0
         self.pass_seconds = Histogram()  # each pass, pack to draws
         self.queue_seconds = Histogram()  # each request, submitted to first admitted
         self._request_ids = itertools.count()
@@ -125,18 +127,21 @@ class Lifecycle:
 
     # ---- the stages of a pass ---------------------------------------------------------------
 
-    def cancel(self) -> None:
-        """Requests whose caller cancelled them leave now and free what they hold."""
+    def cancel(self, in_flight: frozenset[int] = frozenset()) -> None:
+        """Requests whose caller cancelled them leave now and free what they hold (those of a
+        paused pass, `in_flight`, once it has ended)."""
         with self.cond:
-            for request in self.scheduler.take_cancelled():
+            for request in self.scheduler.take_cancelled(in_flight):
                 self.free(request)
                 self.stats["cancelled"] += request.future.cancelled()  # not those failed by their on_text
 
-    def schedule(self, defer: Callable[[Request], bool] = lambda r: False) -> list[Chunk]:
+    def schedule(self, defer: Callable[[Request], bool] = lambda r: False, in_flight: frozenset[int] = frozenset(),
+                 whole: bool = False) -> list[Chunk]:
         """This pass's chunks; each admitted request gets its KV blocks and its adapter's slot
-        (`defer`: see `Scheduler.schedule`)."""
+        (`defer`, `in_flight`, `whole`: see `Scheduler.schedule`)."""
         with self.cond:
-            chunks = self.scheduler.schedule(self._admit, lambda r: self.adapters.release(r.adapter), defer)
+            chunks = self.scheduler.schedule(self._admit, lambda r: self.adapters.release(r.adapter), defer,
+                                             in_flight, whole)
             fresh = self.blocks.take_fresh()
             used = self.blocks.num_used * self.backend.pool.block_bytes
             self.stats["kv_cache_peak_bytes"] = max(self.stats["kv_cache_peak_bytes"], used)
@@ -151,6 +156,23 @@ class Lifecycle:
     def end_pass(self) -> None:
         with self.cond:
             self.blocks.end_pass()
+
+    def others_wait(self, in_flight: frozenset[int]) -> bool:
+        """Whether anything outside a paused pass is queued or running."""
+        with self.cond:
+            return self.scheduler.has_other_work(in_flight)
+
+    @contextlib.contextmanager
+    def between_slices(self) -> Iterator[None]:
+        """A pass run while another is paused: the paused one's blocks under way are hidden from
+        it (`BlockManager.swap_filling`), and counted as a pause."""
+        with self.cond:
+            paused = self.blocks.swap_filling({})
+        try:
+            yield
+        finally:
+            with self.cond:
+                self.blocks.swap_filling(paused)
 
     def rows_to_sample(self, chunks: list[Chunk], batch: PackedBatch) -> list[tuple[Request, int]]:
         """The logits row each request draws its next token from: every chunk that reached its
@@ -167,14 +189,18 @@ class Lifecycle:
         return draw_tokens(plan, logits, self.eos_ids, self.grammars.vocab_size, self.token_texts)
 
     def record(self, chunks: list[Chunk], batch: PackedBatch, logits: torch.Tensor, draws: list[Draw],
-               seconds: float | None = None) -> Finished:
-        """Advance each request by what this pass computed and drew (in `seconds`: the scheduler's
-        cost model learns from it); return those that are done."""
+               seconds: float | None = None, planned: tuple[float, float] | None = None, pauses: int = 0,
+               paused_s: float = 0.0) -> Finished:
+        """Advance each request by what this pass computed and drew (in `seconds`, its work
+        `planned`: the scheduler's cost model learns from it; `pauses`: how often it let other
+        passes run between its layers, for `paused_s`); return those that are done."""
         finished: Finished = []
         has_prefill = any(c.request.in_prefill for c in chunks)  # before update() moves them on
         has_decode = any(not c.request.in_prefill for c in chunks)
         with self.cond:
-            self.scheduler.update(chunks, seconds=seconds)
+            self.scheduler.update(chunks, seconds=seconds, planned=planned)
+            self.stats["pass_slices"] += pauses
+            self.stats["paused_seconds"] += paused_s
             if seconds is not None:
                 self.pass_seconds.observe(seconds)
             self.stats["forward_passes"] += 1

@@ -131,19 +131,57 @@ class Scheduler:
         can_admit: Callable[[Request], bool] = lambda r: True,
         on_preempt: Callable[[Request], None] = lambda r: None,
         defer: Callable[[Request], bool] = lambda r: False,
+        in_flight: frozenset[int] = frozenset(),
+        whole: bool = False,
     ) -> list[Chunk]:
         """Pick this pass's chunks and give each the KV it needs. `can_admit` reserves what else a
         waiting request needs (its adapter's slot); `on_preempt` gives that back. A waiting
-        request that `defer` names stays queued this pass (the follow-ups it waits for join it)."""
-        plan = _Pass(self)
-        decoding = [r for r in self.running if r.num_tokens - r.num_computed == 1 and not r.in_prefill]
-        continuing = [r for r in self.running if r not in decoding]
-        for request in decoding:  # 1. every running answer's next token
-            if request.status is Status.RUNNING and plan.tokens_left > 0:
-                self._continue(plan, request, 1, on_preempt, decode=True)
+        request that `defer` names stays queued this pass (the follow-ups it waits for join it).
+
+        `in_flight`: ids of the requests of a pass paused between its layers: none of them is in
+        this one, nor preempted. `whole`: this pass can pause (`Stepper`), so time does not bound
+        it: every prompt it can take runs whole (`max_batch_tokens` and the KV budget still do),
+        and the running answers' next tokens join it only where it is predicted to fit the target
+        (otherwise they run in the passes between its slices, a token each)."""
+        plan = _Pass(self, timed=not whole)
+        running = [r for r in self.running if id(r) not in in_flight]
+        decoding = [r for r in running if r.num_tokens - r.num_computed == 1 and not r.in_prefill]
+        continuing = [r for r in running if r not in decoding]
+        if not whole:
+            self._decodes(plan, decoding, on_preempt, in_flight)  # 1. every running answer's next token
         if continuing:  # 2. prompts under way, the shortest left first; then the longest
-            self._under_way(plan, continuing, on_preempt)
-        index = 0  # 3. waiting questions, in order
+            self._under_way(plan, continuing, on_preempt, in_flight)
+        self._admit_waiting(plan, can_admit, defer)  # 3. waiting questions, in order
+        if whole and (not plan.chunks or self._fits_target(plan, len(decoding))):
+            self._decodes(plan, decoding, on_preempt, in_flight)
+        self.planned = (plan.dense, plan.attention)
+        return plan.chunks
+
+    def _decodes(self, plan: _Pass, decoding: list[Request], on_preempt: Callable[[Request], None],
+                 in_flight: frozenset[int]) -> None:
+        for request in decoding:
+            if request.status is Status.RUNNING and plan.tokens_left > 0:
+                self._continue(plan, request, 1, on_preempt, decode=True, in_flight=in_flight)
+
+    def _fits_target(self, plan: _Pass, decodes: int) -> bool:
+        """Whether a pass of `plan` and `decodes` more rows is predicted within the pass target."""
+        seconds = self.predict(plan.dense + (plan.model.work.dense(decodes, decodes) if plan.model else 0.0),
+                               plan.attention)
+        return seconds is not None and seconds <= self.pass_time_s
+
+    def predict(self, dense: float, attention: float) -> float | None:
+        """A pass's seconds from its planned work (None: the cost model has not timed one yet)."""
+        if self.cost is None or not self.cost.ready:
+            return None
+        return self.cost.predict(dense + self.cost.attention_ratio * attention)
+
+    def has_other_work(self, in_flight: frozenset[int]) -> bool:
+        """Whether anything outside a paused pass is queued or running."""
+        return bool(self.waiting) or any(id(r) not in in_flight for r in self.running)
+
+    def _admit_waiting(self, plan: _Pass, can_admit: Callable[[Request], bool],
+                       defer: Callable[[Request], bool]) -> None:
+        index = 0
         while index < len(self.waiting) and plan.tokens_left > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[index]
             if request.future.done():  # cancelled (or failed by its own on_text)
@@ -175,10 +213,9 @@ class Scheduler:
             self.running.append(request)
             request.status = Status.RUNNING
             plan.add(self._plan(request, take), decode=False, admitted=True)
-        self.planned = (plan.dense, plan.attention)
-        return plan.chunks
 
-    def _under_way(self, plan: _Pass, continuing: list[Request], on_preempt: Callable[[Request], None]) -> None:
+    def _under_way(self, plan: _Pass, continuing: list[Request], on_preempt: Callable[[Request], None],
+                   in_flight: frozenset[int]) -> None:
         """Step 2 (the module docstring): prompts under way, the shortest left first, then the longest
         with what the others and the queue leave it."""
         continuing.sort(key=lambda r: r.num_tokens - r.num_computed)  # stable: older first among equals
@@ -203,21 +240,24 @@ class Scheduler:
                 if need > room:  # another long prompt: the queue's short ones first,
                     room -= min(queued, max(room, 0.0))  # and it moves by a token at least, not MIN_CHUNK
                     least_tokens = min(least_tokens, plan.clip(request, 1)) if queued else least_tokens
-                self._continue(plan, request, max(plan.fit(request, room), least_tokens), on_preempt, decode=False)
+                self._continue(plan, request, max(plan.fit(request, room), least_tokens), on_preempt, decode=False,
+                               in_flight=in_flight)
         if longest.status is Status.RUNNING and plan.tokens_left > 0:  # never less than `floor`: it moves
             budget = max(kept, plan.flops_left - queued) if finish else min(kept, plan.flops_left)
             want = max(plan.fit(longest, budget), plan.clip(longest, floor))
-            self._continue(plan, longest, want, on_preempt, decode=False)
+            self._continue(plan, longest, want, on_preempt, decode=False, in_flight=in_flight)
 
     def _continue(self, plan: _Pass, request: Request, take: int, on_preempt: Callable[[Request], None],
-                  decode: bool) -> None:
+                  decode: bool, in_flight: frozenset[int] = frozenset()) -> None:
         """Plan `take` more tokens of a running request (fewer if the caps say so), preempting the
-        most recently admitted request not yet in this pass while the pool lacks blocks."""
+        most recently admitted request not yet in this pass (nor in a paused one) while the pool
+        lacks blocks."""
         take = plan.clip(request, take)
         if take <= 0:
             return
         while not self.blocks.grow(request.blocks, request.num_computed + take):
-            victim = next((r for r in reversed(self.running) if id(r) not in plan.requests), None)
+            victim = next((r for r in reversed(self.running)
+                           if id(r) not in plan.requests and id(r) not in in_flight), None)
             if victim is None:
                 return  # every other holder is in this pass already: this one waits a pass
             self._preempt(victim, on_preempt)
@@ -280,7 +320,7 @@ class Scheduler:
         self.preemptions += 1
 
     def update(self, chunks: Sequence[Chunk], draws: Sequence[tuple[Request, int]] = (),
-               seconds: float | None = None) -> None:
+               seconds: float | None = None, planned: tuple[float, float] | None = None) -> None:
         """A pass ran `chunks` in `seconds`: each request's tokens are in its KV now (its full blocks
         committed, findable by later prompts), each of `draws` adds its token to its request's
         output, and the cost model learns what the pass's work took.
@@ -294,14 +334,15 @@ class Scheduler:
         for request, token in draws:
             request.output_ids.append(token)
         if self.cost is not None and seconds is not None:
-            self.cost.observe(*self.planned, seconds)
+            self.cost.observe(*(planned or self.planned), seconds)
 
-    def take_cancelled(self) -> list[Request]:
+    def take_cancelled(self, in_flight: frozenset[int] = frozenset()) -> list[Request]:
         """Requests whose future is done while they are still here, waiting or running: cancelled
         by their caller, or failed by their own `on_text` (on a delivery thread). They leave now,
-        and what they hold is the engine's to free."""
-        running = [r for r in self.running if r.future.done()]
-        self.running = [r for r in self.running if not r.future.done()]
+        and what they hold is the engine's to free; those of a paused pass (`in_flight`) when it
+        has ended (its next layers still write their blocks)."""
+        running = [r for r in self.running if r.future.done() and id(r) not in in_flight]
+        self.running = [r for r in self.running if not r.future.done() or id(r) in in_flight]
         waiting = [r for r in self.waiting if r.future.done()]
         self.waiting = [r for r in self.waiting if not r.future.done()]
         cancelled, self.cancelled = self.cancelled + waiting + running, []
@@ -321,7 +362,8 @@ class Scheduler:
 class _Pass:
     """One pass being planned: its chunks and what is left of its token, logits and time budgets."""
 
-    def __init__(self, scheduler: Scheduler) -> None:
+    def __init__(self, scheduler: Scheduler, timed: bool = True) -> None:
+        """`timed`: the pass target bounds it (else tokens, logits and KV alone)."""
         self.chunks: list[Chunk] = []
         self.requests: set[int] = set()  # ids of the requests in it
         self.continued = 0  # chunks of prompts already under way
@@ -331,7 +373,7 @@ class _Pass:
         cost = scheduler.cost
         self.model = cost  # counts the work whenever there is one (it learns from it), predicts only when timed
         self.dense = self.attention = 0.0
-        bounded = cost if cost is not None and math.isfinite(scheduler.pass_time_s) else None
+        bounded = cost if timed and cost is not None and math.isfinite(scheduler.pass_time_s) else None
         if bounded is not None and not bounded.ready:  # not timed yet: a short pass, so it learns at once
             self.tokens_left = min(self.tokens_left, max(FIRST_PASS_TOKENS, len(scheduler.running)))
         self.cost = bounded if bounded is not None and bounded.ready else None  # predicts: a target, a timed pass

@@ -4,8 +4,9 @@ Where this sits: `Stepper.step` between scheduling and sampling. It owns what to
 and its KV memory during a pass: the platform's attention backend bound to the pool, each
 segment's LoRA adapter routed to its rows, and which implementation computes: Kev's own model
 (`models`: its forward, or its decode passes replayed as the platform's graphs) or the
-transformers fallback (`forward.run_model`). `lock` is held for every forward; adapters install
-and the model is given back only between passes.
+transformers fallback (`forward.run_model`). A pass of Kev's model may run in slices of layers
+(`begin`, `advance`, `end`) with other passes between them (`Stepper`). `lock` is held for every
+forward and slice; adapters install and the model is given back only between them.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 from ..adapters.pool import AdapterPool
 from ..core.schedule import Chunk
 from ..models import DecoderModel
+from ..models.llama import PassState
 from ..platforms.base import AttentionBackend
 from .forward import run_model
 from .pack import PackedBatch, Segment, pack
@@ -68,3 +70,27 @@ class ModelRunner:
                 return self.model.forward(batch, self.backend, self.adapters.router.routes)
             finally:
                 self.adapters.router.clear()
+
+    @property
+    def num_layers(self) -> int | None:
+        """The layers a pass can pause between (Kev's own model), or None: the transformers
+        fallback runs each pass whole."""
+        return len(self.model.layers) if self.own else None
+
+    def begin(self, batch: PackedBatch, resident: dict[str, Any]) -> PassState:
+        """A pass of Kev's model that runs in slices (`advance`, `end`); other passes may run between them."""
+        with self.lock:
+            self.adapters.router.set_routes(batch.cu_seqlens_list, batch.adapters, resident)
+            try:
+                return self.model.begin(batch, self.backend, list(self.adapters.router.routes))
+            finally:
+                self.adapters.router.clear()
+
+    def advance(self, state: PassState, layers: int) -> None:
+        with self.lock:
+            self.model.advance(state, layers)
+
+    def end(self, state: PassState) -> torch.Tensor:
+        """fp32 logits [K, vocab] of a pass whose layers have all run."""
+        with self.lock:
+            return self.model.end(state)

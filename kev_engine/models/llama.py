@@ -14,6 +14,7 @@ than the engine's context is refused at load (`setup.check_packable`): Kev's att
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,6 +26,19 @@ from .rope import Rope
 
 ATTENTION_PARTS = ("q_proj", "k_proj", "v_proj")
 MLP_PARTS = ("gate_proj", "up_proj")
+
+
+@dataclass
+class PassState:
+    """A pass between two layers: what it needs to resume (`DecoderModel.advance`)."""
+
+    batch: Any  # the PackedBatch
+    backend: Any  # its attention backend, bound to the KV pool
+    routes: list[Any]  # each adapter's rows of this pass
+    hidden: torch.Tensor  # [T, hidden] after `next_layer` layers
+    cos: torch.Tensor  # [T, head_dim]
+    sin: torch.Tensor
+    next_layer: int = 0
 
 
 class DecoderModel:
@@ -103,22 +117,42 @@ class DecoderModel:
                 return linear.in_features, linear.widths[linear.names.index(name)]
         return None
 
-    @torch.inference_mode()
     def forward(self, batch: Any, backend: Any = None, routes: LoraRoutes = (),
                 all_logits: bool = False) -> torch.Tensor:
         """fp32 logits [K, vocab] at `batch.logits_indices` (or [T, vocab] with `all_logits`).
 
         `backend`: the attention backend `batch` was packed for, bound to the KV pool (None: a pack
         without KV memory); `routes`: each adapter's rows of this pass."""
-        ops = self.ops
-        hidden = ops.embedding(batch.input_ids, self.embed)  # [T, hidden]
+        state = self.begin(batch, backend, routes)
+        self.advance(state, len(self.layers))
+        return self.end(state, all_logits)
+
+    @torch.inference_mode()
+    def begin(self, batch: Any, backend: Any = None, routes: LoraRoutes = ()) -> PassState:
+        """A pass before its first layer: the embedding and the pass's rotary rows."""
         cos, sin = self.rope.lookup(batch.position_ids)  # [T, head_dim] each
-        for layer in self.layers:
-            out = None if routes else ops.layer(layer, hidden, cos, sin, backend, batch)
-            hidden = out if out is not None else self._layer(layer, hidden, cos, sin, backend, batch, routes)
-        rows = hidden if all_logits else hidden.index_select(0, batch.logits_indices)  # [K, hidden]
-        rows = ops.rms_norm(rows, self.norm, self.eps)
-        return ops.linear(rows, self.head).float()  # [K, vocab]
+        return PassState(batch, backend, list(routes), self.ops.embedding(batch.input_ids, self.embed), cos, sin)
+
+    @torch.inference_mode()
+    def advance(self, state: PassState, layers: int) -> None:
+        """Run the pass's next `layers` layers (fewer where fewer are left). Between two calls the
+        pass holds its hidden states and nothing else: other passes may run meanwhile, each over
+        its own rows and KV blocks, and the pass resumes with the same bits."""
+        ops, batch = self.ops, state.batch
+        for layer in self.layers[state.next_layer : state.next_layer + layers]:
+            out = None if state.routes else ops.layer(layer, state.hidden, state.cos, state.sin, state.backend, batch)
+            state.hidden = out if out is not None else self._layer(layer, state.hidden, state.cos, state.sin,
+                                                                   state.backend, batch, state.routes)
+            state.next_layer += 1
+
+    @torch.inference_mode()
+    def end(self, state: PassState, all_logits: bool = False) -> torch.Tensor:
+        """The final norm and the output head of a pass whose layers have all run: fp32 logits."""
+        assert state.next_layer == len(self.layers), "a pass ends after its last layer"
+        hidden = state.hidden
+        rows = hidden if all_logits else hidden.index_select(0, state.batch.logits_indices)  # [K, hidden]
+        rows = self.ops.rms_norm(rows, self.norm, self.eps)
+        return self.ops.linear(rows, self.head).float()  # [K, vocab]
 
     def _layer(self, layer: Layer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: Any,
                batch: Any, routes: LoraRoutes) -> torch.Tensor:

@@ -18,6 +18,8 @@ ENGINE_COUNTERS = {  # engine stat → (metric, help)
     "forward_passes": ("kev_forward_passes_total", "Packed forward passes run."),
     "prefill_passes": ("kev_prefill_passes_total", "Passes that prefilled at least one prompt."),
     "decode_steps": ("kev_decode_steps_total", "Passes that decoded at least one token."),
+    "pass_slices": ("kev_pass_pauses_total", "Times a pass paused between its layers for other passes to run."),
+    "paused_seconds": ("kev_pass_paused_seconds_total", "Time passes spent paused while other passes ran."),
     "prompt_tokens": ("kev_prompt_tokens_total", "Prompt tokens admitted."),
     "generated_tokens": ("kev_generated_tokens_total", "Tokens generated."),
     "prefix_hit_tokens": ("kev_prefix_hit_tokens_total", "Prompt tokens whose KV was reused from a shared prefix."),

@@ -1,0 +1,209 @@
+"""A pass that pauses between its layers: a batch is one pass whatever its size, and while it runs
+the running answers and newly arrived questions go on between its slices (kev_engine/stepper.py).
+
+No clock decides anything here: the cost model is given (1 ms a token), and each slice's layers
+follow from its prediction; the engine is stepped by hand (`hold()` keeps its worker out), or a
+background answer keeps others waiting while the worker runs a batch."""
+
+from __future__ import annotations
+
+import math
+import random
+import threading
+from typing import Any
+
+import pytest
+import torch
+from conftest import QUESTIONS, chat, make_adapter, tiny_model
+from test_invariance import alone, answers, differences, greedy, questions
+from test_pass_budget import per_token
+
+from kev_engine import Engine, SamplingParams
+from kev_engine.models.llama import PassState
+from kev_integrations.server.metrics import Metrics
+
+LAYERS = 6
+DOCUMENT = "The lighthouse keeper logged every ship that passed the granite point. " * 40
+
+
+def paused_engine(tokenizer: Any, dtype: torch.dtype = torch.float32, seed: int = 0, **kwargs: Any) -> Engine:
+    """Kev's model of LAYERS layers, a 50 ms target and 1 ms a token: a pass of a thousand tokens
+    is twenty targets, so it pauses after every layer while anything else waits."""
+    model = tiny_model("llama", tokenizer, seed=seed, num_hidden_layers=LAYERS).to(dtype)
+    engine = Engine(model, tokenizer, pass_time_ms=50, **kwargs)
+    engine._scheduler.cost = per_token(1.0)
+    return engine
+
+
+def whole_engine(tokenizer: Any, dtype: torch.dtype = torch.float32, seed: int = 0) -> Engine:
+    """The same weights, passes bounded by tokens alone: nothing ever pauses."""
+    model = tiny_model("llama", tokenizer, seed=seed, num_hidden_layers=LAYERS).to(dtype)
+    return Engine(model, tokenizer, pass_time_ms=math.inf)
+
+
+def spy_slices(engine: Engine, monkeypatch: pytest.MonkeyPatch, before: Any = None) -> list[tuple[int, int]]:
+    """(the layer a slice starts at, tokens generated so far) for each slice the engine runs;
+    `before(state)` runs first, on the pass's thread."""
+    seen: list[tuple[int, int]] = []
+    advance = engine._runner.advance
+
+    def spy(state: PassState, layers: int) -> None:
+        seen.append((state.next_layer, engine.stats()["generated_tokens"]))
+        if before is not None:
+            before(state)
+        advance(state, layers)
+
+    monkeypatch.setattr(engine._runner, "advance", spy)
+    return seen
+
+
+def answering(engine: Engine) -> Any:
+    """A long answer that has started decoding: while it runs, a batch's pass has someone to pause
+    for (submitted together, it would be in that pass)."""
+    started = threading.Event()
+    future = engine.submit(QUESTIONS[0], SamplingParams(temperature=0, max_tokens=800, ignore_eos=True),
+                           on_text=lambda piece: started.set())
+    assert started.wait(120)
+    return future
+
+
+def long_prompts(count: int, shared: bool = True) -> list[Any]:
+    """Questions on one long log (`shared`: computed once, by the first), or each on its own."""
+    return [chat(f"Question {i}: which ship came {i + 1}th?", ("" if shared else f"Log {i}. ") + DOCUMENT)
+            for i in range(count)]
+
+
+def test_a_batch_alone_is_one_pass_whatever_its_size(tokenizer: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    with paused_engine(tokenizer) as engine:
+        prompts = long_prompts(3, shared=False)
+        seen = spy_slices(engine, monkeypatch)
+        with engine.hold():  # nothing else runs: the worker waits, this thread steps
+            futures = engine.submit_many(prompts, SamplingParams(temperature=0, max_tokens=2))
+            tokens = engine.step()
+            stats = engine.stats()
+            # every prompt whole: twenty targets' work, one pass, in slices of one layer with nobody to pause for
+            assert tokens == sum(len(engine.encode(p)) for p in prompts) - stats["prefix_hit_tokens"] > 20 * 50
+            assert [layer for layer, _ in seen] == list(range(LAYERS))
+            assert stats["prefill_passes"] == 1 and stats["pass_slices"] == 0
+        assert all(f.result(timeout=60).completion_tokens == 2 for f in futures)
+
+
+def test_a_question_that_arrives_starts_before_the_batch_resumes_and_answers_decode_every_slice(
+        tokenizer: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    with paused_engine(tokenizer) as engine:
+        arrived: list[Any] = []
+
+        def arrive(state: PassState) -> None:
+            if state.next_layer == 1:  # while the batch is under way
+                arrived.append(engine.submit(QUESTIONS[3], SamplingParams(temperature=0, max_tokens=1)))
+
+        with engine.hold():
+            running = engine.submit(QUESTIONS[0], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+            engine.step()  # its prompt: it answers from now on
+            big = engine.submit_many(long_prompts(2), SamplingParams(temperature=0, max_tokens=2))
+            seen = spy_slices(engine, monkeypatch, arrive)
+            hits = engine.stats()["prefix_hit_tokens"]
+            whole = sum(len(engine.encode(p)) for p in long_prompts(2))
+            assert engine.step() == whole - (engine.stats()["prefix_hit_tokens"] - hits)  # the batch, whole
+            generated = [tokens for _, tokens in seen]
+            assert [layer for layer, _ in seen] == list(range(LAYERS))
+            # the running answer's token in every pause; the new question's first (and only) token
+            # in the pause right after it arrived, before the batch's next slice
+            assert [b - a for a, b in zip(generated, generated[1:])] == [1, 2, 1, 1, 1]
+            assert engine.stats()["pass_slices"] == LAYERS - 1 and engine.stats()["paused_seconds"] > 0
+            assert "kev_pass_pauses_total 5\n" in Metrics().render(engine.stats())
+        assert arrived[0].result(timeout=60).completion_tokens == 1
+        running.cancel()
+        assert all(f.result(timeout=60).completion_tokens == 2 for f in big)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_packed_equals_alone_bitwise_with_pauses_at_random_slices(
+        dtype: torch.dtype, tokenizer: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    """A batch with adapters, a shared document, a grammar and n = 2, paused at random slices
+    while a background answer decodes between them: every question bitwise as alone."""
+    engine = paused_engine(tokenizer, dtype)
+    whole = whole_engine(tokenizer, dtype)
+    try:
+        base = tiny_model("llama", tokenizer, num_hidden_layers=LAYERS)
+        folder = make_adapter(base, tmp_path / "qv", seed=1)
+        for e in (engine, whole):
+            e.load_adapter("qv", str(folder))
+        rng = random.Random(5)
+        monkeypatch.setattr(engine._stepper, "slice_layers", lambda planned, layers: rng.randint(1, 3))
+        prompts = questions(2, 6, document_words=150)
+        sampling = greedy(6, 6)
+        sampling[1] = SamplingParams(temperature=0, max_tokens=6, regex="[a-z ]{1,12}")
+        sampling[2] = SamplingParams(temperature=0.8, seed=7, max_tokens=5)
+        adapters = ["qv", None, "qv", None, None, "qv"]
+        background = answering(engine)
+        packed = answers(engine, prompts, sampling, adapters)
+        assert engine.stats()["pass_slices"] > 0 and engine.stats()["prefix_hit_tokens"] > 0
+        samples = SamplingParams(temperature=0.8, seed=11, n=2, max_tokens=5)  # n = 2: the tokens (no logits kept)
+        two = [c.token_ids for c in engine.submit(prompts[0], samples).result(timeout=120).samples]
+        slices = engine.stats()["pass_slices"]
+        background.cancel()
+        solo = alone(whole, prompts, sampling, adapters)
+        assert differences(packed, solo) == []
+        alone_two = whole.submit(prompts[0], samples).result(timeout=120).samples
+        assert slices > 0 and two == [c.token_ids for c in alone_two]
+    finally:
+        engine.close()
+        whole.close()
+
+
+def test_a_request_cancelled_in_a_paused_pass_is_freed_after_it(tokenizer: Any,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    with paused_engine(tokenizer) as engine:
+        with engine.hold():
+            running = engine.submit(QUESTIONS[0], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+            engine.step()
+            big = engine.submit_many(long_prompts(3), SamplingParams(temperature=0, max_tokens=2))
+            spy_slices(engine, monkeypatch, lambda state: state.next_layer == 2 and big[1].cancel())
+            engine.step()  # its blocks stay its own until the pass is over: the pass still writes them
+            assert engine.stats()["cancelled"] == 0
+            running.cancel()
+            while engine.has_work():
+                engine.step()
+        stats = engine.stats()
+        assert stats["cancelled"] == 2 and stats["running"] == stats["waiting"] == 0
+        assert engine._blocks.num_used == 0 or stats["kv_cache_bytes"] == 0
+        assert [big[i].result(timeout=60).completion_tokens for i in (0, 2)] == [2, 2]
+
+
+def test_control_a_pause_that_loses_the_pass_state_changes_the_answer(tokenizer: Any,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bitwise comparison above can fail: a resume that starts from the hidden states of the
+    slice before (one slice's work lost) changes the logits."""
+    engine = paused_engine(tokenizer)
+    whole = whole_engine(tokenizer)
+    try:
+        previous: dict[str, torch.Tensor] = {}
+
+        def lose_a_slice(state: PassState) -> None:
+            if state.next_layer == 3:
+                state.hidden = previous["hidden"]  # what the pass held before layer 2
+            previous["hidden"] = state.hidden.clone()
+
+        background = answering(engine)
+        spy_slices(engine, monkeypatch, lose_a_slice)
+        prompts = questions(3, 3, document_words=150)
+        packed = answers(engine, prompts, greedy(3, 4))
+        background.cancel()
+        assert engine.stats()["pass_slices"] > 0
+        assert differences(packed, alone(whole, prompts, greedy(3, 4))) != []
+    finally:
+        engine.close()
+        whole.close()
+
+
+def test_the_fallback_cannot_pause_and_cuts_a_batch_into_passes(tokenizer: Any) -> None:
+    engine = Engine(tiny_model("llama", tokenizer), tokenizer, pass_time_ms=50, model_impl="transformers")
+    engine._scheduler.cost = per_token(1.0)
+    try:
+        assert engine._runner.num_layers is None
+        with engine.hold():
+            engine.submit_many(long_prompts(2), SamplingParams(temperature=0, max_tokens=1))
+            assert engine.step() == 100  # ALONE_FACTOR targets of 1 ms tokens
+    finally:
+        engine.close()
