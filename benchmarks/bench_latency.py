@@ -194,12 +194,13 @@ def summary(name: str, streams: list[Stream], wall: float) -> dict[str, Any]:
             "tokens_per_s": sum(s.tokens for s in streams) / wall}
 
 
-def batch_times(repeat: int) -> list[dict[str, Any]]:
+def batch_times(repeat: int, dtype: str) -> list[dict[str, Any]]:
     """RAG-16 and DOC-QA as one generate() call, with the default budget and without, best of
     `repeat` runs taken in turns (which engine goes first alternates)."""
     rows = []
     workloads = {"RAG-16": ([rag_messages(item) for item in load_rag()], 48), "DOC-QA": (doc_qa_messages(), 32)}
-    engines = {"budget": Engine.from_pretrained(), "unbound": Engine.from_pretrained(pass_time_ms=math.inf)}
+    engines = {"budget": Engine.from_pretrained(dtype=dtype),
+               "unbound": Engine.from_pretrained(dtype=dtype, pass_time_ms=math.inf)}
     try:
         for name, (prompts, new) in workloads.items():
             row: dict[str, Any] = {"workload": name}
@@ -234,12 +235,13 @@ def main() -> None:
     ap.add_argument("--systems", default="engine,engine-unbound,serve")
     ap.add_argument("--batches", action="store_true", help="also time RAG-16 and DOC-QA with and without the budget")
     ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--dtype", default="auto", help="the engines' dtype (auto: bf16 where it measures faster)")
     ap.add_argument("--llama-server", help="path of llama.cpp's llama-server binary")
     ap.add_argument("--gguf", help="the GGUF llama-server loads (same precision as Kev's)")
     args = ap.parse_args()
 
     items = load_rag()
-    probe = Engine.from_pretrained()
+    probe = Engine.from_pretrained(dtype=args.dtype)
     dtype, pass_ms = str(probe.dtype).removeprefix("torch."), probe.pass_time_ms
     prompts: dict[tuple[str, int], Any] = {}
     plan = schedule(args)
@@ -256,7 +258,8 @@ def main() -> None:
     for system in systems:
         print(f"bench_latency: {system} ...", file=sys.stderr, flush=True)
         if system.startswith("engine"):
-            engine = Engine.from_pretrained(pass_time_ms=math.inf if system == "engine-unbound" else None)
+            engine = Engine.from_pretrained(dtype=args.dtype,
+                                            pass_time_ms=math.inf if system == "engine-unbound" else None)
             engine.generate([prompts["short", 0]], SamplingParams(temperature=0, max_tokens=2))  # warm-up
             try:
                 streams, wall = drive(plan, engine_sender(engine, prompts))
@@ -297,7 +300,7 @@ def main() -> None:
     if args.batches:
         lines += ["", "| batch | with budget s | prefill passes | unbound s | prefill passes | ratio |",
                   "|---|---|---|---|---|---|"]
-        for row in batch_times(args.repeat):
+        for row in batch_times(args.repeat, args.dtype):
             lines.append(f"| {row['workload']} | {row['budget_s']:.2f} | {row['budget_prefill_passes']} | "
                          f"{row['unbound_s']:.2f} | {row['unbound_prefill_passes']} | {row['ratio']:.3f} |")
     text = "\n".join(lines) + "\n"

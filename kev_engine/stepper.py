@@ -8,12 +8,14 @@ pass that raised, draining on close. The worker holds it only weakly (an engine 
 `close()` is collected, and its thread ends), and neither calls back into the `Engine`.
 
 A pass that pauses: with a time target and Kev's own model, a batch is one pass whatever its size
-(`Scheduler.schedule(whole=True)`), and its forward runs in slices of layers, each about one
-target long by the cost model's prediction. Between two slices, while anything else is queued or
-answering, one ordinary pass runs for it (the running answers' next tokens, newly arrived
-questions; nothing of the paused pass, whose blocks under way it cannot see), then the paused
-pass resumes. Alone on the engine it runs to its end. Its rows are the same bits either way: the
-kernels are batch-invariant, and between its slices it holds only its hidden states.
+(`Scheduler.schedule(whole=True)`), and its forward runs in slices, each about one target long by
+the cost model's prediction: whole layers, or where one layer alone takes longer (a prompt of
+thousands of tokens), the next rows of a layer (`DecoderModel.advance`). Between two slices, while
+anything else is queued or answering, one ordinary pass runs for it (the running answers' next
+tokens, newly arrived questions; nothing of the paused pass, whose blocks under way it cannot
+see), then the paused pass resumes. Alone on the engine it runs to its end. Its rows are the same
+bits either way: the kernels are batch-invariant, and between its slices it holds only its hidden
+states.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from .core.lifecycle import Lifecycle
 from .core.request import Request
 from .core.schedule import Chunk, Scheduler
 from .model.runner import ModelRunner
+
+MIN_SLICE_ROWS = 64  # a slice's least rows of a layer: fewer would cost more in calls than they save
 
 
 class Stepper:
@@ -49,8 +53,11 @@ class Stepper:
         chunks = life.schedule(self._defer, whole=whole)
         if not chunks:
             return 0
-        if whole:
-            return self._in_slices(chunks)
+        return self._in_slices(chunks) if whole else self._whole(chunks)
+
+    def _whole(self, chunks: list[Chunk]) -> int:
+        """One pass of `chunks`, start to end; the tokens it ran."""
+        life = self.life
         started = time.perf_counter()
         try:
             batch = self.runner.pack(chunks)
@@ -71,11 +78,11 @@ class Stepper:
         in_flight = frozenset(id(chunk.request) for chunk in chunks)
         layers = runner.num_layers
         assert layers is not None
-        per_slice = self.slice_layers(planned, layers)
         pauses, computing, paused_s, started = 0, 0.0, 0.0, time.perf_counter()
         try:
             batch = runner.pack(chunks)
             state = runner.begin(batch, life.resident_adapters())
+            per_slice = self.slice_rows(planned, layers, state.num_rows)
             while state.next_layer < layers:
                 runner.advance(state, per_slice)
                 if state.next_layer < layers and life.others_wait(in_flight):
@@ -93,13 +100,14 @@ class Stepper:
         life.finish(life.record(chunks, batch, logits, draws, computing, planned, pauses, paused_s))
         return batch.num_tokens
 
-    def slice_layers(self, planned: tuple[float, float], layers: int) -> int:
-        """Layers per slice: as many as the pass target holds by the cost model's prediction of
-        the whole pass (one before it has timed a pass)."""
+    def slice_rows(self, planned: tuple[float, float], layers: int, rows: int) -> int:
+        """Rows of layers per slice (a whole layer is `rows` of them): as many as the pass target
+        holds by the cost model's prediction of the whole pass, at least MIN_SLICE_ROWS (one layer
+        before it has timed a pass)."""
         seconds = self.scheduler.predict(*planned)
         if seconds is None or seconds <= 0:
-            return 1
-        return max(1, min(layers, int(layers * self.scheduler.pass_time_s / seconds)))
+            return rows
+        return max(min(MIN_SLICE_ROWS, rows), int(layers * rows * self.scheduler.pass_time_s / seconds))
 
     def _between(self, in_flight: frozenset[int]) -> bool:
         """One ordinary pass for what waits beside a paused pass; whether one ran."""
@@ -107,17 +115,7 @@ class Stepper:
         with life.between_slices():
             life.cancel(in_flight)
             chunks = life.schedule(self._defer, in_flight=in_flight)
-            if not chunks:
-                return False
-            started = time.perf_counter()
-            try:
-                batch = self.runner.pack(chunks)
-                logits = self.runner.forward(batch, life.resident_adapters())  # [K, vocab]
-            finally:
-                life.end_pass()
-        draws = life.sample(life.rows_to_sample(chunks, batch), logits)
-        life.finish(life.record(chunks, batch, logits, draws, time.perf_counter() - started))
-        return True
+            return bool(chunks) and self._whole(chunks) > 0
 
     def emptied(self) -> bool:
         """Whether the last pass left the engine with nothing queued or running, decided when its

@@ -47,14 +47,19 @@ def spy_slices(engine: Engine, monkeypatch: pytest.MonkeyPatch, before: Any = No
     seen: list[tuple[int, int]] = []
     advance = engine._runner.advance
 
-    def spy(state: PassState, layers: int) -> None:
+    def spy(state: PassState, rows: int) -> None:
         seen.append((state.next_layer, engine.stats()["generated_tokens"]))
         if before is not None:
             before(state)
-        advance(state, layers)
+        advance(state, rows)
 
     monkeypatch.setattr(engine._runner, "advance", spy)
     return seen
+
+
+def by_layers(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Slices of one whole layer each (the cost model would cut these passes into rows)."""
+    monkeypatch.setattr(engine._stepper, "slice_rows", lambda planned, layers, rows: rows)
 
 
 def answering(engine: Engine) -> Any:
@@ -81,10 +86,13 @@ def test_a_batch_alone_is_one_pass_whatever_its_size(tokenizer: Any, monkeypatch
             futures = engine.submit_many(prompts, SamplingParams(temperature=0, max_tokens=2))
             tokens = engine.step()
             stats = engine.stats()
-            # every prompt whole: twenty targets' work, one pass, in slices of one layer with nobody to pause for
+            # every prompt whole: twenty targets' work, one pass, with nobody to pause for
             assert tokens == sum(len(engine.encode(p)) for p in prompts) - stats["prefix_hit_tokens"] > 20 * 50
-            assert [layer for layer, _ in seen] == list(range(LAYERS))
             assert stats["prefill_passes"] == 1 and stats["pass_slices"] == 0
+            # slices of the target's share of the pass's rows of layers: 50 ms of `tokens` ms, LAYERS layers
+            per_slice = LAYERS * tokens * 50 // tokens
+            assert engine._stepper.slice_rows((float(tokens), 0.0), LAYERS, tokens) == per_slice < tokens
+            assert len(seen) == math.ceil(LAYERS * tokens / per_slice)
         assert all(f.result(timeout=60).completion_tokens == 2 for f in futures)
 
 
@@ -101,6 +109,7 @@ def test_a_question_that_arrives_starts_before_the_batch_resumes_and_answers_dec
             running = engine.submit(QUESTIONS[0], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
             engine.step()  # its prompt: it answers from now on
             big = engine.submit_many(long_prompts(2), SamplingParams(temperature=0, max_tokens=2))
+            by_layers(engine, monkeypatch)
             seen = spy_slices(engine, monkeypatch, arrive)
             hits = engine.stats()["prefix_hit_tokens"]
             whole = sum(len(engine.encode(p)) for p in long_prompts(2))
@@ -117,28 +126,36 @@ def test_a_question_that_arrives_starts_before_the_batch_resumes_and_answers_dec
         assert all(f.result(timeout=60).completion_tokens == 2 for f in big)
 
 
+@pytest.mark.parametrize("with_adapters", [False, True], ids=["rows", "adapters"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_packed_equals_alone_bitwise_with_pauses_at_random_slices(
-        dtype: torch.dtype, tokenizer: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
-    """A batch with adapters, a shared document, a grammar and n = 2, paused at random slices
-    while a background answer decodes between them: every question bitwise as alone."""
+        dtype: torch.dtype, with_adapters: bool, tokenizer: Any, monkeypatch: pytest.MonkeyPatch,
+        tmp_path: Any) -> None:
+    """A batch on a shared document, with a grammar, a seeded sample and n = 2 (and LoRA adapters,
+    whose passes move by whole layers; without them, slices end inside layers too), paused at
+    random slices while a background answer decodes between them: every question bitwise as alone."""
     engine = paused_engine(tokenizer, dtype)
     whole = whole_engine(tokenizer, dtype)
     try:
-        base = tiny_model("llama", tokenizer, num_hidden_layers=LAYERS)
-        folder = make_adapter(base, tmp_path / "qv", seed=1)
-        for e in (engine, whole):
-            e.load_adapter("qv", str(folder))
+        adapters = [None] * 6
+        if with_adapters:
+            folder = make_adapter(tiny_model("llama", tokenizer, num_hidden_layers=LAYERS), tmp_path / "qv", seed=1)
+            for e in (engine, whole):
+                e.load_adapter("qv", str(folder))
+            adapters = ["qv", None, "qv", None, None, "qv"]
         rng = random.Random(5)
-        monkeypatch.setattr(engine._stepper, "slice_layers", lambda planned, layers: rng.randint(1, 3))
+        monkeypatch.setattr(engine._stepper, "slice_rows",
+                            lambda planned, layers, rows: rng.randint(max(1, rows // 6), 2 * rows))
+        inside: list[int] = []
+        spy_slices(engine, monkeypatch, lambda state: state.next_row and inside.append(state.next_row))
         prompts = questions(2, 6, document_words=150)
         sampling = greedy(6, 6)
         sampling[1] = SamplingParams(temperature=0, max_tokens=6, regex="[a-z ]{1,12}")
         sampling[2] = SamplingParams(temperature=0.8, seed=7, max_tokens=5)
-        adapters = ["qv", None, "qv", None, None, "qv"]
         background = answering(engine)
         packed = answers(engine, prompts, sampling, adapters)
         assert engine.stats()["pass_slices"] > 0 and engine.stats()["prefix_hit_tokens"] > 0
+        assert inside or with_adapters  # slices that began inside a layer (a pass with adapter rows has none)
         samples = SamplingParams(temperature=0.8, seed=11, n=2, max_tokens=5)  # n = 2: the tokens (no logits kept)
         two = [c.token_ids for c in engine.submit(prompts[0], samples).result(timeout=120).samples]
         slices = engine.stats()["pass_slices"]
@@ -159,6 +176,7 @@ def test_a_request_cancelled_in_a_paused_pass_is_freed_after_it(tokenizer: Any,
             running = engine.submit(QUESTIONS[0], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
             engine.step()
             big = engine.submit_many(long_prompts(3), SamplingParams(temperature=0, max_tokens=2))
+            by_layers(engine, monkeypatch)
             spy_slices(engine, monkeypatch, lambda state: state.next_layer == 2 and big[1].cancel())
             engine.step()  # its blocks stay its own until the pass is over: the pass still writes them
             assert engine.stats()["cancelled"] == 0
@@ -186,6 +204,7 @@ def test_control_a_pause_that_loses_the_pass_state_changes_the_answer(tokenizer:
             previous["hidden"] = state.hidden.clone()
 
         background = answering(engine)
+        by_layers(engine, monkeypatch)
         spy_slices(engine, monkeypatch, lose_a_slice)
         prompts = questions(3, 3, document_words=150)
         packed = answers(engine, prompts, greedy(3, 4))

@@ -144,6 +144,7 @@ class Scheduler:
         and the running answers' next tokens join it only where it is predicted to fit the target
         (otherwise they run in the passes between its slices, a token each)."""
         plan = _Pass(self, timed=not whole)
+        plan.in_flight = in_flight
         running = [r for r in self.running if id(r) not in in_flight]
         decoding = [r for r in running if r.num_tokens - r.num_computed == 1 and not r.in_prefill]
         continuing = [r for r in running if r not in decoding]
@@ -288,11 +289,14 @@ class Scheduler:
     def _waits_for_prefix(self, request: Request, plan: _Pass, cached: int) -> bool:
         """Whether a prompt under way shares full blocks with the start of `request`'s prompt beyond
         both `cached` and what it will have computed by the end of this pass: admitted now, the
-        request would compute those blocks a second time beside it; next pass they may be cached."""
+        request would compute those blocks a second time beside it; next pass they may be cached.
+        Never for a prompt of a paused pass: that pass may run for many targets yet, and a
+        question beside it computes the blocks again rather than wait for it."""
         if not request.blocks.cacheable:
             return False
         under_way = [other for other in self.running if other is not request and other.in_prefill
-                     and other.blocks.cacheable and other.prefix_key == request.prefix_key]
+                     and other.blocks.cacheable and other.prefix_key == request.prefix_key
+                     and id(other) not in plan.in_flight]
         if not under_way:
             return False
         size = self.blocks.block_size
@@ -366,6 +370,7 @@ class _Pass:
         """`timed`: the pass target bounds it (else tokens, logits and KV alone)."""
         self.chunks: list[Chunk] = []
         self.requests: set[int] = set()  # ids of the requests in it
+        self.in_flight: frozenset[int] = frozenset()  # ids of a paused pass's requests (`Scheduler.schedule`)
         self.continued = 0  # chunks of prompts already under way
         self.admitted = 0  # requests admitted from the queue
         self.tokens_left = scheduler.max_batch_tokens

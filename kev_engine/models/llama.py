@@ -39,6 +39,12 @@ class PassState:
     cos: torch.Tensor  # [T, head_dim]
     sin: torch.Tensor
     next_layer: int = 0
+    next_row: int = 0  # rows of `next_layer` already computed, while it runs in row slices
+    out: torch.Tensor | None = None  # [T, hidden]: `next_layer`'s output so far, those rows
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.hidden.shape[0])
 
 
 class DecoderModel:
@@ -124,7 +130,7 @@ class DecoderModel:
         `backend`: the attention backend `batch` was packed for, bound to the KV pool (None: a pack
         without KV memory); `routes`: each adapter's rows of this pass."""
         state = self.begin(batch, backend, routes)
-        self.advance(state, len(self.layers))
+        self.advance(state, len(self.layers) * state.num_rows)
         return self.end(state, all_logits)
 
     @torch.inference_mode()
@@ -134,16 +140,45 @@ class DecoderModel:
         return PassState(batch, backend, list(routes), self.ops.embedding(batch.input_ids, self.embed), cos, sin)
 
     @torch.inference_mode()
-    def advance(self, state: PassState, layers: int) -> None:
-        """Run the pass's next `layers` layers (fewer where fewer are left). Between two calls the
-        pass holds its hidden states and nothing else: other passes may run meanwhile, each over
-        its own rows and KV blocks, and the pass resumes with the same bits."""
-        ops, batch = self.ops, state.batch
-        for layer in self.layers[state.next_layer : state.next_layer + layers]:
-            out = None if state.routes else ops.layer(layer, state.hidden, state.cos, state.sin, state.backend, batch)
-            state.hidden = out if out is not None else self._layer(layer, state.hidden, state.cos, state.sin,
-                                                                   state.backend, batch, state.routes)
-            state.next_layer += 1
+    def advance(self, state: PassState, rows: int) -> None:
+        """Run the pass's next `rows` rows of layers (a whole layer is `state.num_rows` rows; fewer
+        where fewer are left): whole layers where it can, else the next rows of one layer. Between
+        two calls the pass holds its hidden states and nothing else: other passes may run
+        meanwhile, each over its own rows and KV blocks, and the pass resumes with the same bits
+        (every row of a layer is computed by itself, and attention reads the keys and values the
+        earlier rows of this layer wrote to the pool). A pass with LoRA rows moves by whole layers."""
+        total = state.num_rows
+        while rows > 0 and state.next_layer < len(self.layers):
+            layer = self.layers[state.next_layer]
+            if state.next_row == 0 and (rows >= total or state.routes):
+                state.hidden = self._whole(layer, state)
+                state.next_layer += 1
+                rows -= total
+                continue
+            start, stop = state.next_row, min(total, state.next_row + rows)
+            if state.out is None:
+                state.out = torch.empty_like(state.hidden)
+            state.out[start:stop] = self._rows(layer, state, start, stop)
+            rows -= stop - start
+            state.next_row = stop
+            if stop == total:
+                state.hidden, state.out = state.out, None
+                state.next_layer, state.next_row = state.next_layer + 1, 0
+
+    def _whole(self, layer: Layer, state: PassState) -> torch.Tensor:
+        out = None if state.routes else self.ops.layer(layer, state.hidden, state.cos, state.sin, state.backend,
+                                                       state.batch)
+        if out is not None:
+            return out
+        return self._layer(layer, state.hidden, state.cos, state.sin, state.backend, state.batch, state.routes)
+
+    def _rows(self, layer: Layer, state: PassState, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) of one layer, as a pack of their own: each segment's rows there,
+        after what it has in the pool (its earlier rows of this layer included)."""
+        rows = _rows_batch(state.batch, state.backend, start, stop)
+        hidden, cos, sin = state.hidden[start:stop], state.cos[start:stop], state.sin[start:stop]
+        out = self.ops.layer(layer, hidden, cos, sin, state.backend, rows)
+        return out if out is not None else self._layer(layer, hidden, cos, sin, state.backend, rows, ())
 
     @torch.inference_mode()
     def end(self, state: PassState, all_logits: bool = False) -> torch.Tensor:
@@ -176,6 +211,23 @@ class DecoderModel:
         hidden = hidden + linear(attended.reshape(tokens, -1), layer.o)
         gate_up = linear(ops.rms_norm(hidden, layer.post_norm, self.eps), layer.gate_up)  # [T, 2 * inter]
         return hidden + linear(ops.silu_mul(gate_up, self.intermediate), layer.down)
+
+
+def _rows_batch(batch: Any, backend: Any, start: int, stop: int) -> Any:
+    """The pack of rows [start, stop) of `batch`: each segment's rows in that range, continuing
+    after its rows before it."""
+    from ..model.pack import Segment, pack
+
+    ids = batch.input_ids[start:stop].tolist()
+    bounds = batch.cu_seqlens_list
+    segments = []
+    for i in range(len(bounds) - 1):
+        low, high = max(bounds[i], start), min(bounds[i + 1], stop)
+        if low < high:
+            segments.append(Segment(request_id=batch.request_ids[i], token_ids=ids[low - start : high - start],
+                                    past_len=batch.past_lens[i] + low - bounds[i], needs_logits=False,
+                                    block_ids=batch.block_tables[i]))
+    return pack(segments, batch.input_ids.device, backend if batch.slot_blocks is not None else None)
 
 
 def attend(backend: Any, layer: int, batch: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
