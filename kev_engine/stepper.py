@@ -30,6 +30,8 @@ from .core.schedule import Chunk, Scheduler
 from .model.runner import ModelRunner
 
 MIN_SLICE_ROWS = 64  # a slice's least rows of a layer: fewer would cost more in calls than they save
+BETWEEN_SHARE = 0.5  # of the pass target, what a pass between two slices may take (a prompt that came
+# meanwhile goes on in chunks there): a running answer waits a slice and that pass between two tokens
 
 
 class Stepper:
@@ -39,6 +41,7 @@ class Stepper:
         self.scheduler = scheduler
         self.arrivals = arrivals
         self.closed = False  # set by `Engine.close` (or at interpreter exit): the worker drains and ends
+        self.row_seconds: float | None = None  # the last slice's seconds per row of a layer
 
     def has_work(self) -> bool:
         """Anything queued or running (called under the engine's lock)."""
@@ -84,14 +87,20 @@ class Stepper:
             state = runner.begin(batch, life.resident_adapters())
             per_slice = self.slice_rows(planned, layers, state.num_rows)
             while state.next_layer < layers:
+                sliced, before = time.perf_counter(), state.rows_done
                 runner.advance(state, per_slice)
+                took, between, done = time.perf_counter() - sliced, 0.0, state.rows_done - before
+                if done >= MIN_SLICE_ROWS:  # a prompt's pace (a decode pass's few rows are mostly fixed costs)
+                    self.row_seconds = took / done
                 if state.next_layer < layers and life.others_wait(in_flight):
                     paused = time.perf_counter()
                     computing += paused - started
                     if self._between(in_flight):
                         pauses += 1
-                        paused_s += time.perf_counter() - paused
+                        between = time.perf_counter() - paused
+                        paused_s += between
                     started = time.perf_counter()
+                per_slice = self.resize(done, took, between, state.num_rows)
             logits = runner.end(state)  # [K, vocab]
         finally:
             life.end_pass()
@@ -101,20 +110,35 @@ class Stepper:
         return batch.num_tokens
 
     def slice_rows(self, planned: tuple[float, float], layers: int, rows: int) -> int:
-        """Rows of layers per slice (a whole layer is `rows` of them): as many as the pass target
-        holds by the cost model's prediction of the whole pass, at least MIN_SLICE_ROWS (one layer
-        before it has timed a pass)."""
+        """A pass's first slice, in rows of layers (a whole layer is `rows` of them): at the pace of
+        the last slice run (half a target's worth: it may have been a shorter context's), else as
+        many as the pass target holds by the cost model's prediction of the whole pass (one layer
+        before it has timed a pass); at least MIN_SLICE_ROWS."""
+        least = min(MIN_SLICE_ROWS, rows)
+        if self.row_seconds is not None:  # the last slice's pace, where one ran: the clock, not the fit
+            return max(least, int(self.scheduler.pass_time_s * BETWEEN_SHARE / self.row_seconds))
         seconds = self.scheduler.predict(*planned)
         if seconds is None or seconds <= 0:
             return rows
-        return max(min(MIN_SLICE_ROWS, rows), int(layers * rows * self.scheduler.pass_time_s / seconds))
+        return max(least, int(layers * rows * self.scheduler.pass_time_s / seconds))
+
+    def resize(self, rows: int, seconds: float, between: float, total: int) -> int:
+        """The next slice's rows, from the last one's: `rows` took `seconds`, and the pass run
+        after it `between` (0: none ran). A running answer waits a slice and a pass between two tokens, so a
+        slice aims at the target less that pass (at least half the target); the prediction the
+        first slice was sized by may be far off (a long prompt's attention), the clock is not.
+        At most twice the last slice, never under MIN_SLICE_ROWS."""
+        if seconds <= 0:
+            return rows
+        target = max(self.scheduler.pass_time_s / 2, self.scheduler.pass_time_s - between)
+        return max(min(MIN_SLICE_ROWS, total), min(2 * rows, int(rows * target / seconds)))
 
     def _between(self, in_flight: frozenset[int]) -> bool:
         """One ordinary pass for what waits beside a paused pass; whether one ran."""
         life = self.life
         with life.between_slices():
             life.cancel(in_flight)
-            chunks = life.schedule(self._defer, in_flight=in_flight)
+            chunks = life.schedule(self._defer, in_flight=in_flight, share=BETWEEN_SHARE)
             return bool(chunks) and self._whole(chunks) > 0
 
     def emptied(self) -> bool:

@@ -543,3 +543,21 @@ def test_packed_equals_alone_bitwise_while_the_budget_changes_mid_prompt(tokeniz
     finally:
         engine.close()
         whole.close()
+
+
+def test_a_pass_that_can_pause_takes_prompts_under_way_whole_and_a_question_only_if_it_fits() -> None:
+    """`schedule(whole=True)`: a prompt already under way runs whole, and a question waiting
+    beside it joins only where the pass is predicted within the target with it: otherwise it
+    starts between the pass's slices (tests/test_paused_pass.py), not after a pass of many targets."""
+    s = scheduler(budget_ms=100.0)
+    long_one = request(0, 3000)
+    s.add([long_one])
+    assert run(s) == {long_one: 200}  # a timed pass: ALONE_FACTOR targets of it
+    short = request(1, 30)
+    s.add([short])
+    chunks = s.schedule(whole=True)
+    assert {c.request: c.num_tokens for c in chunks} == {long_one: 2800}
+    s.update(chunks)
+    fits = request(2, 30)
+    s.add([fits])
+    assert {c.request for c in s.schedule(whole=True)} == {short, fits}  # nothing under way: both fit the target

@@ -23,14 +23,15 @@ from kev_engine.models.llama import PassState
 from kev_integrations.server.metrics import Metrics
 
 LAYERS = 6
+TARGET_MS = 200
 DOCUMENT = "The lighthouse keeper logged every ship that passed the granite point. " * 40
 
 
 def paused_engine(tokenizer: Any, dtype: torch.dtype = torch.float32, seed: int = 0, **kwargs: Any) -> Engine:
-    """Kev's model of LAYERS layers, a 50 ms target and 1 ms a token: a pass of a thousand tokens
-    is twenty targets, so it pauses after every layer while anything else waits."""
+    """Kev's model of LAYERS layers, a 200 ms target and 1 ms a token: a pass of a thousand tokens
+    is five targets, and a short question fits the half of one that a pass between slices takes."""
     model = tiny_model("llama", tokenizer, seed=seed, num_hidden_layers=LAYERS).to(dtype)
-    engine = Engine(model, tokenizer, pass_time_ms=50, **kwargs)
+    engine = Engine(model, tokenizer, pass_time_ms=TARGET_MS, **kwargs)
     engine._scheduler.cost = per_token(1.0)
     return engine
 
@@ -58,8 +59,9 @@ def spy_slices(engine: Engine, monkeypatch: pytest.MonkeyPatch, before: Any = No
 
 
 def by_layers(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Slices of one whole layer each (the cost model would cut these passes into rows)."""
+    """Slices of one whole layer each (the cost model and the clock would cut these passes into rows)."""
     monkeypatch.setattr(engine._stepper, "slice_rows", lambda planned, layers, rows: rows)
+    monkeypatch.setattr(engine._stepper, "resize", lambda rows, seconds, between, total: total)
 
 
 def answering(engine: Engine) -> Any:
@@ -81,18 +83,24 @@ def long_prompts(count: int, shared: bool = True) -> list[Any]:
 def test_a_batch_alone_is_one_pass_whatever_its_size(tokenizer: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     with paused_engine(tokenizer) as engine:
         prompts = long_prompts(3, shared=False)
+        monkeypatch.setattr(engine._stepper, "resize", lambda rows, seconds, between, total: rows)  # no clock
         seen = spy_slices(engine, monkeypatch)
         with engine.hold():  # nothing else runs: the worker waits, this thread steps
             futures = engine.submit_many(prompts, SamplingParams(temperature=0, max_tokens=2))
             tokens = engine.step()
             stats = engine.stats()
-            # every prompt whole: twenty targets' work, one pass, with nobody to pause for
-            assert tokens == sum(len(engine.encode(p)) for p in prompts) - stats["prefix_hit_tokens"] > 20 * 50
+            # every prompt whole: five targets' work, one pass, with nobody to pause for
+            assert tokens == sum(len(engine.encode(p)) for p in prompts) - stats["prefix_hit_tokens"] > 5 * TARGET_MS
             assert stats["prefill_passes"] == 1 and stats["pass_slices"] == 0
-            # slices of the target's share of the pass's rows of layers: 50 ms of `tokens` ms, LAYERS layers
-            per_slice = LAYERS * tokens * 50 // tokens
-            assert engine._stepper.slice_rows((float(tokens), 0.0), LAYERS, tokens) == per_slice < tokens
+            # slices of the target's share of the pass's rows of layers: TARGET_MS of `tokens` ms, LAYERS layers
+            per_slice = LAYERS * tokens * TARGET_MS // tokens
             assert len(seen) == math.ceil(LAYERS * tokens / per_slice)
+            stepper = engine._stepper
+            assert stepper.row_seconds is not None  # the pace of the slices run, for the next pass's first
+            stepper.row_seconds = None
+            assert stepper.slice_rows((float(tokens), 0.0), LAYERS, tokens) == per_slice < tokens
+            stepper.row_seconds = 0.001  # 1 ms a row of a layer: half a target's rows
+            assert stepper.slice_rows((float(tokens), 0.0), LAYERS, tokens) == TARGET_MS // 2
         assert all(f.result(timeout=60).completion_tokens == 2 for f in futures)
 
 
@@ -126,6 +134,24 @@ def test_a_question_that_arrives_starts_before_the_batch_resumes_and_answers_dec
         assert all(f.result(timeout=60).completion_tokens == 2 for f in big)
 
 
+def test_a_question_asked_beside_a_long_batch_starts_between_its_slices(tokenizer: Any,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two callers at the same moment, a long batch and one short question: the pass holds the
+    batch, whole; the other caller's question, which the pass could not hold within its target,
+    has its answer after the batch's first slice."""
+    with paused_engine(tokenizer) as engine:
+        with engine.hold():
+            big = engine.submit_many(long_prompts(2, shared=False), SamplingParams(temperature=0, max_tokens=2))
+            quick = engine.submit(QUESTIONS[3], SamplingParams(temperature=0, max_tokens=1))
+            by_layers(engine, monkeypatch)
+            seen = spy_slices(engine, monkeypatch)
+            assert engine.step() == sum(len(engine.encode(p)) for p in long_prompts(2, shared=False))
+            assert [tokens for _, tokens in seen][:2] == [0, 1]  # the short question's token, after slice one
+            assert engine.stats()["pass_slices"] == 1  # then nobody else waited
+        assert quick.result(timeout=60).completion_tokens == 1
+        assert all(f.result(timeout=60).completion_tokens == 2 for f in big)
+
+
 @pytest.mark.parametrize("with_adapters", [False, True], ids=["rows", "adapters"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_packed_equals_alone_bitwise_with_pauses_at_random_slices(
@@ -146,6 +172,8 @@ def test_packed_equals_alone_bitwise_with_pauses_at_random_slices(
         rng = random.Random(5)
         monkeypatch.setattr(engine._stepper, "slice_rows",
                             lambda planned, layers, rows: rng.randint(max(1, rows // 6), 2 * rows))
+        monkeypatch.setattr(engine._stepper, "resize",
+                            lambda rows, seconds, between, total: rng.randint(max(1, total // 6), 2 * total))
         inside: list[int] = []
         spy_slices(engine, monkeypatch, lambda state: state.next_row and inside.append(state.next_row))
         prompts = questions(2, 6, document_words=150)
@@ -214,6 +242,22 @@ def test_control_a_pause_that_loses_the_pass_state_changes_the_answer(tokenizer:
     finally:
         engine.close()
         whole.close()
+
+
+def test_a_slice_follows_the_clock_within_bounds(tokenizer: Any) -> None:
+    """After a pause the next slice is sized by how long the last one took, aiming at the target
+    less the pass run between (at least half the target), at most twice the last, at least
+    MIN_SLICE_ROWS."""
+    from kev_engine.stepper import MIN_SLICE_ROWS
+
+    with paused_engine(tokenizer) as engine:  # a 200 ms target
+        resize = engine._stepper.resize
+        assert resize(1000, 0.4, 0.0, 5000) == 500  # twice the target: half the rows
+        assert resize(1000, 0.4, 0.04, 5000) == 400  # the target less the pass between
+        assert resize(1000, 0.4, 0.16, 5000) == 250  # never under half the target
+        assert resize(1000, 0.001, 0.0, 5000) == 2000  # at most twice the last
+        assert resize(1000, 100.0, 0.0, 5000) == MIN_SLICE_ROWS
+        assert resize(1000, 100.0, 0.0, 10) == 10  # a pass of fewer rows than that: its rows
 
 
 def test_the_fallback_cannot_pause_and_cuts_a_batch_into_passes(tokenizer: Any) -> None:

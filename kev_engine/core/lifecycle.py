@@ -136,12 +136,12 @@ class Lifecycle:
                 self.stats["cancelled"] += request.future.cancelled()  # not those failed by their on_text
 
     def schedule(self, defer: Callable[[Request], bool] = lambda r: False, in_flight: frozenset[int] = frozenset(),
-                 whole: bool = False) -> list[Chunk]:
+                 whole: bool = False, share: float = 1.0) -> list[Chunk]:
         """This pass's chunks; each admitted request gets its KV blocks and its adapter's slot
-        (`defer`, `in_flight`, `whole`: see `Scheduler.schedule`)."""
+        (`defer`, `in_flight`, `whole`, `share`: see `Scheduler.schedule`)."""
         with self.cond:
             chunks = self.scheduler.schedule(self._admit, lambda r: self.adapters.release(r.adapter), defer,
-                                             in_flight, whole)
+                                             in_flight, whole, share)
             fresh = self.blocks.take_fresh()
             used = self.blocks.num_used * self.backend.pool.block_bytes
             self.stats["kv_cache_peak_bytes"] = max(self.stats["kv_cache_peak_bytes"], used)

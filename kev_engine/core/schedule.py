@@ -133,6 +133,7 @@ class Scheduler:
         defer: Callable[[Request], bool] = lambda r: False,
         in_flight: frozenset[int] = frozenset(),
         whole: bool = False,
+        share: float = 1.0,
     ) -> list[Chunk]:
         """Pick this pass's chunks and give each the KV it needs. `can_admit` reserves what else a
         waiting request needs (its adapter's slot); `on_preempt` gives that back. A waiting
@@ -142,8 +143,10 @@ class Scheduler:
         this one, nor preempted. `whole`: this pass can pause (`Stepper`), so time does not bound
         it: every prompt it can take runs whole (`max_batch_tokens` and the KV budget still do),
         and the running answers' next tokens join it only where it is predicted to fit the target
-        (otherwise they run in the passes between its slices, a token each)."""
-        plan = _Pass(self, timed=not whole)
+        (otherwise they run in the passes between its slices, a token each). `share`: of the pass
+        target, what this pass may take (a pass between two slices takes part of one: a running
+        answer waits for both)."""
+        plan = _Pass(self, timed=not whole, share=share)
         plan.in_flight = in_flight
         running = [r for r in self.running if id(r) not in in_flight]
         decoding = [r for r in running if r.num_tokens - r.num_computed == 1 and not r.in_prefill]
@@ -152,7 +155,7 @@ class Scheduler:
             self._decodes(plan, decoding, on_preempt, in_flight)  # 1. every running answer's next token
         if continuing:  # 2. prompts under way, the shortest left first; then the longest
             self._under_way(plan, continuing, on_preempt, in_flight)
-        self._admit_waiting(plan, can_admit, defer)  # 3. waiting questions, in order
+        self._admit_waiting(plan, can_admit, defer, whole)  # 3. waiting questions, in order
         if whole and (not plan.chunks or self._fits_target(plan, len(decoding))):
             self._decodes(plan, decoding, on_preempt, in_flight)
         self.planned = (plan.dense, plan.attention)
@@ -170,6 +173,16 @@ class Scheduler:
                                plan.attention)
         return seconds is not None and seconds <= self.pass_time_s
 
+    def _fits_with(self, plan: _Pass, request: Request) -> bool:
+        """Whether `plan` with all of `request`'s prompt is predicted within the target (before
+        the cost model has timed a pass: whether they hold at most FIRST_PASS_TOKENS, what such a
+        pass holds)."""
+        if self.cost is None or not self.cost.ready:
+            planned = self.max_batch_tokens - plan.tokens_left
+            return planned + len(request.prompt_ids) <= FIRST_PASS_TOKENS
+        seconds = self.predict(plan.dense + self._need(request), plan.attention)
+        return seconds is not None and seconds <= self.pass_time_s
+
     def predict(self, dense: float, attention: float) -> float | None:
         """A pass's seconds from its planned work (None: the cost model has not timed one yet)."""
         if self.cost is None or not self.cost.ready:
@@ -181,13 +194,23 @@ class Scheduler:
         return bool(self.waiting) or any(id(r) not in in_flight for r in self.running)
 
     def _admit_waiting(self, plan: _Pass, can_admit: Callable[[Request], bool],
-                       defer: Callable[[Request], bool]) -> None:
+                       defer: Callable[[Request], bool], whole: bool = False) -> None:
+        """Step 3. In a pass that can pause (`whole`), the first group waiting joins whole (unless
+        prompts under way are in it already), and a later group only while the pass is predicted
+        within the target with it: a question that came on its own beside a long batch starts
+        between that batch's slices, not after it."""
         index = 0
+        first_group: object = None if not plan.chunks else plan  # prompts under way came first: no group joins whole
         while index < len(self.waiting) and plan.tokens_left > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[index]
             if request.future.done():  # cancelled (or failed by its own on_text)
                 self.cancelled.append(self.waiting.pop(index))
                 continue
+            if (whole and first_group is not None and request.group != first_group
+                    and not self._fits_with(plan, request)):
+                break
+            if first_group is None:
+                first_group = request.group
             if (request.all_logits and plan.logits_left <= 0) or defer(request):
                 index += 1
                 continue
@@ -366,8 +389,8 @@ class Scheduler:
 class _Pass:
     """One pass being planned: its chunks and what is left of its token, logits and time budgets."""
 
-    def __init__(self, scheduler: Scheduler, timed: bool = True) -> None:
-        """`timed`: the pass target bounds it (else tokens, logits and KV alone)."""
+    def __init__(self, scheduler: Scheduler, timed: bool = True, share: float = 1.0) -> None:
+        """`timed`: the pass target bounds it (else tokens, logits and KV alone); `share`: of it."""
         self.chunks: list[Chunk] = []
         self.requests: set[int] = set()  # ids of the requests in it
         self.in_flight: frozenset[int] = frozenset()  # ids of a paused pass's requests (`Scheduler.schedule`)
@@ -385,7 +408,7 @@ class _Pass:
         self.target = math.inf  # the pass's seconds, where it predicts
         if self.cost is not None:  # one batch alone (nobody else waits or answers) may take ALONE_FACTOR targets
             alone = len({r.group for r in scheduler.running} | {r.group for r in scheduler.waiting}) <= 1
-            self.target = scheduler.pass_time_s * (ALONE_FACTOR if alone else 1.0)
+            self.target = scheduler.pass_time_s * (ALONE_FACTOR if alone else 1.0) * share
         self.budget: float | None = None  # the flops `target` holds: asked of the cost model when first needed
 
     @property

@@ -46,6 +46,11 @@ class PassState:
     def num_rows(self) -> int:
         return int(self.hidden.shape[0])
 
+    @property
+    def rows_done(self) -> int:
+        """Rows of layers computed so far (a whole layer is `num_rows` of them)."""
+        return self.next_layer * self.num_rows + self.next_row
+
 
 class DecoderModel:
     """One Llama-shaped causal LM in Kev's layout. Not an `nn.Module`: nothing hooks into it, and
