@@ -74,13 +74,14 @@ class Engine:
             gives it back as it came), and hooks and replaced modules are honoured.
         tokenizer: its tokenizer; chat prompts use its chat template.
         max_batch_tokens: most tokens in one pass (prefill chunks + one token per decode): a hard cap.
-        pass_time_ms: the target duration of one pass (None: `KEV_PASS_TIME_MS`, else 300 on CPU,
-            100 on CUDA). The scheduler learns what this model's work costs on this device
-            (`pass_cost`) and fills each pass up to this: every running answer gets its next token,
-            a long prompt goes on in chunks, and a short question queued behind it joins the next
-            pass instead of waiting for the whole prefill. A batch whose work fits is one pass; a
-            larger one runs in consecutive passes (up to twice the target while it is alone on the
-            engine). `math.inf`: passes bounded by `max_batch_tokens` alone.
+        pass_time_ms: how long anyone waits for a pass (None: `KEV_PASS_TIME_MS`, else 300 on CPU,
+            100 on CUDA). On Kev's own model a batch is one pass (up to `max_batch_tokens`) that
+            runs in slices of about this long (`stepper`): between two, while anything else is
+            queued or answering, every running answer gets its next token and a question that
+            arrived starts. On the transformers fallback, which cannot pause, the scheduler fills
+            each pass up to this instead (`pass_cost` learns what the work costs): a long prompt
+            goes on in chunks, and a batch whose work does not fit runs in consecutive passes.
+            `math.inf`: passes bounded by `max_batch_tokens` alone, never paused.
         max_num_seqs: most questions running at once.
         max_model_len: the longest question (prompt and answer) this engine takes, at most the
             model's context (None: the model's `max_position_embeddings`). A model with a sliding

@@ -1,6 +1,10 @@
 """Schedule: which tokens of which questions run in the next pass — within a time budget, a token
 cap and the KV memory budget, fairly.
 
+A pass that can pause between its layers (Kev's own model: `schedule(whole=True)`, see
+`stepper`) is not bounded by time: its prompts run whole, and the passes run between its slices
+(`in_flight`, `share`) are bounded as below. What follows is the time-bounded pass.
+
 A pass is bounded by a target duration (`pass_time_s`, predicted by the `pass_cost` model this
 engine learns as it runs) and by `max_batch_tokens`. While one submitted batch is all the engine
 has (nobody else waiting or answering), its passes may take `ALONE_FACTOR` targets: every pass

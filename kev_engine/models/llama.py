@@ -1,7 +1,8 @@
 """Kev's forward for the Llama-shaped families: Llama (SmolLM2, Llama 2/3), Mistral, Qwen2/2.5, Qwen3.
 
-Where this sits: `ModelRunner.forward` calls `DecoderModel.forward` on every pass's `PackedBatch`;
-`models.load` builds it from a checkpoint. It is plain code over Kev's weight layout (`layout`)
+Where this sits: `ModelRunner` runs every pass's `PackedBatch` through it, whole (`forward`) or
+in slices other passes may run between (`begin`, `advance`, `end`: `stepper`); `models.load`
+builds it from a checkpoint. It is plain code over Kev's weight layout (`layout`)
 and the platform's ops (`ops.Ops`): the same forward on every platform, nothing of transformers'
 modules on the way (their tokenizer and chat template are still Kev's, in `inputs`).
 
