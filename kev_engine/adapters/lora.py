@@ -11,9 +11,9 @@ platform a row's delta does not depend on how many rows of its adapter share the
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeAlias
 
 import torch
 import torch.nn.functional as F
@@ -34,7 +34,7 @@ class LoraWeights:
 
 LoraProducts = Callable[[LoraWeights, torch.Tensor], torch.Tensor]
 """A platform's `B(A(x)) * scaling` for rows x [n, in] in the adapter's dtype → [n, out]."""
-LoraRoutes = "Sequence[tuple[LoraAdapter, slice | torch.Tensor]]"
+LoraRoutes: TypeAlias = "Sequence[tuple[LoraAdapter, slice | torch.Tensor]]"
 """Each adapter of a pass with its rows of the pack (`LoraRouter.routes`)."""
 
 
