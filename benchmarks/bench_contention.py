@@ -25,14 +25,13 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_engine import GGUF_NAME, gguf_dir
-from bench_invariance import llama_server_run, prompt_ids, write_report
+from bench_invariance import answer_worker, llama_server_run, prompt_ids, run_worker, write_report
 from workload import load_rag, rag_messages
 
 CORES = len(os.sched_getaffinity(0))
@@ -86,14 +85,6 @@ def kev_worker(data: dict) -> dict:
         result[condition] = {"walls": walls, "tokens": tokens, "prefill_passes": passes}
     engine.close()
     return result
-
-
-def run_worker(data: dict) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        inp, out = Path(tmp) / "in.json", Path(tmp) / "out.json"
-        inp.write_text(json.dumps(data))
-        rc = subprocess.call([sys.executable, os.path.abspath(__file__), "--worker", str(inp), str(out)])
-        return json.loads(out.read_text()) if rc == 0 else {"skipped": f"worker exit code {rc}"}
 
 
 def llama_run(binary: str, workload: str, repeat: int) -> dict:
@@ -159,8 +150,7 @@ def main() -> None:
     ap.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        data = json.loads(Path(args.worker[0]).read_text())
-        Path(args.worker[1]).write_text(json.dumps(kev_worker(data)))
+        answer_worker(args.worker, kev_worker)
         return
     rows = []
     for workload in args.workload:
@@ -169,7 +159,8 @@ def main() -> None:
         for name, threads in (("kev", None), ("kev_1thread", 1)):
             if name in args.systems:
                 print(f"--- {title} {name}", flush=True)
-                results[name] = run_worker({"workload": workload, "threads": threads, "repeat": args.repeat})
+                results[name] = run_worker(name, {"workload": workload, "threads": threads, "repeat": args.repeat},
+                                           script=__file__)
         if "llama_server" in args.systems:
             print(f"--- {title} llama_server", flush=True)
             if args.llama_server:

@@ -44,6 +44,7 @@ import tempfile
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -189,17 +190,23 @@ def llama_server_run(binary: str, gguf: Path, prompts: list[list[int]], max_toke
             server.kill()
 
 
-def run_worker(name: str, data: dict, isa: str = "native", env: dict[str, str] | None = None) -> dict:
-    """`name` in its own process, as a CPU of instruction set `isa` (KEV_CPU_ISA) would run it;
-    a failure is reported, not raised."""
+def run_worker(name: str, data: dict, isa: str = "native", env: dict[str, str] | None = None,
+               script: str = __file__) -> dict:
+    """`name` in its own process (`script --worker IN OUT`: `answer_worker`), as a CPU of
+    instruction set `isa` (KEV_CPU_ISA) would run it; a failure is reported, not raised."""
     with tempfile.TemporaryDirectory() as tmp:
         inp, out = Path(tmp) / "in.json", Path(tmp) / "out.json"
         inp.write_text(json.dumps(data))
-        command = [sys.executable, os.path.abspath(__file__), "--worker", str(inp), str(out)]
+        command = [sys.executable, os.path.abspath(script), "--worker", str(inp), str(out)]
         if isa != "native":  # torch's own dispatch is capped at its start: the isa runner sets it
             command = [sys.executable, "-m", "kev_engine.platforms.cpu.isa", isa, "--", *command]
         rc = subprocess.call(command, env={**os.environ, **(env or {})})
         return json.loads(out.read_text()) if rc == 0 else {"skipped": f"{name}: worker exit code {rc}"}
+
+
+def answer_worker(paths: list[str], work: Callable[[dict], dict]) -> None:
+    """A worker process's whole job: `work` on the JSON at paths[0], its result to paths[1]."""
+    Path(paths[1]).write_text(json.dumps(work(json.loads(Path(paths[0]).read_text()))))
 
 
 def prompt_ids(workload: str, model: str | None = None) -> list[list[int]]:
@@ -277,8 +284,7 @@ def main() -> None:
     ap.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        data = json.loads(Path(args.worker[0]).read_text())
-        Path(args.worker[1]).write_text(json.dumps(kev_worker(data)))
+        answer_worker(args.worker, kev_worker)
         return
     model, gguf_dir, gguf_name = None, args.gguf_dir, GGUF
     if args.model != "embedded":

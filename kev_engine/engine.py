@@ -192,8 +192,8 @@ class Engine:
                                           useful_tokens=2 * max_num_seqs * self.max_context,
                                           default_bytes=self._platform.default_kv_cache_bytes)
         self._adapters = AdapterPool(model, self.device, max_adapters)
-        # the fallback's LoRA layers compute with the platform's products; Kev's model with its ops'
-        self._adapters.router.products = model.ops.lora_products if impl == "kev" else self._platform.lora_products
+        if impl == "transformers":  # its LoRA layers compute with the platform's products (Kev's model: its ops')
+            self._adapters.router.products = self._platform.lora_products
         graphs = None
         if impl == "kev":  # may reserve a block
             graphs = self._platform.decode_graphs(functools.partial(model.forward, backend=self._backend),

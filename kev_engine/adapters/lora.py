@@ -61,6 +61,17 @@ class LoraAdapter:
         return sum(w.lora_A.nbytes + w.lora_B.nbytes for w in self.modules.values())
 
 
+def add_delta(out: torch.Tensor, x: torch.Tensor, rows: slice | torch.Tensor, weights: LoraWeights,
+              products: LoraProducts) -> None:
+    """out[rows] += B(A(x[rows])) * scaling, in place: PEFT's math on the token dimension, the
+    adapter in its own dtype (cast in, cast back). out [T, out], x [T, in]."""
+    delta = products(weights, x[rows].to(weights.lora_A.dtype))  # [n, out]
+    if isinstance(rows, slice):
+        out[rows] += delta.to(out.dtype)
+    else:
+        out.index_add_(0, rows, delta.to(out.dtype))
+
+
 class LoraRouter:
     """Which rows of the current pack belong to which adapter; set for one forward at a time."""
 
@@ -108,15 +119,8 @@ class MultiLoRALinear(nn.Module):
         out = self.base(x)  # [1, T, out]: the base projection once over the whole pack
         for adapter, rows in self.router:
             weights = adapter.modules.get(self.module_name)
-            if weights is None:
-                continue  # this adapter does not target this module
-            # PEFT's math on the token dimension; adapters keep their own dtype (cast in, cast back)
-            x_rows = x[0, rows].to(weights.lora_A.dtype)  # [n, in]
-            delta = self.router.products(weights, x_rows)  # [n, out]
-            if isinstance(rows, slice):
-                out[0, rows] += delta.to(out.dtype)
-            else:
-                out[0].index_add_(0, rows, delta.to(out.dtype))
+            if weights is not None:  # else this adapter does not target this module
+                add_delta(out[0], x[0], rows, weights, self.router.products)
         return out
 
 

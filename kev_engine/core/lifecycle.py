@@ -165,7 +165,7 @@ class Lifecycle:
     @contextlib.contextmanager
     def between_slices(self) -> Iterator[None]:
         """A pass run while another is paused: the paused one's blocks under way are hidden from
-        it (`BlockManager.swap_filling`), and counted as a pause."""
+        it (`BlockManager.swap_filling`)."""
         with self.cond:
             paused = self.blocks.swap_filling({})
         try:

@@ -150,31 +150,33 @@ class Scheduler:
         (otherwise they run in the passes between its slices, a token each). `share`: of the pass
         target, what this pass may take (a pass between two slices takes part of one: a running
         answer waits for both)."""
-        plan = _Pass(self, timed=not whole, share=share)
-        plan.in_flight = in_flight
+        plan = _Pass(self, timed=not whole, share=share, in_flight=in_flight)
         running = [r for r in self.running if id(r) not in in_flight]
         decoding = [r for r in running if r.num_tokens - r.num_computed == 1 and not r.in_prefill]
         continuing = [r for r in running if r not in decoding]
         if not whole:
-            self._decodes(plan, decoding, on_preempt, in_flight)  # 1. every running answer's next token
+            self._decodes(plan, decoding, on_preempt)  # 1. every running answer's next token
         if continuing:  # 2. prompts under way, the shortest left first; then the longest
-            self._under_way(plan, continuing, on_preempt, in_flight)
+            self._under_way(plan, continuing, on_preempt)
         self._admit_waiting(plan, can_admit, defer, whole)  # 3. waiting questions, in order
-        if whole and (not plan.chunks or self._fits_target(plan, len(decoding))):
-            self._decodes(plan, decoding, on_preempt, in_flight)
+        if whole and (not plan.chunks or self._decodes_fit(plan, len(decoding))):
+            self._decodes(plan, decoding, on_preempt)
         self.planned = (plan.dense, plan.attention)
         return plan.chunks
 
-    def _decodes(self, plan: _Pass, decoding: list[Request], on_preempt: Callable[[Request], None],
-                 in_flight: frozenset[int]) -> None:
+    def _decodes(self, plan: _Pass, decoding: list[Request], on_preempt: Callable[[Request], None]) -> None:
         for request in decoding:
             if request.status is Status.RUNNING and plan.tokens_left > 0:
-                self._continue(plan, request, 1, on_preempt, decode=True, in_flight=in_flight)
+                self._continue(plan, request, 1, on_preempt, decode=True)
 
-    def _fits_target(self, plan: _Pass, decodes: int) -> bool:
-        """Whether a pass of `plan` and `decodes` more rows is predicted within the pass target."""
-        seconds = self.predict(plan.dense + (plan.model.work.dense(decodes, decodes) if plan.model else 0.0),
-                               plan.attention)
+    def _decodes_fit(self, plan: _Pass, rows: int) -> bool:
+        """Whether `plan` with `rows` decode rows is predicted within the pass target."""
+        return self.cost is not None and self._within_target(plan, self.cost.work.dense(rows, rows))
+
+    def _within_target(self, plan: _Pass, dense: float) -> bool:
+        """Whether a pass of `plan` and `dense` more work is predicted within the pass target (False
+        before the cost model has timed a pass)."""
+        seconds = self.predict(plan.dense + dense, plan.attention)
         return seconds is not None and seconds <= self.pass_time_s
 
     def _fits_with(self, plan: _Pass, request: Request) -> bool:
@@ -184,8 +186,7 @@ class Scheduler:
         if self.cost is None or not self.cost.ready:
             planned = self.max_batch_tokens - plan.tokens_left
             return planned + len(request.prompt_ids) <= FIRST_PASS_TOKENS
-        seconds = self.predict(plan.dense + self._need(request), plan.attention)
-        return seconds is not None and seconds <= self.pass_time_s
+        return self._within_target(plan, self._need(request))
 
     def predict(self, dense: float, attention: float) -> float | None:
         """A pass's seconds from its planned work (None: the cost model has not timed one yet)."""
@@ -242,8 +243,7 @@ class Scheduler:
             request.status = Status.RUNNING
             plan.add(self._plan(request, take), decode=False, admitted=True)
 
-    def _under_way(self, plan: _Pass, continuing: list[Request], on_preempt: Callable[[Request], None],
-                   in_flight: frozenset[int]) -> None:
+    def _under_way(self, plan: _Pass, continuing: list[Request], on_preempt: Callable[[Request], None]) -> None:
         """Step 2 (the module docstring): prompts under way, the shortest left first, then the longest
         with what the others and the queue leave it."""
         continuing.sort(key=lambda r: r.num_tokens - r.num_computed)  # stable: older first among equals
@@ -268,15 +268,14 @@ class Scheduler:
                 if need > room:  # another long prompt: the queue's short ones first,
                     room -= min(queued, max(room, 0.0))  # and it moves by a token at least, not MIN_CHUNK
                     least_tokens = min(least_tokens, plan.clip(request, 1)) if queued else least_tokens
-                self._continue(plan, request, max(plan.fit(request, room), least_tokens), on_preempt, decode=False,
-                               in_flight=in_flight)
+                self._continue(plan, request, max(plan.fit(request, room), least_tokens), on_preempt, decode=False)
         if longest.status is Status.RUNNING and plan.tokens_left > 0:  # never less than `floor`: it moves
             budget = max(kept, plan.flops_left - queued) if finish else min(kept, plan.flops_left)
             want = max(plan.fit(longest, budget), plan.clip(longest, floor))
-            self._continue(plan, longest, want, on_preempt, decode=False, in_flight=in_flight)
+            self._continue(plan, longest, want, on_preempt, decode=False)
 
     def _continue(self, plan: _Pass, request: Request, take: int, on_preempt: Callable[[Request], None],
-                  decode: bool, in_flight: frozenset[int] = frozenset()) -> None:
+                  decode: bool) -> None:
         """Plan `take` more tokens of a running request (fewer if the caps say so), preempting the
         most recently admitted request not yet in this pass (nor in a paused one) while the pool
         lacks blocks."""
@@ -285,7 +284,7 @@ class Scheduler:
             return
         while not self.blocks.grow(request.blocks, request.num_computed + take):
             victim = next((r for r in reversed(self.running)
-                           if id(r) not in plan.requests and id(r) not in in_flight), None)
+                           if id(r) not in plan.requests and id(r) not in plan.in_flight), None)
             if victim is None:
                 return  # every other holder is in this pass already: this one waits a pass
             self._preempt(victim, on_preempt)
@@ -393,11 +392,13 @@ class Scheduler:
 class _Pass:
     """One pass being planned: its chunks and what is left of its token, logits and time budgets."""
 
-    def __init__(self, scheduler: Scheduler, timed: bool = True, share: float = 1.0) -> None:
-        """`timed`: the pass target bounds it (else tokens, logits and KV alone); `share`: of it."""
+    def __init__(self, scheduler: Scheduler, timed: bool = True, share: float = 1.0,
+                 in_flight: frozenset[int] = frozenset()) -> None:
+        """`timed`: the pass target bounds it (else tokens, logits and KV alone); `share`: of it;
+        `in_flight`: ids of a paused pass's requests (`Scheduler.schedule`)."""
         self.chunks: list[Chunk] = []
         self.requests: set[int] = set()  # ids of the requests in it
-        self.in_flight: frozenset[int] = frozenset()  # ids of a paused pass's requests (`Scheduler.schedule`)
+        self.in_flight = in_flight
         self.continued = 0  # chunks of prompts already under way
         self.admitted = 0  # requests admitted from the queue
         self.tokens_left = scheduler.max_batch_tokens

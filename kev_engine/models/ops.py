@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..adapters.lora import LoraProducts, LoraRoutes, torch_delta
+from ..adapters.lora import LoraRoutes, LoraWeights, add_delta, torch_delta
 from .layout import Layer, Linear
 
 
@@ -27,7 +27,6 @@ class Ops:
     """torch's ops; subclasses override what their device computes otherwise."""
 
     name = "torch"
-    lora_products: LoraProducts = staticmethod(torch_delta)  # type: ignore[assignment]
 
     def prepare(self, model: Any) -> None:
         """Put each weight in this platform's layout, once, before the first pass (nothing here)."""
@@ -64,18 +63,18 @@ class Ops:
         the forward then calls the ops one by one."""
         return None
 
+    def lora_products(self, weights: LoraWeights, x: torch.Tensor) -> torch.Tensor:
+        """`B(A(x)) * scaling` for rows x [n, in] in the adapter's dtype → [n, out]."""
+        return torch_delta(weights, x)
+
     def with_lora(self, out: torch.Tensor, x: torch.Tensor, linear: Linear, routes: LoraRoutes) -> torch.Tensor:
-        """Each adapter's `B(A(x)) * scaling` added to its own rows of `out` [T, out], part by part
-        of a fused product (PEFT's math on the token dimension; the adapter's own dtype)."""
+        """Each adapter's delta added to its own rows of `out` [T, out], part by part of a fused
+        product (`lora.add_delta`)."""
         for adapter, rows in routes:
             start = 0
             for name, width in zip(linear.names, linear.widths):
                 weights = adapter.modules.get(name)
                 if weights is not None:
-                    delta = self.lora_products(weights, x[rows].to(weights.lora_A.dtype))  # [n, width]
-                    if isinstance(rows, slice):
-                        out[rows, start : start + width] += delta.to(out.dtype)
-                    else:
-                        out[:, start : start + width].index_add_(0, rows, delta.to(out.dtype))
+                    add_delta(out[:, start : start + width], x, rows, weights, self.lora_products)
                 start += width
         return out

@@ -91,12 +91,17 @@ class ExactOps(_KernelElementwise):
                                     batch.slot_blocks, batch.slot_offsets, tables.block_tables, batch.cu_seqlens,
                                     tables.past_lens)
 
-    def lora_products(self, weights: LoraWeights, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        """Both LoRA products by the packed kernel (A and B packed once per adapter)."""
-        if weights.packed is None:
-            weights.packed = (self.kernels.linear_pack(weights.lora_A), self.kernels.linear_pack(weights.lora_B))
-        low = self.kernels.linear_packed(x.contiguous(), weights.packed[0], weights.lora_A.shape[0])  # [n, r]
-        return self.kernels.linear_packed(low, weights.packed[1], weights.lora_B.shape[0]) * weights.scaling
+    def lora_products(self, weights: LoraWeights, x: torch.Tensor) -> torch.Tensor:
+        return packed_delta(self.kernels, weights, x)
+
+
+def packed_delta(kernels: Any, weights: LoraWeights, x: torch.Tensor) -> torch.Tensor:
+    """Both LoRA products by the packed kernel: a row's delta is the same however many rows of its
+    adapter share the pass (A and B packed once per adapter). x [n, in] → [n, out]."""
+    if weights.packed is None:
+        weights.packed = (kernels.linear_pack(weights.lora_A), kernels.linear_pack(weights.lora_B))
+    low = kernels.linear_packed(x.contiguous(), weights.packed[0], weights.lora_A.shape[0])  # [n, r]
+    return kernels.linear_packed(low, weights.packed[1], weights.lora_B.shape[0]) * weights.scaling
 
 
 class FastOps(_KernelElementwise):

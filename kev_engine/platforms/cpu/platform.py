@@ -14,12 +14,11 @@ few-row product (`rows_linear`) and elementwise work in place.
 
 from __future__ import annotations
 
-from typing import Any
+import functools
 
 import torch
 from torch import nn
 
-from ...adapters.lora import LoraWeights
 from ...models.ops import Ops
 from .. import inplace
 from ..base import AttentionBackend, Platform
@@ -28,7 +27,7 @@ from . import exact_linear, rotary_table, rows_linear
 from .compiled import CompiledBackend
 from .exact import ExactBackend
 from .kernels import Kernels
-from .ops import ExactOps, FastOps
+from .ops import ExactOps, FastOps, packed_delta
 
 
 class CpuPlatform(Platform):
@@ -44,7 +43,7 @@ class CpuPlatform(Platform):
         super().__init__(device, attention, batch_invariant)
         self.kernels = kernels
         if batch_invariant:
-            self.lora_products = self._exact_delta
+            self.lora_products = functools.partial(packed_delta, kernels)  # the fallback's LoRA layers
 
     def install(self, model: nn.Module) -> list[str]:
         if self.batch_invariant:
@@ -76,15 +75,6 @@ class CpuPlatform(Platform):
         if self.kernels is None:
             return Ops()
         return ExactOps(self.kernels) if self.batch_invariant else FastOps(self.kernels)
-
-    def _exact_delta(self, weights: LoraWeights, x: torch.Tensor) -> torch.Tensor:
-        """Both LoRA products by the packed kernel: a row's delta is the same however many rows of
-        its adapter share the pass (A and B packed once per adapter)."""
-        kernels: Any = self.kernels
-        if weights.packed is None:
-            weights.packed = (kernels.linear_pack(weights.lora_A), kernels.linear_pack(weights.lora_B))
-        low = kernels.linear_packed(x.contiguous(), weights.packed[0], weights.lora_A.shape[0])  # [n, r]
-        return kernels.linear_packed(low, weights.packed[1], weights.lora_B.shape[0]) * weights.scaling
 
 
 def why_not_invariant(model: nn.Module, kernels: Kernels | None, parameter: torch.Tensor) -> str | None:

@@ -31,7 +31,10 @@ class InvariantOps(Ops):
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return self.kernels.rms_norm(x, weight, eps)
 
-    def lora_products(self, weights: LoraWeights, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        """Both LoRA products by the fixed-order kernel."""
-        low = self.kernels.linear(x, weights.lora_A, None)
-        return self.kernels.linear(low, weights.lora_B, None) * weights.scaling
+    def lora_products(self, weights: LoraWeights, x: torch.Tensor) -> torch.Tensor:
+        return fixed_order_delta(self.kernels.linear, weights, x)
+
+
+def fixed_order_delta(linear: Any, weights: LoraWeights, x: torch.Tensor) -> torch.Tensor:
+    """Both LoRA products by the fixed-order Triton kernel (`triton_kernels.linear`)."""
+    return linear(linear(x, weights.lora_A, None), weights.lora_B, None) * weights.scaling

@@ -15,7 +15,6 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from ...adapters.lora import LoraWeights
 from ...model.pack import PackedBatch
 from ...models.ops import Ops
 from .. import inplace
@@ -23,7 +22,7 @@ from ..base import AttentionBackend, Platform
 from ..torch_ops import TorchBackend
 from . import invariant
 from .graphs import DecodeGraphs
-from .ops import InvariantOps
+from .ops import InvariantOps, fixed_order_delta
 from .varlen import VarlenBackend
 
 DEFAULT_KV_FRACTION = 0.5  # of the device memory still free after the model loaded
@@ -45,7 +44,7 @@ class CudaPlatform(Platform):
     def install(self, model: nn.Module) -> list[str]:
         if self.batch_invariant:
             linear = invariant.install(model)  # one reduction order per output, by Triton
-            self.lora_products = functools.partial(_fixed_order_delta, linear)
+            self.lora_products = functools.partial(fixed_order_delta, linear)
             return []
         inplace.install(model)
         return []
@@ -73,7 +72,3 @@ class CudaPlatform(Platform):
         free, _ = torch.cuda.mem_get_info(self.device)
         return int(free * DEFAULT_KV_FRACTION)
 
-
-def _fixed_order_delta(linear: invariant.Linear, weights: LoraWeights, x: torch.Tensor) -> torch.Tensor:
-    """Both LoRA products by the fixed-order Triton kernel."""
-    return linear(linear(x, weights.lora_A, None), weights.lora_B, None) * weights.scaling
