@@ -30,7 +30,7 @@ import torch
 from . import models, platforms
 from .adapters.pool import AdapterPool
 from .adapters.pool import check_name as check_adapter_name
-from .core import pass_cost
+from .core import drafts, pass_cost
 from .core.arrivals import Arrival, Arrivals, running_loop
 from .core.blocks import BlockManager
 from .core.lifecycle import Lifecycle
@@ -123,6 +123,13 @@ class Engine:
             Mistral, Qwen2 and Qwen3 families: an error for others), "transformers" (the
             transformers model through Kev's attention), "auto" (None: Kev's where the family is
             Kev's, else transformers'). `stats()["model_impl"]` says which runs.
+        speculative: drafts verified inside the packed pass (`core.drafts`): "ngram" (each
+            decoding question's next tokens looked up in its own prompt and answer, the rows that
+            price in beside its token, the tokens it would have written taken), "off", or "auto"
+            (None: `KEV_SPECULATIVE`, else "auto": "ngram" where the engine is batch-invariant).
+            Every token, logprob and finish reason is bitwise what it is with "off", greedy and
+            seeded alike; "ngram" is refused where the engine is not batch-invariant.
+            `stats()` counts `draft_tokens` and `draft_accepted_tokens`.
         cuda_graphs: replay Kev's own model's decode passes (no prefill chunk, no adapter) as
             CUDA graphs, one per row-count bucket (`platforms.cuda.graphs`), on a paged CUDA
             attention; bitwise the eager result when batch-invariant (padding rows change
@@ -151,6 +158,7 @@ class Engine:
         max_model_len: int | None = None,
         threads: int | None = None,
         model_impl: str | None = None,
+        speculative: str | None = None,
     ) -> None:
         self.name = name or getattr(model.config, "_name_or_path", "") or type(model).__name__
         self.dtype_choice = "the model's own dtype"  # from_pretrained(dtype="auto") says why it chose
@@ -204,6 +212,8 @@ class Engine:
         self._scheduler = Scheduler(max_batch_tokens, max_num_seqs, self._blocks, max_logits_tokens,
                                     cost=pass_cost.CostModel(pass_cost.Work.of(model)),
                                     pass_time_s=self.pass_time_ms / 1000)
+        self.speculative = drafts.speculative_mode(speculative, self._platform.batch_invariant)
+        self._scheduler.speculative = self.speculative == "ngram"
         self._grammars = Grammars(tokenizer, _logits_width(model), self.eos_ids)
         self._cond = threading.Condition()  # the engine's one lock: requests, blocks, adapters, the worker
         self._intake = Intake(tokenizer, self.max_context, self._kv, self._grammars, self._adapters, self._cond)
@@ -405,6 +415,7 @@ class Engine:
                 "dtype_choice": self.dtype_choice,
                 "batch_invariant": self._platform.batch_invariant,
                 "model_impl": self.model_impl,
+                "speculative": self.speculative,
                 "threads": self.threads,
                 "pass_time_ms": self.pass_time_ms if math.isfinite(self.pass_time_ms) else None,  # None: no bound
                 "pass_seconds": self._life.pass_seconds.snapshot(),

@@ -101,21 +101,26 @@ def resolve_engine(
     base_url: str | None = None,
     api_key: str | None = None,
     max_retries: int = 0,
+    speculative: str | None = None,
 ) -> EngineLike:
     """The engine an integration object runs on: the one it was given (its adapters loaded into
     it), else a running `kev serve` at `base_url` (`max_retries`: see `RemoteEngine`), else the
-    shared one for (source, device, dtype)."""
+    shared one for (source, device, dtype), built with `speculative` where it is given."""
     if engine is not None and base_url is not None:
         raise ValueError("give engine= or base_url=, not both")
+    if engine is not None and speculative is not None:
+        raise ValueError("speculative= configures an engine this object builds; the engine= given has its own")
     if base_url is not None:
-        if source is not None or device is not None or dtype is not None:
-            raise ValueError(f"model/device/dtype are chosen by the server at {base_url}; leave them unset")
+        if source is not None or device is not None or dtype is not None or speculative is not None:
+            raise ValueError(f"model/device/dtype/speculative are chosen by the server at {base_url}; "
+                             "leave them unset")
         client = remote_engine(base_url, api_key, max_retries)
         for name, path in adapters.items():  # the server holds adapters: only check they are there
             client.load_adapter(name, path)
         return client
     if engine is None:
-        return shared_engine(source, device, dtype, adapters)
+        return shared_engine(source, device, dtype, adapters,
+                             **({"speculative": speculative} if speculative is not None else {}))
     load_adapters(engine, adapters)
     return engine
 

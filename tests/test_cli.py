@@ -53,7 +53,8 @@ def test_jsonl_in_jsonl_out_in_order(loads, capsys, tmp_path, tokenizer) -> None
     code = cli.main(["generate", "--file", path, "--max-tokens", "6", "--model", "m", "--device", "cpu"])
     rows, err = output_rows(capsys)
     assert code == 0
-    assert loads == [("m", {"device": "cpu", "dtype": None, "max_model_len": None, "model_impl": None})]
+    assert loads == [("m", {"device": "cpu", "dtype": None, "max_model_len": None, "model_impl": None,
+                            "speculative": None})]
     assert [r["id"] for r in rows] == ["paris", 1, 2]  # default id: position among the questions
     assert all(r["completion_tokens"] <= n for r, n in zip(rows, [6, 3, 6]))
     assert all(r["finish_reason"] in ("stop", "length") for r in rows)
@@ -307,3 +308,10 @@ def test_build_kernel_builds_or_says_why(capsys, monkeypatch) -> None:
 def test_the_engines_own_command_line_points_serve_to_the_installed_kev(capsys) -> None:
     assert cli.main(["serve", "--port", "0"]) == 2  # python -m kev_engine serve
     assert "run the installed `kev serve`" in capsys.readouterr().err
+
+
+def test_speculative_reaches_the_engine_and_a_bad_one_is_refused(loads, capsys) -> None:
+    assert cli.main(["generate", "Hi", "--max-tokens", "2", "--speculative", "off"]) == 0
+    assert loads[-1][1]["speculative"] == "off"
+    assert cli.main(["generate", "Hi", "--speculative", "eagle"]) == 2
+    assert "invalid choice: 'eagle'" in capsys.readouterr().err

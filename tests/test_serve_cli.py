@@ -82,7 +82,7 @@ def test_a_missing_adapter_folder_exits_2_before_loading_anything(capsys: pytest
 
 
 def test_a_good_start_prints_ready_with_the_url(started: list[Any], model_dir: str) -> None:
-    started.append(process := _kev_serve("--model", model_dir, "--served-model-name", "tiny"))
+    started.append(process := _kev_serve("--model", model_dir, "--served-model-name", "tiny", "--speculative", "ngram"))
     lines: queue.Queue[str] = queue.Queue()
     threading.Thread(target=lambda: [lines.put(line) for line in process.stderr], daemon=True).start()  # type: ignore[union-attr]
     deadline = time.monotonic() + EXIT_TIMEOUT_S
@@ -95,6 +95,7 @@ def test_a_good_start_prints_ready_with_the_url(started: list[Any], model_dir: s
     assert name == "tiny"
     assert httpx.get(url + "/health", timeout=30).json() == {"status": "ok"}  # ready means ready
     assert [m["id"] for m in httpx.get(url + "/v1/models", timeout=30).json()["data"]] == ["tiny"]
+    assert "kev_draft_tokens_total 0" in httpx.get(url + "/metrics", timeout=30).text  # speculation's counters
     process.send_signal(signal.SIGTERM)
     assert process.wait(EXIT_TIMEOUT_S) == 0
 

@@ -164,6 +164,16 @@ class BlockManager:
         table.block_ids.extend(self._take(need))
         return True
 
+    def shrink(self, table: BlockTable, num_tokens: int) -> None:
+        """Free the request's blocks wholly past its first `num_tokens` tokens (rows of a draft its
+        answer did not take): they hold nothing keyed and nobody else's."""
+        keep = self.blocks_for(num_tokens)
+        while len(table.block_ids) > max(keep, table.num_keyed):
+            block = self.blocks[table.block_ids.pop()]
+            assert block.ref_count == 1 and block.key is None, f"block {block.block_id} is shared or keyed"
+            block.ref_count, block.node = 0, -1
+            bisect.insort(self.free_ids, block.block_id)
+
     def fork(self, source: BlockTable, target: BlockTable, num_tokens: int) -> list[tuple[int, int]] | None:
         """Give `target` the KV of `source`'s first `num_tokens` tokens without computing it: the
         full blocks are shared (refcounted; read-only, since later positions go to later blocks),

@@ -24,7 +24,7 @@ import torch
 from ..adapters.pool import AdapterPool
 from ..errors import EngineClosedError, KevError, PassFailedError
 from ..inputs.intake import Prepared
-from ..inputs.params import Defaults
+from ..inputs.params import GREEDY_BELOW, Defaults
 from ..model.pack import PackedBatch
 from ..outputs.completion import TextPiece
 from ..outputs.delivery import Delivery, hand_text
@@ -35,6 +35,7 @@ from ..sample.logprobs import TokenTexts
 from ..sample.sample import Draw, draw_tokens
 from . import fanout
 from .blocks import BlockManager, BlockTable
+from .drafts import Drafter
 from .latency import Histogram
 from .request import Request, Status, failed_future, resolve_future
 from .schedule import Chunk, Scheduler
@@ -42,6 +43,7 @@ from .schedule import Chunk, Scheduler
 STAT_KEYS = (
     "requests", "prefill_passes", "decode_steps", "forward_passes", "prompt_tokens", "generated_tokens",
     "cancelled", "prefix_hit_tokens", "kv_cache_peak_bytes", "forked_samples", "pass_slices",
+    "draft_tokens", "draft_accepted_tokens",
 )
 Finished = list[tuple[Request, BaseException | None]]  # each finished request, with its error if it failed
 
@@ -113,6 +115,7 @@ class Lifecycle:
                 matcher=None if compiled is None or all_logits else self.grammars.matcher(compiled),
                 logprobs=[] if sample.logprobs else None,
                 sample_index=index,
+                drafter=Drafter() if self.scheduler.speculative and not all_logits else None,
             ) for index, sample in enumerate(samples)]
             leader = requests[0]
             leader.siblings = requests[1:]  # they fork from its prefill (see `fanout`)
@@ -214,18 +217,73 @@ class Lifecycle:
                 request.logits.append(logits[first:last].clone())  # its own memory, not a view of the pass
                 if not request.in_prefill:
                     finished.append((request, None))
-        for request, row, token, logprob in draws:
-            if isinstance(token, BaseException):
-                finished.append((request, token))
-                continue
-            if request.capture_logits:
-                request.logits.append(logits[row].clone())
-            if logprob is not None and request.logprobs is not None:
-                request.logprobs.append(logprob)
-            if append_token(request, token, self.eos_ids, self.detokenizer):
-                finished.append((request, None))
-            self._stream(request)
+        for draw in draws:
+            self._take(draw, logits, finished)
+        if any(chunk.draft for chunk in chunks):
+            self._walk_drafts(chunks, batch, logits, finished)
         return finished
+
+    def _take(self, draw: Draw, logits: torch.Tensor, finished: Finished) -> None:
+        """One drawn token onto its request: its logprobs, its text, whether it finished; streamed."""
+        request, row, token, logprob = draw
+        if isinstance(token, BaseException):
+            finished.append((request, token))
+            return
+        if request.capture_logits:
+            request.logits.append(logits[row].clone())
+        if logprob is not None and request.logprobs is not None:
+            request.logprobs.append(logprob)
+        if append_token(request, token, self.eos_ids, self.detokenizer):
+            finished.append((request, None))
+        self._stream(request)
+
+    def _walk_drafts(self, chunks: list[Chunk], batch: PackedBatch, logits: torch.Tensor, finished: Finished) -> None:
+        """Take what each draft got right (`drafts`). Its first row's token is drawn already; while
+        the last token drawn is the draft's next one and the answer goes on, that draft token's KV
+        (computed at its row) is the answer's, and the row after it is drawn, exactly as the next
+        pass of plain decoding would draw it. A draft's rows past the first miss leave their KV
+        slots to be written again, and blocks wholly past the answer are freed.
+
+        A row's draw depends on the tokens before it only through penalties, min_tokens, a grammar
+        or a generator; a greedy question with none of them has all its rows drawn in one call up
+        front (rows it does not reach are dropped), the others depth by depth."""
+        ended = {id(request) for request, _ in finished}
+        walking = [(chunk, batch.logits_rows[i][0]) for i, chunk in enumerate(chunks) if chunk.draft]
+        taken = dict.fromkeys((id(chunk.request) for chunk, _ in walking), 0)
+        ahead = [(chunk, first) for chunk, first in walking if _draws_alone(chunk.request)]
+        drawn_ahead = {(id(draw.request), draw.row): draw for draw in self.sample(
+            [(chunk.request, first + depth) for chunk, first in ahead for depth in range(1, len(chunk.draft) + 1)],
+            logits)}
+        depth = drawn = 0
+        while walking:
+            depth += 1
+            walking = [(chunk, first) for chunk, first in walking if id(chunk.request) not in ended
+                       and chunk.request.output_ids[-1] == chunk.draft[depth - 1]]
+            with self.cond:
+                for chunk, _ in walking:
+                    request = chunk.request
+                    request.num_computed += 1
+                    self.blocks.commit(request.blocks, request.all_ids, request.prefix_key, request.num_computed)
+                    taken[id(request)] += 1
+            rows = [(chunk.request, first + depth) for chunk, first in walking]
+            ready = [drawn_ahead.get((id(request), row)) for request, row in rows]
+            draws = iter(self.sample([plan for plan, draw in zip(rows, ready) if draw is None], logits))
+            before = len(finished)
+            for draw in ready:
+                self._take(draw if draw is not None else next(draws), logits, finished)
+            ended.update(id(request) for request, _ in finished[before:])
+            drawn += len(rows)
+            walking = [(chunk, first) for chunk, first in walking if depth < len(chunk.draft)]
+        with self.cond:
+            self.stats["generated_tokens"] += drawn
+            for chunk in chunks:
+                request = chunk.request
+                if chunk.draft and request.drafter is not None:
+                    self.scheduler.acceptance.record(request.drafter, len(chunk.draft), taken[id(request)])
+                    self.stats["draft_tokens"] += len(chunk.draft)
+                    self.stats["draft_accepted_tokens"] += taken[id(request)]
+                    if id(request) not in ended:
+                        self.blocks.shrink(request.blocks, request.num_tokens)
 
     def finish(self, finished: Finished) -> None:
         """Free what finished requests hold, then hand each caller its result (outside the lock)."""
@@ -341,6 +399,15 @@ class Lifecycle:
         """Resolve a request's future after every piece of text it streamed (its done callbacks
         then run on a delivery thread, not in a pass)."""
         self.delivery.post(request.mailbox, functools.partial(resolve_future, request.future, result, exc))
+
+
+def _draws_alone(request: Request) -> bool:
+    """Whether each of the request's rows draws the same token whatever was drawn before it:
+    greedy, no grammar, no penalty over its own tokens, min_tokens reached."""
+    sampling = request.sampling
+    return (sampling.temperature < GREEDY_BELOW and request.matcher is None and sampling.repetition_penalty == 1
+            and not sampling.presence_penalty and not sampling.frequency_penalty
+            and len(request.output_ids) >= sampling.min_tokens)
 
 
 def _wake_if_cancelled(cond: threading.Condition, future: Future) -> None:

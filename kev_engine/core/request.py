@@ -21,6 +21,7 @@ from ..outputs.completion import Completion, FinishReason
 from ..outputs.delivery import Mailbox
 from ..sample.logprobs import TokenLogprob
 from .blocks import BlockTable
+from .drafts import Drafter
 
 
 class Status(enum.Enum):
@@ -66,6 +67,7 @@ class Request:
     sample_index: int = 0  # which of its prompt's n samples this request is
     siblings: list[Request] = field(default_factory=list)  # n > 1, before the first token: the other samples,
     # forked from this one's prefill (`fanout`) when it samples its first token
+    drafter: Drafter | None = None  # speculation on: its drafts' n-gram index and record (`drafts`)
 
     @property
     def all_ids(self) -> list[int]:

@@ -25,7 +25,9 @@ arriving meanwhile still starts within about three targets. What goes in, in thi
    is admitted in the very next pass, a group that fits is one pass, and a larger one runs in
    consecutive passes, started in its order. A question whose prompt begins with full blocks that
    a prompt under way computes in a later pass (twenty questions on one document) waits for them
-   instead of computing them a second time beside it; it then starts after them, cached.
+   instead of computing them a second time beside it; it then starts after them, cached;
+4. with speculation on, a decoding question's draft (`drafts`) rides as extra rows of its token's
+   chunk where the pass is predicted to make more tokens per second with it (`_drafts`).
 Each chunk gets the KV blocks it needs; when the pool is full, the most recently admitted
 question not already in this pass is preempted (its blocks freed, its tokens recomputed later —
 cheaply, since its computed full blocks stay in the prefix cache). A new question starts after
@@ -41,6 +43,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from .blocks import BlockManager
+from .drafts import MAX_DRAFT, Acceptance
 from .pass_cost import CostModel, pairs
 from .request import Request, Status
 
@@ -53,6 +56,8 @@ LEAST_SHARE = 0.1  # of a pass's time left, the least the longest prompt under w
 # others and the queue all finish in the pass (MIN_CHUNK tokens at most, a token at least)
 ALONE_FACTOR = 2.0  # a pass holding one batch alone: fewer passes (each streams the weights), a newcomer
 # still starts within about three targets
+DRAFT_MARGIN = 2.0  # a draft token joins where it is predicted to pay this many times its rows' cost: in a
+# batch the longest answers set the passes, and a token taken from a shorter one saves none of them
 FIRST_PASS_TOKENS = 256  # a time-bounded engine's passes before one was timed: short, so it learns at once
 
 
@@ -79,7 +84,8 @@ def bucket_of(num_tokens: int) -> int:
 
 @dataclass(frozen=True)
 class Chunk:
-    """`num_tokens` of `request` starting at `request.num_computed`, run this pass."""
+    """`num_tokens` of `request` starting at `request.num_computed`, run this pass: its known
+    tokens, then its `draft`'s."""
 
     request: Request
     num_tokens: int
@@ -87,6 +93,9 @@ class Chunk:
     """It reaches the request's last known token, so its last row's logits are sampled from
     (never for prompt_logits, whose every row is kept: `Request.all_logits`). Fixed when planned:
     `num_computed` moves once the pass has run."""
+    draft: tuple[int, ...] = ()
+    """Tokens the answer may write next (`drafts`), each a row after its one known token, each
+    row's logits kept: the pass's records take those the answer writes."""
 
 
 class Scheduler:
@@ -112,6 +121,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.cancelled: list[Request] = []
         self.preemptions = 0
+        self.speculative = False  # decoding questions' drafts join passes where they pay (`_drafts`)
+        self.acceptance = Acceptance()  # how often drafts were taken: what their rows are worth
 
     def add(self, group: list[Request]) -> None:
         """Queue a group submitted together, shortest bucket first (stable inside a bucket)."""
@@ -161,6 +172,8 @@ class Scheduler:
         self._admit_waiting(plan, can_admit, defer, whole)  # 3. waiting questions, in order
         if whole and (not plan.chunks or self._decodes_fit(plan, len(decoding))):
             self._decodes(plan, decoding, on_preempt)
+        if self.speculative:
+            self._drafts(plan, share)  # 4. drafts, where they pay
         self.planned = (plan.dense, plan.attention)
         return plan.chunks
 
@@ -168,6 +181,60 @@ class Scheduler:
         for request in decoding:
             if request.status is Status.RUNNING and plan.tokens_left > 0:
                 self._continue(plan, request, 1, on_preempt, decode=True)
+
+    def _drafts(self, plan: _Pass, share: float) -> None:
+        """Step 4: each decoding question's draft, its rows priced by the cost model. A pass of
+        `tokens` sampled rows predicted at `seconds` makes tokens / seconds; a draft token taken
+        with chance p (its question's acceptance so far, raised to its depth) at `extra` seconds
+        raises that rate while p x seconds > tokens x extra (p: `Acceptance`). Draft tokens join, likeliest first,
+        while they do, while the pass stays within its target and its token cap, and where free
+        KV blocks hold them (a draft never preempts). Before a pass is timed: none."""
+        if self.cost is None or not self.cost.ready:
+            return
+        offers: list[tuple[float, int, int]] = []  # (chance, chunk index, depth from 1)
+        drafts: dict[int, list[int]] = {}
+        for index, chunk in enumerate(plan.chunks):
+            request = chunk.request
+            if request.drafter is None or chunk.num_tokens != 1 or request.in_prefill:
+                continue
+            limit = min(MAX_DRAFT, plan.tokens_left, request.max_total - request.num_tokens - 1,
+                        request.sampling.max_tokens - len(request.output_ids) - 1)
+            draft = request.drafter.propose(request.all_ids, limit) if limit > 0 else []
+            if draft:
+                drafts[index] = draft
+                chances = self.acceptance.chances(request.drafter, len(draft))
+                offers += [(chance, index, depth) for depth, chance in enumerate(chances, 1)]
+        offers.sort(key=lambda offer: (-offer[0], offer[2]))
+        seconds = self.predict(plan.dense, plan.attention)
+        limit_s = self.pass_time_s * share
+        if seconds is None or seconds > limit_s:
+            return
+        tokens, dense, attention = float(sum(c.needs_logits for c in plan.chunks)), plan.dense, plan.attention
+        depths = dict.fromkeys(drafts, 0)
+        for chance, index, depth in offers:
+            request = plan.chunks[index].request
+            more_dense = dense + self.cost.work.dense(1, 1)
+            more_attention = attention + self.cost.work.per_pair * (request.num_computed + depth + 1)
+            more = self.predict(more_dense, more_attention)
+            if more is None or more > limit_s or chance * seconds <= DRAFT_MARGIN * tokens * (more - seconds):
+                break
+            if plan.tokens_left - sum(depths.values()) <= 0:
+                break
+            depths[index] = depth
+            seconds, tokens, dense, attention = more, tokens + chance, more_dense, more_attention
+        for index, depth in depths.items():
+            request = plan.chunks[index].request
+            while depth > 0 and not self._room(request, request.num_computed + 1 + depth):
+                depth -= 1
+            if depth > 0:
+                plan.extend(index, tuple(drafts[index][:depth]))
+
+    def _room(self, request: Request, num_tokens: int) -> bool:
+        """Grow `request`'s blocks to `num_tokens` from free ones above the watermark; False (nothing
+        taken) where they lack."""
+        need = self.blocks.blocks_for(num_tokens) - len(request.blocks.block_ids)
+        return need <= 0 or (self.blocks.num_available - need >= self.watermark
+                             and self.blocks.grow(request.blocks, num_tokens))
 
     def _decodes_fit(self, plan: _Pass, rows: int) -> bool:
         """Whether `plan` with `rows` decode rows is predicted within the pass target."""
@@ -359,7 +426,7 @@ class Scheduler:
         passes none; a test driving the scheduler alone passes them."""
         for chunk in chunks:
             request = chunk.request
-            request.num_computed += chunk.num_tokens
+            request.num_computed += chunk.num_tokens - len(chunk.draft)  # a draft's rows count once taken
             self.blocks.commit(request.blocks, request.all_ids, request.prefix_key, request.num_computed)
         for request, token in draws:
             request.output_ids.append(token)
@@ -463,3 +530,14 @@ class _Pass:
             rows = chunk.num_tokens if request.all_logits else int(chunk.needs_logits)
             self.dense += self.model.work.dense(chunk.num_tokens, rows)
             self.attention += self.model.work.per_pair * pairs(request.num_computed, chunk.num_tokens)
+
+    def extend(self, index: int, draft: tuple[int, ...]) -> None:
+        """Chunk `index`, one decoding token, goes on with `draft`'s rows (each with its logits)."""
+        chunk = self.chunks[index]
+        request, rows = chunk.request, len(draft)
+        self.chunks[index] = Chunk(request, chunk.num_tokens + rows, chunk.needs_logits, draft)
+        self.tokens_left -= rows
+        if self.model is not None:
+            self.dense += self.model.work.dense(rows, rows)
+            self.attention += self.model.work.per_pair * (pairs(request.num_computed, 1 + rows)
+                                                         - pairs(request.num_computed, 1))

@@ -49,12 +49,12 @@ class ModelRunner:
             request, start = chunk.request, chunk.request.num_computed
             segments.append(Segment(
                 request_id=request.request_id,
-                token_ids=request.all_ids[start : start + chunk.num_tokens],
+                token_ids=request.all_ids[start : start + chunk.num_tokens - len(chunk.draft)] + list(chunk.draft),
                 past_len=start,
                 needs_logits=chunk.needs_logits,
                 block_ids=request.blocks.block_ids,
                 adapter=request.adapter,
-                all_logits=request.all_logits,
+                all_logits=request.all_logits or bool(chunk.draft),  # a draft's every row is drawn from
             ))
         return pack(segments, self.device, self.backend)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import fields
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -38,6 +38,10 @@ class KevFields(BaseModel):
     """Weights dtype ("float32", "bfloat16", ...); None = the loader's choice for the device."""
     adapters: dict[str, str] = Field(default_factory=dict)
     """LoRA adapters to load on first use, name → PEFT folder; requests pick one with `adapter`."""
+    speculative: Literal["auto", "ngram", "off"] | None = None
+    """Speculative decoding of the engine this object builds (`Engine(speculative=...)`): drafts
+    from each question's own text verified in the packed pass, the same tokens bit for bit; None
+    = ``KEV_SPECULATIVE``, else "auto" (on where the engine is batch-invariant)."""
     engine: EngineLike | None = Field(default=None, exclude=True)
     """An already built engine (a `kev_engine.Engine`, or anything `EngineLike`) to use instead of the
     shared one (not serialized)."""
@@ -125,7 +129,7 @@ class KevFields(BaseModel):
         """The engine to run on: the one passed in, else a `kev serve` at `base_url`, else the shared
         one (loaded on first use)."""
         return resolve_engine(self.engine, self.model, self.device, self.dtype, self.adapters,
-                              self.base_url, self.api_key, self.max_retries or 0)
+                              self.base_url, self.api_key, self.max_retries or 0, self.speculative)
 
     @property
     def model_name(self) -> str:

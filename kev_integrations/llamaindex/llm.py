@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Generator, Iterator, Mapping, Sequence
 from concurrent.futures import Future
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from llama_index.core.base.llms.types import (
     ChatMessage,
@@ -198,6 +198,9 @@ class Kev(FunctionCallingLLM):
     adapters: dict[str, str] = Field(
         default_factory=dict, description="LoRA adapters to load once: name -> PEFT folder."
     )
+    speculative: Literal["auto", "ngram", "off"] | None = Field(
+        default=None, description="Speculative decoding of the engine this LLM builds (the same tokens bit for bit); "
+        "None = KEV_SPECULATIVE, else auto (on where the engine is batch-invariant).")
     adapter: str | None = Field(default=None, description="LoRA adapter for calls; None = the base model.")
     temperature: float | None = Field(default=None, ge=0, description="0 = greedy; None = the engine default.")
     top_p: float = Field(default=1.0, gt=0, le=1, description="Nucleus sampling mass; 1 disables it.")
@@ -294,7 +297,7 @@ class Kev(FunctionCallingLLM):
         one (loaded on first use)."""
         if self._loaded is None:
             self._loaded = resolve_engine(self.engine, self.model, self.device, self.dtype, self.adapters,
-                                          self.base_url, self.api_key, self.max_retries or 0)
+                                          self.base_url, self.api_key, self.max_retries or 0, self.speculative)
         return self._loaded
 
     def with_settings(self, **settings: Any) -> Kev:

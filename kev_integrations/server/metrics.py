@@ -22,6 +22,8 @@ ENGINE_COUNTERS = {  # engine stat → (metric, help)
     "paused_seconds": ("kev_pass_paused_seconds_total", "Time passes spent paused while other passes ran."),
     "prompt_tokens": ("kev_prompt_tokens_total", "Prompt tokens admitted."),
     "generated_tokens": ("kev_generated_tokens_total", "Tokens generated."),
+    "draft_tokens": ("kev_draft_tokens_total", "Draft tokens verified in packed passes (speculative decoding)."),
+    "draft_accepted_tokens": ("kev_draft_accepted_tokens_total", "Of the draft tokens, those the answers took."),
     "prefix_hit_tokens": ("kev_prefix_hit_tokens_total", "Prompt tokens whose KV was reused from a shared prefix."),
     "adapter_evictions": ("kev_adapter_evictions_total", "Adapters evicted from the GPU/CPU slots."),
     "preemptions": ("kev_preemptions_total", "Requests preempted for KV memory."),
