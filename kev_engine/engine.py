@@ -214,6 +214,7 @@ class Engine:
                                     pass_time_s=self.pass_time_ms / 1000)
         self.speculative = drafts.speculative_mode(speculative, self._platform.batch_invariant)
         self._scheduler.speculative = self.speculative == "ngram"
+        self._scheduler.rows_alike = functools.partial(self._platform.rows_alike, dtype=self.dtype)
         self._grammars = Grammars(tokenizer, _logits_width(model), self.eos_ids)
         self._cond = threading.Condition()  # the engine's one lock: requests, blocks, adapters, the worker
         self._intake = Intake(tokenizer, self.max_context, self._kv, self._grammars, self._adapters, self._cond)

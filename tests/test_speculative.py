@@ -368,3 +368,60 @@ def test_the_front_ends_refuse_a_bad_mode_and_one_they_cannot_apply(tiny_engine:
         ChatKev(engine=tiny_engine, speculative="off").get_engine()
     with pytest.raises(ValueError, match="chosen by the server"):
         ChatKev(base_url="http://127.0.0.1:9", speculative="off").get_engine()
+
+
+def test_draft_rows_keep_the_pass_in_its_product_shape() -> None:
+    """On AMX a bf16 pass of at most 16 rows is one streaming tile: drafts fill it, never pass it;
+    the other paths read each weight once per 96 rows."""
+    from types import SimpleNamespace
+
+    from kev_engine.platforms.cpu.platform import CpuPlatform
+
+    def platform(path: str) -> Any:
+        cpu = object.__new__(CpuPlatform)
+        cpu.kernels, cpu.batch_invariant = SimpleNamespace(bf16_path=SimpleNamespace(path=path)), True
+        return cpu
+
+    amx, fma = platform("amx"), platform("fma")
+    assert [amx.rows_alike(rows, torch.bfloat16) for rows in (1, 16, 17, 32, 33)] == [16, 16, 32, 32, 64]
+    assert [amx.rows_alike(rows, torch.float32) for rows in (1, 96, 97)] == [96, 96, 192]
+    assert [fma.rows_alike(rows, torch.bfloat16) for rows in (1, 16, 17)] == [96, 96, 96]
+
+
+def test_a_full_tile_takes_no_draft(tokenizer) -> None:
+    """Where every row the pass could add would change its products' shape, no draft joins,
+    however well drafts pay."""
+    engine = drafts_pay(Engine(tiny_model("llama", tokenizer, **LOOPING), tokenizer, speculative="ngram"))
+    engine._scheduler.rows_alike = lambda rows: rows
+    try:
+        engine.generate(QUESTIONS, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+        assert verified(engine) == (0, 0)
+    finally:
+        engine.close()
+
+
+def test_the_measured_cost_of_a_decode_row_is_the_slope_over_its_passes() -> None:
+    from kev_engine.core.pass_cost import RowCost
+
+    cost = RowCost()
+    assert cost.per_row() is None
+    for rows, seconds in ((16, 0.030), (16, 0.030)):
+        cost.observe(rows, seconds)
+    assert cost.per_row() is None  # one row count: no slope yet
+    for rows, seconds in ((4, 0.018), (1, 0.015)):
+        cost.observe(rows, seconds)
+    assert cost.per_row() == pytest.approx(0.001)
+
+
+def test_a_draft_row_measured_dearer_than_predicted_is_turned_down(tokenizer) -> None:
+    """The cost model's flops say a row is free (drafts_pay), but decode passes measured a second a
+    row: what was measured prices the draft, and none joins."""
+    from types import SimpleNamespace
+
+    engine = drafts_pay(Engine(tiny_model("llama", tokenizer, **LOOPING), tokenizer, speculative="ngram"))
+    engine._scheduler.row_cost = SimpleNamespace(per_row=lambda: 1.0, observe=lambda rows, seconds: None)
+    try:
+        engine.generate(QUESTIONS, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+        assert verified(engine) == (0, 0)
+    finally:
+        engine.close()

@@ -220,6 +220,34 @@ class CostModel:
         return [point for point in self.anchors if id(point) not in recent] + list(self.history)
 
 
+class RowCost:
+    """What one more row costs a pass of decode rows alone, as measured: the least-squares slope of
+    seconds over rows across the last WINDOW such passes (a batch's passes lose rows as its answers
+    end, and speculation adds draft rows, so their counts spread). Why beside `CostModel`: its
+    rate per flop is mostly a prefill's, where the products run at the kernels' best; a few rows
+    more in a decode pass cost what the kernels do at that size, and that decides whether a draft
+    row pays (`Scheduler._drafts`)."""
+
+    def __init__(self, window: int = WINDOW) -> None:
+        self.points: deque[tuple[int, float]] = deque(maxlen=window)  # (rows, seconds)
+
+    def observe(self, rows: int, seconds: float) -> None:
+        if rows > 0 and seconds > 0:
+            self.points.append((rows, seconds))
+
+    def per_row(self) -> float | None:
+        """Seconds per row (never below 0), or None until two row counts were timed."""
+        n = len(self.points)
+        if n < 2:
+            return None
+        mean_rows = sum(r for r, _ in self.points) / n
+        mean_s = sum(t for _, t in self.points) / n
+        spread = sum((r - mean_rows) ** 2 for r, _ in self.points)
+        if spread == 0:
+            return None
+        return max(0.0, sum((r - mean_rows) * (t - mean_s) for r, t in self.points) / spread)
+
+
 def _fit(points: list[tuple[float, float, float]]) -> tuple[float, float, float]:
     """Least squares `seconds = fixed + dense_rate x dense + attention_rate x attention`, every
     number >= 0: the full fit where it is, else the best of the simpler ones (one rate for both

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 from .blocks import BlockManager
 from .drafts import MAX_DRAFT, Acceptance
-from .pass_cost import CostModel, pairs
+from .pass_cost import CostModel, RowCost, pairs
 from .request import Request, Status
 
 BUCKET = 128
@@ -123,6 +123,8 @@ class Scheduler:
         self.preemptions = 0
         self.speculative = False  # decoding questions' drafts join passes where they pay (`_drafts`)
         self.acceptance = Acceptance()  # how often drafts were taken: what their rows are worth
+        self.rows_alike: Callable[[int], int] = lambda rows: rows  # `Platform.rows_alike`, at the model's dtype
+        self.row_cost = RowCost()  # what a decode pass's rows cost, measured
 
     def add(self, group: list[Request]) -> None:
         """Queue a group submitted together, shortest bucket first (stable inside a bucket)."""
@@ -185,11 +187,18 @@ class Scheduler:
     def _drafts(self, plan: _Pass, share: float) -> None:
         """Step 4: each decoding question's draft, its rows priced by the cost model. A pass of
         `tokens` sampled rows predicted at `seconds` makes tokens / seconds; a draft token taken
-        with chance p (its question's acceptance so far, raised to its depth) at `extra` seconds
-        raises that rate while p x seconds > tokens x extra (p: `Acceptance`). Draft tokens join, likeliest first,
-        while they do, while the pass stays within its target and its token cap, and where free
-        KV blocks hold them (a draft never preempts). Before a pass is timed: none."""
-        if self.cost is None or not self.cost.ready:
+        with chance p (`Acceptance`) at `extra` seconds more (the cost model's prediction of its
+        flops, or what a decode row was measured to cost where that is more: `RowCost`) raises
+        that rate while p x seconds > tokens x extra, and joins where it does by DRAFT_MARGIN,
+        likeliest first, while the pass stays within its target, in rows that keep the pass's
+        product shape (`Platform.rows_alike`: past it each weight is read again, or by a slower
+        kernel, which the cost model's flops do not see), and in free KV blocks (a draft never
+        preempts). Before a pass is timed: none."""
+        rows = sum(chunk.num_tokens for chunk in plan.chunks)
+        room = min(self.rows_alike(rows) - rows, plan.tokens_left)
+        seconds = self.predict(plan.dense, plan.attention) if room > 0 else None
+        limit_s = self.pass_time_s * share
+        if self.cost is None or seconds is None or seconds > limit_s:
             return
         offers: list[tuple[float, int, int]] = []  # (chance, chunk index, depth from 1)
         drafts: dict[int, list[int]] = {}
@@ -197,39 +206,37 @@ class Scheduler:
             request = chunk.request
             if request.drafter is None or chunk.num_tokens != 1 or request.in_prefill:
                 continue
-            limit = min(MAX_DRAFT, plan.tokens_left, request.max_total - request.num_tokens - 1,
+            limit = min(MAX_DRAFT, room, request.max_total - request.num_tokens - 1,
                         request.sampling.max_tokens - len(request.output_ids) - 1)
             draft = request.drafter.propose(request.all_ids, limit) if limit > 0 else []
             if draft:
                 drafts[index] = draft
                 chances = self.acceptance.chances(request.drafter, len(draft))
                 offers += [(chance, index, depth) for depth, chance in enumerate(chances, 1)]
-        offers.sort(key=lambda offer: (-offer[0], offer[2]))
-        seconds = self.predict(plan.dense, plan.attention)
-        limit_s = self.pass_time_s * share
-        if seconds is None or seconds > limit_s:
-            return
+        offers.sort(key=lambda offer: (-offer[0], offer[2]))  # a question's depths stay in order
         tokens, dense, attention = float(sum(c.needs_logits for c in plan.chunks)), plan.dense, plan.attention
         depths = dict.fromkeys(drafts, 0)
-        for chance, index, depth in offers:
+        measured = self.row_cost.per_row() or 0.0
+        for chance, index, depth in offers[:room]:
             request = plan.chunks[index].request
             more_dense = dense + self.cost.work.dense(1, 1)
             more_attention = attention + self.cost.work.per_pair * (request.num_computed + depth + 1)
             more = self.predict(more_dense, more_attention)
-            if more is None or more > limit_s or chance * seconds <= DRAFT_MARGIN * tokens * (more - seconds):
+            if more is None:
                 break
-            if plan.tokens_left - sum(depths.values()) <= 0:
+            more = max(more, seconds + measured)
+            if more > limit_s or chance * seconds <= DRAFT_MARGIN * tokens * (more - seconds):
                 break
             depths[index] = depth
             seconds, tokens, dense, attention = more, tokens + chance, more_dense, more_attention
         for index, depth in depths.items():
             request = plan.chunks[index].request
-            while depth > 0 and not self._room(request, request.num_computed + 1 + depth):
+            while depth > 0 and not self._grow_for_draft(request, request.num_computed + 1 + depth):
                 depth -= 1
             if depth > 0:
                 plan.extend(index, tuple(drafts[index][:depth]))
 
-    def _room(self, request: Request, num_tokens: int) -> bool:
+    def _grow_for_draft(self, request: Request, num_tokens: int) -> bool:
         """Grow `request`'s blocks to `num_tokens` from free ones above the watermark; False (nothing
         taken) where they lack."""
         need = self.blocks.blocks_for(num_tokens) - len(request.blocks.block_ids)
@@ -424,6 +431,8 @@ class Scheduler:
 
         The engine records its draws itself (`unpack.append_token`: stop strings, the text) and
         passes none; a test driving the scheduler alone passes them."""
+        if seconds is not None and chunks and all(c.request.num_computed == c.request.num_tokens - 1 for c in chunks):
+            self.row_cost.observe(sum(c.num_tokens for c in chunks), seconds)  # decode rows alone (drafts too)
         for chunk in chunks:
             request = chunk.request
             request.num_computed += chunk.num_tokens - len(chunk.draft)  # a draft's rows count once taken

@@ -128,6 +128,12 @@ class Platform:
         where the platform has none."""
         return None
 
+    def rows_alike(self, rows: int, dtype: torch.dtype) -> int:
+        """The most rows a pass of `rows` rows may hold whose products keep its shape (each weight
+        read as often, by the same kernel): where speculation's draft rows cost about what the cost
+        model predicts for their flops (`Scheduler._drafts`). Here, none beyond its own."""
+        return rows
+
     def use_threads(self, threads: int) -> None:
         """Compute on `threads` CPU threads (the engine's `threads`; torch's count is already set)."""
 
