@@ -13,7 +13,9 @@ same comparison finds the verified rows' differences.
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -36,11 +38,18 @@ def drafts_pay(engine: Engine) -> Engine:
     return engine
 
 
-def pair(family: str, tokenizer: Any, dtype: torch.dtype = torch.float32, **kwargs: Any) -> tuple[Engine, Engine]:
-    """(speculation off, speculation on) engines over the same weights."""
+@contextlib.contextmanager
+def pair(family: str, tokenizer: Any, dtype: torch.dtype = torch.float32,
+         **kwargs: Any) -> Iterator[tuple[Engine, Engine]]:
+    """(speculation off, speculation on) engines over the same weights, closed after."""
     off = Engine(tiny_model(family, tokenizer, **LOOPING).to(dtype), tokenizer, speculative="off", **kwargs)
-    on = Engine(tiny_model(family, tokenizer, **LOOPING).to(dtype), tokenizer, speculative="ngram", **kwargs)
-    return off, drafts_pay(on)
+    on = drafts_pay(Engine(tiny_model(family, tokenizer, **LOOPING).to(dtype), tokenizer, speculative="ngram",
+                           **kwargs))
+    try:
+        yield off, on
+    finally:
+        off.close()
+        on.close()
 
 
 def run(engine: Engine, prompts: list[Any], sampling: list[SamplingParams], adapters: list[Any] | None = None,
@@ -163,33 +172,24 @@ def test_an_engine_says_its_mode_and_refuses_ngram_without_invariance(tokenizer)
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_speculation_changes_no_bit_packed_and_alone(family: str, dtype: torch.dtype, tokenizer) -> None:
-    off, on = pair(family, tokenizer, dtype)
-    try:
+    with pair(family, tokenizer, dtype) as (off, on):
         sampling = mixed_settings(len(QUESTIONS))
         plain = run(off, QUESTIONS, sampling)
         assert differences(plain, run(on, QUESTIONS, sampling)) == []
         assert_drafts_taken_and_missed(on)
         assert on.stats()["generated_tokens"] == off.stats()["generated_tokens"]
         assert differences(plain, run(on, QUESTIONS, sampling, alone=True)) == []
-    finally:
-        off.close()
-        on.close()
 
 
 def test_a_repeating_answer_takes_fewer_passes(tokenizer) -> None:
-    off, on = pair("llama", tokenizer)
-    try:
+    with pair("llama", tokenizer) as (off, on):
         greedy = [SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)]
         assert differences(run(off, QUESTIONS[:1], greedy), run(on, QUESTIONS[:1], greedy)) == []
         assert on.stats()["decode_steps"] < off.stats()["decode_steps"] == 59
-    finally:
-        off.close()
-        on.close()
 
 
 def test_stop_strings_inside_a_draft_end_the_answer_where_they_would(tokenizer) -> None:
-    off, on = pair("llama", tokenizer)
-    try:
+    with pair("llama", tokenizer) as (off, on):
         greedy = [SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)] * len(QUESTIONS)
         texts = [completion.text for completion, _ in run(off, QUESTIONS, greedy)]
         stopped = [SamplingParams(temperature=0, max_tokens=60, ignore_eos=True, stop=[text[-40:-36]])
@@ -198,9 +198,6 @@ def test_stop_strings_inside_a_draft_end_the_answer_where_they_would(tokenizer) 
         assert all(completion.finish_reason == "stop" for completion, _ in plain)
         assert differences(plain, run(on, QUESTIONS, stopped)) == []
         assert_drafts_taken_and_missed(on)
-    finally:
-        off.close()
-        on.close()
 
 
 def test_chunked_prefill_preemption_and_samples_with_drafts(tokenizer) -> None:
@@ -230,8 +227,7 @@ def test_adapters_per_question_with_drafts(dtype: torch.dtype, tokenizer, tmp_pa
     folders = {"qv": make_adapter(base, tmp_path / "qv", seed=1, scale=0.02),
                "all": make_adapter(base, tmp_path / "all", seed=2, scale=0.02, r=8, lora_alpha=16, target_modules=[
                    "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])}
-    off, on = pair("qwen2", tokenizer, dtype)
-    try:
+    with pair("qwen2", tokenizer, dtype) as (off, on):
         for engine in (off, on):
             for name, folder in folders.items():
                 engine.load_adapter(name, str(folder))
@@ -239,19 +235,15 @@ def test_adapters_per_question_with_drafts(dtype: torch.dtype, tokenizer, tmp_pa
         sampling = mixed_settings(len(QUESTIONS))
         assert differences(run(off, QUESTIONS, sampling, names), run(on, QUESTIONS, sampling, names)) == []
         assert_drafts_taken_and_missed(on)
-    finally:
-        off.close()
-        on.close()
 
 
 def test_a_constrained_answer_parses_with_drafts(tokenizer) -> None:
     """The grammar's matcher takes each drawn token as plain decoding's would: a draft token the
     grammar forbids is simply never drawn, so nothing is rolled back."""
-    off, on = pair("llama", tokenizer)
     schema = {"type": "object", "properties": {"names": {"type": "array", "items": {"enum": ["Ada", "Bo", "Cy"]},
                                                          "minItems": 6, "maxItems": 9}},
               "required": ["names"], "additionalProperties": False}
-    try:
+    with pair("llama", tokenizer) as (off, on):
         sampling = [SamplingParams(temperature=0, max_tokens=120, json_schema=schema)] * 3
         prompts = [chat("List some names as JSON."), chat("Names, please."), chat("Three names.")]
         plain, spoken = run(off, prompts, sampling), run(on, prompts, sampling)
@@ -260,9 +252,6 @@ def test_a_constrained_answer_parses_with_drafts(tokenizer) -> None:
             assert completion.finish_reason == "stop"
             assert 6 <= len(json.loads(completion.text)["names"]) <= 9
         assert verified(on)[1] > 0
-    finally:
-        off.close()
-        on.close()
 
 
 def test_the_embedded_model_with_drafts_is_bitwise_the_same(tokenizer) -> None:
@@ -283,13 +272,10 @@ def test_the_embedded_model_with_drafts_is_bitwise_the_same(tokenizer) -> None:
 
 
 def test_every_block_comes_back(tokenizer) -> None:
-    _, on = pair("llama", tokenizer)
-    try:
+    with pair("llama", tokenizer) as (_, on):
         on.generate(QUESTIONS, mixed_settings(len(QUESTIONS)))
         assert verified(on)[0] > 0
         assert on._blocks.num_available == on._blocks.num_blocks
-    finally:
-        on.close()
 
 
 # ---- drafts are priced, and the control --------------------------------------------------------
@@ -310,15 +296,11 @@ def test_no_draft_where_rows_cost_what_tokens_are_worth(tokenizer) -> None:
 def test_control_a_shape_dependent_kernel_shows_in_the_comparison(tokenizer) -> None:
     """The same comparison on an engine whose products depend on the pass's row count: the rows
     speculation adds change the sums, and the comparison sees it."""
-    off, on = pair("llama", tokenizer)
-    reorder_by_pass_size(off.model)
-    reorder_by_pass_size(on.model)
-    try:
+    with pair("llama", tokenizer) as (off, on):
+        reorder_by_pass_size(off.model)
+        reorder_by_pass_size(on.model)
         sampling = mixed_settings(len(QUESTIONS))
         assert differences(run(off, QUESTIONS, sampling), run(on, QUESTIONS, sampling)) != []
-    finally:
-        off.close()
-        on.close()
 
 
 # ---- the front ends' switch -----------------------------------------------------------------------
