@@ -22,7 +22,7 @@ llama.cpp's convert_hf_to_gguf.py). Random weights run every answer to max_token
 
 Every system runs in its own process, each timed run with fresh prefix-cache keys (Kev: a new
 ``cache_salt``; llama-server: ``cache_prompt`` off), best of ``--repeat``. After the timing, each
-Kev system is checked the way `kev verify --exact` does it: all questions packed, then each alone,
+Kev system is checked the way `kev verify --bitwise` does it: all questions packed, then each alone,
 comparing the logits every token was sampled from with ``torch.equal``.
 
 Usage: python benchmarks/bench_invariance.py [--repeat 2] [--dtype float32 bfloat16]

@@ -6,5 +6,6 @@ from __future__ import annotations
 def passes(engine, before: dict[str, int]) -> str:
     after = engine.stats()
     used = {k: after[k] - before[k] for k in ("requests", "prefill_passes", "decode_steps", "forward_passes")}
-    return (f"{used['requests']} LLM calls in {used['prefill_passes']} prefill pass(es) + "
-            f"{used['decode_steps']} decode steps = {used['forward_passes']} forward passes")
+    # a pass may hold prompt tokens and decode rows both: it counts in prefill_passes and decode_steps
+    return (f"{used['requests']} LLM calls in {used['forward_passes']} forward passes ({used['prefill_passes']} "
+            f"with prompt tokens, {used['decode_steps']} with decode rows)")

@@ -37,8 +37,8 @@ def main() -> None:
     stats = engine.stats()
     print(
         f"\n{len(prompts)} questions, {stats['prompt_tokens']} prompt tokens in {stats['prefill_passes']} "
-        f"prefill pass(es) + {stats['decode_steps']} decode steps, {stats['generated_tokens']} tokens "
-        f"generated, {elapsed:.1f} s"
+        f"prefill pass(es), {stats['generated_tokens']} tokens generated in {stats['forward_passes']} forward "
+        f"passes in all, {elapsed:.1f} s"
     )
     engine.close()
 

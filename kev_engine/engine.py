@@ -20,7 +20,6 @@ import logging
 import math
 import queue
 import threading
-import warnings
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from typing import Any, Literal, overload
@@ -50,16 +49,6 @@ from .sample.grammar import Grammars
 from .stepper import Stepper
 
 log = logging.getLogger("kev")
-
-
-def _renamed(old: str, old_value: Any, new: str, new_value: Any) -> Any:
-    """A deprecated argument's value, passed on under its new name (a warning says so)."""
-    if old_value is None:
-        return new_value
-    if new_value is not None:
-        raise TypeError(f"{old}= and {new}= name the same setting; pass only {new}=")
-    warnings.warn(f"{old}= is deprecated; use {new}=", DeprecationWarning, stacklevel=3)
-    return old_value
 
 
 class Engine:
@@ -105,8 +94,7 @@ class Engine:
         cpu_kernels: Kev's compiled CPU kernels, for every product and attention they cover (see
             `platforms.cpu.kernels`): "auto" (built once per environment; if they cannot be built,
             a warning and torch's ops), "compiled" (the kernels or an error), "torch" (never build
-            them). None: `KEV_CPU_KERNELS`, else "auto". (`decode_kernel` and `KEV_DECODE_KERNEL`
-            are its deprecated names.)
+            them). None: `KEV_CPU_KERNELS`, else "auto".
         batch_invariant: every answer bitwise the same packed as alone (fp32 and bf16 on CPU, with
             the compiled kernels; on CUDA with varlen_attn and Triton): every reduction in a pass
             has one order whatever else is in it (`platforms.invariance`). None (default):
@@ -154,7 +142,6 @@ class Engine:
         batch_invariant: bool | None = None,
         cuda_attention: str | None = None,
         cuda_graphs: bool = True,
-        decode_kernel: str | None = None,
         max_model_len: int | None = None,
         threads: int | None = None,
         model_impl: str | None = None,
@@ -164,7 +151,6 @@ class Engine:
         self.dtype_choice = "the model's own dtype"  # from_pretrained(dtype="auto") says why it chose
         if not isinstance(cuda_graphs, bool):
             raise TypeError(f"cuda_graphs={cuda_graphs!r} is not allowed; use True or False")
-        cpu_kernels = _renamed("decode_kernel", decode_kernel, "cpu_kernels", cpu_kernels)
         impl = models.choose_impl(model_impl, model.config)
         self.threads = use_threads(threads)
         # before anything about a transformers model changes: a bad mode, a failed "compiled" build
@@ -446,12 +432,6 @@ class Engine:
         batch-invariant CPU kernel), "varlen" or "flash-attn" (the paged CUDA kernel), "compiled"
         (Kev's CPU decode kernel, SDPA for prefill) or "torch"."""
         return self._backend.name
-
-    @property
-    def decode_attention(self) -> str:
-        """Deprecated name of `attention` (it names the prefill's kernel too)."""
-        warnings.warn("Engine.decode_attention is deprecated; use Engine.attention", DeprecationWarning, stacklevel=2)
-        return self.attention
 
     @property
     def platform(self) -> str:

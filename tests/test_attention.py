@@ -406,7 +406,7 @@ def test_cpu_kernels_mode_is_checked_and_a_failed_build_is_said(tokenizer, monke
     engine.close()
 
 
-BACKEND_OPTIONS = {"exact": {}, "compiled": {"batch_invariant": False}, "torch": {"decode_kernel": "torch"}}
+BACKEND_OPTIONS = {"exact": {}, "compiled": {"batch_invariant": False}, "torch": {"cpu_kernels": "torch"}}
 
 
 @pytest.mark.parametrize("kind", list(BACKEND_OPTIONS))

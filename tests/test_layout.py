@@ -79,29 +79,17 @@ def test_the_folders_are_the_stages_and_each_says_which() -> None:
     assert loose == ["__init__.py", "__main__.py", "engine.py", "engine_like.py", "errors.py", "stepper.py"]
 
 
-def test_the_former_names_still_work_and_say_they_are_deprecated(tokenizer, monkeypatch, caplog) -> None:
-    """`decode_kernel=`, `KEV_DECODE_KERNEL`, `Engine.decode_attention` and `kev verify --exact` name
-    what `cpu_kernels=`, `KEV_CPU_KERNELS`, `Engine.attention` and `--bitwise` now do."""
+def test_the_former_names_are_gone(tokenizer) -> None:
+    """`decode_kernel=`, `Engine.decode_attention` and `kev verify --exact` were renamed before any
+    release (`cpu_kernels=`, `Engine.attention`, `--bitwise`): the old names are errors, not aliases."""
     from conftest import tiny_model
 
     from kev_engine import Engine
     from kev_engine.tools.cli import build_parser
 
-    with pytest.warns(DeprecationWarning, match="decode_kernel= is deprecated; use cpu_kernels="):
-        engine = Engine(tiny_model("llama", tokenizer), tokenizer, decode_kernel="torch")
-    with pytest.warns(DeprecationWarning, match="use Engine.attention"):
-        assert engine.decode_attention == engine.attention == "torch"
-    engine.close()
-    with pytest.raises(TypeError, match="pass only cpu_kernels="):
-        Engine(tiny_model("llama", tokenizer), tokenizer, decode_kernel="torch", cpu_kernels="auto")
-    monkeypatch.setenv("KEV_DECODE_KERNEL", "torch")
-    with caplog.at_level("WARNING", logger="kev"):
-        engine = Engine(tiny_model("llama", tokenizer), tokenizer)
-    assert engine.attention == "torch" and "KEV_DECODE_KERNEL is deprecated; use KEV_CPU_KERNELS" in caplog.text
-    engine.close()
-    monkeypatch.setenv("KEV_CPU_KERNELS", "auto")  # the new name wins
-    engine = Engine(tiny_model("llama", tokenizer), tokenizer)
-    assert engine.attention != "torch"
-    engine.close()
-    args = build_parser().parse_args(["verify", "--file", "x.jsonl", "--no-exact"])
-    assert args.bitwise is False
+    with pytest.raises(TypeError, match="decode_kernel"):
+        Engine(tiny_model("llama", tokenizer), tokenizer, decode_kernel="torch")
+    assert not hasattr(Engine, "decode_attention")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["verify", "--exact"])
+    assert build_parser().parse_args(["verify", "--file", "x.jsonl", "--no-bitwise"]).bitwise is False

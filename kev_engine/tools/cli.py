@@ -271,9 +271,9 @@ def build_parser(extra: Sequence[Command] = ()) -> argparse.ArgumentParser:
                                  help="check packed == solo on your own model and prompts (exit 1 if not)")
     verify.add_argument("--max-tokens", dest="max_tokens", type=int, default=16,
                         help="greedy tokens compared per prompt (default 16)")
-    verify.add_argument("--bitwise", "--exact", dest="bitwise", action=argparse.BooleanOptionalAction, default=None,
+    verify.add_argument("--bitwise", dest="bitwise", action=argparse.BooleanOptionalAction, default=None,
                         help="logits must be bitwise equal (default: yes where the engine is batch-invariant, "
-                             "else within rounding); --exact is its former name")
+                             "else within rounding)")
     show = commands.add_parser("show-pack", parents=[common], help="draw the pack's attention mask as a PNG")
     show.add_argument("--out", required=True, help="PNG file to write")
     show.add_argument("--max-pixels", dest="max_pixels", type=int, default=1024, help="most mask pixels per side")

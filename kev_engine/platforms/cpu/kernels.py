@@ -57,7 +57,6 @@ log = logging.getLogger("kev")
 
 MODES = ("auto", "compiled", "torch")
 ENV_VAR = "KEV_CPU_KERNELS"
-OLD_ENV_VAR = "KEV_DECODE_KERNEL"  # its deprecated name
 CSRC = Path(__file__).resolve().parent / "csrc"
 # sources, headers and flags of each build; the exact build must never reassociate or contract
 BUILDS: dict[str, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]] = {
@@ -106,9 +105,6 @@ class Kernels:
 def resolve_mode(mode: str | None) -> str:
     """The mode asked for (argument, then environment, then "auto"), checked."""
     source = "cpu_kernels" if mode is not None else ENV_VAR
-    if mode is None and not os.environ.get(ENV_VAR) and os.environ.get(OLD_ENV_VAR):
-        source = OLD_ENV_VAR
-        log.warning("Kev: %s is deprecated; use %s", OLD_ENV_VAR, ENV_VAR)
     value = mode if mode is not None else os.environ.get(source, "auto")
     if value not in MODES:
         raise ValueError(f"{source}={value!r} is not allowed; use one of {', '.join(MODES)}")
