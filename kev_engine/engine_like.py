@@ -16,6 +16,13 @@ from typing import Any, Protocol, runtime_checkable
 from .outputs.completion import Completion
 
 
+class Expectation(Protocol):
+    """What `expect_follow_up` hands back: `end()` it when no follow-up will come."""
+
+    def end(self) -> None:
+        ...
+
+
 @runtime_checkable
 class EngineLike(Protocol):
     name: str
@@ -39,8 +46,15 @@ class EngineLike(Protocol):
         ...
 
     def submit(self, prompt: Any, sampling: Any = None, adapter: str | None = None,
-               on_text: Callable[[str], None] | None = None) -> Future[Completion]:
-        """Queue one question; a bad one gets a future that fails alone."""
+               on_text: Callable[[str], None] | None = None, follow_up: bool = False) -> Future[Completion]:
+        """Queue one question; a bad one gets a future that fails alone. `follow_up`: it continues
+        after an answer whose caller was expected back (`expect_follow_up`)."""
+        ...
+
+    def expect_follow_up(self, future: Future[Any]) -> Expectation:
+        """`future`'s caller asks again once answered (an agent's tool step), so a round's
+        follow-ups can share a pass; an engine that does not coalesce this way returns a handle
+        whose `end` does nothing."""
         ...
 
     def generate(self, prompts: Sequence[Any], sampling: Any = None, return_exceptions: bool = False,

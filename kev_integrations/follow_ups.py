@@ -6,8 +6,8 @@ a few decode steps apart, and without a word each follow-up would start a pass o
 `Engine.expect_follow_up` lets the follow-ups that came wait for the others (`kev_engine.core.arrivals`).
 The LangChain and LlamaIndex front ends say it for every call with tools offered, take it back at
 once when the answer calls none, and submit a question whose last message is a tool result as a
-follow-up (`submit_options`). An engine that does not coalesce this way (a remote
-one: its server coalesces what arrives) is left alone.
+follow-up (`submit_options`). Every `EngineLike` takes both; a remote one ignores them (its server
+coalesces what arrives).
 """
 
 from __future__ import annotations
@@ -16,25 +16,23 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any
 
-from kev_engine import Completion
+from kev_engine import Completion, EngineLike
 
 from .tool_format import split_tool_calls
 
 
-def submit_options(engine: Any, follow_up: bool) -> dict[str, Any]:
-    """`submit`'s keyword for a question that continues after a tool result (an agent's follow-up);
-    none for an engine that does not take it (a remote one)."""
-    return {"follow_up": True} if follow_up and hasattr(engine, "expect_follow_up") else {}
+def submit_options(follow_up: bool) -> dict[str, Any]:
+    """`submit`'s keyword for a question that continues after a tool result (an agent's follow-up)."""
+    return {"follow_up": True} if follow_up else {}
 
 
 class FollowUp:
     """The expectation of one call's follow-up: `answered` with its completion, or `abandon`ed
     when the caller stops first."""
 
-    def __init__(self, engine: Any, future: Future[Any], tool_names: Sequence[str]) -> None:
-        expect = getattr(engine, "expect_follow_up", None)
+    def __init__(self, engine: EngineLike, future: Future[Any], tool_names: Sequence[str]) -> None:
         self._names = list(tool_names)
-        self._handle = expect(future) if self._names and expect is not None else None
+        self._handle = engine.expect_follow_up(future) if self._names else None
 
     def answered(self, completion: Completion) -> Completion:
         """The answer is in: a call keeps its caller expected (the engine bounds how long), an

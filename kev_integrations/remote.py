@@ -140,7 +140,8 @@ class RemoteEngine:
         return list(self._post("/kev/v1/tokenize", {"text": text})["ids"])
 
     def submit(self, prompt: Any, sampling: Any = None, adapter: str | None = None,
-               on_text: Callable[[str], None] | None = None) -> Future[Completion]:
+               on_text: Callable[[str], None] | None = None, follow_up: bool = False) -> Future[Completion]:
+        """As `Engine.submit`; `follow_up` is not sent: the server coalesces what arrives."""
         future: Future[Completion] = Future()
         try:
             pending = _Pending(prompt, coerce_sampling(sampling), adapter, on_text, future)
@@ -153,6 +154,10 @@ class RemoteEngine:
                 return future
         self._pool.submit(self._send, [pending])
         return future
+
+    def expect_follow_up(self, future: Future[Any]) -> _NoExpectation:
+        """Nothing to say to a server: it coalesces what arrives within its own window."""
+        return _NoExpectation()
 
     def generate(self, prompts: Sequence[Any], sampling: Any = None, return_exceptions: bool = False,
                  adapters: Any = None) -> list[Any]:
@@ -295,3 +300,9 @@ def _sampling_dict(sampling: SamplingParams) -> dict[str, Any]:
             for f in dataclasses.fields(SamplingParams)
             if (v := getattr(sampling, f.name)) != getattr(default, f.name)}
 
+
+class _NoExpectation:
+    """`RemoteEngine.expect_follow_up`'s handle: there is nothing to end."""
+
+    def end(self) -> None:
+        pass

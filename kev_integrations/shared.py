@@ -14,8 +14,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from kev_engine import AdapterError, Engine, EngineLike, resolve_device, resolve_dtype
 
 from .remote import RemoteEngine
@@ -31,9 +29,7 @@ _remotes: dict[tuple[str, str | None, int], RemoteEngine] = {}
 
 def engine_key(source: str | None, device: str | None, dtype: str | None) -> EngineKey:
     """The canonical (source, device, dtype) of an engine; a bad device or dtype raises here."""
-    resolved = resolve_device(device)
-    if resolved.type == "cuda" and resolved.index is None:
-        resolved = torch.device("cuda", torch.cuda.current_device())  # "cuda" and "cuda:0" are one device
+    resolved = resolve_device(device, indexed=True)  # "cuda" and "cuda:0" are one device
     dtype_name = str(resolve_dtype(dtype, resolved)).removeprefix("torch.")
     if source is not None and Path(source).expanduser().exists():  # a local folder or .gguf, not a hub id
         source = str(Path(source).expanduser().resolve())

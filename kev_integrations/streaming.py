@@ -34,7 +34,7 @@ def stream_answer(
             pieces.put(piece)
 
     future = engine.submit(prompt, sampling, adapter, on_text=put,  # type: ignore[arg-type]
-                           **submit_options(engine, follow_up))
+                           **submit_options(follow_up))
     future.add_done_callback(lambda _: pieces.put(None))
     expected = FollowUp(engine, future, tool_names)
     if on_submitted is not None:
@@ -65,7 +65,7 @@ async def astream_answer(
             future.cancel()
 
     future = engine.submit(prompt, sampling, adapter, on_text=put,  # type: ignore[arg-type]
-                           **submit_options(engine, follow_up))
+                           **submit_options(follow_up))
     future.add_done_callback(lambda _: put(None))
     expected = FollowUp(engine, future, tool_names)
     if on_submitted is not None:

@@ -79,6 +79,9 @@ class FakeEngine:
     def encode(self, prompt: Any) -> list[int]:
         return [1] * 7
 
+    def expect_follow_up(self, future: Future[Any]) -> Any:
+        return mock.Mock()  # its end() is a no-op, as a remote engine's
+
     def generate(self, prompts: Sequence[Any], sampling: Any = None, return_exceptions: bool = False,
                  adapters: Any = None) -> list[Any]:
         self.generate_calls.append({"prompts": list(prompts), "sampling": sampling, "adapters": adapters})
@@ -87,7 +90,7 @@ class FakeEngine:
         return [self._complete(p, s, a) for p, s, a in zip(prompts, samplings, names)]
 
     def submit(self, prompt: Any, sampling: SamplingParams | None = None, adapter: str | None = None,
-               on_text: Callable[[str], None] | None = None) -> Future[Completion]:
+               on_text: Callable[[str], None] | None = None, follow_up: bool = False) -> Future[Completion]:
         if self.holds == 0:
             self.packs += 1  # not held: a pass of its own
         self.submit_calls.append({"prompt": prompt, "sampling": sampling, "adapter": adapter, "pack": self.packs})

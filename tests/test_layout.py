@@ -60,11 +60,13 @@ def test_every_public_name_is_there() -> None:
 def test_only_the_platforms_branch_on_the_device_or_the_backend() -> None:
     outside = {str(path.relative_to(ROOT)): found for path in ENGINE.rglob("*.py")
                if "platforms" not in path.relative_to(ENGINE).parts and (found := device_branches(path.read_text()))}
+    outside |= {str(path.relative_to(ROOT)): found for path in INTEGRATIONS.rglob("*.py")
+                if (found := device_branches(path.read_text()))}
     assert outside == {}
     # control: the branches this layout moved into platforms/ are caught
     for branch in ('if device.type == "cuda":', "if cuda_graphs and isinstance(backend, CudaBackend):",
                    'if getattr(kernels, "device_type", None) == "cuda":', "torch.cuda.set_device(device)",
-                   'if self._backend.name == "exact":'):
+                   'if self._backend.name == "exact":', 'if resolved.type == "cuda" and resolved.index is None:'):
         assert device_branches(branch), branch
     assert device_branches((ENGINE / "platforms" / "cuda" / "platform.py").read_text())  # where they live now
 

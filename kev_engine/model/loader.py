@@ -52,9 +52,9 @@ def embedded_gguf() -> Path:
     return path
 
 
-def resolve_device(device: str | torch.device | None) -> torch.device:
-    """The device a model loads on (`platforms.resolve_device`)."""
-    return platforms.resolve_device(device)
+def resolve_device(device: str | torch.device | None, indexed: bool = False) -> torch.device:
+    """The device a model loads on (`platforms.resolve_device`; `indexed`: "cuda" as "cuda:N")."""
+    return platforms.resolve_device(device, indexed)
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:

@@ -60,13 +60,17 @@ def uninstall(model: nn.Module) -> None:
     inplace.uninstall(model)
 
 
-def resolve_device(device: str | torch.device | None) -> torch.device:
-    """The device a model loads on: CUDA where it is available, else the CPU (None), or the one named."""
+def resolve_device(device: str | torch.device | None, indexed: bool = False) -> torch.device:
+    """The device a model loads on: CUDA where it is available, else the CPU (None), or the one named.
+    `indexed`: "cuda" as the current CUDA device's index ("cuda:0"), so that two spellings of one
+    device are one (the integrations' shared engines are keyed by it)."""
     if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     resolved = torch.device(device)
     if resolved.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device={device!r} but CUDA is not available here; use 'cpu' or None")
+    if indexed and resolved.type == "cuda" and resolved.index is None:
+        resolved = torch.device("cuda", torch.cuda.current_device())
     return resolved
 
 

@@ -98,7 +98,7 @@ def submit_all(requests: Sequence[EngineRequest]) -> list[Future[Completion]]:
     with contextlib.ExitStack() as stack:
         for engine in {id(r.engine): r.engine for r in requests}.values():
             stack.enter_context(engine.hold())
-        futures = [r.engine.submit(r.prompt, r.sampling, r.adapter, **submit_options(r.engine, r.follow_up))
+        futures = [r.engine.submit(r.prompt, r.sampling, r.adapter, **submit_options(r.follow_up))
                    for r in requests]
     arrive()
     return futures

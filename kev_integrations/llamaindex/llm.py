@@ -334,7 +334,7 @@ class Kev(FunctionCallingLLM):
 
     def _submit(self, prompt: Any, kwargs: Mapping[str, Any], follow_up: bool = False) -> Future[Completion]:
         engine = self.get_engine()
-        return engine.submit(prompt, *self._settings(kwargs), **submit_options(engine, follow_up))
+        return engine.submit(prompt, *self._settings(kwargs), **submit_options(follow_up))
 
     def _run(self, prompt: Any, kwargs: Mapping[str, Any], tool_names: Sequence[str] = (),
              follow_up: bool = False) -> Completion:
