@@ -51,7 +51,6 @@ def test_embedded_model_packed_equals_solo(embedded_engine: Engine, embedded_ref
     eos = embedded_engine.tokenizer.eos_token_id
     for prompt, result in zip(prompts, results):
         assert result.token_ids == reference_greedy(embedded_reference, embedded_engine.encode(prompt), 16, eos)
-    assert results[0].text.strip().startswith("The capital of France is Paris")
 
 
 def test_the_rounding_tolerance_still_sees_one_changed_token(embedded_engine: Engine, embedded_reference) -> None:

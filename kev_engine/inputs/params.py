@@ -158,7 +158,8 @@ def _check_token_ids(name: str, value: Any, limit: int) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How one question is sampled. `temperature=None` takes the engine default at pack time."""
+    """How one question is sampled. `temperature=None` takes the engine's default when the question
+    is queued (its group keeps that settings version)."""
 
     temperature: float | None = None
     """0 = greedy (so is anything below ``GREEDY_BELOW`` = 1e-5); None = the engine default

@@ -15,8 +15,8 @@ Rows at temperature 0 — or below `GREEDY_BELOW` (1e-5), where logits / tempera
 overflow to NaN — take the argmax, and so does any row whose probabilities still come out
 non-finite (a model emitting inf/NaN logits): no row ever draws from NaN. Randomness is drawn
 per row from that question's own `torch.Generator` (seeded requests) — so a seeded question
-samples the same tokens whatever it is packed with — or from the engine's generator
-(unseeded ones).
+samples the same tokens whatever it is packed with — or from torch's default generator, shared
+by the process (unseeded ones: their tokens depend on what else drew before them).
 """
 
 from __future__ import annotations
