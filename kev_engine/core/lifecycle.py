@@ -378,6 +378,7 @@ class Lifecycle:
             self.adapters.release(request.adapter)
         self.adapters.unref(request.adapter)
         request.status = Status.FINISHED
+        request.drafter = None  # its n-gram index: a few MB for a prompt of thousands of tokens
         self.cond.notify_all()
 
     # ---- results out ------------------------------------------------------------------------
