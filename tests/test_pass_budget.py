@@ -24,6 +24,7 @@ from kev_engine.core.schedule import (
     LEAST_SHARE,
     LONG_SHARE,
     MIN_CHUNK,
+    Chunk,
     Scheduler,
 )
 from kev_engine.platforms.cpu.platform import CpuPlatform
@@ -50,10 +51,18 @@ def scheduler(budget_ms: float = 100.0, ms: float = 1.0, max_num_seqs: int = 16)
                      cost=per_token(ms), pass_time_s=budget_ms / 1000)
 
 
+def drew(chunks: list[Chunk]) -> None:
+    """Token 7 for each chunk that reaches its request's end (the engine's records append it)."""
+    for chunk in chunks:
+        if chunk.needs_logits:
+            chunk.request.output_ids.append(7)
+
+
 def run(s: Scheduler) -> dict[Request, int]:
     """One pass: its chunks applied, a token drawn for each chunk that reaches its request's end."""
     chunks = s.schedule()
-    s.update(chunks, [(c.request, 7) for c in chunks if c.needs_logits])
+    s.update(chunks)
+    drew(chunks)
     for c in chunks:
         if c.needs_logits and len(c.request.output_ids) >= c.request.sampling.max_tokens:
             s.finish(c.request)
@@ -152,7 +161,8 @@ def test_passes_of_decode_steps_alone_fit_nothing_and_a_prompt_reads_a_fresh_fit
     timed = 0
     while any(r.in_prefill for r in answers) or timed < 8:  # the prompts, then decode steps alone
         chunks = s.schedule()
-        s.update(chunks, [(c.request, 7) for c in chunks if c.needs_logits], seconds=0.001 * (1 + timed))
+        s.update(chunks, seconds=0.001 * (1 + timed))
+        drew(chunks)
         timed += 1
     assert fits == [] and s.cost is not None and s.cost.ready  # observed, never fitted: nothing asked
     s.add([request(9, 400)])

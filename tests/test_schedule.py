@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from kev_engine.core.blocks import BlockManager, BlockTable
 from kev_engine.core.request import Request, Status
-from kev_engine.core.schedule import Scheduler
+from kev_engine.core.schedule import Chunk, Scheduler
 from kev_engine.inputs.params import SamplingParams
 
 
@@ -52,6 +52,13 @@ def test_unused_keyed_blocks_stay_cached_until_their_memory_is_needed() -> None:
     assert blocks.grow(other, 6) and blocks.evictions == 1  # b's free block, then one cached block forgotten
 
 
+def ran(scheduler: Scheduler, chunks: list[Chunk], token: int = 0) -> None:
+    """A pass ran `chunks`, and each drew `token` (the engine's records do that part)."""
+    scheduler.update(chunks)
+    for chunk in chunks:
+        chunk.request.output_ids.append(token)
+
+
 def test_schedule_admits_by_memory_and_preempts_the_newest() -> None:
     blocks = BlockManager(num_blocks=4, block_size=4)
     scheduler = Scheduler(max_batch_tokens=64, max_num_seqs=8, blocks=blocks)
@@ -59,10 +66,10 @@ def test_schedule_admits_by_memory_and_preempts_the_newest() -> None:
     scheduler.add([first, second])
     chunks = scheduler.schedule()
     assert [c.request for c in chunks] == [first, second] and blocks.num_used == 4  # 2 blocks each
-    scheduler.update(chunks, [(c.request, 0) for c in chunks])
+    ran(scheduler, chunks)
     for _ in range(2):  # decode up to 8 tokens: both fit in their 2 blocks
         chunks = scheduler.schedule()
-        scheduler.update(chunks, [(c.request, 0) for c in chunks])
+        ran(scheduler, chunks)
     chunks = scheduler.schedule()  # token 9 needs a third block each: the newest is preempted
     assert [c.request for c in chunks] == [first] and second.status is Status.WAITING
     assert second.num_computed == 0 and scheduler.waiting[0] is second and scheduler.preemptions == 1

@@ -423,22 +423,18 @@ class Scheduler:
         self.waiting.insert(0, request)
         self.preemptions += 1
 
-    def update(self, chunks: Sequence[Chunk], draws: Sequence[tuple[Request, int]] = (),
-               seconds: float | None = None, planned: tuple[float, float] | None = None) -> None:
+    def update(self, chunks: Sequence[Chunk], seconds: float | None = None,
+               planned: tuple[float, float] | None = None) -> None:
         """A pass ran `chunks` in `seconds`: each request's tokens are in its KV now (its full blocks
-        committed, findable by later prompts), each of `draws` adds its token to its request's
-        output, and the cost model learns what the pass's work took.
-
-        The engine records its draws itself (`unpack.append_token`: stop strings, the text) and
-        passes none; a test driving the scheduler alone passes them."""
+        committed, findable by later prompts), and the cost model learns what the pass's work took.
+        The tokens it drew are the engine's to record (`unpack.append_token`: stop strings, the
+        text)."""
         if seconds is not None and chunks and all(c.request.num_computed == c.request.num_tokens - 1 for c in chunks):
             self.row_cost.observe(sum(c.num_tokens for c in chunks), seconds)  # decode rows alone (drafts too)
         for chunk in chunks:
             request = chunk.request
             request.num_computed += chunk.num_tokens - len(chunk.draft)  # a draft's rows count once taken
             self.blocks.commit(request.blocks, request.all_ids, request.prefix_key, request.num_computed)
-        for request, token in draws:
-            request.output_ids.append(token)
         if self.cost is not None and seconds is not None:
             self.cost.observe(*(planned or self.planned), seconds)
 
