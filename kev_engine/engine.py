@@ -116,8 +116,9 @@ class Engine:
             price in beside its token, the tokens it would have written taken), "off", or "auto"
             (None: `KEV_SPECULATIVE`, else "auto": "ngram" where the engine is batch-invariant).
             Every token, logprob and finish reason is bitwise what it is with "off", greedy and
-            seeded alike; "ngram" is refused where the engine is not batch-invariant.
-            `stats()` counts `draft_tokens` and `draft_accepted_tokens`.
+            seeded alike; "ngram" is refused where the engine is not batch-invariant. On CUDA no
+            draft row is priced in yet (`Platform.rows_alike`: a draft would take a decode pass
+            off its graph). `stats()` counts `draft_tokens` and `draft_accepted_tokens`.
         cuda_graphs: replay Kev's own model's decode passes (no prefill chunk, no adapter) as
             CUDA graphs, one per row-count bucket (`platforms.cuda.graphs`), on a paged CUDA
             attention; bitwise the eager result when batch-invariant (padding rows change
@@ -689,6 +690,7 @@ def _check_engine_kwargs(cls: type[Engine], engine_kwargs: dict[str, Any]) -> No
     if unknown:
         raise TypeError(f"from_pretrained() got unexpected keyword argument(s) {unknown}; it takes model, device, "
                         f"dtype, trust_remote_code, adapters and Engine's settings {settings}")
+    drafts.speculative_mode(engine_kwargs.get("speculative"), batch_invariant=True)  # a bad mode, before the load
 
 
 def _logits_width(model: Any) -> int:

@@ -155,6 +155,14 @@ def test_the_mode_is_checked_and_auto_follows_invariance(monkeypatch: pytest.Mon
         speculative_mode("ngram", batch_invariant=False)
 
 
+def test_from_pretrained_refuses_a_bad_mode_before_loading(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kev_engine.model import loader
+
+    monkeypatch.setattr(loader, "load", lambda *args, **kwargs: pytest.fail("the model was loaded"))
+    with pytest.raises(ValueError, match=r"speculative='eagle' is not allowed"):
+        Engine.from_pretrained(speculative="eagle")
+
+
 def test_an_engine_says_its_mode_and_refuses_ngram_without_invariance(tokenizer) -> None:
     with pytest.raises(ValueError, match="speculative='ngram' needs a batch-invariant engine"):
         Engine(tiny_model("llama", tokenizer), tokenizer, speculative="ngram", batch_invariant=False)
