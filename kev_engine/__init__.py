@@ -42,13 +42,13 @@ from .inputs.tokenize import Prompt, prompt_ids
 from .model.loader import EMBEDDED_NAME, resolve_device, resolve_dtype
 from .outputs.completion import Completion, FinishReason, TextPiece
 from .outputs.delivery import Delivery, Mailbox, hand_text
-from .sample.logprobs import TokenLogprob, TokenTexts
-from .sample.logprobs import compute as compute_logprobs
+from .sample.logprobs import PromptLogprobs, TokenLogprob
 
 __all__ = [
     # the engine and what it answers
     "Completion",
     "Engine",
+    "PromptLogprobs",
     "EngineLike",
     "FinishReason",
     "TextPiece",
@@ -83,8 +83,6 @@ __all__ = [
     "Histogram",
     "Mailbox",
     "TokenLogprob",
-    "TokenTexts",
-    "compute_logprobs",
     "failed_future",
     "hand_text",
     "merged_histograms",

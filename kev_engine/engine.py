@@ -39,13 +39,15 @@ from .core.threads import run_on_passing_thread, use_threads
 from .core.worker import Worker
 from .errors import EngineClosedError, InvalidRequestError, KevError
 from .inputs.intake import AdapterArg, Intake, Prepared, SamplingArg, raise_refused
-from .inputs.params import Defaults, SamplingParams, check_temperature, coerce_sampling
+from .inputs.params import MAX_TOP_LOGPROBS, Defaults, SamplingParams, check_temperature, coerce_sampling
 from .inputs.tokenize import Prompt, check_prompt_list
 from .model import loader
 from .model.runner import ModelRunner
 from .model.setup import check_packable, claim_model, context_length, eos_ids, prepare_model, release_model
 from .outputs.completion import Completion
+from .sample import logprobs
 from .sample.grammar import Grammars
+from .sample.logprobs import PromptLogprobs
 from .stepper import Stepper
 
 log = logging.getLogger("kev")
@@ -390,6 +392,20 @@ class Engine:
         never start from a cached prefix: every position's logits are computed.
         """
         return self._answer("prompt_logits", prompts, None, adapters, all_logits=True)
+
+    def prompt_logprobs(self, prompts: Sequence[Prompt], adapters: AdapterArg | Sequence[AdapterArg] = None,
+                        top_logprobs: int = 0) -> list[PromptLogprobs]:
+        """Each prompt's tokens with their logprobs given the tokens before them, and up to
+        `top_logprobs` (0..20) alternatives each (vLLM's `prompt_logprobs`; what OpenAI's `echo`
+        and lm-eval's loglikelihood read), from `prompt_logits`: batch-invariant where the engine is."""
+        if isinstance(top_logprobs, bool) or not isinstance(top_logprobs, int) or \
+                not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidRequestError(f"top_logprobs={top_logprobs!r} is not allowed; use an integer in "
+                                      f"[0, {MAX_TOP_LOGPROBS}]")
+        ids = [self.encode(p) for p in prompts]
+        texts = self._life.token_texts
+        return [logprobs.prompt(rows, token_ids, top_logprobs, texts)
+                for rows, token_ids in zip(self.prompt_logits(prompts, adapters), ids)]
 
     def stats(self) -> dict[str, Any]:
         """Counters since start (requests, passes, tokens, prefix hits), the KV memory now, how this

@@ -339,3 +339,19 @@ def test_a_token_id_prompt_is_fed_as_given(tiny_engine: Engine) -> None:
     bad = tiny_engine.generate([{"prompt_token_ids": [ids[0], -3]}, text], greedy, return_exceptions=True)
     assert isinstance(bad[0], InvalidRequestError) and "prompt_token_ids[1]=-3" in str(bad[0])
     assert bad[1].token_ids == by_text.token_ids
+
+
+def test_prompt_logprobs_are_the_prompt_logits_read_at_each_next_token(tiny_engine: Engine) -> None:
+    """vLLM's prompt_logprobs (what OpenAI's echo and lm-eval's loglikelihood read): token t + 1's
+    logprob is row t of the prompt's logits, log-softmaxed; the first token has none."""
+    prompts = ["The river rose after three days", "Once upon a time"]
+    answers = tiny_engine.prompt_logprobs(prompts, top_logprobs=2)
+    for prompt, answer, rows in zip(prompts, answers, tiny_engine.prompt_logits(prompts)):
+        ids = tiny_engine.encode(prompt)
+        expected = rows.log_softmax(dim=-1)
+        assert answer.first_token == tiny_engine.tokenizer.decode([ids[0]])
+        assert [lp.token_id for lp in answer.logprobs] == ids[1:]
+        assert [lp.logprob for lp in answer.logprobs] == [expected[t, ids[t + 1]].item() for t in range(len(ids) - 1)]
+        assert all(len(lp.top_logprobs) == 2 for lp in answer.logprobs)
+    with pytest.raises(InvalidRequestError, match=r"top_logprobs=21 is not allowed; use an integer in \[0, 20\]"):
+        tiny_engine.prompt_logprobs(prompts, top_logprobs=21)

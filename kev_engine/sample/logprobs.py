@@ -86,3 +86,25 @@ def compute(
                     if v != -math.inf)
         out.append(TokenLogprob(token_ids[row], texts(token_ids[row]), chosen[row], top))
     return out
+
+
+@dataclass(frozen=True)
+class PromptLogprobs:
+    """A prompt's tokens with their logprobs (vLLM's `prompt_logprobs`, OpenAI's `echo`): the
+    first token has none (nothing precedes it), each later one its log-probability given the
+    tokens before it, under the model's own distribution (no penalty, bias, constraint or
+    temperature applies to a prompt)."""
+
+    first_token: str
+    logprobs: list[TokenLogprob]  # tokens 1.. of the prompt
+
+
+def prompt(rows: torch.Tensor, ids: Sequence[int], top_k: int, texts: TokenTexts) -> PromptLogprobs:
+    """`PromptLogprobs` from a prompt's logits (rows [len, vocab]: row t is the distribution of
+    token t + 1, the last row that of the token after the prompt), each with `top_k` alternatives."""
+    assert rows.shape[0] == len(ids), (rows.shape, len(ids))
+    if len(ids) == 1:
+        return PromptLogprobs(texts(ids[0]), [])
+    following = torch.tensor(list(ids[1:]), device=rows.device)  # [len - 1]
+    greedy = torch.zeros(len(ids) - 1, device=rows.device)  # temperature 0: the logits as they are
+    return PromptLogprobs(texts(ids[0]), compute(rows[:-1], greedy, following, [top_k] * (len(ids) - 1), texts))

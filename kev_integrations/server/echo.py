@@ -7,7 +7,7 @@ Where this sits: `app` runs `echoed_prompts` on a thread of its own beside the r
 generation (when `max_tokens` > 0), and `responses` puts each prompt in front of its choices.
 
 A prompt's logprobs are the model's own distribution at each position (no penalty, bias,
-constraint or temperature applies to a prompt), from `Engine.prompt_logits`: computed on the
+constraint or temperature applies to a prompt), from `Engine.prompt_logprobs`: computed on the
 engine's packed path, so where the engine is batch-invariant they are bitwise the same whatever
 the prompt is packed with. They never start from a cached prefix (every position is computed),
 so they cost a prefill of their own; a client that leaves meanwhile gets no answer, but that
@@ -22,9 +22,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
-import torch
-
-from kev_engine import Completion, Engine, KevError, TokenLogprob, TokenTexts, compute_logprobs
+from kev_engine import Completion, Engine, KevError, TokenLogprob
 
 from .errors import engine_error
 from .token_prompts import prompt_text
@@ -54,26 +52,15 @@ def echoed_prompts(engine: Engine, prompts: Sequence[Any], adapter: str | None,
             ids.append(engine.encode(prompt))
         except KevError as exc:
             raise engine_error(exc, i if len(prompts) > 1 else None, fields) from None
+    texts = [prompt_text(engine, p) for p in prompts]
     if top_logprobs is None:
-        return [EchoedPrompt(prompt_text(engine, p), len(token_ids)) for p, token_ids in zip(prompts, ids)]
+        return [EchoedPrompt(text, len(token_ids)) for text, token_ids in zip(texts, ids)]
     try:
-        logits = engine.prompt_logits(list(prompts), adapter)  # [len_i, vocab] fp32 each
+        answers = engine.prompt_logprobs(list(prompts), adapter, top_logprobs)
     except KevError as exc:
         raise engine_error(exc, None, fields) from None
-    texts = TokenTexts(engine.tokenizer)
-    return [EchoedPrompt(text, len(token_ids), texts(token_ids[0]), _logprobs(rows, token_ids, top_logprobs, texts))
-            for text, token_ids, rows in zip([prompt_text(engine, p) for p in prompts], ids, logits)]
-
-
-def _logprobs(rows: torch.Tensor, ids: list[int], top_logprobs: int, texts: TokenTexts) -> list[TokenLogprob]:
-    """Logprobs of prompt tokens 1.. from the prompt's logits (rows: [len, vocab]; row t is the
-    distribution of token t + 1, and the last row that of the token after the prompt)."""
-    assert rows.shape[0] == len(ids), (rows.shape, len(ids))
-    if len(ids) == 1:
-        return []
-    following = torch.tensor(ids[1:], device=rows.device)  # [len - 1]
-    greedy = torch.zeros(len(ids) - 1, device=rows.device)  # temperature 0: the logits as they are
-    return compute_logprobs(rows[:-1], greedy, following, [top_logprobs] * (len(ids) - 1), texts)
+    return [EchoedPrompt(text, len(token_ids), answer.first_token, answer.logprobs)
+            for text, token_ids, answer in zip(texts, ids, answers)]
 
 
 def unanswered(echoed: Sequence[EchoedPrompt], n: int, logprobs: bool) -> list[Completion]:
