@@ -107,6 +107,16 @@ def make_adapter(base: torch.nn.Module, folder: Path, seed: int = 0, scale: floa
     return folder
 
 
+def two_adapters(base: torch.nn.Module, folder: Path, scale: float = 0.1) -> dict[str, Path]:
+    """Two PEFT adapters of `base` in `folder`: "qv" on q_proj/v_proj (r=4) and "all" on every
+    projection (r=8), each with random non-zero weights of its own seed."""
+    return {
+        "qv": make_adapter(base, folder / "qv", seed=1, scale=scale),
+        "all": make_adapter(base, folder / "all", seed=2, scale=scale, r=8, lora_alpha=16, target_modules=[
+            "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
+    }
+
+
 def reference_copy(model: torch.nn.Module) -> torch.nn.Module:
     """An independent plain-transformers (sdpa) model with the same weights."""
     ref = type(model)(copy.deepcopy(model.config)).eval()

@@ -27,7 +27,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import make_adapter, tiny_model
+from conftest import tiny_model, two_adapters
 from test_invariance import alone, answers, differences, doc_questions, greedy, questions
 from varlen_contract import GatheredContract, VarlenContract
 
@@ -208,11 +208,7 @@ def test_chunked_prefill_equals_alone_bf16(cuda, tokenizer) -> None:
 
 def test_per_question_adapters_equal_alone_bf16(cuda, tokenizer, tmp_path) -> None:
     base = tiny_model("qwen2", tokenizer)
-    folders = {
-        "qv": make_adapter(base, tmp_path / "qv", seed=1),
-        "all": make_adapter(base, tmp_path / "all", seed=2, r=8, lora_alpha=16, target_modules=[
-            "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
-    }
+    folders = two_adapters(base, tmp_path)
     engine = Engine(base.to(cuda, torch.bfloat16), tokenizer)
     try:
         assert engine.batch_invariant

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import FAMILIES, make_adapter, tiny_model
+from conftest import FAMILIES, tiny_model, two_adapters
 
 from kev_engine import Engine, SamplingParams
 from kev_engine.models import DecoderModel
@@ -134,11 +134,7 @@ def test_preempted_questions_equal_alone(family: str, dtype: torch.dtype, tokeni
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 def test_per_question_adapters_equal_alone(dtype: torch.dtype, tokenizer, tmp_path) -> None:
     base = tiny_model("qwen2", tokenizer)
-    folders = {
-        "qv": make_adapter(base, tmp_path / "qv", seed=1),
-        "all": make_adapter(base, tmp_path / "all", seed=2, r=8, lora_alpha=16, target_modules=[
-            "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
-    }
+    folders = two_adapters(base, tmp_path)
     engine = Engine(base.to(dtype), tokenizer)
     try:
         for name, folder in folders.items():

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import FAMILIES, QUESTIONS, chat, make_adapter, tiny_model
+from conftest import FAMILIES, QUESTIONS, chat, tiny_model, two_adapters
 from test_invariance import DTYPES, reorder_by_pass_size
 
 from kev_engine import Engine, SamplingParams
@@ -232,9 +232,7 @@ def test_chunked_prefill_preemption_and_samples_with_drafts(tokenizer) -> None:
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 def test_adapters_per_question_with_drafts(dtype: torch.dtype, tokenizer, tmp_path) -> None:
     base = tiny_model("qwen2", tokenizer, **LOOPING)
-    folders = {"qv": make_adapter(base, tmp_path / "qv", seed=1, scale=0.02),
-               "all": make_adapter(base, tmp_path / "all", seed=2, scale=0.02, r=8, lora_alpha=16, target_modules=[
-                   "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])}
+    folders = two_adapters(base, tmp_path, scale=0.02)
     with pair("qwen2", tokenizer, dtype) as (off, on):
         for engine in (off, on):
             for name, folder in folders.items():
