@@ -156,10 +156,11 @@ class BlockManager:
         table.parent_node = self.blocks[hits[-1]].node if hits else None
         return len(hits) * self.block_size
 
-    def grow(self, table: BlockTable, num_tokens: int) -> bool:
-        """Make room for a request to reach `num_tokens` tokens; False if the pool is full."""
+    def grow(self, table: BlockTable, num_tokens: int, watermark: int = 0) -> bool:
+        """Make room for a request to reach `num_tokens` tokens; False (nothing taken) if that would
+        leave fewer than `watermark` blocks available."""
         need = self.blocks_for(num_tokens) - len(table.block_ids)
-        if need > self.num_available:
+        if need > 0 and need + watermark > self.num_available:
             return False
         table.block_ids.extend(self._take(need))
         return True

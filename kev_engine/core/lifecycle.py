@@ -24,7 +24,7 @@ import torch
 from ..adapters.pool import AdapterPool
 from ..errors import EngineClosedError, KevError, PassFailedError
 from ..inputs.intake import Prepared
-from ..inputs.params import GREEDY_BELOW, Defaults
+from ..inputs.params import Defaults
 from ..model.pack import PackedBatch
 from ..outputs.completion import TextPiece
 from ..outputs.delivery import Delivery, hand_text
@@ -32,7 +32,7 @@ from ..outputs.detokenize import Detokenizer
 from ..outputs.unpack import append_token, text_delta
 from ..sample.grammar import Grammars
 from ..sample.logprobs import TokenTexts
-from ..sample.sample import Draw, draw_tokens
+from ..sample.sample import Draw, draw_tokens, draws_alone
 from . import fanout
 from .blocks import BlockManager, BlockTable
 from .drafts import Drafter
@@ -250,7 +250,7 @@ class Lifecycle:
         ended = {id(request) for request, _ in finished}
         walking = [(chunk, batch.logits_rows[i][0]) for i, chunk in enumerate(chunks) if chunk.draft]
         taken = dict.fromkeys((id(chunk.request) for chunk, _ in walking), 0)
-        ahead = [(chunk, first) for chunk, first in walking if _draws_alone(chunk.request)]
+        ahead = [(chunk, first) for chunk, first in walking if draws_alone(chunk.request)]
         drawn_ahead = {(id(draw.request), draw.row): draw for draw in self.sample(
             [(chunk.request, first + depth) for chunk, first in ahead for depth in range(1, len(chunk.draft) + 1)],
             logits)}
@@ -261,10 +261,8 @@ class Lifecycle:
                        and chunk.request.output_ids[-1] == chunk.draft[depth - 1]]
             with self.cond:
                 for chunk, _ in walking:
-                    request = chunk.request
-                    request.num_computed += 1
-                    self.blocks.commit(request.blocks, request.all_ids, request.prefix_key, request.num_computed)
-                    taken[id(request)] += 1
+                    self.scheduler.computed(chunk.request, 1)
+                    taken[id(chunk.request)] += 1
             rows = [(chunk.request, first + depth) for chunk, first in walking]
             ready = [drawn_ahead.get((id(request), row)) for request, row in rows]
             draws = iter(self.sample([plan for plan, draw in zip(rows, ready) if draw is None], logits))
@@ -400,15 +398,6 @@ class Lifecycle:
         """Resolve a request's future after every piece of text it streamed (its done callbacks
         then run on a delivery thread, not in a pass)."""
         self.delivery.post(request.mailbox, functools.partial(resolve_future, request.future, result, exc))
-
-
-def _draws_alone(request: Request) -> bool:
-    """Whether each of the request's rows draws the same token whatever was drawn before it:
-    greedy, no grammar, no penalty over its own tokens, min_tokens reached."""
-    sampling = request.sampling
-    return (sampling.temperature < GREEDY_BELOW and request.matcher is None and sampling.repetition_penalty == 1
-            and not sampling.presence_penalty and not sampling.frequency_penalty
-            and len(request.output_ids) >= sampling.min_tokens)
 
 
 def _wake_if_cancelled(cond: threading.Condition, future: Future) -> None:

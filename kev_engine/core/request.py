@@ -81,6 +81,11 @@ class Request:
     def in_prefill(self) -> bool:
         return self.num_computed < len(self.prompt_ids)
 
+    @property
+    def decoding(self) -> bool:
+        """Past its prompt, with only its last token still to compute: its next pass is a decode row."""
+        return not self.in_prefill and self.num_tokens - self.num_computed == 1
+
     def completion(self) -> Completion:
         assert self.finish_reason is not None
         return Completion(

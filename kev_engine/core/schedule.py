@@ -165,7 +165,7 @@ class Scheduler:
         answer waits for both)."""
         plan = _Pass(self, timed=not whole, share=share, in_flight=in_flight)
         running = [r for r in self.running if id(r) not in in_flight]
-        decoding = [r for r in running if r.num_tokens - r.num_computed == 1 and not r.in_prefill]
+        decoding = [r for r in running if r.decoding]
         continuing = [r for r in running if r not in decoding]
         if not whole:
             self._decodes(plan, decoding, on_preempt)  # 1. every running answer's next token
@@ -204,7 +204,7 @@ class Scheduler:
         drafts: dict[int, list[int]] = {}
         for index, chunk in enumerate(plan.chunks):
             request = chunk.request
-            if request.drafter is None or chunk.num_tokens != 1 or request.in_prefill:
+            if request.drafter is None or chunk.num_tokens != 1 or not request.decoding:
                 continue
             limit = min(MAX_DRAFT, room, request.max_total - request.num_tokens - 1,
                         request.sampling.max_tokens - len(request.output_ids) - 1)
@@ -231,17 +231,10 @@ class Scheduler:
             seconds, tokens, dense, attention = more, tokens + chance, more_dense, more_attention
         for index, depth in depths.items():
             request = plan.chunks[index].request
-            while depth > 0 and not self._grow_for_draft(request, request.num_computed + 1 + depth):
+            while depth > 0 and not self.blocks.grow(request.blocks, request.num_computed + 1 + depth, self.watermark):
                 depth -= 1
             if depth > 0:
                 plan.extend(index, tuple(drafts[index][:depth]))
-
-    def _grow_for_draft(self, request: Request, num_tokens: int) -> bool:
-        """Grow `request`'s blocks to `num_tokens` from free ones above the watermark; False (nothing
-        taken) where they lack."""
-        need = self.blocks.blocks_for(num_tokens) - len(request.blocks.block_ids)
-        return need <= 0 or (self.blocks.num_available - need >= self.watermark
-                             and self.blocks.grow(request.blocks, num_tokens))
 
     def _decodes_fit(self, plan: _Pass, rows: int) -> bool:
         """Whether `plan` with `rows` decode rows is predicted within the pass target."""
@@ -429,14 +422,18 @@ class Scheduler:
         committed, findable by later prompts), and the cost model learns what the pass's work took.
         The tokens it drew are the engine's to record (`unpack.append_token`: stop strings, the
         text)."""
-        if seconds is not None and chunks and all(c.request.num_computed == c.request.num_tokens - 1 for c in chunks):
+        if seconds is not None and chunks and all(c.request.decoding for c in chunks):
             self.row_cost.observe(sum(c.num_tokens for c in chunks), seconds)  # decode rows alone (drafts too)
         for chunk in chunks:
-            request = chunk.request
-            request.num_computed += chunk.num_tokens - len(chunk.draft)  # a draft's rows count once taken
-            self.blocks.commit(request.blocks, request.all_ids, request.prefix_key, request.num_computed)
+            self.computed(chunk.request, chunk.num_tokens - len(chunk.draft))  # a draft's rows count once taken
         if self.cost is not None and seconds is not None:
             self.cost.observe(*(planned or self.planned), seconds)
+
+    def computed(self, request: Request, tokens: int) -> None:
+        """`tokens` more of `request`'s tokens are in its KV (a chunk's, or a draft token its answer
+        took): its full blocks are committed, findable by later prompts."""
+        request.num_computed += tokens
+        self.blocks.commit(request.blocks, request.all_ids, request.prefix_key, request.num_computed)
 
     def take_cancelled(self, in_flight: frozenset[int] = frozenset()) -> list[Request]:
         """Requests whose future is done while they are still here, waiting or running: cancelled

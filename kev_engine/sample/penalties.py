@@ -57,6 +57,14 @@ def _long(values: list[int], device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.long, device=device)
 
 
+def reads_history(request: Penalized) -> bool:
+    """Whether the request's penalties depend on the tokens it has drawn so far: a repetition,
+    presence or frequency penalty, or min_tokens' ban on ending not yet lifted (logit_bias does not)."""
+    s = request.sampling
+    return (s.repetition_penalty != 1.0 or bool(s.presence_penalty or s.frequency_penalty)
+            or len(request.output_ids) < s.min_tokens)
+
+
 def build(rows: Sequence[Penalized], vocab: int, end_ids: Collection[int], device: torch.device) -> Penalties | None:
     """The penalties of `rows` (row i of the logits is rows[i]), or None when no row has any.
 

@@ -92,6 +92,14 @@ def draw_tokens(plan: Sequence[tuple[Request, int]], logits: torch.Tensor, eos_i
     return draws
 
 
+def draws_alone(request: Request) -> bool:
+    """Whether each of the request's rows draws the same token whatever was drawn before it
+    (speculation draws a draft's rows in one call then): greedy, no grammar, no penalty over its
+    own tokens (`penalties.reads_history`)."""
+    return (request.sampling.temperature < GREEDY_BELOW and request.matcher is None
+            and not penalties.reads_history(request))
+
+
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Mask to -inf what top-k and top-p exclude. logits [N, V]; top_k [N] (0 = off); top_p [N]."""
     sorted_logits, order = logits.sort(dim=-1, descending=True)  # [N, V]
