@@ -6,7 +6,7 @@ Run through ``python benchmarks/bench_engine.py --sampling``. One engine, one pr
 presence_penalty 0.5, frequency_penalty 0.5, repetition_penalty 1.1 and top_logprobs=5 on
 every row. The modes alternate, `repeat` runs each (fresh cache salts: no run reuses another's
 prefix KV), and what is reported is the median wall time of the pure decode steps with all 16
-rows running, and the median time of the sampling stage alone (`Lifecycle.sample`: penalties,
+rows running, and the median time of the sampling stage alone (`Sampler.sample`: penalties,
 grammar, draw, logprobs) inside those steps — the part the settings change — over all runs,
 and the best run's medians (a shared VM's neighbours slow whole runs, not single modes).
 """
@@ -32,7 +32,8 @@ def _timed_run(engine: Engine, messages: list, extra: dict[str, Any], max_tokens
     rows = len(messages)
     steps: list[tuple[float, float]] = []
     sample_s: list[float] = []
-    step, sample = engine.step, engine._life.sample
+    sampler = engine._stepper.sampler  # the sample stage, timed alone
+    step, sample = engine.step, sampler.sample
 
     def timed_sample(*args: Any) -> Any:
         t0 = time.perf_counter()
@@ -51,13 +52,13 @@ def _timed_run(engine: Engine, messages: list, extra: dict[str, Any], max_tokens
             steps.append((elapsed, sample_s[0]))
         return ran
 
-    engine.step, engine._life.sample = timed_step, timed_sample  # type: ignore[method-assign]
+    engine.step, sampler.sample = timed_step, timed_sample  # type: ignore[method-assign]
     try:
         params = [SamplingParams(temperature=0.8, seed=i, max_tokens=max_tokens, ignore_eos=True, cache_salt=salt,
                                  **extra) for i in range(rows)]
         replies = engine.generate(messages, params)
     finally:
-        del engine.step, engine._life.sample
+        del engine.step, sampler.sample
     assert all(len(r.token_ids) == max_tokens for r in replies)
     return {"steps": steps, "logprobs": sum(len(r.logprobs or ()) for r in replies)}
 

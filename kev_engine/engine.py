@@ -29,10 +29,9 @@ import torch
 from . import models, platforms
 from .adapters.pool import AdapterPool
 from .adapters.pool import check_name as check_adapter_name
-from .core import drafts, pass_cost
+from .core import drafts, fanout, pass_cost
 from .core.arrivals import Arrival, Arrivals, running_loop
 from .core.blocks import BlockManager
-from .core.lifecycle import Lifecycle
 from .core.request import Status
 from .core.schedule import Scheduler
 from .core.threads import run_on_passing_thread, use_threads
@@ -45,9 +44,12 @@ from .model import loader
 from .model.runner import ModelRunner
 from .model.setup import check_packable, claim_model, context_length, eos_ids, prepare_model, release_model
 from .outputs.completion import Completion
+from .outputs.delivery import Delivery
+from .outputs.processor import OutputProcessor
 from .sample import logprobs
 from .sample.grammar import Grammars
-from .sample.logprobs import PromptLogprobs
+from .sample.logprobs import PromptLogprobs, TokenTexts
+from .sample.sample import Sampler
 from .stepper import Stepper
 
 log = logging.getLogger("kev")
@@ -198,20 +200,23 @@ class Engine:
         self._runner = ModelRunner(model, self._backend, self._adapters, device=self.device, graphs=graphs)
         self._blocks = BlockManager(self._kv.num_blocks, self._kv.block_size)
         self.pass_time_ms = pass_cost.target_ms(pass_time_ms, self._platform.default_pass_ms)
+        self._cond = threading.Condition()  # the engine's one lock: requests, blocks, adapters, the worker
         self._scheduler = Scheduler(max_batch_tokens, max_num_seqs, self._blocks, max_logits_tokens,
                                     cost=pass_cost.CostModel(pass_cost.Work.of(model)),
-                                    pass_time_s=self.pass_time_ms / 1000)
+                                    pass_time_s=self.pass_time_ms / 1000, adapters=self._adapters,
+                                    max_context=self.max_context,
+                                    on_cancel=functools.partial(_wake_if_cancelled, self._cond))
         self.speculative = drafts.speculative_mode(speculative, self._platform.batch_invariant)
         self._scheduler.speculative = self.speculative == "ngram"
         self._scheduler.rows_alike = functools.partial(self._platform.rows_alike, dtype=self.dtype)
         self._grammars = Grammars(tokenizer, _logits_width(model), self.eos_ids)
-        self._cond = threading.Condition()  # the engine's one lock: requests, blocks, adapters, the worker
         self._intake = Intake(tokenizer, self.max_context, self._kv, self._grammars, self._adapters, self._cond)
-        self._life = Lifecycle(cond=self._cond, scheduler=self._scheduler, blocks=self._blocks, adapters=self._adapters,
-                               grammars=self._grammars, backend=self._backend, tokenizer=tokenizer,
-                               eos_ids=self.eos_ids, max_context=self.max_context, device=self.device)
+        self._token_texts = TokenTexts(tokenizer)  # logprobs name their tokens
+        self._delivery = Delivery("kev")  # on_text and results reach callers from its threads, never from a pass
         arrivals = Arrivals(max(0.0, coalesce_ms) / 1000)  # under the engine's lock
-        self._stepper = Stepper(self._life, self._runner, self._scheduler, arrivals)
+        self._stepper = Stepper(cond=self._cond, scheduler=self._scheduler, runner=self._runner,
+                                sampler=Sampler(self._grammars, self.eos_ids, self._token_texts),
+                                outputs=OutputProcessor(tokenizer, self.eos_ids, self._delivery), arrivals=arrivals)
         self._worker = Worker(self._stepper, self._cond, arrivals, close=self.close,
                               enter=self._platform.enter_pass_thread)
 
@@ -317,7 +322,7 @@ class Engine:
 
         One answer: a request with n > 1 is refused here (submit it with an `on_text`, whose pieces
         say which sample they belong to in `TextPiece.sample_index`)."""
-        self._worker.refuse_blocking("stream", self._life.delivery)
+        self._worker.refuse_blocking("stream", self._delivery)
         try:
             samples = coerce_sampling(sampling).n
         except KevError:
@@ -403,8 +408,7 @@ class Engine:
             raise InvalidRequestError(f"top_logprobs={top_logprobs!r} is not allowed; use an integer in "
                                       f"[0, {MAX_TOP_LOGPROBS}]")
         ids = [self.encode(p) for p in prompts]
-        texts = self._life.token_texts
-        return [logprobs.prompt(rows, token_ids, top_logprobs, texts)
+        return [logprobs.prompt(rows, token_ids, top_logprobs, self._token_texts)
                 for rows, token_ids in zip(self.prompt_logits(prompts, adapters), ids)]
 
     def stats(self) -> dict[str, Any]:
@@ -414,7 +418,10 @@ class Engine:
         (`pass_seconds`) and each request's wait from submission to its first pass (`queue_seconds`)."""
         with self._cond:
             return {
-                **self._life.stats,
+                **self._scheduler.stats,
+                **self._stepper.stats,
+                "generated_tokens": self._stepper.outputs.generated_tokens,
+                "kv_cache_peak_bytes": self._scheduler.peak_blocks * self._kv.block_bytes,
                 "dtype": str(self.dtype).removeprefix("torch."),
                 "dtype_choice": self.dtype_choice,
                 "batch_invariant": self._platform.batch_invariant,
@@ -422,8 +429,8 @@ class Engine:
                 "speculative": self.speculative,
                 "threads": self.threads,
                 "pass_time_ms": self.pass_time_ms if math.isfinite(self.pass_time_ms) else None,  # None: no bound
-                "pass_seconds": self._life.pass_seconds.snapshot(),
-                "queue_seconds": self._life.queue_seconds.snapshot(),
+                "pass_seconds": self._stepper.pass_seconds.snapshot(),
+                "queue_seconds": self._scheduler.queue_seconds.snapshot(),
                 "running": len(self._scheduler.running),
                 "waiting": len(self._scheduler.waiting),
                 "preemptions": self._scheduler.preemptions,
@@ -502,8 +509,8 @@ class Engine:
     def wait_for_unload(self, name: str, timeout: float) -> bool:
         """Wait up to `timeout` s for a draining adapter's last request; True once `name` is gone
         (at once for a name that is not draining), False if it is still draining."""
-        self._worker.refuse_blocking("wait_for_unload", self._life.delivery)  # it would wait for the requests it blocks
-        with self._cond:  # every finished request notifies the condition (`Lifecycle.free`)
+        self._worker.refuse_blocking("wait_for_unload", self._delivery)  # it would wait for the requests it blocks
+        with self._cond:  # every finished request notifies the condition (`Stepper`)
             return self._cond.wait_for(lambda: name not in self._adapters.unloading, timeout)
 
     @property
@@ -607,13 +614,13 @@ class Engine:
         if not self._worker.join(timeout):
             return
         with self._runner.lock, self._cond:
-            self._life.drain()
+            self._stepper.drain()
             self._adapters.restore_model()
             if self.model_impl == "transformers":
                 release_model(self.model)
                 platforms.uninstall(self.model)
             self._worker.thread = None
-        self._life.delivery.close()
+        self._delivery.close()
 
     def __enter__(self) -> Engine:
         return self
@@ -624,7 +631,7 @@ class Engine:
     # ---- the flow ---------------------------------------------------------------------------
 
     def step(self) -> int:
-        """One pass: cancel → schedule → pack → forward → fork n > 1 samples → sample → record → finish.
+        """One pass: plan → run → sample → record → deliver (`stepper`).
 
         Returns the number of tokens it ran (0: nothing could run). Passes never overlap: a caller
         stepping by hand (inside `hold()`) waits for the scheduler thread's pass to end.
@@ -651,7 +658,8 @@ class Engine:
             if self._stepper.closed:
                 raise EngineClosedError("the engine is closed")
             follow_up = self._worker.arrivals.arrived(follow_up)
-            futures = self._life.enqueue(prepared, self._defaults, on_text, all_logits, capture_logits, follow_up)
+            futures = fanout.futures(self._scheduler.submit(prepared, self._defaults, on_text, all_logits,
+                                                            capture_logits, follow_up))
             self._worker.start()
             self._cond.notify_all()
         return futures
@@ -660,7 +668,7 @@ class Engine:
                 return_exceptions: bool = False, capture_logits: bool = False, all_logits: bool = False) -> list[Any]:
         """The blocking calls' one path: prepare every prompt, queue them as one group, wait for all.
         Without `return_exceptions` a refused prompt raises before anything is queued."""
-        self._worker.refuse_blocking(what, self._life.delivery)
+        self._worker.refuse_blocking(what, self._delivery)
         prompts = check_prompt_list(prompts)
         if not prompts:
             return []
@@ -716,3 +724,10 @@ def _logits_width(model: Any) -> int:
     head = model.get_output_embeddings()
     weight = getattr(head, "weight", None)
     return int(weight.shape[0]) if weight is not None else int(model.config.vocab_size)
+
+
+def _wake_if_cancelled(cond: threading.Condition, future: Future) -> None:
+    """A caller cancelled: wake the worker so the request frees what it holds now."""
+    if future.cancelled():
+        with cond:
+            cond.notify_all()

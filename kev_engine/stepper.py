@@ -1,11 +1,15 @@
-"""One pass of the engine, in stage order: what the worker thread drives.
+"""One pass of the engine, in stage order, each stage its own owner:
 
-    cancel → schedule → pack → forward → fork n > 1 samples → sample → record → finish
+    plan (Scheduler) → run (ModelRunner) → sample (Sampler) → record (Scheduler, OutputProcessor) → deliver
 
 Where this sits: `Engine` composes the components and hands the worker (`core/worker.py`) this
 `Stepper`, a narrow view of them — whether there is work, one step, failing the requests of a
 pass that raised, draining on close. The worker holds it only weakly (an engine dropped without
-`close()` is collected, and its thread ends), and neither calls back into the `Engine`.
+`close()` is collected, and its thread ends), and nothing here calls back into the `Engine`.
+The scheduler owns every request's status, KV blocks and adapter slot; the runner is the only
+code that touches the model and KV memory; the sampler owns what drawing needs; the outputs
+processor puts tokens on their requests and hands callers their text and results. The Stepper
+owns the pass counters and holds the engine's lock around every scheduler call.
 
 A pass that pauses: with a time target and Kev's own model, a batch is one pass whatever its size
 (`Scheduler.schedule(whole=True)`), and its forward runs in slices, each about one target long by
@@ -20,28 +24,54 @@ states.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import threading
 import time
+from collections.abc import Iterator
+
+import torch
 
 from .core.arrivals import Arrivals
-from .core.lifecycle import Lifecycle
+from .core.latency import Histogram
 from .core.request import Request
-from .core.schedule import Chunk, Scheduler
+from .core.schedule import Chunk, Plan, Scheduler
+from .errors import EngineClosedError, PassFailedError
+from .model.pack import PackedBatch
 from .model.runner import ModelRunner
+from .outputs.processor import Finished, OutputProcessor
+from .sample.sample import Sampler, draws_alone
 
 MIN_SLICE_ROWS = 64  # a slice's least rows of a layer: fewer would cost more in calls than they save
 BETWEEN_SHARE = 0.5  # of the pass target, what a pass between two slices may take (a prompt that came
 # meanwhile goes on in chunks there): a running answer waits a slice and that pass between two tokens
 
 
+PASS_STATS = ("forward_passes", "prefill_passes", "decode_steps", "pass_slices")
+
+
 class Stepper:
-    def __init__(self, life: Lifecycle, runner: ModelRunner, scheduler: Scheduler, arrivals: Arrivals) -> None:
-        self.life = life
-        self.runner = runner
+    def __init__(self, *, cond: threading.Condition, scheduler: Scheduler, runner: ModelRunner, sampler: Sampler,
+                 outputs: OutputProcessor, arrivals: Arrivals) -> None:
+        self.cond = cond  # the engine's lock: every scheduler call holds it
         self.scheduler = scheduler
+        self.runner = runner
+        self.sampler = sampler
+        self.outputs = outputs
         self.arrivals = arrivals
         self.closed = False  # set by `Engine.close` (or at interpreter exit): the worker drains and ends
         self.row_seconds: float | None = None  # the last slice's seconds per row of a layer
+        self.stats: dict[str, float] = dict.fromkeys(PASS_STATS, 0)
+        self.stats["paused_seconds"] = 0.0
+        self.pass_seconds = Histogram()  # each pass, pack to draws
+
+    @contextlib.contextmanager
+    def _scheduling(self) -> Iterator[None]:
+        """The engine's lock around scheduler calls; waiters (`Engine.wait_for_unload`) hear of
+        what they freed."""
+        with self.cond:
+            yield
+            self.cond.notify_all()
 
     def has_work(self) -> bool:
         """Anything queued or running (called under the engine's lock)."""
@@ -50,41 +80,122 @@ class Stepper:
     def step(self) -> int:
         """One pass; the number of tokens it ran (0: nothing could run). The caller holds the
         worker's pass lock (`Worker.run_pass`), never the engine's: each stage takes it itself."""
-        life = self.life
-        life.cancel()
         whole = self.runner.num_layers is not None and math.isfinite(self.scheduler.pass_time_s)
-        chunks = life.schedule(self._defer, whole=whole)
-        if not chunks:
+        plan = self._plan(whole=whole)
+        if not plan.chunks:
             return 0
-        return self._in_slices(chunks) if whole else self._whole(chunks)
+        return self._in_slices(plan) if whole else self._whole(plan)
 
-    def _whole(self, chunks: list[Chunk]) -> int:
-        """One pass of `chunks`, start to end; the tokens it ran."""
-        life = self.life
+    def _plan(self, in_flight: frozenset[int] = frozenset(), whole: bool = False, share: float = 1.0) -> Plan:
+        """Cancelled requests leave (those of a paused pass, `in_flight`, once it has ended), then
+        the scheduler plans the next pass."""
+        with self._scheduling():
+            self.scheduler.cancel(in_flight)
+            return self.scheduler.plan(self._defer, in_flight, whole, share, self.runner.resident_adapters)
+
+    def _whole(self, plan: Plan) -> int:
+        """One pass of `plan`, start to end; the tokens it ran."""
         started = time.perf_counter()
         try:
-            batch = self.runner.pack(chunks)
-            logits = self.runner.forward(batch, life.resident_adapters())  # [K, vocab]
+            batch, logits = self.runner.run(plan)  # [K, vocab]
         finally:
-            life.end_pass()
-        draws = life.sample(life.rows_to_sample(chunks, batch), logits)
-        life.finish(life.record(chunks, batch, logits, draws, time.perf_counter() - started))
+            self._ended()
+        self._record(plan.chunks, batch, logits, time.perf_counter() - started)
         return batch.num_tokens
+
+    def _ended(self) -> None:
+        with self.cond:
+            self.scheduler.pass_ended()
+
+    def _record(self, chunks: list[Chunk], batch: PackedBatch, logits: torch.Tensor, seconds: float,
+                planned: tuple[float, float] | None = None, pauses: int = 0, paused_s: float = 0.0) -> None:
+        """After the forward: draw each sampled row's token, record what the pass computed (the
+        scheduler: KV and the cost model's lesson in `seconds` of `planned` work; the outputs:
+        tokens and text), walk the drafts, free the finished and tell their callers. `pauses`:
+        how often the pass let others run between its layers, for `paused_s`."""
+        draws = self.sampler.sample(self._rows_to_sample(chunks, batch), logits)
+        has_prefill = any(c.request.in_prefill for c in chunks)  # before update() moves them on
+        has_decode = any(not c.request.in_prefill for c in chunks)
+        with self.cond:
+            self.scheduler.update(chunks, seconds=seconds, planned=planned)
+        self.stats["forward_passes"] += 1
+        self.stats["prefill_passes"] += has_prefill
+        self.stats["decode_steps"] += has_decode
+        self.stats["pass_slices"] += pauses
+        self.stats["paused_seconds"] += paused_s
+        self.pass_seconds.observe(seconds)
+        finished = self.outputs.record(chunks, batch, logits, draws)
+        if any(chunk.draft for chunk in chunks):
+            self._walk_drafts(chunks, batch, logits, finished)
+        with self._scheduling():
+            self.scheduler.finish([request for request, _ in finished])
+        self.outputs.deliver(finished)
+
+    def _rows_to_sample(self, chunks: list[Chunk], batch: PackedBatch) -> list[tuple[Request, int]]:
+        """The logits row each request draws its next token from: every chunk that reached its
+        request's last known token — and, at the first token of an n > 1 request, each of its other
+        samples the scheduler forks from that prefill now (their KV blocks copied by the runner),
+        so they draw from the same row."""
+        plan = [(c.request, batch.logits_rows[i][0]) for i, c in enumerate(chunks) if c.needs_logits]
+        leaders = [(request, row) for request, row in plan if request.siblings]
+        for leader, row in leaders:
+            with self._scheduling():
+                forked, copies = self.scheduler.fork(leader)
+            self.runner.copy_blocks(copies)
+            plan += [(sibling, row) for sibling in forked]
+        return plan
+
+    def _walk_drafts(self, chunks: list[Chunk], batch: PackedBatch, logits: torch.Tensor, finished: Finished) -> None:
+        """Take what each draft got right (`drafts`). Its first row's token is drawn already; while
+        the last token drawn is the draft's next one and the answer goes on, that draft token's KV
+        (computed at its row) is the answer's, and the row after it is drawn, exactly as the next
+        pass of plain decoding would draw it. A draft's rows past the first miss leave their KV
+        slots to be written again, and blocks wholly past the answer are freed.
+
+        A row's draw depends on the tokens before it only through penalties, min_tokens, a grammar
+        or a generator; a greedy question with none of them has all its rows drawn in one call up
+        front (rows it does not reach are dropped), the others depth by depth."""
+        ended = {id(request) for request, _ in finished}
+        walking = [(chunk, batch.logits_rows[i][0]) for i, chunk in enumerate(chunks) if chunk.draft]
+        taken = dict.fromkeys((id(chunk.request) for chunk, _ in walking), 0)
+        ahead = [(chunk, first) for chunk, first in walking if draws_alone(chunk.request)]
+        drawn_ahead = {(id(draw.request), draw.row): draw for draw in self.sampler.sample(
+            [(chunk.request, first + depth) for chunk, first in ahead for depth in range(1, len(chunk.draft) + 1)],
+            logits)}
+        depth = 0
+        while walking:
+            depth += 1
+            walking = [(chunk, first) for chunk, first in walking if id(chunk.request) not in ended
+                       and chunk.request.output_ids[-1] == chunk.draft[depth - 1]]
+            with self.cond:
+                for chunk, _ in walking:
+                    self.scheduler.computed(chunk.request, 1)
+                    taken[id(chunk.request)] += 1
+            rows = [(chunk.request, first + depth) for chunk, first in walking]
+            ready = [drawn_ahead.get((id(request), row)) for request, row in rows]
+            draws = iter(self.sampler.sample([plan for plan, draw in zip(rows, ready) if draw is None], logits))
+            before = len(finished)
+            for draw in ready:
+                self.outputs.take(draw if draw is not None else next(draws), logits, finished)
+            ended.update(id(request) for request, _ in finished[before:])
+            walking = [(chunk, first) for chunk, first in walking if depth < len(chunk.draft)]
+        with self.cond:
+            self.scheduler.drafted(chunks, taken, ended)
 
     def _defer(self, request: Request) -> bool:
         return request.follow_up and self.arrivals.defers(request.queued_at)
 
-    def _in_slices(self, chunks: list[Chunk]) -> int:
-        """One pass of `chunks`, paused between slices of layers while others wait (module docstring)."""
-        life, runner = self.life, self.runner
+    def _in_slices(self, plan: Plan) -> int:
+        """One pass of `plan`, paused between slices of layers while others wait (module docstring)."""
+        runner, chunks = self.runner, plan.chunks
         planned = self.scheduler.planned
         in_flight = frozenset(id(chunk.request) for chunk in chunks)
         layers = runner.num_layers
         assert layers is not None
         pauses, computing, paused_s, started = 0, 0.0, 0.0, time.perf_counter()
         try:
-            batch = runner.pack(chunks)
-            state = runner.begin(batch, life.resident_adapters())
+            batch = runner.prepare(plan)
+            state = runner.begin(batch, plan.resident)
             per_slice = self.slice_rows(planned, layers, state.num_rows)
             while state.next_layer < layers:
                 sliced, before = time.perf_counter(), state.rows_done
@@ -92,7 +203,7 @@ class Stepper:
                 took, between, done = time.perf_counter() - sliced, 0.0, state.rows_done - before
                 if done >= MIN_SLICE_ROWS:  # a prompt's pace (a decode pass's few rows are mostly fixed costs)
                     self.row_seconds = took / done
-                if state.next_layer < layers and life.others_wait(in_flight):
+                if state.next_layer < layers and self._others_wait(in_flight):
                     paused = time.perf_counter()
                     computing += paused - started
                     if self._between(in_flight):
@@ -103,11 +214,15 @@ class Stepper:
                 per_slice = self.resize(done, took, between, state.num_rows)
             logits = runner.end(state)  # [K, vocab]
         finally:
-            life.end_pass()
-        draws = life.sample(life.rows_to_sample(chunks, batch), logits)
+            self._ended()
         computing += time.perf_counter() - started
-        life.finish(life.record(chunks, batch, logits, draws, computing, planned, pauses, paused_s))
+        self._record(chunks, batch, logits, computing, planned, pauses, paused_s)
         return batch.num_tokens
+
+    def _others_wait(self, in_flight: frozenset[int]) -> bool:
+        """Whether anything outside a paused pass is queued or running."""
+        with self.cond:
+            return self.scheduler.has_other_work(in_flight)
 
     def slice_rows(self, planned: tuple[float, float], layers: int, rows: int) -> int:
         """A pass's first slice, in rows of layers (a whole layer is `rows` of them): at the pace of
@@ -134,24 +249,40 @@ class Stepper:
         return max(min(MIN_SLICE_ROWS, total), min(2 * rows, int(rows * target / seconds)))
 
     def _between(self, in_flight: frozenset[int]) -> bool:
-        """One ordinary pass for what waits beside a paused pass; whether one ran."""
-        life = self.life
-        with life.between_slices():
-            life.cancel(in_flight)
-            chunks = life.schedule(self._defer, in_flight=in_flight, share=BETWEEN_SHARE)
-            return bool(chunks) and self._whole(chunks) > 0
+        """One ordinary pass for what waits beside a paused pass; whether one ran. The paused
+        pass's blocks under way are hidden from it (`BlockManager.swap_filling`)."""
+        with self.cond:
+            paused = self.scheduler.swap_filling({})
+        try:
+            plan = self._plan(in_flight, share=BETWEEN_SHARE)
+            return bool(plan.chunks) and self._whole(plan) > 0
+        finally:
+            with self.cond:
+                self.scheduler.swap_filling(paused)
 
     def emptied(self) -> bool:
         """Whether the last pass left the engine with nothing queued or running, decided when its
         requests were freed, before their callers heard (called under the engine's lock). A caller
         answered by it may submit again before the worker looks for work: that request still finds
         an idle engine, and its first pass waits for those arriving with it (`arrivals`)."""
-        return self.life.emptied
+        return self.scheduler.emptied
 
     def fail_pass(self, exc: BaseException) -> None:
-        """A pass raised: its running requests fail with it; the worker goes on."""
-        self.life.fail_running(exc)
+        """A pass raised: its running requests fail, each with its own error chained to the cause;
+        the worker goes on."""
+        with self._scheduling():
+            failed = self.scheduler.fail_running()
+        errors: Finished = []
+        for request in failed:
+            error = PassFailedError(f"the forward pass this request was in failed: {type(exc).__name__}: {exc}")
+            error.__cause__ = exc
+            errors.append((request, error))
+        self.outputs.deliver(errors)
 
     def drain(self) -> None:
-        """Closing: every request still queued or running fails with `EngineClosedError`."""
-        self.life.drain()
+        """Closing (under the engine's lock): every request still queued or running fails with
+        `EngineClosedError`."""
+        pending = self.scheduler.drain()
+        self.cond.notify_all()
+        self.outputs.deliver([(request, EngineClosedError("the engine was closed before this request finished"))
+                              for request in pending])

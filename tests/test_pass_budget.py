@@ -65,7 +65,7 @@ def run(s: Scheduler) -> dict[Request, int]:
     drew(chunks)
     for c in chunks:
         if c.needs_logits and len(c.request.output_ids) >= c.request.sampling.max_tokens:
-            s.finish(c.request)
+            s.finish([c.request])
     return {c.request: c.num_tokens for c in chunks}
 
 
@@ -518,10 +518,10 @@ def test_through_the_engine_a_short_question_starts_in_the_pass_after_it_arrives
         assert stats["pass_seconds"]["count"] == stats["forward_passes"]
         assert stats["queue_seconds"]["count"] == stats["requests"] == 2
         assert stats["pass_seconds"]["buckets"][-1] == ["+Inf", stats["forward_passes"]]
-        text = Metrics().render(stats)
+        text = Metrics().render(stats).decode()
         assert "kev_pass_target_seconds 0.2\n" in text
-        assert f'kev_pass_duration_seconds_bucket{{le="+Inf"}} {stats["forward_passes"]}\n' in text
-        assert "kev_queue_delay_seconds_count 2\n" in text
+        assert f'kev_pass_duration_seconds_bucket{{le="+Inf"}} {stats["forward_passes"]:.1f}\n' in text
+        assert "kev_queue_delay_seconds_count 2.0\n" in text
     finally:
         engine.close()
 

@@ -1,5 +1,5 @@
 """Speculative decoding that changes no bit: drafts looked up in a question's own text, verified as
-extra rows of its segment in the packed pass (kev_engine/core/drafts.py, `Lifecycle._walk_drafts`).
+extra rows of its segment in the packed pass (kev_engine/core/drafts.py, `Stepper._walk_drafts`).
 
 Every comparison is bitwise: the tokens, the logits each token was drawn from (`torch.equal`), the
 logprobs and the finish reasons of an engine with speculation on against the same weights with it

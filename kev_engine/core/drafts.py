@@ -2,7 +2,7 @@
 
 Where this sits: the scheduler asks a decoding question's `Drafter` for a draft when it plans a
 pass (`Scheduler.schedule`, step 4); the draft rides as extra rows of that question's segment, and
-the pass's records walk them (`Lifecycle.record`): each row is sampled exactly as plain decoding
+the step walks them after the pass (`Stepper._walk_drafts`): each row is sampled exactly as plain decoding
 samples its token, and the walk stops at the first token that differs from the draft.
 
 Why it changes no bit: after prefill an answer is written a token per pass, and on a CPU a pass of

@@ -1,15 +1,15 @@
 """n samples of one prompt: one prefill, then n decode rows reading the same prompt blocks.
 
-Where this sits: `Lifecycle.enqueue` turns a request with ``n`` > 1 into n requests — its samples —
+Where this sits: `Scheduler.submit` turns a request with ``n`` > 1 into n requests — its samples —
 and queues only the first; the others wait on it (`Request.siblings`). When the first samples
-its first token, the prompt's KV is complete: `Lifecycle.sample` forks the others from it
-(`BlockManager.fork` shares the full prompt blocks and gives each a copy of a partly filled
+its first token, the prompt's KV is complete: the scheduler forks the others from it
+(`Scheduler.fork`, `BlockManager.fork` shares the full prompt blocks and gives each a copy of a partly filled
 last block, `KVPool.copy_blocks` copies that block's KV) and every sample draws its first token from
 the same logits row, with its own generator. From then on they are ordinary running requests.
 A sample that cannot be forked for now (no free block or sequence slot) is queued as a request
 of its own instead: it computes what the prefix cache does not hold, and answers the same.
 
-The caller sees one future (`gather`), resolved with the first sample's `Completion` holding
+The caller sees one future (`futures`, `gather`), resolved with the first sample's `Completion` holding
 all n in `samples`; cancelling it cancels every sample, and one failing fails the set.
 """
 
@@ -24,7 +24,7 @@ from typing import Any
 
 from ..inputs.params import SEED_MAX, SamplingParams
 from ..outputs.completion import Completion
-from .request import resolve_future
+from .request import Request, failed_future, resolve_future
 
 
 def sample_seed(seed: int | None, index: int) -> int | None:
@@ -75,3 +75,11 @@ def gather(futures: Sequence[Future[Any]]) -> Future[Completion]:
     for future in futures:
         future.add_done_callback(on_done)
     return outer
+
+
+def futures(submitted: Sequence[Request | BaseException]) -> list[Future[Any]]:
+    """What each submitted prompt's caller waits on (`Scheduler.submit`): a refused one's error,
+    its request's future, or its n samples' futures gathered into one."""
+    return [failed_future(item) if isinstance(item, BaseException)
+            else gather([item.future, *(s.future for s in item.siblings)]) if item.siblings else item.future
+            for item in submitted]

@@ -60,7 +60,8 @@ class Request:
     on_text: Callable[[str], None] | None = None  # streaming: called with each new piece of text
     streamed: int = 0  # characters of `text` already posted to on_text
     mailbox: Mailbox = field(default_factory=Mailbox)  # its on_text pieces, then its result, in order
-    matcher: Any = None  # constrained requests: its own xgrammar GrammarMatcher, advanced per token
+    grammar: Any = None  # constrained requests: the compiled grammar its replies follow
+    matcher: Any = None  # of that grammar, its own xgrammar GrammarMatcher (the sampler's), advanced per token
     logprobs: list[TokenLogprob] | None = None  # logprobs=True: one per output token
     logprobs_streamed: int = 0  # of those, already posted to on_text with a piece
     prompt_set: torch.Tensor | None = None  # repetition_penalty: the prompt's distinct ids (`penalties`)

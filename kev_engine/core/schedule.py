@@ -38,12 +38,21 @@ Where chunks end never changes a question's numbers on the batch-invariant path.
 
 from __future__ import annotations
 
+import itertools
 import math
+import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
-from .blocks import BlockManager
-from .drafts import MAX_DRAFT, Acceptance
+from ..errors import KevError
+from ..inputs.intake import Prepared
+from ..inputs.params import Defaults
+from . import fanout
+from .blocks import BlockManager, BlockTable
+from .drafts import MAX_DRAFT, Acceptance, Drafter
+from .latency import Histogram
 from .pass_cost import CostModel, RowCost, pairs
 from .request import Request, Status
 
@@ -82,6 +91,39 @@ def bucket_of(num_tokens: int) -> int:
     return (num_tokens + BUCKET - 1) // BUCKET
 
 
+class AdapterSlots(Protocol):
+    """What the scheduler needs of the adapter pool (`adapters.pool.AdapterPool`): a queued
+    request holds a reference to its adapter (it stays loaded), a running one a slot on the device."""
+
+    def ref(self, name: str | None) -> None: ...
+    def unref(self, name: str | None) -> None: ...
+    def acquire(self, name: str | None) -> bool: ...
+    def release(self, name: str | None) -> None: ...
+    def prefix_key(self, name: str | None) -> Any: ...
+
+
+class NoAdapters:
+    """The adapter slots of a scheduler driven without an engine (tests, benchmarks): no request
+    may name an adapter."""
+
+    def ref(self, name: str | None) -> None:
+        if name is not None:
+            raise ValueError(f"adapter {name!r}: this scheduler was built without an adapter pool")
+
+    def unref(self, name: str | None) -> None:
+        pass
+
+    def acquire(self, name: str | None) -> bool:
+        self.ref(name)
+        return True
+
+    def release(self, name: str | None) -> None:
+        pass
+
+    def prefix_key(self, name: str | None) -> Any:
+        return None
+
+
 @dataclass(frozen=True)
 class Chunk:
     """`num_tokens` of `request` starting at `request.num_computed`, run this pass: its known
@@ -98,12 +140,36 @@ class Chunk:
     row's logits kept: the pass's records take those the answer writes."""
 
 
+@dataclass
+class Plan:
+    """One pass as the scheduler hands it to the model runner: its chunks in row order (a
+    segment's adapter rows contiguous), the KV blocks handed out since the last plan (cleared
+    before the forward by backends that read whole blocks: `BlockManager.take_fresh`), and the
+    adapters resident on the device for its rows."""
+
+    chunks: list[Chunk]
+    fresh: list[int] = field(default_factory=list)
+    resident: dict[str, Any] = field(default_factory=dict)
+
+
+SCHEDULER_STATS = ("requests", "prompt_tokens", "prefix_hit_tokens", "cancelled", "forked_samples",
+                   "draft_tokens", "draft_accepted_tokens")
+
+
 class Scheduler:
+    """Every request's owner from the moment it is queued until it leaves: its status, its KV
+    blocks and its adapter's slot (admission, preemption, forks, freeing), and which of its
+    tokens each pass runs. Every method runs under the engine's lock."""
+
     def __init__(
         self, max_batch_tokens: int, max_num_seqs: int, blocks: BlockManager, max_logits_tokens: int = 1024,
-        cost: CostModel | None = None, pass_time_s: float = math.inf,
+        cost: CostModel | None = None, pass_time_s: float = math.inf, adapters: AdapterSlots | None = None,
+        max_context: int | None = None, on_cancel: Callable[[Future[Any]], None] = lambda future: None,
     ) -> None:
-        """`cost` predicts a pass's seconds; `pass_time_s` is the target (inf, or no `cost`: tokens only)."""
+        """`cost` predicts a pass's seconds; `pass_time_s` is the target (inf, or no `cost`: tokens
+        only); `adapters`: the pool whose slots running requests hold; `max_context`: what a
+        request's prompt and answer may reach; `on_cancel`: called when a request's future is
+        done from outside (its caller cancelled it), to wake the engine's worker."""
         if max_batch_tokens < max_num_seqs:
             raise ValueError(
                 f"max_batch_tokens={max_batch_tokens} must be >= max_num_seqs={max_num_seqs}: "
@@ -125,36 +191,98 @@ class Scheduler:
         self.acceptance = Acceptance()  # how often drafts were taken: what their rows are worth
         self.rows_alike: Callable[[int], int] = lambda rows: rows  # `Platform.rows_alike`, at the model's dtype
         self.row_cost = RowCost()  # what a decode pass's rows cost, measured
+        self.adapters: AdapterSlots = adapters if adapters is not None else NoAdapters()
+        self.max_context = max_context
+        self.on_cancel = on_cancel
+        self.stats: dict[str, int] = dict.fromkeys(SCHEDULER_STATS, 0)
+        self.peak_blocks = 0  # the most KV blocks a planned pass held
+        self.queue_seconds = Histogram()  # each request, submitted to first admitted
+        self.emptied = True  # nothing queued or running once the last finished requests were freed
+        self._request_ids = itertools.count()
+        self._groups = itertools.count()
+
+    # ---- requests in ------------------------------------------------------------------------
+
+    def submit(self, prepared: Sequence[Prepared], defaults: Defaults,
+               on_text: Sequence[Callable[[str], None] | None] | None = None, all_logits: bool = False,
+               capture_logits: bool = False, follow_up: bool = False) -> list[Request | BaseException]:
+        """Queue every valid request as one group (one settings snapshot: an update never splits
+        it); a refused one stays its error. An n > 1 request is its samples, the first leading
+        (`fanout`): returned is the leader, the others its `siblings`. `follow_up`: the group is
+        an expected follow-up (`arrivals`)."""
+        out: list[Request | BaseException] = []
+        group_id = next(self._groups)
+        group: list[Request] = []
+        for i, item in enumerate(prepared):
+            if isinstance(item, BaseException):
+                out.append(item)
+                continue
+            ids, params, adapter, compiled = item
+            resolved = params.with_defaults(defaults)
+            samples = fanout.sample_settings(resolved) if resolved.n > 1 else [resolved]
+            try:
+                for _ in samples:
+                    self.adapters.ref(adapter)  # unloaded since intake? then this request fails alone
+            except KevError as exc:
+                out.append(exc)
+                continue
+            limit = len(ids) + params.max_tokens
+            requests = [Request(
+                request_id=next(self._request_ids),
+                prompt_ids=ids,
+                sampling=sample,
+                settings_version=defaults.version,
+                max_total=len(ids) + 1 if all_logits else min(limit, self.max_context or limit),
+                adapter=adapter,
+                prefix_key=(self.adapters.prefix_key(adapter), params.cache_salt),
+                all_logits=all_logits,
+                capture_logits=capture_logits,
+                blocks=BlockTable(cacheable=not all_logits),
+                group=group_id,
+                follow_up=follow_up,
+                on_text=on_text[i] if on_text is not None else None,
+                grammar=None if all_logits else compiled,
+                logprobs=[] if sample.logprobs else None,
+                sample_index=index,
+                drafter=Drafter() if self.speculative and not all_logits else None,
+            ) for index, sample in enumerate(samples)]
+            leader = requests[0]
+            leader.siblings = requests[1:]  # they fork from its prefill (see `fanout`)
+            for request in requests:
+                request.mailbox = leader.mailbox  # one on_text: the samples' pieces and results in one order
+                request.future.add_done_callback(self.on_cancel)
+            group.append(leader)
+            out.append(leader)
+        self.add(group)
+        self.stats["requests"] += len(group)
+        return out
 
     def add(self, group: list[Request]) -> None:
         """Queue a group submitted together, shortest bucket first (stable inside a bucket)."""
         self.waiting.extend(sorted(group, key=lambda r: bucket_of(len(r.prompt_ids))))
 
-    def adopt(self, request: Request) -> None:
-        """Run a request whose KV was given to it without admission (a sample forked from its
-        set's prefill, `fanout`): it joins the running ones, last admitted."""
-        request.status = Status.RUNNING
-        self.running.append(request)
-
-    def requeue(self, requests: list[Request]) -> None:
-        """Queue requests first (samples of a set already admitted that could not fork)."""
-        self.waiting[0:0] = requests
-
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def plan(self, defer: Callable[[Request], bool] = lambda r: False, in_flight: frozenset[int] = frozenset(),
+             whole: bool = False, share: float = 1.0, resident: Callable[[], dict[str, Any]] = dict) -> Plan:
+        """The next pass (`schedule`), its chunks in row order with each adapter's rows together,
+        the blocks to clear before it, and `resident()`: the adapters on the device."""
+        chunks = self.schedule(defer, in_flight, whole, share)
+        self.peak_blocks = max(self.peak_blocks, self.blocks.num_used)
+        chunks.sort(key=lambda c: (c.request.adapter is not None, c.request.adapter or ""))
+        return Plan(chunks, self.blocks.take_fresh(), resident() if chunks else {})
+
     def schedule(
         self,
-        can_admit: Callable[[Request], bool] = lambda r: True,
-        on_preempt: Callable[[Request], None] = lambda r: None,
         defer: Callable[[Request], bool] = lambda r: False,
         in_flight: frozenset[int] = frozenset(),
         whole: bool = False,
         share: float = 1.0,
     ) -> list[Chunk]:
-        """Pick this pass's chunks and give each the KV it needs. `can_admit` reserves what else a
-        waiting request needs (its adapter's slot); `on_preempt` gives that back. A waiting
-        request that `defer` names stays queued this pass (the follow-ups it waits for join it).
+        """Pick this pass's chunks and give each the KV it needs, and each request it admits its
+        adapter's slot (`_admit`). A waiting request that `defer` names stays queued this pass
+        (the follow-ups it waits for join it).
 
         `in_flight`: ids of the requests of a pass paused between its layers: none of them is in
         this one, nor preempted. `whole`: this pass can pause (`Stepper`), so time does not bound
@@ -168,21 +296,21 @@ class Scheduler:
         decoding = [r for r in running if r.decoding]
         continuing = [r for r in running if r not in decoding]
         if not whole:
-            self._decodes(plan, decoding, on_preempt)  # 1. every running answer's next token
+            self._decodes(plan, decoding)  # 1. every running answer's next token
         if continuing:  # 2. prompts under way, the shortest left first; then the longest
-            self._under_way(plan, continuing, on_preempt)
-        self._admit_waiting(plan, can_admit, defer, whole)  # 3. waiting questions, in order
+            self._under_way(plan, continuing)
+        self._admit_waiting(plan, defer, whole)  # 3. waiting questions, in order
         if whole and (not plan.chunks or self._decodes_fit(plan, len(decoding))):
-            self._decodes(plan, decoding, on_preempt)
+            self._decodes(plan, decoding)
         if self.speculative:
             self._drafts(plan, share)  # 4. drafts, where they pay
         self.planned = (plan.dense, plan.attention)
         return plan.chunks
 
-    def _decodes(self, plan: _Pass, decoding: list[Request], on_preempt: Callable[[Request], None]) -> None:
+    def _decodes(self, plan: _Pass, decoding: list[Request]) -> None:
         for request in decoding:
             if request.status is Status.RUNNING and plan.tokens_left > 0:
-                self._continue(plan, request, 1, on_preempt, decode=True)
+                self._continue(plan, request, 1, decode=True)
 
     def _drafts(self, plan: _Pass, share: float) -> None:
         """Step 4: each decoding question's draft, its rows priced by the cost model. A pass of
@@ -265,8 +393,7 @@ class Scheduler:
         """Whether anything outside a paused pass is queued or running."""
         return bool(self.waiting) or any(id(r) not in in_flight for r in self.running)
 
-    def _admit_waiting(self, plan: _Pass, can_admit: Callable[[Request], bool],
-                       defer: Callable[[Request], bool], whole: bool = False) -> None:
+    def _admit_waiting(self, plan: _Pass, defer: Callable[[Request], bool], whole: bool = False) -> None:
         """Step 3. In a pass that can pause (`whole`), the first group waiting joins whole (unless
         prompts under way are in it already), and a later group only while the pass is predicted
         within the target with it: a question that came on its own beside a long batch starts
@@ -300,7 +427,7 @@ class Scheduler:
                 request.num_computed = 0
                 break
             request.cached_tokens = min(cached, len(request.prompt_ids))
-            if not can_admit(request):
+            if not self._admit(request):
                 self.blocks.free(request.blocks)
                 request.num_computed = request.cached_tokens = 0
                 index += 1
@@ -310,7 +437,7 @@ class Scheduler:
             request.status = Status.RUNNING
             plan.add(self._plan(request, take), decode=False, admitted=True)
 
-    def _under_way(self, plan: _Pass, continuing: list[Request], on_preempt: Callable[[Request], None]) -> None:
+    def _under_way(self, plan: _Pass, continuing: list[Request]) -> None:
         """Step 2 (the module docstring): prompts under way, the shortest left first, then the longest
         with what the others and the queue leave it."""
         continuing.sort(key=lambda r: r.num_tokens - r.num_computed)  # stable: older first among equals
@@ -335,14 +462,13 @@ class Scheduler:
                 if need > room:  # another long prompt: the queue's short ones first,
                     room -= min(queued, max(room, 0.0))  # and it moves by a token at least, not MIN_CHUNK
                     least_tokens = min(least_tokens, plan.clip(request, 1)) if queued else least_tokens
-                self._continue(plan, request, max(plan.fit(request, room), least_tokens), on_preempt, decode=False)
+                self._continue(plan, request, max(plan.fit(request, room), least_tokens), decode=False)
         if longest.status is Status.RUNNING and plan.tokens_left > 0:  # never less than `floor`: it moves
             budget = max(kept, plan.flops_left - queued) if finish else min(kept, plan.flops_left)
             want = max(plan.fit(longest, budget), plan.clip(longest, floor))
-            self._continue(plan, longest, want, on_preempt, decode=False)
+            self._continue(plan, longest, want, decode=False)
 
-    def _continue(self, plan: _Pass, request: Request, take: int, on_preempt: Callable[[Request], None],
-                  decode: bool) -> None:
+    def _continue(self, plan: _Pass, request: Request, take: int, decode: bool) -> None:
         """Plan `take` more tokens of a running request (fewer if the caps say so), preempting the
         most recently admitted request not yet in this pass (nor in a paused one) while the pool
         lacks blocks."""
@@ -354,7 +480,7 @@ class Scheduler:
                            if id(r) not in plan.requests and id(r) not in plan.in_flight), None)
             if victim is None:
                 return  # every other holder is in this pass already: this one waits a pass
-            self._preempt(victim, on_preempt)
+            self._preempt(victim)
             if victim is request:
                 return
         plan.add(self._plan(request, take), decode)
@@ -407,20 +533,33 @@ class Scheduler:
         reaches_end = request.num_computed + take == request.num_tokens
         return Chunk(request, take, needs_logits=reaches_end and not request.all_logits)
 
-    def _preempt(self, request: Request, on_preempt: Callable[[Request], None]) -> None:
-        """Free a running request's KV and queue it first again; its tokens so far are kept."""
+    def _preempt(self, request: Request) -> None:
+        """Free a running request's KV and adapter slot and queue it first again; its tokens so far are kept."""
         self.running.remove(request)
         self.blocks.free(request.blocks)
+        self.adapters.release(request.adapter)
         request.status, request.num_computed = Status.WAITING, 0
-        on_preempt(request)
         self.waiting.insert(0, request)
         self.preemptions += 1
+
+    def _admit(self, request: Request) -> bool:
+        """A waiting request whose KV fits takes its adapter's slot, or waits (every slot pinned)."""
+        if not self.adapters.acquire(request.adapter):
+            return False
+        if request.num_admissions == 0:
+            self.stats["prompt_tokens"] += len(request.prompt_ids)
+            self.queue_seconds.observe(time.monotonic() - request.queued_at)
+        self.stats["prefix_hit_tokens"] += request.num_computed
+        request.num_admissions += 1
+        return True
+
+    # ---- after a pass -----------------------------------------------------------------------
 
     def update(self, chunks: Sequence[Chunk], seconds: float | None = None,
                planned: tuple[float, float] | None = None) -> None:
         """A pass ran `chunks` in `seconds`: each request's tokens are in its KV now (its full blocks
         committed, findable by later prompts), and the cost model learns what the pass's work took.
-        The tokens it drew are the engine's to record (`unpack.append_token`: stop strings, the
+        The tokens it drew are the outputs' to record (`unpack.append_token`: stop strings, the
         text)."""
         if seconds is not None and chunks and all(c.request.decoding for c in chunks):
             self.row_cost.observe(sum(c.num_tokens for c in chunks), seconds)  # decode rows alone (drafts too)
@@ -429,33 +568,114 @@ class Scheduler:
         if self.cost is not None and seconds is not None:
             self.cost.observe(*(planned or self.planned), seconds)
 
+    def pass_ended(self) -> None:
+        """A pass's forward ended (or raised): the blocks it was filling are no longer under way."""
+        self.blocks.end_pass()
+
+    def swap_filling(self, filling: dict) -> dict:
+        """Hide (or give back) the blocks a paused pass is still filling: see `BlockManager.swap_filling`."""
+        return self.blocks.swap_filling(filling)
+
     def computed(self, request: Request, tokens: int) -> None:
         """`tokens` more of `request`'s tokens are in its KV (a chunk's, or a draft token its answer
         took): its full blocks are committed, findable by later prompts."""
         request.num_computed += tokens
         self.blocks.commit(request.blocks, request.all_ids, request.prefix_key, request.num_computed)
 
-    def take_cancelled(self, in_flight: frozenset[int] = frozenset()) -> list[Request]:
-        """Requests whose future is done while they are still here, waiting or running: cancelled
-        by their caller, or failed by their own `on_text` (on a delivery thread). They leave now,
-        and what they hold is the engine's to free; those of a paused pass (`in_flight`) when it
-        has ended (its next layers still write their blocks)."""
+    def drafted(self, chunks: Sequence[Chunk], taken: dict[int, int], ended: set[int]) -> None:
+        """A pass's drafts were walked (`OutputProcessor.walk_drafts`): `taken` maps each drafting
+        request's id to the draft tokens its answer took. The acceptance record learns from it,
+        and blocks wholly past an answer that goes on (not in `ended`) are freed."""
+        for chunk in chunks:
+            request = chunk.request
+            if chunk.draft and request.drafter is not None:
+                self.acceptance.record(request.drafter, len(chunk.draft), taken[id(request)])
+                self.stats["draft_tokens"] += len(chunk.draft)
+                self.stats["draft_accepted_tokens"] += taken[id(request)]
+                if id(request) not in ended:
+                    self.blocks.shrink(request.blocks, request.num_tokens)
+
+    def fork(self, leader: Request) -> tuple[list[Request], list[tuple[int, int]]]:
+        """The samples waiting on `leader` that start from its prefill now (see `fanout`), and the
+        (source, target) KV blocks to copy for them before the next pass writes; those that cannot
+        for now (no free block or sequence slot) queue as requests of their own."""
+        forked: list[Request] = []
+        queued: list[Request] = []
+        copies: list[tuple[int, int]] = []
+        siblings, leader.siblings = leader.siblings, []
+        for sibling in siblings:
+            if sibling.future.done():  # its set was cancelled or failed meanwhile
+                self.free(sibling)
+                continue
+            pairs = None
+            if len(self.running) < self.max_num_seqs:
+                pairs = self.blocks.fork(leader.blocks, sibling.blocks, len(leader.prompt_ids))
+            if pairs is None:
+                queued.append(sibling)
+                continue
+            copies += pairs
+            self.adapters.acquire(sibling.adapter)  # pinned by the leader already: never refused
+            sibling.num_computed = sibling.cached_tokens = len(sibling.prompt_ids)
+            sibling.num_admissions = 1  # its prompt tokens were counted with the leader's
+            sibling.status = Status.RUNNING
+            self.running.append(sibling)
+            forked.append(sibling)
+        self.waiting[0:0] = queued
+        self.stats["forked_samples"] += len(forked)
+        return forked, copies
+
+    # ---- requests out -----------------------------------------------------------------------
+
+    def cancel(self, in_flight: frozenset[int] = frozenset()) -> None:
+        """Requests whose future is done while they are still here, waiting or running (cancelled
+        by their caller, or failed by their own `on_text` on a delivery thread), leave now and
+        free what they hold; those of a paused pass (`in_flight`) when it has ended (its next
+        layers still write their blocks)."""
         running = [r for r in self.running if r.future.done() and id(r) not in in_flight]
         self.running = [r for r in self.running if not r.future.done() or id(r) in in_flight]
         waiting = [r for r in self.waiting if r.future.done()]
         self.waiting = [r for r in self.waiting if not r.future.done()]
         cancelled, self.cancelled = self.cancelled + waiting + running, []
-        return cancelled
+        for request in cancelled:
+            self.free(request)
+            self.stats["cancelled"] += request.future.cancelled()  # not those failed by their on_text
 
-    def finish(self, request: Request) -> None:
-        if request in self.running:
-            self.running.remove(request)
+    def finish(self, requests: Sequence[Request]) -> None:
+        """`requests` are done (answered, or failed alone): they leave and free what they hold."""
+        for request in requests:
+            if request in self.running:
+                self.running.remove(request)
+            self.free(request)
+        self.emptied = not self.has_work()  # before any caller hears of it: see `Stepper.emptied`
+
+    def fail_running(self) -> list[Request]:
+        """A pass raised: every running request leaves with it; returned for their callers to hear."""
+        failed = list(self.running)
+        self.finish(failed)
+        return failed
 
     def drain(self) -> list[Request]:
-        """Remove and return every request (engine shutdown)."""
+        """Engine shutdown: every request leaves; returned for their callers to hear."""
         requests = self.waiting + self.running + self.cancelled
         self.waiting, self.running, self.cancelled = [], [], []
+        for request in requests:
+            self.free(request)
         return requests
+
+    def free(self, request: Request) -> None:
+        """Everything a request holds, given back in one place. Samples still waiting to fork from
+        it hold only their adapter references; their set's future settles them."""
+        for sibling in request.siblings:
+            self.free(sibling)
+        request.siblings = []
+        if request.status is Status.FINISHED:
+            return
+        if request.status is Status.RUNNING:
+            self.blocks.free(request.blocks)
+            self.adapters.release(request.adapter)
+        self.adapters.unref(request.adapter)
+        request.status = Status.FINISHED
+        request.drafter = None  # its n-gram index: a few MB for a prompt of thousands of tokens
 
 
 class _Pass:

@@ -1,7 +1,8 @@
 """The model runner: a pass's chunks → one pack → the model → logits, on the engine's attention backend.
 
-Where this sits: `Stepper.step` between scheduling and sampling. It owns what touches the model
-and its KV memory during a pass: the platform's attention backend bound to the pool, each
+Where this sits: `Stepper.step` between scheduling and sampling: it runs the scheduler's plan.
+It is the only code that touches the model and its KV memory (new blocks cleared, forked blocks
+copied, the pass written): the platform's attention backend bound to the pool, each
 segment's LoRA adapter routed to its rows, and which implementation computes: Kev's own model
 (`models`: its forward, or its decode passes replayed as the platform's graphs) or the
 transformers fallback (`forward.run_model`). A pass of Kev's model may run in slices of layers
@@ -17,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..adapters.pool import AdapterPool
-from ..core.schedule import Chunk
+from ..core.schedule import Chunk, Plan
 from ..models import DecoderModel
 from ..models.llama import PassState
 from ..platforms.base import AttentionBackend
@@ -42,6 +43,21 @@ class ModelRunner:
         self.graphs = graphs
         self.own = isinstance(model, DecoderModel)
 
+    def run(self, plan: Plan) -> tuple[PackedBatch, torch.Tensor]:
+        """A plan's pass, start to end: its pack and fp32 logits [K, vocab]."""
+        batch = self.prepare(plan)
+        return batch, self.forward(batch, plan.resident)
+
+    def prepare(self, plan: Plan) -> PackedBatch:
+        """A plan's pack, its new KV blocks cleared first where the backend reads whole blocks."""
+        self.backend.new_blocks(plan.fresh)  # passes never overlap: no forward reads them meanwhile
+        return self.pack(plan.chunks)
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """KV blocks copied (source, target) for samples forked from a prefill (`Scheduler.fork`),
+        before the next pass writes into the copies."""
+        self.pool.copy_blocks(copies)
+
     def pack(self, chunks: list[Chunk]) -> PackedBatch:
         """Each chunk's tokens after what its request has computed, with its blocks and adapter."""
         segments = []
@@ -57,6 +73,10 @@ class ModelRunner:
                 all_logits=request.all_logits or bool(chunk.draft),  # a draft's every row is drawn from
             ))
         return pack(segments, self.device, self.backend)
+
+    def resident_adapters(self) -> dict[str, Any]:
+        """The adapters on the device (called under the engine's lock, where adapters are admitted)."""
+        return self.adapters.resident_map()
 
     def forward(self, batch: PackedBatch, resident: dict[str, Any]) -> torch.Tensor:
         """The model on one pack, each segment's adapter (`resident`: the adapters on the device) routed to its rows."""

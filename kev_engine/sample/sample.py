@@ -30,7 +30,7 @@ from ..core.request import Request
 from ..errors import ConstraintError
 from ..inputs.params import GREEDY_BELOW
 from . import penalties
-from .grammar import mask_logits
+from .grammar import Grammars, mask_logits
 from .logprobs import TokenLogprob, TokenTexts
 from .logprobs import compute as compute_logprobs
 
@@ -92,11 +92,33 @@ def draw_tokens(plan: Sequence[tuple[Request, int]], logits: torch.Tensor, eos_i
     return draws
 
 
+class Sampler:
+    """The sample stage: draws each planned row's token (`draw_tokens`) and owns the per-request
+    state drawing needs — a seeded request's generator and a constrained one's grammar matcher,
+    each made at its first draw and kept through preemption (its draws go on where they were)."""
+
+    def __init__(self, grammars: Grammars, eos_ids: Collection[int], token_texts: TokenTexts) -> None:
+        self.grammars = grammars
+        self.eos_ids = eos_ids
+        self.token_texts = token_texts
+
+    def sample(self, plan: Sequence[tuple[Request, int]], logits: torch.Tensor) -> list[Draw]:
+        """One token per (request, row of `logits`) of `plan`."""
+        if not plan:
+            return []
+        for request, _ in plan:
+            if request.sampling.seed is not None and request.generator is None:
+                request.generator = torch.Generator(device=logits.device).manual_seed(request.sampling.seed)
+            if request.grammar is not None and request.matcher is None:
+                request.matcher = self.grammars.matcher(request.grammar)
+        return draw_tokens(plan, logits, self.eos_ids, self.grammars.vocab_size, self.token_texts)
+
+
 def draws_alone(request: Request) -> bool:
     """Whether each of the request's rows draws the same token whatever was drawn before it
     (speculation draws a draft's rows in one call then): greedy, no grammar, no penalty over its
     own tokens (`penalties.reads_history`)."""
-    return (request.sampling.temperature < GREEDY_BELOW and request.matcher is None
+    return (request.sampling.temperature < GREEDY_BELOW and request.grammar is None
             and not penalties.reads_history(request))
 
 
