@@ -50,8 +50,11 @@ import random_models  # noqa: E402
 from machine import cpu_line  # noqa: E402
 from workload import load_rag, rag_messages  # noqa: E402
 
-from kev_engine import Engine, SamplingParams  # noqa: E402
-from kev_engine.model import loader  # noqa: E402
+from kev_engine import (  # noqa: E402
+    Engine,
+    SamplingParams,
+    loader,  # noqa: E402
+)
 
 RESULTS = Path(__file__).resolve().parent / "results" / "bench_decode_roofline.md"
 GIB = 1 << 30

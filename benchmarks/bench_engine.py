@@ -35,10 +35,10 @@ from typing import Any
 import torch
 
 from kev_engine import Engine, SamplingParams
-from kev_engine.core.threads import run_on_passing_thread
 from kev_engine.platforms.cpu import exact_linear
 from kev_engine.platforms.cpu import rows_linear as cpu_linear
 from kev_engine.platforms.cpu.kernels import load_kernels
+from kev_engine.platforms.threads import run_on_passing_thread
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from workload import load_rag, rag_messages

@@ -32,8 +32,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_prefix import doc_qa_messages  # noqa: E402
 from workload import SYSTEM_PROMPT, load_rag, rag_messages  # noqa: E402
 
-from kev_engine import Engine, SamplingParams
-from kev_engine.model import loader  # noqa: E402
+from kev_engine import (
+    Engine,
+    SamplingParams,
+    loader,  # noqa: E402
+)
 
 SYSTEMS = ("kev", "hf_serial", "hf_padded")
 RAG64_ROUNDS = 4  # 16 passages, 4 rounds: 64 questions, each round under its own system prompt

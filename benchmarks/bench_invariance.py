@@ -77,7 +77,7 @@ def build_model(name: str, folder: Path, convert: str | None) -> Path:
     """The random-weight model `name` in `folder` (built once), and its GGUFs when `convert` is given."""
     import random_models
 
-    from kev_engine.model import loader
+    from kev_engine import loader
 
     if not (folder / "config.json").exists():
         embedded = loader.converted_gguf_dir(loader.embedded_gguf())

@@ -30,9 +30,8 @@ from typing import Any
 
 import torch
 
-from kev_engine import Engine, SamplingParams
+from kev_engine import Engine, SamplingParams, loader
 from kev_engine.inputs.tokenize import encode_prompt
-from kev_engine.model import loader
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_engine import CORES, status_kib, strip_stop

@@ -307,7 +307,7 @@ def main() -> None:
     ap.add_argument("--skip-llamacpp", action="store_true")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the served engine's dtype")
     args = ap.parse_args()
-    from kev_engine.model import loader
+    from kev_engine import loader
 
     model = loader.EMBEDDED_NAME
     port = free_port()

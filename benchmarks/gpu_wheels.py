@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     wheels = missing_wheels(requirements_of_kev() + [Requirement(r) for r in EXTRA_ROOTS], present, wheels_dir)
     source = args.model_files
     if source is None:
-        from kev_engine.model import loader
+        from kev_engine import loader
 
         source = loader.converted_gguf_dir(loader.embedded_gguf())
     files = copy_model_files(Path(source), args.out / "model-files")

@@ -24,7 +24,7 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from kev_engine.model import loader
+from kev_engine import loader
 
 BASE_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"  # written into adapter_config.json instead of a local cache path
 

@@ -13,6 +13,7 @@ from typing import Any
 
 from .adapters.pool import check_name as check_adapter_name
 from .core.arrivals import Arrival
+from .core.delivery import Delivery, Mailbox, hand_text
 from .core.latency import Histogram, prometheus
 from .core.latency import merged as merged_histograms
 from .core.request import failed_future, resolve_future
@@ -39,10 +40,9 @@ from .inputs.params import (
     coerce_sampling,
 )
 from .inputs.tokenize import Prompt, prompt_ids
-from .model.loader import EMBEDDED_NAME, resolve_device, resolve_dtype
-from .outputs.completion import Completion, FinishReason, TextPiece
-from .outputs.delivery import Delivery, Mailbox, hand_text
-from .sample.logprobs import PromptLogprobs, TokenLogprob
+from .loader import EMBEDDED_NAME, resolve_device, resolve_dtype
+from .results import Completion, FinishReason, TextPiece, TokenLogprob
+from .sample.logprobs import PromptLogprobs
 
 __all__ = [
     # the engine and what it answers

@@ -26,26 +26,25 @@ from typing import Any, Literal, overload
 
 import torch
 
-from . import models, platforms
+from . import loader, models, platforms
 from .adapters.pool import AdapterPool
 from .adapters.pool import check_name as check_adapter_name
 from .core import drafts, fanout, pass_cost
 from .core.arrivals import Arrival, Arrivals, running_loop
 from .core.blocks import BlockManager
+from .core.delivery import Delivery
 from .core.request import Status
 from .core.schedule import Scheduler
-from .core.threads import run_on_passing_thread, use_threads
 from .core.worker import Worker
 from .errors import EngineClosedError, InvalidRequestError, KevError
 from .inputs.intake import AdapterArg, Intake, Prepared, SamplingArg, raise_refused
 from .inputs.params import MAX_TOP_LOGPROBS, Defaults, SamplingParams, check_temperature, coerce_sampling
 from .inputs.tokenize import Prompt, check_prompt_list
-from .model import loader
-from .model.runner import ModelRunner
 from .model.setup import check_packable, claim_model, context_length, eos_ids, prepare_model, release_model
-from .outputs.completion import Completion
-from .outputs.delivery import Delivery
 from .outputs.processor import OutputProcessor
+from .platforms.threads import run_on_passing_thread, use_threads
+from .results import Completion
+from .runner import ModelRunner
 from .sample import logprobs
 from .sample.grammar import Grammars
 from .sample.logprobs import PromptLogprobs, TokenTexts

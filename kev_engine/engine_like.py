@@ -13,7 +13,7 @@ from concurrent.futures import Future
 from contextlib import AbstractContextManager
 from typing import Any, Protocol, runtime_checkable
 
-from .outputs.completion import Completion
+from .results import Completion
 
 
 class Expectation(Protocol):

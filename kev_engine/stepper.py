@@ -38,8 +38,8 @@ from .core.request import Request
 from .core.schedule import Chunk, Plan, Scheduler
 from .errors import EngineClosedError, PassFailedError
 from .model.pack import PackedBatch
-from .model.runner import ModelRunner
 from .outputs.processor import Finished, OutputProcessor
+from .runner import ModelRunner
 from .sample.sample import Sampler, draws_alone
 
 MIN_SLICE_ROWS = 64  # a slice's least rows of a layer: fewer would cost more in calls than they save

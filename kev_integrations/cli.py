@@ -18,9 +18,14 @@ from .server.run import add_arguments
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from .server.run import serve
+    from .server.run import serve, settings
 
-    return serve(args)
+    config, adapters, name = settings(args)
+    if args.ray:
+        from .ray.run import serve_on_ray
+
+        return serve_on_ray(args, config, adapters, name)
+    return serve(args, config, adapters, name)
 
 
 SERVE = cli.Command("serve", "serve the OpenAI-compatible API (needs kev-llm[server])", add_arguments, _serve)

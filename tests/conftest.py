@@ -26,8 +26,7 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from kev_engine import Engine
-from kev_engine.model import loader
+from kev_engine import Engine, loader
 
 # Passes bounded by tokens alone in the suite: how many passes a batch takes must not depend on how
 # fast this machine is. The time budget has its own tests, on cost models whose numbers are given

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from kev_engine.model import loader
+from kev_engine import loader
 from kev_engine.platforms.cpu import dtype_choice, kernels
 from kev_engine.platforms.cpu import isa as cpu_isa
 

@@ -72,7 +72,7 @@ ENGINE = textwrap.dedent("""
     from test_invariance import alone, answers, greedy, questions
     from varlen_contract import GatheredContract, VarlenContract
     from kev_engine import Engine
-    from kev_engine.model import loader
+    from kev_engine import loader
     from kev_engine.platforms.cuda import choice
     from kev_engine.platforms.cuda import invariant as cuda_invariant
     from kev_engine.platforms.cuda import varlen as cuda_backend

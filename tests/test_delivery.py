@@ -16,7 +16,7 @@ from conftest import QUESTIONS, tiny_model
 from server_util import serving, wait_for
 
 from kev_engine import Engine, SamplingParams
-from kev_engine.outputs.delivery import Delivery, Mailbox
+from kev_engine.core.delivery import Delivery, Mailbox
 from kev_integrations.remote import RemoteEngine
 from kev_integrations.server import ServerConfig, build_app
 

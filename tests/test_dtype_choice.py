@@ -8,8 +8,7 @@ import json
 import pytest
 import torch
 
-from kev_engine import Engine
-from kev_engine.model import loader
+from kev_engine import Engine, loader
 from kev_engine.platforms.cpu import dtype_choice
 from kev_engine.platforms.cpu import isa as cpu_isa
 

@@ -10,8 +10,7 @@ from typing import Any
 import pytest
 from conftest import save_tiny_model
 
-from kev_engine import Engine, SamplingParams
-from kev_engine.model import loader
+from kev_engine import Engine, SamplingParams, loader
 
 
 @pytest.fixture(scope="module")

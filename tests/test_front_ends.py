@@ -29,8 +29,7 @@ from langchain_core.messages import (
 from langchain_core.runnables import ConfigurableField
 
 import kev_integrations.shared as shared
-from kev_engine import AdapterError, Engine, InvalidRequestError
-from kev_engine.model import loader
+from kev_engine import AdapterError, Engine, InvalidRequestError, loader
 from kev_integrations.langchain import ChatKev, KevLLM
 from kev_integrations.llamaindex import Kev
 

@@ -16,9 +16,8 @@ import pytest
 import torch
 from conftest import QUESTIONS, make_adapter, reference_copy, tiny_model
 
-from kev_engine import AdapterError, Engine, InvalidRequestError, SamplingParams
+from kev_engine import AdapterError, Engine, InvalidRequestError, SamplingParams, loader
 from kev_engine.inputs.tokenize import check_prompt_list
-from kev_engine.model import loader
 from kev_engine.sample.sample import sample
 
 # ---- params: seed and top_k must fit what torch takes --------------------------------------------

@@ -11,6 +11,7 @@ import torch
 from conftest import QUESTIONS, chat, reference_copy, reference_greedy, rounding_tolerance, tiny_model
 
 from kev_engine import Engine, SamplingParams
+from kev_engine.platforms.torch_ops import TorchBackend
 
 ATOL = 1e-4
 
@@ -94,7 +95,7 @@ def test_perturbing_b_at_same_length_leaves_a_bit_identical(tokenizer) -> None:
 
     def a_logits(other: list[int]) -> torch.Tensor:
         batch = pack([Segment(0, other, 0, True), Segment(1, a, 0, True)])
-        return engine.model.forward(batch, all_logits=True)[len(other):]
+        return engine.model.forward(batch, TorchBackend(), all_logits=True)[len(other):]
 
     assert text_b != text_b2
     assert torch.equal(a_logits(b), a_logits(b_changed))  # bit for bit

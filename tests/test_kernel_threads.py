@@ -15,9 +15,9 @@ import torch
 from conftest import tiny_model
 
 from kev_engine import Engine
-from kev_engine.core.threads import use_threads
 from kev_engine.models import DecoderModel
 from kev_engine.platforms.cpu.kernels import load_kernels
+from kev_engine.platforms.threads import use_threads
 
 SHAPES = [(1, 576, 1536), (16, 576, 1536), (200, 576, 1000)]  # a decode row, a decode step, a prefill
 

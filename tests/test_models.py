@@ -15,6 +15,7 @@ from kev_engine.model.pack import Segment, pack
 from kev_engine.models import FAMILIES, DecoderModel, Ops, choose_impl, from_folder, from_module
 from kev_engine.platforms.cpu.kernels import load_kernels
 from kev_engine.platforms.cpu.ops import ExactOps
+from kev_engine.platforms.torch_ops import TorchBackend
 
 OWNED = ["llama", "mistral", "qwen2", "qwen3"]
 DTYPES = [torch.float32, torch.bfloat16]
@@ -39,7 +40,7 @@ def test_kevs_forward_computes_what_transformers_does(family: str, dtype: torch.
     kev = from_module(model)
     if ops == "exact":
         kev.use(ExactOps(load_kernels()))
-    got = kev.forward(_one_pack(ids), all_logits=True)
+    got = kev.forward(_one_pack(ids), TorchBackend(), all_logits=True)
     if dtype == torch.float32 and ops == "torch":  # the same torch functions in the same order
         assert torch.equal(got, expected)
     torch.testing.assert_close(got, expected, rtol=0, atol=rounding_tolerance(expected, dtype))
@@ -50,10 +51,10 @@ def test_a_changed_weight_is_seen(tokenizer: Any) -> None:
     """The control: Kev's forward reads the weights it was given, so one changed weight moves it."""
     model = tiny_model("qwen3", tokenizer)
     ids = _ids(tokenizer)
-    before = from_module(model).forward(_one_pack(ids), all_logits=True)
+    before = from_module(model).forward(_one_pack(ids), TorchBackend(), all_logits=True)
     with torch.no_grad():
         model.model.layers[1].self_attn.k_norm.weight[3] += 1.0
-    after = from_module(model).forward(_one_pack(ids), all_logits=True)
+    after = from_module(model).forward(_one_pack(ids), TorchBackend(), all_logits=True)
     assert not torch.equal(before, after)
 
 
@@ -70,8 +71,8 @@ def test_from_a_safetensors_folder_equals_from_the_model(family: str, dtype: tor
     for wanted in DTYPES:
         folder = from_folder(tmp_path, wanted, torch.device("cpu"))
         assert folder.head.weight is folder.embed if family == "llama" else folder.head.weight is not folder.embed
-        assert torch.equal(folder.forward(_one_pack(ids), all_logits=True),
-                           from_module(model.to(wanted)).forward(_one_pack(ids), all_logits=True))
+        assert torch.equal(folder.forward(_one_pack(ids), TorchBackend(), all_logits=True),
+                           from_module(model.to(wanted)).forward(_one_pack(ids), TorchBackend(), all_logits=True))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

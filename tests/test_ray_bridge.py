@@ -139,7 +139,7 @@ def test_a_stream_that_fails_as_a_whole_fails_every_unanswered_request() -> None
     from types import SimpleNamespace
 
     from kev_engine import KevError
-    from kev_engine.outputs.delivery import Delivery
+    from kev_engine.core.delivery import Delivery
     from kev_integrations.remote import RemoteEngine, _Pending
 
     batch = [_Pending("a", SamplingParams(), None, None, Future()), _Pending("b", SamplingParams(), None, None,

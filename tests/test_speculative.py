@@ -156,7 +156,7 @@ def test_the_mode_is_checked_and_auto_follows_invariance(monkeypatch: pytest.Mon
 
 
 def test_from_pretrained_refuses_a_bad_mode_before_loading(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kev_engine.model import loader
+    from kev_engine import loader
 
     monkeypatch.setattr(loader, "load", lambda *args, **kwargs: pytest.fail("the model was loaded"))
     with pytest.raises(ValueError, match=r"speculative='eagle' is not allowed"):

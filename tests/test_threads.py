@@ -10,10 +10,9 @@ from typing import Any
 import pytest
 import torch
 
-from kev_engine import Engine
+from kev_engine import Engine, loader
 from kev_engine.adapters.pool import AdapterPool
-from kev_engine.core.threads import run_on_passing_thread
-from kev_engine.model import loader
+from kev_engine.platforms.threads import run_on_passing_thread
 
 
 def test_passing_thread_returns_the_result_and_has_ended() -> None:

@@ -5,6 +5,7 @@ queues, admits (KV blocks and the adapter's slot), preempts, forks `n > 1` sampl
 frees, and decides what runs each pass within a time budget (`pass_cost`) and a token cap, fair
 to short questions behind long prompts; `blocks` keeps KV block tables, refcounts and the prefix
 cache; `drafts` proposes speculative tokens; `arrivals` decides when an idle engine's first pass
-starts; `worker` is the one thread that runs steps; `threads` carries a caller's thread state
-onto it; `latency` keeps the histograms `stats()` shows. Nothing here touches the model.
+starts; `worker` is the one thread that runs steps; `delivery` the threads that run callers'
+callbacks, in order per request; `latency` keeps the histograms `stats()` shows. Nothing here
+touches the model.
 """

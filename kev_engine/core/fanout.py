@@ -23,7 +23,7 @@ from dataclasses import replace
 from typing import Any
 
 from ..inputs.params import SEED_MAX, SamplingParams
-from ..outputs.completion import Completion
+from ..results import Completion
 from .request import Request, failed_future, resolve_future
 
 

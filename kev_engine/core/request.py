@@ -17,10 +17,9 @@ from typing import Any
 import torch
 
 from ..inputs.params import SamplingParams
-from ..outputs.completion import Completion, FinishReason
-from ..outputs.delivery import Mailbox
-from ..sample.logprobs import TokenLogprob
+from ..results import Completion, FinishReason, TokenLogprob
 from .blocks import BlockTable
+from .delivery import Mailbox
 from .drafts import Drafter
 
 

@@ -12,12 +12,10 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from ..adapters.pool import AdapterPool
 from ..errors import InvalidRequestError, KevError
-from ..model.kv_pool import KVPool
-from ..sample.grammar import Grammars
 from .params import SamplingParams, coerce_sampling
 from .tokenize import Prompt, encode_prompt, longest_token
 
@@ -42,10 +40,29 @@ def raise_refused(prepared: Sequence[Prepared]) -> None:
             raise item
 
 
+class KVCapacity(Protocol):
+    """What intake asks of the engine's KV pool (`model.kv_pool.KVPool`): a request that could
+    never fit in it is refused before it is queued."""
+
+    budget_bytes: int
+
+    @property
+    def capacity_tokens(self) -> int: ...
+
+
+class Compiler(Protocol):
+    """What intake asks of the engine's grammar compiler (`sample.grammar.Grammars`): a request's
+    constraint compiled once, on its caller's thread."""
+
+    vocab_size: int
+
+    def compile(self, constraint: tuple[str, str], salt: str | None = None) -> Any: ...
+
+
 class Intake:
     """Checks and tokenizes requests for one engine (`lock`: the engine's, guarding its adapters)."""
 
-    def __init__(self, tokenizer: Any, max_context: int, kv: KVPool, grammars: Grammars, adapters: AdapterPool,
+    def __init__(self, tokenizer: Any, max_context: int, kv: KVCapacity, grammars: Compiler, adapters: AdapterPool,
                  lock: threading.Condition) -> None:
         self.tokenizer = tokenizer
         self.max_context = max_context

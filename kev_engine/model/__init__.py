@@ -1,10 +1,11 @@
-"""Model: a pass's chunks → one flat pack → the transformers model → logits.
+"""Model: the pass's data, and the transformers fallback's forward.
 
-`loader` reads a model (safetensors, GGUF, hub id) and `setup` makes it packable and gives it
-back on `close()`; `pack` lays chunks out as one sequence with `position_ids` restarting per
-question and `cu_seqlens`; `runner` runs the model on a pack with each segment's adapter routed;
-`forward` is the call itself; `attention` registers Kev's attention in transformers'
-`AttentionInterface`, handing every layer to the platform's attention backend; `kv_pool` is the
-paged KV memory, budgeted; `rotary` names the rotary embeddings and refuses the rope types a pack
-cannot share.
+`pack` lays a plan's chunks out as one sequence with `position_ids` restarting per question and
+`cu_seqlens` (`PackedBatch`, plain data every backend reads); `kv_pool` is the paged KV memory,
+budgeted; `setup` makes a transformers model packable (and refuses what cannot be packed) and
+gives it back on `close()`; `forward` runs a transformers model on a pack; `attention` registers
+Kev's attention in transformers' `AttentionInterface`, handing every layer to the attention
+backend the pass names; `rotary` names the rotary embeddings and refuses the rope types a pack
+cannot share. Loading a model (`kev_engine.loader`) and running a plan (`kev_engine.runner`)
+compose this with `models` and `platforms`, above them.
 """

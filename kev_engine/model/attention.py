@@ -22,11 +22,11 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from ..platforms.torch_ops import TorchBackend
 from .pack import PackedBatch
 
 KEV_ATTENTION = "kev_varlen"
-UNPOOLED = TorchBackend()  # a pack without KV memory (tests, drawings): each segment over its new keys
+NO_BACKEND = ("no attention backend: pass the engine's (a platform's `AttentionBackend`; for a pack without "
+              "KV memory, kev_engine.platforms.torch_ops.TorchBackend())")
 
 
 def _no_mask(*args: Any, **kwargs: Any) -> None:
@@ -61,7 +61,9 @@ def kev_attention(
             f"a question of {batch.longest_context} tokens exceeds the model's sliding window of {window}; "
             "Kev's packed attention has no window (an Engine with max_model_len at most the window never does this)")
     layer = int(module.layer_idx)  # type: ignore[arg-type]
-    backend = kwargs.get("kev_backend") or UNPOOLED
+    backend = kwargs.get("kev_backend")
+    if backend is None:
+        raise ValueError(NO_BACKEND)
     q, k, v = query[0], key[0], value[0]
     if batch.slot_blocks is not None:  # every segment's new keys go in first: later segments may read them this pass
         backend.write(layer, batch, k, v)

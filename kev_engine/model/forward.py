@@ -16,11 +16,12 @@ from .pack import PackedBatch
 
 @torch.inference_mode()
 def run_model(
-    model: torch.nn.Module, batch: PackedBatch, backend: Any = None, all_logits: bool = False
+    model: torch.nn.Module, batch: PackedBatch, backend: Any, all_logits: bool = False
 ) -> torch.Tensor:
     """Return fp32 logits: [K, vocab] at `batch.logits_indices`, or [T, vocab] with `all_logits`.
 
-    `backend`: the attention backend `batch` was packed for (None: a pack without KV memory).
+    `backend`: the attention backend `batch` was packed for (for a pack without KV memory,
+    `platforms.torch_ops.TorchBackend()`).
 
     With no index to keep the pass still runs: it fills the KV blocks of prefill chunks.
     """

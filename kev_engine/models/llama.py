@@ -129,18 +129,19 @@ class DecoderModel:
                 return linear.in_features, linear.widths[linear.names.index(name)]
         return None
 
-    def forward(self, batch: Any, backend: Any = None, routes: LoraRoutes = (),
+    def forward(self, batch: Any, backend: Any, routes: LoraRoutes = (),
                 all_logits: bool = False) -> torch.Tensor:
         """fp32 logits [K, vocab] at `batch.logits_indices` (or [T, vocab] with `all_logits`).
 
-        `backend`: the attention backend `batch` was packed for, bound to the KV pool (None: a pack
-        without KV memory); `routes`: each adapter's rows of this pass."""
+        `backend`: the attention backend `batch` was packed for, bound to the KV pool (for a pack
+        without KV memory, `platforms.torch_ops.TorchBackend()`); `routes`: each adapter's rows of
+        this pass."""
         state = self.begin(batch, backend, routes)
         self.advance(state, len(self.layers) * state.num_rows)
         return self.end(state, all_logits)
 
     @torch.inference_mode()
-    def begin(self, batch: Any, backend: Any = None, routes: LoraRoutes = ()) -> PassState:
+    def begin(self, batch: Any, backend: Any, routes: LoraRoutes = ()) -> PassState:
         """A pass before its first layer: the embedding and the pass's rotary rows."""
         cos, sin = self.rope.lookup(batch.position_ids)  # [T, head_dim] each
         return PassState(batch, backend, list(routes), self.ops.embedding(batch.input_ids, self.embed), cos, sin)
@@ -240,9 +241,10 @@ def attend(backend: Any, layer: int, batch: Any, query: torch.Tensor, key: torch
            scaling: float) -> torch.Tensor:
     """Every segment over its own keys: query [T, H, D], key/value [T, kvH, D] → [T, H, D]. The
     new keys/values go into the pool first: a later segment of the same pass may read them."""
-    from ..model.attention import UNPOOLED
+    if backend is None:
+        from ..model.attention import NO_BACKEND
 
-    backend = backend or UNPOOLED
+        raise ValueError(NO_BACKEND)
     key, value = key.transpose(0, 1), value.transpose(0, 1)  # [kvH, T, D]
     if batch.slot_blocks is not None:
         backend.write(layer, batch, key, value)

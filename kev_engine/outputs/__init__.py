@@ -1,6 +1,7 @@
-"""Outputs: sampled tokens → text, stops, finishes, and delivery to each caller.
+"""Outputs: drawn tokens → text, stops, finishes, and each caller's result.
 
-`completion` is what a caller gets back (`Completion`, streamed `TextPiece`s), `unpack` turns
-tokens into text deltas and applies stop strings, `delivery` hands pieces and results through
-each request's own queue on delivery threads, never the scheduler's.
+`processor` is the stage (`OutputProcessor`: a pass's draws onto their requests, text streamed,
+results delivered), `unpack` turns tokens into text deltas and applies stop strings,
+`detokenize` decodes a reply token by token. What callers get back (`Completion`, `TextPiece`)
+is in `kev_engine.results`; the threads that hand it over are `core.delivery`'s.
 """

@@ -15,12 +15,12 @@ from typing import Any
 
 import torch
 
+from ..core.delivery import Delivery, hand_text
 from ..core.request import Request, resolve_future
 from ..core.schedule import Chunk
 from ..model.pack import PackedBatch
+from ..results import TextPiece
 from ..sample.sample import Draw
-from .completion import TextPiece
-from .delivery import Delivery, hand_text
 from .detokenize import Detokenizer
 from .unpack import append_token, text_delta
 

@@ -3,7 +3,8 @@
 `choose` returns the engine's `Platform` (`base`): CPU (`cpu/`: Kev's compiled kernels, batch-
 invariant where they cover the model), CUDA (`cuda/`: torch's varlen attention, decode graphs,
 Triton for invariance), or torch's own ops on any other device (`torch_ops`). `invariance`
-decides and says why not; `inplace` is the elementwise work every platform installs. The rest of
+decides and says why not; `inplace` is the elementwise work every platform installs; `threads`
+sets the process's compute threads and runs loads on threads that end. The rest of
 the engine asks the platform and never the device: `resolve_device`, `default_dtype` and
 `carry_thread_state` are the device questions asked before an engine exists. The attention
 backends and their block layouts are tabled in `base`.

@@ -22,32 +22,7 @@ from typing import Any
 import torch
 
 from ..inputs.params import GREEDY_BELOW, MAX_TOP_LOGPROBS
-
-
-@dataclass(frozen=True)
-class Logprob:
-    """One token and its log-probability (natural log)."""
-
-    token_id: int
-    token: str
-    logprob: float
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    """A generated token's log-probability and, when asked for, the top alternatives at its step
-    (most likely first; the chosen token is among them when it ranks that high)."""
-
-    token_id: int
-    token: str
-    logprob: float
-    top_logprobs: tuple[Logprob, ...] = ()
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> TokenLogprob:
-        """Rebuild from `dataclasses.asdict` output (JSON from `kev serve`)."""
-        top = tuple(Logprob(**alt) for alt in data.get("top_logprobs", ()))
-        return cls(data["token_id"], data["token"], data["logprob"], top)
+from ..results import Logprob, TokenLogprob
 
 
 class TokenTexts:

@@ -29,9 +29,10 @@ import torch
 from ..core.request import Request
 from ..errors import ConstraintError
 from ..inputs.params import GREEDY_BELOW
+from ..results import TokenLogprob
 from . import penalties
 from .grammar import Grammars, mask_logits
-from .logprobs import TokenLogprob, TokenTexts
+from .logprobs import TokenTexts
 from .logprobs import compute as compute_logprobs
 
 

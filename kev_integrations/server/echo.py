@@ -75,7 +75,7 @@ def unanswered(echoed: Sequence[EchoedPrompt], n: int, logprobs: bool) -> list[C
 def on_passing_thread(fn: Callable[..., T], *args: Any) -> Future[T]:
     """`fn(*args)` on a new thread that ends with it, as a future (cancelling it before it starts
     skips it). A thread that ends takes its OpenMP team with it: torch ops on a long-lived pool
-    thread would leave one beside the engine's and slow every pass (`kev_engine.core.threads`)."""
+    thread would leave one beside the engine's and slow every pass (`kev_engine.platforms.threads`)."""
     future: Future[T] = Future()
 
     def body() -> None:

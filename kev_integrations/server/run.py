@@ -188,16 +188,9 @@ class Ready:
                   "`kev serve --help` lists the endpoints)", file=sys.stderr, flush=True)
 
 
-def serve(args: Any) -> int:
-    """Run the server until SIGTERM / Ctrl-C; returns the exit status."""
-    try:
-        import uvicorn
-
-        from .app import build_app
-        from .drain import DrainingServer
-        from .header_deadline import header_deadline_protocol
-    except ImportError as exc:
-        raise SystemExit(f"kev serve needs the server extra: pip install 'kev-llm[server]' ({exc})") from None
+def settings(args: Any) -> tuple[ServerConfig, dict[str, str], str]:
+    """What `kev serve`'s arguments configure, checked before anything loads: the server's
+    config (refused where it would expose an unauthenticated server), the adapters, the served name."""
     config = ServerConfig.from_env(
         api_keys=tuple(args.api_keys) if args.api_keys else None, admin_key=args.admin_key,
         metrics_key=args.metrics_key,
@@ -207,11 +200,20 @@ def serve(args: Any) -> int:
     )
     check_exposure(args.host, config, allow_no_auth=args.no_auth)
     adapters = parse_adapter_specs(args.adapter_specs)
-    name = args.served_name or args.model or EMBEDDED_NAME
-    if args.ray:
-        from kev_integrations.ray.run import serve_on_ray
+    return config, adapters, args.served_name or args.model or EMBEDDED_NAME
 
-        return serve_on_ray(args, config, adapters, name)
+
+def serve(args: Any, config: ServerConfig, adapters: dict[str, str], name: str) -> int:
+    """Run the server in this process until SIGTERM / Ctrl-C; returns the exit status (`--ray`
+    runs it on Ray Serve instead: `kev_integrations.ray.run`)."""
+    try:
+        import uvicorn
+
+        from .app import build_app
+        from .drain import DrainingServer
+        from .header_deadline import header_deadline_protocol
+    except ImportError as exc:
+        raise SystemExit(f"kev serve needs the server extra: pip install 'kev-llm[server]' ({exc})") from None
     if args.replicas != 1:
         raise SystemExit(f"--replicas {args.replicas} needs --ray (one process serves one engine)")
     missing = missing_adapter_folder(adapters)  # found before the slow model load, as kev generate does

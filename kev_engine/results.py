@@ -1,7 +1,10 @@
-"""What a caller gets back: a `Completion` per answer, and `TextPiece`s while it streams.
+"""What a caller gets back: a `Completion` per answer, `TextPiece`s while it streams, and the
+logprobs of their tokens.
 
 Plain values, free of engine state, so they cross threads, processes (`kev serve` rebuilds them
-from JSON with `Completion.from_dict`) and the integrations' public surface unchanged.
+from JSON with `Completion.from_dict`) and the integrations' public surface unchanged. Every
+stage may import them (as `errors`): the scheduler's requests hold them, the sampler makes
+logprobs, the outputs processor builds completions.
 """
 
 from __future__ import annotations
@@ -9,9 +12,33 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
-from ..sample.logprobs import TokenLogprob
-
 FinishReason = Literal["stop", "length"]
+
+
+@dataclass(frozen=True)
+class Logprob:
+    """One token and its log-probability (natural log)."""
+
+    token_id: int
+    token: str
+    logprob: float
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability and, when asked for, the top alternatives at its step
+    (most likely first; the chosen token is among them when it ranks that high)."""
+
+    token_id: int
+    token: str
+    logprob: float
+    top_logprobs: tuple[Logprob, ...] = ()
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TokenLogprob:
+        """Rebuild from `dataclasses.asdict` output (JSON from `kev serve`)."""
+        top = tuple(Logprob(**alt) for alt in data.get("top_logprobs", ()))
+        return cls(data["token_id"], data["token"], data["logprob"], top)
 
 
 @dataclass(frozen=True)

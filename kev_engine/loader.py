@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from .. import models, platforms
+from . import models, platforms
 
 log = logging.getLogger("kev")
 

@@ -17,16 +17,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..adapters.pool import AdapterPool
-from ..core.schedule import Chunk, Plan
-from ..models import DecoderModel
-from ..models.llama import PassState
-from ..platforms.base import AttentionBackend
-from .forward import run_model
-from .pack import PackedBatch, Segment, pack
+from .adapters.pool import AdapterPool
+from .core.schedule import Chunk, Plan
+from .model.forward import run_model
+from .model.pack import PackedBatch, Segment, pack
+from .models import DecoderModel
+from .models.llama import PassState
+from .platforms.base import AttentionBackend
 
 if TYPE_CHECKING:
-    from ..platforms.cuda.graphs import DecodeGraphs
+    from .platforms.cuda.graphs import DecodeGraphs
 
 
 class ModelRunner:

@@ -28,7 +28,7 @@ from typing import TypeVar
 
 import torch
 
-from ..platforms import carry_thread_state
+from . import carry_thread_state
 
 T = TypeVar("T")
 ENV_VAR = "KEV_THREADS"
