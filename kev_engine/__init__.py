@@ -14,7 +14,7 @@ from typing import Any
 from .adapters.pool import check_name as check_adapter_name
 from .core.arrivals import Arrival
 from .core.delivery import Delivery, Mailbox, hand_text
-from .core.latency import Histogram, prometheus
+from .core.latency import Histogram
 from .core.latency import merged as merged_histograms
 from .core.request import failed_future, resolve_future
 from .engine import Engine
@@ -86,7 +86,6 @@ __all__ = [
     "failed_future",
     "hand_text",
     "merged_histograms",
-    "prometheus",
     "resolve_future",
     # the `kev` command's parts (imported on first use): `cli.main`, `cli.Command`
     "cli",

@@ -92,7 +92,7 @@ def test_a_slow_compile_holds_only_its_own_key_and_gets_its_answer_at_the_budget
         assert compiles.in_flight() == (1, 0)  # ... while its compile runs on, nobody waiting for it
         assert refusal(ask(base, KEY_A, schema(2)), 429)["code"] == "compiles_per_key"  # and holds A's slot
         metrics = httpx.get(base + "/metrics", headers={"Authorization": f"Bearer {OPS}"}, timeout=30).text
-        assert "\nkev_grammar_compiles_in_flight 1\n" in metrics and "\nkev_grammar_cache_bytes " in metrics
+        assert "\nkev_grammar_compiles_in_flight 1.0\n" in metrics and "\nkev_grammar_cache_bytes " in metrics
         gate.open()
         wait_for(lambda: compiles.in_flight() == (0, 0), 30, "A's compile to finish")
         done = engine.stats()["grammar_compiles"]

@@ -1,6 +1,7 @@
 """`kev serve`'s /metrics on loopback with a tiny random-weight model: the exposition text is
-well formed (each family declared, counters named `_total`), the engine's question counter counts
-what it took, and every metric the README names under /metrics is there."""
+well formed (each family declared, counters named `_total`, prometheus_client's parser reads it),
+the engine's question counter counts what it took, a Ray fleet's snapshots add up, and every
+metric the README names under /metrics is there."""
 
 from __future__ import annotations
 
@@ -13,10 +14,13 @@ import httpx
 import openai
 import pytest
 from conftest import tiny_model
+from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client.parser import text_string_to_metric_families
 from server_util import serving
 
-from kev_engine import Engine
+from kev_engine import Engine, Histogram
 from kev_integrations.server import ServerConfig, build_app
+from kev_integrations.server.metrics import Metrics, fleet_stats
 
 MODEL = "tiny"
 README = Path(__file__).resolve().parent.parent / "README.md"
@@ -40,6 +44,7 @@ def url(engine: Engine) -> Iterator[str]:
 def scrape(url: str) -> str:
     response = httpx.get(url + "/metrics", timeout=60)
     assert response.status_code == 200, response.text
+    assert response.headers["content-type"] == CONTENT_TYPE_LATEST
     return response.text
 
 
@@ -82,6 +87,9 @@ def test_the_text_is_well_formed_and_counters_are_named_total(url: str) -> None:
     counters = [name for name, kind in declared.items() if kind == "counter"]
     assert "kev_requests_total" in counters and "kev_http_requests_total" in counters
     assert all(name.endswith("_total") for name in counters), counters
+    parsed = {family.name: family.type for family in text_string_to_metric_families(scrape(url))}
+    assert parsed["kev_requests"] == "counter" and parsed["kev_pass_duration_seconds"] == "histogram"
+    assert len(parsed) == len(declared)
 
 
 def test_kev_requests_total_counts_the_questions_the_engine_took(url: str, engine: Engine) -> None:
@@ -103,3 +111,27 @@ def test_every_metric_the_readme_names_under_metrics_is_there(url: str) -> None:
     assert names, "the README names no metric beside /metrics: the scan found nothing"
     missing = sorted(names - set(families(scrape(url))))
     assert not missing, f"the README names {missing} as /metrics' but the server has no such metric"
+
+
+def test_a_fleets_snapshots_add_up_and_describe_it_by_its_first_engine(engine: Engine) -> None:
+    one = engine.stats()
+    waits = Histogram()
+    waits.observe(0.02)
+    waits.observe(3.0)
+    other = dict(one, requests=one["requests"] + 3, paused_seconds=one["paused_seconds"] + 0.25, running=2,
+                 dtype="float16", queue_seconds=waits.snapshot())
+    served = [Metrics(), Metrics()]
+    served[0].observe("/v1/completions", 200, 0.3)
+    served[1].observe("/v1/completions", 200, 0.7)
+    served[1].observe("/v1/completions", 400)
+    text = Metrics.merged([m.snapshot() for m in served]).render(fleet_stats([one, other])).decode()
+    families(text)
+    assert value(text, "kev_requests_total") == 2 * one["requests"] + 3
+    assert value(text, "kev_pass_paused_seconds_total") == pytest.approx(2 * one["paused_seconds"] + 0.25)
+    assert value(text, "kev_running_requests") == one["running"] + 2
+    assert value(text, "kev_queue_delay_seconds_count") == one["queue_seconds"]["count"] + 2
+    assert f'kev_engine_info{{batch_invariant="{str(one["batch_invariant"]).lower()}",dtype="{one["dtype"]}"}} 1.0' \
+        in text  # the first engine's, not the other's float16
+    assert 'kev_http_requests_total{endpoint="/v1/completions",status="200"} 2.0' in text
+    assert 'kev_http_requests_total{endpoint="/v1/completions",status="400"} 1.0' in text
+    assert value(text, "kev_request_latency_seconds_count") == 2

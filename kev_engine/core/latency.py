@@ -1,8 +1,9 @@
 """Latency histograms an operator reads: how long passes take and how long requests wait to start.
 
 Why: a pass budget is a promise about time (`Engine(pass_time_ms=...)`); these show whether it is
-kept on this machine under this load. Cumulative buckets in Prometheus' form (`le`: at most this
-many seconds), so `kev serve`'s /metrics exports them as they are.
+kept on this machine under this load. Snapshots hold cumulative buckets in Prometheus' form (`le`:
+at most this many seconds), so `kev serve`'s /metrics hands them to prometheus_client as they are,
+and several engines' add up (`merged`).
 """
 
 from __future__ import annotations
@@ -57,9 +58,3 @@ def merged(snapshots: list[dict[str, Any]]) -> dict[str, Any]:
         total.add(snapshot)
     return total.snapshot()
 
-
-def prometheus(name: str, help_text: str, snapshot: dict[str, Any]) -> list[str]:
-    """A snapshot as Prometheus' text exposition of a histogram named `name`."""
-    return [f"# HELP {name} {help_text}", f"# TYPE {name} histogram",
-            *(f'{name}_bucket{{le="{bound}"}} {count}' for bound, count in snapshot["buckets"]),
-            f"{name}_sum {snapshot['sum']}", f"{name}_count {snapshot['count']}"]

@@ -31,18 +31,18 @@ from typing import Any
 
 import ray
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 from ray import serve
 from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
-from kev_engine import merged_histograms
 from kev_integrations.server.app import check_key, check_metrics_key
 from kev_integrations.server.config import ServerConfig
 from kev_integrations.server.errors import APIError
 from kev_integrations.server.limits import body_too_large, body_too_slow
-from kev_integrations.server.metrics import Metrics
+from kev_integrations.server.metrics import Metrics, fleet_stats
 from kev_integrations.server.responses import sse
 
 from .asgi import HTTPRequest, ResponseStart, run_asgi
@@ -176,17 +176,6 @@ async def _api_error(_: Request, exc: APIError) -> JSONResponse:
     return exc.response()
 
 
-def _fleet_stat(key: str, first: Any, infos: list[dict[str, Any]]) -> Any:
-    """One engine stat over every replica: counters added, histograms merged; what describes an
-    engine (dtype, batch_invariant, the pass target) from the first. Defined above the ingress:
-    Serve pickles that class when it is decorated, with the globals it finds then."""
-    if isinstance(first, int) and not isinstance(first, bool):
-        return sum(i["stats"][key] for i in infos)
-    if isinstance(first, dict) and "buckets" in first:
-        return merged_histograms([i["stats"][key] for i in infos])
-    return first
-
-
 def _first_line(exc: BaseException) -> str:
     return str(exc).strip().splitlines()[0] if str(exc).strip() else ""
 
@@ -227,16 +216,13 @@ class KevIngress:
         self.replicas, self.catalog, self.config, self.retries = replicas, frozenset(catalog), config, retries
 
     @api.get("/metrics")
-    async def metrics(self, request: Request) -> PlainTextResponse:
+    async def metrics(self, request: Request) -> Response:
         """The fleet's counters and engine stats, summed over every replica running now."""
         check_metrics_key(request, self.config)
         infos = await self._replica_infos()
-        stats = None
-        if infos:  # counters summed; what describes an engine (dtype, batch_invariant) from the first replica
-            first = infos[0]["stats"]
-            stats = {key: _fleet_stat(key, value, infos) for key, value in first.items()}
+        stats = fleet_stats([i["stats"] for i in infos]) if infos else None
         text = Metrics.merged([i["metrics"] for i in infos]).render(stats)
-        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+        return Response(text, media_type=CONTENT_TYPE_LATEST)
 
     @api.get("/kev/ray/replicas")
     async def replicas_view(self, request: Request) -> JSONResponse:

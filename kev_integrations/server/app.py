@@ -28,7 +28,8 @@ from concurrent.futures import Future
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kev_engine import Arrival, Completion, Engine, KevError
@@ -269,11 +270,11 @@ def build_app(engine: Engine | Callable[[], Engine], config: ServerConfig | None
         return JSONResponse({"status": "loading"}, status_code=503)
 
     @app.get("/metrics")
-    async def metrics(request: Request) -> PlainTextResponse:
+    async def metrics(request: Request) -> Response:
         check_metrics_key(request, config)
         stats = state.engine.stats() if state.engine is not None else None
         text = state.metrics.render(stats, compiling=state.compiles.in_flight()[0])
-        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+        return Response(text, media_type=CONTENT_TYPE_LATEST)
 
     add_model_routes(app, state, check_key)
 

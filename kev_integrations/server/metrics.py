@@ -1,16 +1,25 @@
-"""Prometheus text for GET /metrics: the server's own counters plus the engine's stats.
+"""GET /metrics: the server's own counters plus the engine's stats, exposed by `prometheus_client`.
 
-Written by hand (the exposition format is a few lines of text) rather than pulling in a client
-library; names follow Prometheus conventions (`_total` counters, `_seconds` histograms).
+The numbers already live in the server (`Metrics`) and the engine (`Engine.stats()`), so a custom
+collector turns one snapshot of each into metric families when /metrics is read: no global
+registry, a registry per scrape, and a Ray fleet's snapshots are summed first (`Metrics.merged`,
+`fleet_stats`) and then exposed the same way. Names follow Prometheus conventions (`_total`
+counters, `_seconds` histograms).
 """
 
 from __future__ import annotations
 
 import threading
 from collections import Counter
+from collections.abc import Iterator
 from typing import Any
 
-from kev_engine import Histogram, prometheus
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
+
+from kev_engine import Histogram, merged_histograms
 
 LATENCY_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 ENGINE_COUNTERS = {  # engine stat → (metric, help)
@@ -76,35 +85,64 @@ class Metrics:
             total.queued += snap["queued"]
         return total
 
-    def render(self, engine_stats: dict[str, Any] | None, compiling: int | None = None) -> str:
+    def render(self, engine_stats: dict[str, Any] | None, compiling: int | None = None) -> bytes:
         """The exposition text; `compiling`: grammars the server is compiling or about to (left out if None)."""
-        lines = ["# HELP kev_http_requests_total HTTP requests by endpoint and status.",
-                 "# TYPE kev_http_requests_total counter"]
-        with self._lock:
-            for (endpoint, status), count in sorted(self.requests.items()):
-                lines.append(f'kev_http_requests_total{{endpoint="{endpoint}",status="{status}"}} {count}')
-            lines += ["# HELP kev_queued_questions Questions accepted and not yet answered.",
-                      "# TYPE kev_queued_questions gauge", f"kev_queued_questions {self.queued}"]
-            lines += prometheus("kev_request_latency_seconds", "Time from request to full answer.",
-                                self.latency.snapshot())
-        if compiling is not None:
-            lines += ["# HELP kev_grammar_compiles_in_flight Grammars compiling or waiting for a compile thread.",
-                      "# TYPE kev_grammar_compiles_in_flight gauge", f"kev_grammar_compiles_in_flight {compiling}"]
-        if engine_stats is not None:
-            lines += ["# HELP kev_engine_info How the engine computes: its dtype, and whether packed equals alone "
-                      "bit for bit.", "# TYPE kev_engine_info gauge",
-                      f'kev_engine_info{{dtype="{engine_stats["dtype"]}",'
-                      f'batch_invariant="{str(engine_stats["batch_invariant"]).lower()}"}} 1']
-            for table, kind in ((ENGINE_COUNTERS, "counter"), (ENGINE_GAUGES, "gauge")):
-                for key, (name, help_text) in table.items():
-                    lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {engine_stats[key]}"]
-            lines += ["# HELP kev_pass_target_seconds The pass duration the scheduler fills passes up to.",
-                      "# TYPE kev_pass_target_seconds gauge",
-                      f"kev_pass_target_seconds {_seconds(engine_stats['pass_time_ms'])}"]
-            for key, (name, help_text) in ENGINE_HISTOGRAMS.items():
-                lines += prometheus(name, help_text, engine_stats[key])
-        return "\n".join(lines) + "\n"
+        registry = CollectorRegistry(auto_describe=False)  # this scrape's, never the process-wide one
+        registry.register(Snapshot(self.snapshot(), engine_stats, compiling))
+        return generate_latest(registry)
 
 
-def _seconds(milliseconds: float | None) -> str:
-    return "+Inf" if milliseconds is None else str(milliseconds / 1000)
+class Snapshot(Collector):
+    """One scrape's numbers as metric families: a server's `Metrics.snapshot()`, an engine's
+    `stats()` (None before the model has loaded) and the grammars compiling (None: not shown)."""
+
+    def __init__(self, server: dict[str, Any], engine_stats: dict[str, Any] | None, compiling: int | None) -> None:
+        self.server, self.engine_stats, self.compiling = server, engine_stats, compiling
+
+    def collect(self) -> Iterator[Metric]:
+        http = CounterMetricFamily("kev_http_requests_total", "HTTP requests by endpoint and status.",
+                                   labels=["endpoint", "status"])
+        for (endpoint, status), count in sorted(self.server["requests"]):
+            http.add_metric([endpoint, str(status)], count)
+        yield http
+        yield GaugeMetricFamily("kev_queued_questions", "Questions accepted and not yet answered.",
+                                value=self.server["queued"])
+        yield histogram("kev_request_latency_seconds", "Time from request to full answer.", self.server["latency"])
+        if self.compiling is not None:
+            yield GaugeMetricFamily("kev_grammar_compiles_in_flight",
+                                    "Grammars compiling or waiting for a compile thread.", value=self.compiling)
+        stats = self.engine_stats
+        if stats is None:
+            return
+        info = GaugeMetricFamily("kev_engine_info", "How the engine computes: its dtype, and whether packed equals "
+                                 "alone bit for bit.", labels=["dtype", "batch_invariant"])
+        info.add_metric([stats["dtype"], str(stats["batch_invariant"]).lower()], 1)
+        yield info
+        for key, (name, help_text) in ENGINE_COUNTERS.items():
+            yield CounterMetricFamily(name, help_text, value=stats[key])
+        for key, (name, help_text) in ENGINE_GAUGES.items():
+            yield GaugeMetricFamily(name, help_text, value=stats[key])
+        target_ms = stats["pass_time_ms"]  # None: passes have no time bound
+        yield GaugeMetricFamily("kev_pass_target_seconds", "The pass duration the scheduler fills passes up to.",
+                                value=float("inf") if target_ms is None else target_ms / 1000)
+        for key, (name, help_text) in ENGINE_HISTOGRAMS.items():
+            yield histogram(name, help_text, stats[key])
+
+
+def histogram(name: str, help_text: str, snapshot: dict[str, Any]) -> HistogramMetricFamily:
+    """A `latency.Histogram.snapshot()` (cumulative buckets, as Prometheus counts them) as a family;
+    each bound written as prometheus_client's own histograms write `le` ("1.0", "+Inf")."""
+    buckets = [(floatToGoString(bound), count) for bound, count in snapshot["buckets"]]
+    return HistogramMetricFamily(name, help_text, buckets=buckets, sum_value=snapshot["sum"])
+
+
+def fleet_stats(replicas: list[dict[str, Any]]) -> dict[str, Any]:
+    """Several engines' `stats()` (Ray replicas) as one for /metrics: its counters and gauges added,
+    its histograms merged; what describes an engine (dtype, batch_invariant, the pass target) and
+    every stat /metrics does not show from the first."""
+    fleet = dict(replicas[0])
+    for key in (*ENGINE_COUNTERS, *ENGINE_GAUGES):
+        fleet[key] = sum(stats[key] for stats in replicas)
+    for key in ENGINE_HISTOGRAMS:
+        fleet[key] = merged_histograms([stats[key] for stats in replicas])
+    return fleet
