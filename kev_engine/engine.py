@@ -13,6 +13,7 @@ is a budgeted pool of blocks, shared between questions that start with the same 
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import inspect
@@ -20,6 +21,7 @@ import logging
 import math
 import queue
 import threading
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from typing import Any, Literal, overload
@@ -213,11 +215,13 @@ class Engine:
         self._token_texts = TokenTexts(tokenizer)  # logprobs name their tokens
         self._delivery = Delivery("kev")  # on_text and results reach callers from its threads, never from a pass
         arrivals = Arrivals(max(0.0, coalesce_ms) / 1000)  # under the engine's lock
+        self._arrivals = arrivals
         self._stepper = Stepper(cond=self._cond, scheduler=self._scheduler, runner=self._runner,
                                 sampler=Sampler(self._grammars, self.eos_ids, self._token_texts),
                                 outputs=OutputProcessor(tokenizer, self.eos_ids, self._delivery), arrivals=arrivals)
-        self._worker = Worker(self._stepper, self._cond, arrivals, close=self.close,
-                              enter=self._platform.enter_pass_thread)
+        self._worker = Worker(self._stepper, self._cond, arrivals, enter=self._platform.enter_pass_thread)
+        self._given_back = False  # close() drained the requests and gave the model back
+        _live.add(self)  # closed at interpreter exit, before torch tears down its thread pools
 
     @classmethod
     def from_pretrained(
@@ -527,8 +531,8 @@ class Engine:
     def closed(self) -> bool:
         """True once `close()` ran — or when construction failed, leaving nothing to use (so the
         model it claimed can be given to another engine)."""
-        stepper: Stepper | None = getattr(self, "_stepper", None)
-        return stepper is None or stepper.closed
+        worker: Worker | None = getattr(self, "_worker", None)
+        return worker is None or worker.stopping
 
     @contextlib.contextmanager
     def hold(self) -> Iterator[None]:
@@ -551,7 +555,7 @@ class Engine:
         as arriving until its event loop's next turn (see `arrivals`).
         """
         with self._cond:
-            return Arrival(self._worker.arrivals.announce(), self._end_arrival)
+            return Arrival(self._arrivals.announce(), self._end_arrival)
 
     def expect_follow_up(self, future: Future[Any]) -> Arrival:
         """Say that `future`'s caller will soon submit again after it is answered — an agent whose
@@ -564,23 +568,23 @@ class Engine:
         """
         with self._cond:
             request = next((r for r in self._scheduler.waiting if r.future is future), None)
-            token = self._worker.arrivals.expect(lambda: request is not None and request.status is Status.WAITING)
+            token = self._arrivals.expect(lambda: request is not None and request.status is Status.WAITING)
         handle = Arrival(token, self._unexpect)
 
         def answered(_: Future[Any]) -> None:
             with self._cond:
-                self._worker.arrivals.answered(token)
+                self._arrivals.answered(token)
         future.add_done_callback(answered)
         return handle
 
     def _unexpect(self, token: int) -> None:
         with self._cond:
-            self._worker.arrivals.unexpect(token)
+            self._arrivals.unexpect(token)
             self._cond.notify_all()
 
     def _end_arrival(self, token: int) -> None:
         with self._cond:
-            self._worker.arrivals.end(token)
+            self._arrivals.end(token)
             self._cond.notify_all()
 
     @contextlib.contextmanager
@@ -606,19 +610,20 @@ class Engine:
         Callbacks still being delivered run on after it returns.
         """
         with self._cond:
-            if self._stepper.closed and self._worker.thread is None:
+            if self._given_back:
                 return
-            self._stepper.closed = True
-            self._cond.notify_all()
+            self._worker.stop()
         if not self._worker.join(timeout):
             return
         with self._runner.lock, self._cond:
+            if self._given_back:  # another close() finished meanwhile
+                return
             self._stepper.drain()
             self._adapters.restore_model()
             if self.model_impl == "transformers":
                 release_model(self.model)
                 platforms.uninstall(self.model)
-            self._worker.thread = None
+            self._given_back = True
         self._delivery.close()
 
     def __enter__(self) -> Engine:
@@ -654,9 +659,9 @@ class Engine:
     ) -> list[Future[Any]]:
         """Queue all valid requests as one group; a refused one gets an already-failed future."""
         with self._cond:
-            if self._stepper.closed:
+            if self._worker.stopping:
                 raise EngineClosedError("the engine is closed")
-            follow_up = self._worker.arrivals.arrived(follow_up)
+            follow_up = self._arrivals.arrived(follow_up)
             futures = fanout.futures(self._scheduler.submit(prepared, self._defaults, on_text, all_logits,
                                                             capture_logits, follow_up))
             self._worker.start()
@@ -724,6 +729,17 @@ def _logits_width(model: Any) -> int:
     weight = getattr(head, "weight", None)
     return int(weight.shape[0]) if weight is not None else int(model.config.vocab_size)
 
+
+
+EXIT_JOIN_S = 10.0  # at interpreter exit, a thread stuck in a pass (a model hook, say) is left behind
+_live: weakref.WeakSet[Engine] = weakref.WeakSet()  # every engine not yet collected
+
+
+@atexit.register
+def _close_live() -> None:
+    """Stop every live engine's worker before the interpreter tears down torch's thread pools."""
+    for engine in list(_live):
+        engine.close(timeout=EXIT_JOIN_S)
 
 def _wake_if_cancelled(cond: threading.Condition, future: Future) -> None:
     """A caller cancelled: wake the worker so the request frees what it holds now."""

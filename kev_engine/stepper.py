@@ -59,7 +59,6 @@ class Stepper:
         self.sampler = sampler
         self.outputs = outputs
         self.arrivals = arrivals
-        self.closed = False  # set by `Engine.close` (or at interpreter exit): the worker drains and ends
         self.row_seconds: float | None = None  # the last slice's seconds per row of a layer
         self.stats: dict[str, float] = dict.fromkeys(PASS_STATS, 0)
         self.stats["paused_seconds"] = 0.0

@@ -9,13 +9,12 @@ batching). A pass that raises fails its requests, never the thread.
 
 It drives a `Stepper` (`kev_engine/stepper.py`: has work, step, emptied, fail a pass, drain), held only
 weakly between passes, so an engine dropped without `close()` is collected with its stepper (the
-finalizer wakes the thread, which then ends); at interpreter exit every live engine is closed
-before torch tears down its thread pools.
+finalizer wakes the thread, which then ends). `stop()` ends it: the thread drains what is left
+and returns. It never calls into the `Engine`.
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import threading
 import weakref
@@ -25,14 +24,11 @@ from typing import Any, Protocol
 from ..errors import InvalidRequestError
 from .arrivals import Arrivals
 
-EXIT_JOIN_S = 10.0  # at interpreter exit, a thread stuck in a pass (a model hook, say) is left behind
 IDLE_RECHECK_S = 0.05  # a pass that could schedule nothing waits this long (or for news) before retrying
 
 
 class Stepped(Protocol):
     """What the worker drives (`Stepper`). `has_work`, `emptied` and `drain` are called under the engine's lock."""
-
-    closed: bool
 
     def step(self) -> int: ...
     def has_work(self) -> bool: ...
@@ -41,36 +37,23 @@ class Stepped(Protocol):
     def fail_pass(self, exc: BaseException) -> None: ...
 
 
-# each live stepper → its engine's close(), held weakly
-_live: weakref.WeakKeyDictionary[Any, weakref.WeakMethod[Callable[..., None]]] = weakref.WeakKeyDictionary()
-
-
-@atexit.register
-def _close_live() -> None:
-    """Stop worker threads before the interpreter tears down torch's thread pools."""
-    for close in [ref() for ref in list(_live.values())]:
-        if close is not None:
-            close(timeout=EXIT_JOIN_S)
-
-
 class Worker:
     """The scheduler thread of one engine, with `hold()` and the pass lock."""
 
     def __init__(self, owner: Stepped, cond: threading.Condition, arrivals: Arrivals,
-                 close: Callable[..., None], enter: Callable[[], None] = lambda: None) -> None:
-        """`close(timeout=...)`: the engine's, run at interpreter exit (it holds the engine only
-        through that bound method's weak entry, keyed by the stepper). `enter()`: run first on the
-        thread (the platform's setup of a pass thread)."""
+                 enter: Callable[[], None] = lambda: None) -> None:
+        """`enter()`: run first on the thread (the platform's setup of a pass thread)."""
         self.enter = enter
         self.cond = cond  # the engine's lock: every state change notifies it
         self.arrivals = arrivals  # under `cond`
         self.thread: threading.Thread | None = None
+        self.stopping = False  # set by `stop()`: the thread drains what is left and ends
+        self.stopped = False  # the thread ended after `stop()` (or never started)
         self.idle = threading.Event()  # set while the thread waits with nothing to do
         self.holds = 0  # > 0 while inside hold(): no new pass starts
         self.step_lock = threading.Lock()  # one pass at a time, whoever runs it
         self._stepping = threading.local()  # .active while this thread runs a pass: a model hook runs in one
         self._owner = weakref.ref(owner)
-        _live[owner] = weakref.WeakMethod(close)
 
     def start(self) -> None:
         """Start the thread, once (call under `cond`)."""
@@ -113,8 +96,14 @@ class Worker:
                 self.holds -= 1
                 self.cond.notify_all()
 
+    def stop(self) -> None:
+        """End the thread once its pass is over; queued and running requests are drained (call
+        under `cond`)."""
+        self.stopping = True
+        self.cond.notify_all()
+
     def join(self, timeout: float | None) -> bool:
-        """Wait for the thread to end (the owner is closed); False if it is still in a pass."""
+        """After `stop()`: wait for the thread to end; False if it is still in a pass."""
         thread = self.thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout)
@@ -135,7 +124,7 @@ def _loop(owner_ref: weakref.ref[Stepped], worker: Worker) -> None:
                 owner = owner_ref()
                 if owner is None:
                     return
-                if owner.closed:
+                if worker.stopping:
                     break
                 if not worker.holds and owner.has_work():
                     # the first pass after idle waits for the callers arriving together (`arrivals`;
@@ -151,7 +140,7 @@ def _loop(owner_ref: weakref.ref[Stepped], worker: Worker) -> None:
                 worker.idle.set()
                 cond.wait()
                 worker.idle.clear()
-            if owner.closed:
+            if worker.stopping:
                 owner.drain()
                 return
             first = was_idle
