@@ -1,19 +1,28 @@
-"""Constructor arguments for both front ends: unknown names refused, sampling checked up front.
+"""Constructor arguments for both front ends: the settings' fields, unknown names refused,
+sampling checked up front.
 
-pydantic models drop unknown keyword arguments by default, so ``ChatKev(num_predict=8)`` would
-run with 256 new tokens and say nothing. Kev refuses them, naming the right field; and sampling
-fields go through `SamplingParams` at construction, not at the first call.
+The sampling fields of LangChain's and LlamaIndex's models are generated from the engine's one
+declaration (`kev_engine.SETTINGS`), so a type, a bound or a description is written once. pydantic
+models drop unknown keyword arguments by default, so ``ChatKev(num_predict=8)`` would run with 256
+new tokens and say nothing: Kev refuses them, naming the right field. And the settings go through
+`SamplingParams` at construction, not at the first call.
 """
 
 from __future__ import annotations
 
 import difflib
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from typing import Any
 
-from kev_engine import SamplingParams
+from pydantic import Field, create_model
+
+from kev_engine import CONSTRAINT_FIELDS, SETTING_FIELDS, SETTINGS, SamplingParams
 
 from .retry import check_max_retries
+
+SETTING_KEYS = ("adapter", *SETTING_FIELDS, *CONSTRAINT_FIELDS)
+"""What a field, a bind, a call or a scope may set: the adapter and every `SamplingParams` field,
+derived from the engine so that a new setting reaches both front ends."""
 
 # names other libraries use for Kev's fields: what to write instead
 RENAMED = {
@@ -24,6 +33,24 @@ RENAMED = {
     "stop_sequences": "stop", "request_timeout": "timeout",
 }
 CONTEXT_WINDOW_NAMES = ("context_window", "num_ctx", "n_ctx", "context_length", "max_context")
+
+
+def settings_model(name: str, base: Any, skip: Collection[str] = (), valued: Collection[str] = ()) -> Any:
+    """A subclass of the pydantic model `base` with a field for each engine setting but those in `skip`:
+    its type, bounds and description as `kev_engine.SETTINGS` declares them. A setting in `valued`
+    defaults to the engine's own value; any other to None, which leaves it to the engine. (`base`
+    is typed Any: type checkers refuse an abstract class, such as LlamaIndex's LLM, as a `type`.)"""
+    fields: dict[str, Any] = {}
+    for setting in SETTINGS:
+        if setting.name in skip:
+            continue
+        if setting.name in valued:
+            annotation, default = setting.annotation, setting.default
+        else:
+            annotation, default = setting.annotation | None, None
+        field = Field(default, description=setting.description, ge=setting.ge, gt=setting.gt, le=setting.le)
+        fields[setting.name] = (annotation, field)
+    return create_model(name, __base__=base, **fields)
 
 
 def hint(name: str, allowed: Iterable[str], owner: str) -> str:

@@ -38,7 +38,8 @@ SETTINGS = [
 def lora_engine(tokenizer: Any, tmp_path_factory: pytest.TempPathFactory) -> Engine:
     base = tiny_model("llama", tokenizer)
     folder = tmp_path_factory.mktemp("adapters")
-    engine = Engine(reference_copy(base), tokenizer, name="tiny-llama", coalesce_ms=0)  # packing needs no clock
+    # coalesce_ms=0: the engine never waits for arrivals, so one pass means the batch held it (coalesce.py)
+    engine = Engine(reference_copy(base), tokenizer, name="tiny-llama", coalesce_ms=0)
     for seed, name in enumerate(("a", "b")):
         engine.load_adapter(name, str(make_adapter(base, folder / name, seed, scale=0.2)))
     yield engine

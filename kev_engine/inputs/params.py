@@ -1,4 +1,5 @@
-"""Per-request sampling settings and the engine-wide defaults they fall back on.
+"""Per-request sampling settings, the engine-wide defaults they fall back on, and `SETTINGS`: the
+one declaration of the settings that the front ends' fields are generated from.
 
 Where this sits: requests carry a `SamplingParams`; when a pack is formed the scheduler
 resolves every `None` against one `Defaults` snapshot, so a hot update of the default
@@ -369,6 +370,66 @@ SETTING_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(SamplingParams) i
 front ends (LangChain, LlamaIndex, kev serve, Ray Data) take their setting names from."""
 INT_FIELDS = frozenset(f.name for f in fields(SamplingParams) if f.type in ("int", "int | None"))
 """The integer settings (a column of them with gaps arrives as floats)."""
+
+_DEFAULT_PARAMS = SamplingParams()  # every setting at its default
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One sampling setting as a front end offers it (a LangChain or LlamaIndex field): the type of a
+    value, the bounds `SamplingParams` checks, one line of description; the default is the dataclass's."""
+
+    name: str
+    annotation: Any
+    """The type of a value; a front end may add None, meaning "the engine's default"."""
+    description: str
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+
+    @property
+    def default(self) -> Any:
+        """`SamplingParams`' default, in its canonical form (``stop`` is ``()``)."""
+        return getattr(_DEFAULT_PARAMS, self.name)
+
+    @property
+    def bounds(self) -> dict[str, float]:
+        """The bounds that apply, by the names pydantic's ``Field`` takes them."""
+        return {key: value for key in ("ge", "gt", "le") if (value := getattr(self, key)) is not None}
+
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting("temperature", float, "0 = greedy; None = the engine's default (KEV_TEMPERATURE, else 0).", ge=0),
+    Setting("top_p", float, "Nucleus sampling: keep the likeliest tokens up to this probability mass; 1 = off.",
+            gt=0, le=1),
+    Setting("top_k", int, "Keep the k likeliest tokens; 0 = off.", ge=0, le=TOP_K_MAX),
+    Setting("max_tokens", int, "Most new tokens per answer (the model's context may end it earlier).", ge=1),
+    Setting("stop", list[str], "Strings that end an answer; the text is cut before the first one."),
+    Setting("seed", int, "Seeded sampling: the same tokens whatever the question is packed with.",
+            ge=SEED_MIN, le=SEED_MAX),
+    Setting("cache_salt", str, "Calls with different salts never share prefix KV: give each tenant its own."),
+    Setting("n", int, "Samples of each prompt, all decoded from one prefill.", ge=1, le=MAX_N),
+    Setting("logprobs", bool, "Report each generated token's log-probability."),
+    Setting("top_logprobs", int, "With logprobs: the likeliest alternatives at each token too.",
+            ge=0, le=MAX_TOP_LOGPROBS),
+    Setting("presence_penalty", float, "OpenAI's: lower the logit of every token already in the answer by this.",
+            ge=-MAX_PENALTY, le=MAX_PENALTY),
+    Setting("frequency_penalty", float, "OpenAI's: lower a token's logit by this times its count in the answer.",
+            ge=-MAX_PENALTY, le=MAX_PENALTY),
+    Setting("repetition_penalty", float,
+            "transformers': divide the logit of tokens seen in the prompt or the answer by this; 1 = off.", gt=0),
+    Setting("min_p", float, "Drop tokens less likely than min_p times the likeliest one; 0 = off.", ge=0, le=1),
+    Setting("logit_bias", dict[int | str, float],
+            "Token id -> bias added to its logit, in [-100, 100] (-100 bans the token)."),
+    Setting("stop_token_ids", list[int], "Token ids that end an answer as end-of-sequence does."),
+    Setting("min_tokens", int, "Nothing but max_tokens ends an answer before it has this many tokens.", ge=0),
+    Setting("ignore_eos", bool, "End-of-sequence does not end an answer (fixed lengths, for benchmarks)."),
+)
+"""Every sampling setting that is not a reply constraint, as the front ends declare it: LangChain's
+and LlamaIndex's fields are generated from this table, so their types, bounds and descriptions are
+the engine's. `SamplingParams` still checks every value, past what bounds can say; its checks and
+these bounds meet at the same edges (tests/test_sampling_settings.py)."""
+assert tuple(s.name for s in SETTINGS) == SETTING_FIELDS, "SETTINGS declares each of SETTING_FIELDS once, in order"
 
 
 @dataclass(frozen=True)

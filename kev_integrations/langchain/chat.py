@@ -23,11 +23,11 @@ from ..logprob_format import chat_logprobs
 from ..tokens import prompt_token_count, text_token_ids
 from ..tool_budget import check_forced_call_budget
 from ..tool_format import tool_choice_instruction
-from . import packing
+from . import calls, coalesce
+from .calls import EngineRequest
 from .configurable import KevConfigurableFields
 from .constraints import constrain, format_constraint, response_format_schema, tools_constraint
 from .messages import build_prompt, response_metadata, usage_of
-from .packing import EngineRequest
 from .settings import KevFields
 from .structured import Method, structured_output
 from .tools import convert_tools, parse_tool_calls, tool_call_chunks
@@ -239,7 +239,7 @@ class ChatKev(KevFields, BaseChatModel):
         **kwargs: Any,
     ) -> ChatResult:
         request, names = self._request(messages, stop, kwargs)
-        return self._result(packing.complete(request, self.timeout, names), names)
+        return self._result(calls.complete(request, self.timeout, names), names)
 
     async def _agenerate(
         self,
@@ -249,7 +249,7 @@ class ChatKev(KevFields, BaseChatModel):
         **kwargs: Any,
     ) -> ChatResult:
         request, names = self._request(messages, stop, kwargs)
-        return self._result(await packing.acomplete(request, self.timeout, names), names)
+        return self._result(await calls.acomplete(request, self.timeout, names), names)
 
     def _chunk(self, piece: str | Completion, names: list[str], text: list[str],
                streamed: list[int]) -> ChatGenerationChunk:
@@ -291,7 +291,7 @@ class ChatKev(KevFields, BaseChatModel):
         request, names = self._request(messages, stop, kwargs)
         text: list[str] = []
         streamed = [0]  # logprob entries already on a chunk
-        for piece in packing.stream(request, names):
+        for piece in calls.stream(request, names):
             chunk = self._chunk(piece, names, text, streamed)
             if run_manager and isinstance(piece, str) and not names:
                 run_manager.on_llm_new_token(piece, chunk=chunk)
@@ -307,7 +307,7 @@ class ChatKev(KevFields, BaseChatModel):
         request, names = self._request(messages, stop, kwargs)
         text: list[str] = []
         streamed = [0]  # logprob entries already on a chunk
-        async for piece in packing.astream(request, names):
+        async for piece in calls.astream(request, names):
             chunk = self._chunk(piece, names, text, streamed)
             if run_manager and isinstance(piece, str) and not names:
                 await run_manager.on_llm_new_token(piece, chunk=chunk)
@@ -326,7 +326,7 @@ class ChatKev(KevFields, BaseChatModel):
         """The usual invokes, side by side; every input not already in the LLM cache is answered in
         one packed engine pass (per `max_concurrency` inputs). Callbacks start before the pass."""
         configs = get_config_list(config, len(inputs))
-        return packing.batch_packed([self] * len(inputs), inputs, configs, return_exceptions, kwargs)
+        return coalesce.batch([self] * len(inputs), inputs, configs, return_exceptions, kwargs)
 
     def batch_as_completed(  # type: ignore[override]  # Runnable overloads it on return_exceptions
         self,
@@ -339,8 +339,7 @@ class ChatKev(KevFields, BaseChatModel):
         """(index, reply) as each is done, packed as `batch` is: one engine pass per
         `max_concurrency` inputs, whatever the threads' timing."""
         configs = get_config_list(config, len(inputs))
-        return packing.batch_as_completed_packed([self] * len(inputs), list(inputs), configs, return_exceptions,
-                                                 kwargs)
+        return coalesce.batch_as_completed([self] * len(inputs), list(inputs), configs, return_exceptions, kwargs)
 
     async def abatch(
         self,
@@ -351,7 +350,7 @@ class ChatKev(KevFields, BaseChatModel):
         **kwargs: Any,
     ) -> list[AIMessage]:
         configs = get_config_list(config, len(inputs))
-        return await packing.abatch_packed([self] * len(inputs), inputs, configs, return_exceptions, kwargs)
+        return await coalesce.abatch([self] * len(inputs), inputs, configs, return_exceptions, kwargs)
 
     def configurable_fields(self, **kwargs: Any) -> KevConfigurableFields:
         """Per-input settings whose batches still run as one packed pass (see `KevConfigurableFields`)."""

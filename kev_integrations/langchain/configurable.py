@@ -2,7 +2,7 @@
 
 LangChain's `RunnableConfigurableFields.batch` runs one `invoke` per input in a thread pool
 as soon as the inputs' settings differ. Kev's version builds every input's model (the same
-cheap copies LangChain would build) and runs their invokes through `packing.batch_packed`, so
+cheap copies LangChain would build) and runs their invokes through `coalesce.batch`, so
 all their requests share one packed pass.
 """
 
@@ -14,7 +14,7 @@ from langchain_core.runnables import RunnableConfig
 from langchain_core.runnables.config import get_config_list
 from langchain_core.runnables.configurable import RunnableConfigurableFields
 
-from . import packing
+from . import coalesce
 
 
 class KevConfigurableFields(RunnableConfigurableFields):
@@ -37,8 +37,8 @@ class KevConfigurableFields(RunnableConfigurableFields):
     ) -> list[Any]:
         configs = get_config_list(config, len(inputs))
         prepared = [self.prepare(c) for c in configs]
-        models = [cast(packing.PackingModel, model) for model, _ in prepared]
-        return packing.batch_packed(models, inputs, [c for _, c in prepared], return_exceptions, kwargs)
+        models = [cast(coalesce.BatchModel, model) for model, _ in prepared]
+        return coalesce.batch(models, inputs, [c for _, c in prepared], return_exceptions, kwargs)
 
     async def abatch(
         self,
@@ -50,5 +50,5 @@ class KevConfigurableFields(RunnableConfigurableFields):
     ) -> list[Any]:
         configs = get_config_list(config, len(inputs))
         prepared = [self.prepare(c) for c in configs]
-        models = [cast(packing.PackingModel, model) for model, _ in prepared]
-        return await packing.abatch_packed(models, inputs, [c for _, c in prepared], return_exceptions, kwargs)
+        models = [cast(coalesce.BatchModel, model) for model, _ in prepared]
+        return await coalesce.abatch(models, inputs, [c for _, c in prepared], return_exceptions, kwargs)

@@ -19,12 +19,13 @@ from pydantic import Field
 
 from kev_engine import Completion, EngineLike, InvalidRequestError
 
+from ..init_args import SETTING_KEYS
 from ..logprob_format import text_logprobs
 from ..tokens import prompt_token_count
-from . import packing
+from . import calls
+from .calls import EngineRequest
 from .configurable import KevConfigurableFields
-from .packing import EngineRequest
-from .settings import SETTING_KEYS, KevFields
+from .settings import KevFields
 
 
 def _generation(completion: Completion) -> Generation:
@@ -190,7 +191,7 @@ class KevLLM(KevFields, BaseLLM):
     ) -> LLMResult:
         """All prompts at once: submitted while the engine is held, so they share one packed pass."""
         requests = [self._request(p, stop, dict(kwargs)) for p in prompts]
-        return self._result(packing.wait(packing.submit_all(requests), self.timeout))
+        return self._result(calls.wait(calls.submit_all(requests), self.timeout))
 
     async def _agenerate(
         self,
@@ -201,7 +202,7 @@ class KevLLM(KevFields, BaseLLM):
     ) -> LLMResult:
         """Truly async: each prompt's engine future is awaited; held together, they share one pass."""
         requests = [self._request(p, stop, dict(kwargs)) for p in prompts]
-        return self._result(await packing.await_all(packing.submit_all(requests), self.timeout))
+        return self._result(await calls.await_all(calls.submit_all(requests), self.timeout))
 
     def _stream(
         self,
@@ -210,7 +211,7 @@ class KevLLM(KevFields, BaseLLM):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> Iterator[GenerationChunk]:
-        for piece in packing.stream(self._request(prompt, stop, kwargs)):
+        for piece in calls.stream(self._request(prompt, stop, kwargs)):
             if isinstance(piece, str):
                 chunk = GenerationChunk(text=piece)
                 if run_manager:
@@ -226,7 +227,7 @@ class KevLLM(KevFields, BaseLLM):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> AsyncIterator[GenerationChunk]:
-        async for piece in packing.astream(self._request(prompt, stop, kwargs)):
+        async for piece in calls.astream(self._request(prompt, stop, kwargs)):
             if isinstance(piece, str):
                 chunk = GenerationChunk(text=piece)
                 if run_manager:

@@ -8,25 +8,26 @@ resolved lazily here too, so constructing (or copying) a model never loads anyth
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import fields
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kev_engine import EMBEDDED_NAME, EngineLike, SamplingParams
 
-from ..init_args import check_retries, check_sampling, hint, refuse_unknown
+from ..init_args import SETTING_KEYS, check_retries, check_sampling, hint, refuse_unknown, settings_model
 from ..shared import resolve_engine
 from ..tokens import text_token_ids
 
-# every engine setting is a per-call setting, derived (not listed by hand) so a new one reaches both models
-SETTING_KEYS = ("adapter", *(f.name for f in fields(SamplingParams)))
+# the engine's sampling settings as fields (`kev_engine.SETTINGS`: types, bounds, descriptions), each
+# None until set: None leaves it to the engine
+KevSettings = settings_model("KevSettings", BaseModel)
 # kwargs LangChain itself adds to calls; they carry no sampling meaning
 IGNORED_KWARGS = frozenset({"ls_structured_output_format", "structured_output_format", "stream"})
 
 
-class KevFields(BaseModel):
-    """The fields both LangChain models share (engine identity + sampling settings)."""
+class KevFields(KevSettings):  # type: ignore[misc, valid-type]  # a generated class
+    """The fields both LangChain models share: engine identity, the sampling settings (generated,
+    `KevSettings`), the adapter, a reply constraint and a timeout."""
 
     model_config = ConfigDict(arbitrary_types_allowed=True, protected_namespaces=())
 
@@ -57,44 +58,6 @@ class KevFields(BaseModel):
     without `base_url`: in-process, nothing goes over a network."""
     adapter: str | None = None
     """LoRA adapter name for this call; None = the base model."""
-    temperature: float | None = None
-    """0 = greedy; None = the engine default (``KEV_TEMPERATURE``, else 0)."""
-    top_p: float | None = None
-    """Nucleus sampling mass in (0, 1]; None = 1 (off)."""
-    top_k: int | None = None
-    """Keep the k most likely tokens; None or 0 = off."""
-    max_tokens: int | None = None
-    """Most new tokens per answer; None = 256."""
-    stop: list[str] | None = None
-    """Strings that end an answer; the text is cut before the first one."""
-    seed: int | None = None
-    """Seeded sampling: the same tokens whatever the question is packed with."""
-    cache_salt: str | None = None
-    """Calls with different salts never share prefix KV (one per tenant); None = share with all."""
-    n: int | None = None
-    """Samples per prompt (1..128; one prefill for all): `KevLLM.generate` gives n generations
-    per prompt, `ChatKev.generate` n per conversation; `invoke` returns the first."""
-    logprobs: bool | None = None
-    """Report each generated token's log-probability: ChatKev in ``response_metadata["logprobs"]``
-    (ChatOpenAI's shape), KevLLM in ``generation_info["logprobs"]`` (OpenAI completions' shape)."""
-    top_logprobs: int | None = None
-    """With logprobs: the most likely alternatives per token too, 0..20."""
-    presence_penalty: float | None = None
-    """OpenAI's: lower the logit of every token already in the answer by this; [-2, 2]."""
-    frequency_penalty: float | None = None
-    """OpenAI's: lower a token's logit by this times its count in the answer so far; [-2, 2]."""
-    repetition_penalty: float | None = None
-    """transformers': divide the logit of tokens seen in prompt or answer by this (> 0; 1 = off)."""
-    min_p: float | None = None
-    """Drop tokens less likely than min_p times the most likely one; [0, 1], None or 0 = off."""
-    logit_bias: dict[int | str, float] | None = None
-    """Token id → bias added to its logit, in [-100, 100] (-100 bans the token)."""
-    stop_token_ids: list[int] | None = None
-    """Token ids that end an answer as end-of-sequence does."""
-    min_tokens: int | None = None
-    """Nothing but max_tokens ends an answer before it has this many tokens."""
-    ignore_eos: bool | None = None
-    """End-of-sequence does not end an answer (fixed-length benchmarks)."""
     json_schema: dict[str, Any] | str | type | None = None
     """Constrain every reply to this JSON schema (a dict, its JSON text or a pydantic class)."""
     json_object: bool = False
@@ -120,7 +83,8 @@ class KevFields(BaseModel):
 
     @model_validator(mode="after")
     def _kev_check_sampling(self) -> Any:
-        """``temperature=-1`` fails here, at construction, with the engine's own message."""
+        """What the fields' bounds cannot say (``min_tokens`` past ``max_tokens``, too many stop strings,
+        two constraints) fails here, at construction, with the engine's own message."""
         check_sampling({key: getattr(self, key) for key in SETTING_KEYS if key != "adapter"})
         check_retries(self.max_retries, self.base_url)
         return self

@@ -48,7 +48,7 @@ from kev_engine import Completion, EngineLike, SamplingParams
 
 from ..chat_format import offered_tools
 from ..follow_ups import FollowUp, submit_options
-from ..init_args import check_retries, check_sampling, refuse_unknown
+from ..init_args import check_retries, check_sampling, refuse_unknown, settings_model
 from ..shared import resolve_engine
 from ..streaming import astream_answer, stream_answer
 from ..tokens import text_token_ids
@@ -56,9 +56,15 @@ from ..tool_format import split_tool_calls, tool_call_constraint, visible_text
 from . import structured
 from .messages import assistant_message, chat_prompt, tool_schemas, tool_selections
 from .parsers import parser_constraint
-from .scoped import SETTING_KEYS, check_settings, constrains, current_overrides, merge_settings, scoped
+from .scoped import LLAMAINDEX_KEYS, check_settings, constrains, current_overrides, merge_settings, scoped
 
 Model = TypeVar("Model", bound=BaseModel)
+
+# the engine's sampling settings as fields (`kev_engine.SETTINGS`: types, bounds, descriptions). A call
+# answers once, so no n; top_p, top_k and max_tokens hold the engine's values (`metadata` reports
+# max_tokens), the others None until set: None leaves them to the engine
+KevSettings = settings_model("KevSettings", FunctionCallingLLM, skip=("n",),
+                             valued=("top_p", "top_k", "max_tokens"))
 
 
 def _logprobs(completion: Completion | None) -> list[list[LogProb]] | None:
@@ -93,7 +99,7 @@ def parse_tool_calls(text: str, tool_names: Sequence[str] = ()) -> list[dict[str
     return split_tool_calls(text, tool_names)[1]
 
 
-class Kev(FunctionCallingLLM):
+class Kev(KevSettings):  # type: ignore[misc, valid-type]  # a generated subclass of FunctionCallingLLM
     """Kev's packed engine as a LlamaIndex LLM: concurrent calls share forward passes.
 
     Setup:
@@ -101,7 +107,9 @@ class Kev(FunctionCallingLLM):
 
     Key init args:
         model: local folder, .gguf file or hub id; None = embedded SmolLM2-135M-Instruct.
-        adapter / temperature / top_p / top_k / max_tokens / stop / seed / cache_salt: per-call defaults.
+        adapter, and the engine's sampling settings but n (temperature, top_p, top_k, max_tokens, stop,
+            seed, cache_salt, logprobs, the penalties...: `kev_engine.SETTINGS`): per-call defaults.
+            With ``logprobs=True`` each response carries them (`_logprobs`).
         engine: an already-built engine (`kev_engine.Engine`, or any `EngineLike`) instead of the shared one.
         base_url / api_key: a running ``kev serve`` to use instead (model and adapters are the server's);
             every setting and constraint travels with each call. max_retries: retries of connection
@@ -202,37 +210,6 @@ class Kev(FunctionCallingLLM):
         default=None, description="Speculative decoding of the engine this LLM builds (the same tokens bit for bit); "
         "None = KEV_SPECULATIVE, else auto (on where the engine is batch-invariant).")
     adapter: str | None = Field(default=None, description="LoRA adapter for calls; None = the base model.")
-    temperature: float | None = Field(default=None, ge=0, description="0 = greedy; None = the engine default.")
-    top_p: float = Field(default=1.0, gt=0, le=1, description="Nucleus sampling mass; 1 disables it.")
-    top_k: int = Field(default=0, ge=0, description="Keep the k most likely tokens; 0 disables it.")
-    max_tokens: int = Field(default=256, gt=0, description="Most new tokens per answer.")
-    stop: list[str] | None = Field(default=None, description="Strings that end an answer.")
-    seed: int | None = Field(default=None, description="Seeded sampling: same tokens whatever the pack.")
-    cache_salt: str | None = Field(
-        default=None, description="Calls with different salts never share prefix KV (one per tenant)."
-    )
-    logprobs: bool | None = Field(
-        default=None, description="Report each token's logprob on the response's `logprobs` (see `_logprobs`)."
-    )
-    top_logprobs: int | None = Field(default=None, ge=0, le=20, description="With logprobs: alternatives per token.")
-    presence_penalty: float | None = Field(
-        default=None, ge=-2, le=2, description="OpenAI's: lower every token already in the answer by this."
-    )
-    frequency_penalty: float | None = Field(
-        default=None, ge=-2, le=2, description="OpenAI's: lower a token by this times its count in the answer."
-    )
-    repetition_penalty: float | None = Field(
-        default=None, gt=0, description="transformers': divide logits of tokens seen in prompt or answer (1 = off)."
-    )
-    min_p: float | None = Field(
-        default=None, ge=0, le=1, description="Drop tokens less likely than min_p x the top one (0 = off)."
-    )
-    logit_bias: dict[int | str, float] | None = Field(
-        default=None, description="Token id -> bias in [-100, 100] added to its logit (-100 bans it)."
-    )
-    stop_token_ids: list[int] | None = Field(default=None, description="Token ids that end an answer as EOS does.")
-    min_tokens: int | None = Field(default=None, ge=0, description="No end before this many tokens.")
-    ignore_eos: bool | None = Field(default=None, description="End-of-sequence does not end an answer.")
     json_schema: dict[str, Any] | str | None = Field(
         default=None, description="Every reply satisfies this JSON schema (a dict, its JSON text or a pydantic class)."
     )
@@ -278,7 +255,9 @@ class Kev(FunctionCallingLLM):
 
     @model_validator(mode="after")
     def _kev_check_sampling(self) -> Kev:
-        check_sampling({key: getattr(self, key) for key in SETTING_KEYS if key != "adapter"})
+        """What the fields' bounds cannot say (``min_tokens`` past ``max_tokens``, too many stop strings,
+        two constraints) fails at construction, with the engine's own message."""
+        check_sampling({key: getattr(self, key) for key in LLAMAINDEX_KEYS if key != "adapter"})
         check_retries(self.max_retries, self.base_url)
         return self
 
@@ -327,7 +306,7 @@ class Kev(FunctionCallingLLM):
         """Resolve settings: fields < `scoped` block < call kwargs, the reply's one constraint
         from the closest of them that gives one (`merge_settings`)."""
         check_settings(kwargs, "call argument")
-        fields = {key: getattr(self, key) for key in SETTING_KEYS}
+        fields = {key: getattr(self, key) for key in LLAMAINDEX_KEYS}
         settings = merge_settings(fields, current_overrides(), kwargs)
         adapter = settings.pop("adapter")
         return SamplingParams.from_dict(settings), adapter  # None fields take the engine's defaults

@@ -24,13 +24,13 @@ from contextvars import ContextVar
 from types import MappingProxyType
 from typing import Any
 
-from kev_engine import CONSTRAINT_FIELDS, SETTING_FIELDS
+from kev_engine import CONSTRAINT_FIELDS
 
-# every engine setting but the constraints and n (LlamaIndex answers once), derived so a new
-# engine setting reaches LlamaIndex too
-SAMPLING_KEYS = tuple(name for name in SETTING_FIELDS if name != "n")
-# what a field, a `scoped` block or a call may set: the same names everywhere
-SETTING_KEYS = (*SAMPLING_KEYS, "adapter", *CONSTRAINT_FIELDS)
+from ..init_args import SETTING_KEYS
+
+# what a field, a `scoped` block or a call may set, the same names everywhere: every setting but n
+# (a LlamaIndex call answers once)
+LLAMAINDEX_KEYS = tuple(key for key in SETTING_KEYS if key != "n")
 
 _EMPTY: Mapping[str, Any] = MappingProxyType({})
 _overrides: ContextVar[Mapping[str, Any]] = ContextVar("kev_llamaindex_overrides", default=_EMPTY)
@@ -38,9 +38,9 @@ _overrides: ContextVar[Mapping[str, Any]] = ContextVar("kev_llamaindex_overrides
 
 def check_settings(settings: Mapping[str, Any], where: str = "setting") -> None:
     """Refuse names Kev does not know, naming them and the allowed ones."""
-    unknown = sorted(set(settings) - set(SETTING_KEYS))
+    unknown = sorted(set(settings) - set(LLAMAINDEX_KEYS))
     if unknown:
-        raise ValueError(f"unknown Kev {where}(s) {unknown}; allowed: {list(SETTING_KEYS)}")
+        raise ValueError(f"unknown Kev {where}(s) {unknown}; allowed: {list(LLAMAINDEX_KEYS)}")
 
 
 def constrains(settings: Mapping[str, Any]) -> bool:
@@ -66,7 +66,7 @@ def merge_settings(*layers: Mapping[str, Any]) -> dict[str, Any]:
 def scoped(**settings: Any) -> Iterator[None]:
     """Apply `settings` (adapter, temperature, top_p, top_k, max_tokens, stop, seed, the
     penalties..., or one reply constraint — json_schema, json_object, regex, choice, grammar,
-    structural_tag: `SETTING_KEYS`) to every Kev call made inside the block. Nested scopes merge,
+    structural_tag: `LLAMAINDEX_KEYS`) to every Kev call made inside the block. Nested scopes merge,
     the inner one winning (an inner constraint replaces an outer one); call kwargs still win over
     the scope, and the scope over the LLM's own fields."""
     check_settings(settings)
