@@ -1,8 +1,9 @@
 """The main job: a packed RAG batch on the embedded default model.
 
-Sixteen questions, each with its own retrieved passage, are packed together: prefilled in
-one pass where their work fits the engine's pass budget (`pass_time_ms`; on a CPU, a few
-consecutive passes), then decoded in shared steps; each answer depends only on its own passage.
+Sixteen questions, each with its own retrieved passage, are packed together: prefilled in one
+forward pass (which pauses between its layers if another question arrives meanwhile, and stays
+one pass), then decoded in shared steps; each answer depends only on its own passage. The last
+line counts the prefill passes and every forward pass (the prefill pass among them).
 
     python examples/rag_batch.py            # or: make run
 """
