@@ -48,6 +48,9 @@ BETWEEN_SHARE = 0.5  # of the pass target, what a pass between two slices may ta
 
 
 PASS_STATS = ("forward_passes", "prefill_passes", "decode_steps", "pass_slices")
+"""Every pass is a prefill pass (it holds prompt tokens, and maybe decode rows beside them) or a
+decode step (decode rows alone): the two add up to `forward_passes`. `pass_slices`: how often a
+pass paused between its layers."""
 
 
 class Stepper:
@@ -114,12 +117,10 @@ class Stepper:
         how often the pass let others run between its layers, for `paused_s`."""
         draws = self.sampler.sample(self._rows_to_sample(chunks, batch), logits)
         has_prefill = any(c.request.in_prefill for c in chunks)  # before update() moves them on
-        has_decode = any(not c.request.in_prefill for c in chunks)
         with self.cond:
             self.scheduler.update(chunks, seconds=seconds, planned=planned)
         self.stats["forward_passes"] += 1
-        self.stats["prefill_passes"] += has_prefill
-        self.stats["decode_steps"] += has_decode
+        self.stats["prefill_passes" if has_prefill else "decode_steps"] += 1  # disjoint: they add up to every pass
         self.stats["pass_slices"] += pauses
         self.stats["paused_seconds"] += paused_s
         self.pass_seconds.observe(seconds)

@@ -159,7 +159,8 @@ def test_decode_row_sharing_a_pass_with_a_prefill_equals_solo(tokenizer, path: s
             after = engine.stats()
             assert after["forward_passes"] == before["forward_passes"] + 1
             assert after["prefill_passes"] == before["prefill_passes"] + 1
-            assert after["decode_steps"] == before["decode_steps"] + 1
+            assert after["decode_steps"] == before["decode_steps"]  # disjoint: a prefill pass
+            assert after["generated_tokens"] == before["generated_tokens"] + 2  # with the running row's token
         for future, prompt in ((first, QUESTIONS[0]), (late, QUESTIONS[1])):
             ids = engine.encode(prompt)
             expected = reference_greedy(reference, ids, 8, tokenizer.eos_token_id)

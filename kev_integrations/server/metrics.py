@@ -25,8 +25,8 @@ LATENCY_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 ENGINE_COUNTERS = {  # engine stat → (metric, help)
     "requests": ("kev_requests_total", "Questions the engine took (a prompt counts once, whatever its n)."),
     "forward_passes": ("kev_forward_passes_total", "Packed forward passes run."),
-    "prefill_passes": ("kev_prefill_passes_total", "Passes that prefilled at least one prompt."),
-    "decode_steps": ("kev_decode_steps_total", "Passes that decoded at least one token."),
+    "prefill_passes": ("kev_prefill_passes_total", "Passes that computed prompt tokens (decode rows may ride along)."),
+    "decode_steps": ("kev_decode_steps_total", "Passes of decode rows alone; with the prefill passes, every pass."),
     "pass_slices": ("kev_pass_pauses_total", "Times a pass paused between its layers for other passes to run."),
     "paused_seconds": ("kev_pass_paused_seconds_total", "Time passes spent paused while other passes ran."),
     "prompt_tokens": ("kev_prompt_tokens_total", "Prompt tokens admitted."),
