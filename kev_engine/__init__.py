@@ -2,9 +2,12 @@
 
 This module is the engine's public surface: what applications and `kev_integrations` use. The
 subpackages are the engine's stages, in the order a question flows (docs/architecture.md):
-`inputs` → `core` → `model` (with `adapters` and `platforms`) → `sample` → `outputs`; `tools`
-holds the `kev` commands. Their modules may change between releases; the names below do not
-without a deprecation.
+`inputs` → `core` → `model` (with `models`, `adapters` and `platforms`) → `sample` → `outputs`;
+`tools` holds the `kev` commands. Their modules may change between releases; the names below do
+not without a deprecation. Besides what applications use, other `EngineLike`s (RemoteEngine, the
+server) take `Arrival` (an announced request), `Delivery` and `Mailbox` (callbacks run in order per
+request, off the caller's thread), `Histogram` and `merged_histograms` (latency histograms, merged
+across Ray replicas).
 """
 
 from __future__ import annotations
@@ -13,10 +16,9 @@ from typing import Any
 
 from .adapters.pool import check_name as check_adapter_name
 from .core.arrivals import Arrival
-from .core.delivery import Delivery, Mailbox, hand_text
+from .core.delivery import Delivery, Mailbox
 from .core.latency import Histogram
 from .core.latency import merged as merged_histograms
-from .core.request import failed_future, resolve_future
 from .engine import Engine
 from .engine_like import EngineLike
 from .errors import (
@@ -85,10 +87,7 @@ __all__ = [
     "Histogram",
     "Mailbox",
     "TokenLogprob",
-    "failed_future",
-    "hand_text",
     "merged_histograms",
-    "resolve_future",
     # the `kev` command's parts (imported on first use): `cli.main`, `cli.Command`
     "cli",
 ]

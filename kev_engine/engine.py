@@ -418,8 +418,9 @@ class Engine:
         """Counters since start (requests; passes — `prefill_passes`, those with prompt tokens, and
         `decode_steps`, those of decode rows alone, add up to `forward_passes`; tokens, prefix
         hits), the KV memory now, how this engine computes (its dtype, and whether packed equals
-        alone bit for bit), its pass target, and two latency histograms (`latency.Histogram.snapshot`): each pass's duration
-        (`pass_seconds`) and each request's wait from submission to its first pass (`queue_seconds`)."""
+        alone bit for bit), its pass target, and two latency histograms (`latency.Histogram.snapshot`):
+        each pass's duration (`pass_seconds`) and each request's wait from submission to its first
+        pass (`queue_seconds`)."""
         with self._cond:
             return {
                 **self._scheduler.stats,

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import json
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -40,8 +39,6 @@ from kev_engine import (
     TokenLogprob,
     UnknownAdapterError,
     coerce_sampling,
-    hand_text,
-    resolve_future,
 )
 
 from .retry import RETRY_ERRORS, RETRY_STATUSES, check_max_retries, retry_delay
@@ -281,8 +278,7 @@ class RemoteEngine:
                 logprobs = event.get("logprobs")
                 piece = TextPiece(event["text"], event.get("sample", 0),
                                   None if logprobs is None else [TokenLogprob.from_dict(e) for e in logprobs])
-                self._delivery.post(pending.mailbox, functools.partial(hand_text, pending.future, pending.on_text,
-                                                                       piece))
+                self._delivery.post_text(pending.mailbox, pending.future, pending.on_text, piece)
         elif "completion" in event:
             self._resolve(pending, Completion.from_dict(event["completion"]))
         else:
@@ -290,7 +286,7 @@ class RemoteEngine:
 
     def _resolve(self, pending: _Pending, result: Any = None, exc: BaseException | None = None) -> None:
         """Resolve a future after the text already posted for it (on a delivery thread)."""
-        self._delivery.post(pending.mailbox, functools.partial(resolve_future, pending.future, result, exc))
+        self._delivery.post_result(pending.mailbox, pending.future, result, exc)
 
 
 def _sampling_dict(sampling: SamplingParams) -> dict[str, Any]:

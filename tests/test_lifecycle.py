@@ -23,7 +23,7 @@ from peft import PeftModel
 import kev_engine.sample.sample as sample_module
 from kev_engine import Engine, EngineClosedError, InvalidRequestError, SamplingParams
 from kev_engine.adapters.lora import MultiLoRALinear
-from kev_engine.core.request import failed_future
+from kev_engine.core.delivery import failed_future
 from kev_engine.errors import PassFailedError
 from kev_engine.sample.sample import apply_top_k_top_p
 

@@ -21,6 +21,7 @@ a callback's torch work gave one; see `threads`).
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import threading
 from collections.abc import Callable
@@ -88,6 +89,16 @@ class Delivery:
             else:
                 self._cond.notify()
 
+    def post_text(self, mailbox: Mailbox, future: Future[Any], on_text: Callable[[str], None], piece: str) -> None:
+        """Hand `piece` to `on_text` after what `mailbox` was posted before (`hand_text`)."""
+        self.post(mailbox, functools.partial(hand_text, future, on_text, piece))
+
+    def post_result(self, mailbox: Mailbox, future: Future[Any], result: Any = None,
+                    exc: BaseException | None = None) -> None:
+        """Resolve `future` with `result` or `exc` after every piece `mailbox` was posted before
+        (its done callbacks then run on a delivery thread)."""
+        self.post(mailbox, functools.partial(resolve_future, future, result, exc))
+
     def owns_current_thread(self) -> bool:
         """Whether the caller runs on one of this pool's threads (inside a callback)."""
         return getattr(_current, "delivery", None) is self
@@ -124,3 +135,25 @@ class Delivery:
                     self._cond.notify()  # an idle thread may take the next mailbox meanwhile
                 else:
                     mailbox.queued = False
+
+
+def failed_future(exc: BaseException) -> Future[Any]:
+    """A refused request's answer: a future that already holds its error."""
+    future: Future[Any] = Future()
+    future.set_exception(exc)
+    return future
+
+
+def resolve_future(future: Future[Any], result: Any = None, exc: BaseException | None = None) -> None:
+    """Complete a request's future unless its caller cancelled it meanwhile.
+
+    Futures stay PENDING while their request runs (never `set_running_or_notify_cancel`), so a
+    caller — or asyncio, through `wrap_future` — can cancel a request at any time before it ends.
+    """
+    try:
+        if exc is not None:
+            future.set_exception(exc)
+        else:
+            future.set_result(result)  # type: ignore[arg-type]
+    except InvalidStateError:  # cancelled between our check and now: nobody waits for it
+        pass

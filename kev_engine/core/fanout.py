@@ -24,7 +24,8 @@ from typing import Any
 
 from ..inputs.params import SEED_MAX, SamplingParams
 from ..results import Completion
-from .request import Request, failed_future, resolve_future
+from .delivery import failed_future, resolve_future
+from .request import Request
 
 
 def sample_seed(seed: int | None, index: int) -> int | None:

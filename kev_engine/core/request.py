@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 import time
 from collections.abc import Callable, Hashable
-from concurrent.futures import Future, InvalidStateError
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -107,25 +107,3 @@ class Request:
         if self.capture_logits:
             return self.completion(), torch.stack(self.logits)  # [completion_tokens, vocab]
         return self.completion()
-
-
-def failed_future(exc: BaseException) -> Future[Completion]:
-    """A refused request's answer: a future that already holds its error."""
-    future: Future[Completion] = Future()
-    future.set_exception(exc)
-    return future
-
-
-def resolve_future(future: Future[Any], result: Any = None, exc: BaseException | None = None) -> None:
-    """Complete a request's future unless its caller cancelled it meanwhile.
-
-    Futures stay PENDING while their request runs (never `set_running_or_notify_cancel`), so a
-    caller — or asyncio, through `wrap_future` — can cancel a request at any time before it ends.
-    """
-    try:
-        if exc is not None:
-            future.set_exception(exc)
-        else:
-            future.set_result(result)  # type: ignore[arg-type]
-    except InvalidStateError:  # cancelled between our check and now: nobody waits for it
-        pass

@@ -9,14 +9,13 @@ mailbox, drained by the delivery threads (`delivery`), so a slow callback stalls
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Collection, Sequence
 from typing import Any
 
 import torch
 
-from ..core.delivery import Delivery, hand_text
-from ..core.request import Request, resolve_future
+from ..core.delivery import Delivery
+from ..core.request import Request
 from ..core.schedule import Chunk
 from ..model.pack import PackedBatch
 from ..results import TextPiece
@@ -83,9 +82,9 @@ class OutputProcessor:
                 logprobs = request.logprobs[request.logprobs_streamed:]
                 request.logprobs_streamed = len(request.logprobs)
             piece = TextPiece(delta, request.sample_index, logprobs)
-            self.delivery.post(request.mailbox, functools.partial(hand_text, request.future, request.on_text, piece))
+            self.delivery.post_text(request.mailbox, request.future, request.on_text, piece)
 
     def _resolve(self, request: Request, result: Any, exc: BaseException | None = None) -> None:
         """Resolve a request's future after every piece of text it streamed (its done callbacks
         then run on a delivery thread, not in a pass)."""
-        self.delivery.post(request.mailbox, functools.partial(resolve_future, request.future, result, exc))
+        self.delivery.post_result(request.mailbox, request.future, result, exc)

@@ -39,7 +39,6 @@ from kev_engine import (
     KevError,
     SamplingParams,
     coerce_sampling,
-    failed_future,
     prompt_ids,
 )
 
@@ -122,7 +121,8 @@ async def _generate_events(state: ServerState, engine: Engine, tenant: Tenant,
     futures = dict(zip(valid, submitted))
     for i, sampling in enumerate(samplings):
         if isinstance(sampling, BaseException):  # a refused setting: a request that has already failed
-            futures[i] = failed_future(sampling)
+            futures[i] = refused = Future()
+            refused.set_exception(sampling)
         pieces.watch(i, futures[i])
 
     async def stream() -> AsyncIterator[str]:
