@@ -7,7 +7,8 @@ subpackages are the engine's stages, in the order a question flows (docs/archite
 not without a deprecation. Besides what applications use, other `EngineLike`s (RemoteEngine, the
 server) take `Arrival` (an announced request), `Delivery` and `Mailbox` (callbacks run in order per
 request, off the caller's thread), `Histogram` and `merged_histograms` (latency histograms, merged
-across Ray replicas).
+across Ray replicas), `on_passing_thread` (torch work off a long-lived thread, whose OpenMP team
+would stay beside the engine's).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from .inputs.params import (
 )
 from .inputs.tokenize import Prompt, prompt_ids
 from .loader import EMBEDDED_NAME, resolve_device, resolve_dtype
+from .platforms.threads import on_passing_thread
 from .results import Completion, FinishReason, TextPiece, TokenLogprob
 from .sample.logprobs import PromptLogprobs
 
@@ -88,6 +90,7 @@ __all__ = [
     "Mailbox",
     "TokenLogprob",
     "merged_histograms",
+    "on_passing_thread",
     # the `kev` command's parts (imported on first use): `cli.main`, `cli.Command`
     "cli",
 ]

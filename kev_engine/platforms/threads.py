@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import TypeVar
 
 import torch
@@ -50,27 +51,36 @@ def use_threads(threads: int | None) -> int:
     return torch.get_num_threads()
 
 
-def run_on_passing_thread(fn: Callable[[], T], name: str) -> T:
-    """`fn()` on a new thread that ends when it returns; its result or its exception, here.
+def on_passing_thread(fn: Callable[[], T], name: str) -> Future[T]:
+    """`fn()` on a new thread that ends when it returns, as a future (cancelled before it starts:
+    skipped). The caller's thread state that torch keeps per thread (`platforms.carry_thread_state`:
+    the CUDA device) goes with it, so `device=None` resolves as it would have on the caller's thread."""
+    future: Future[T] = Future()
+    _start(fn, name, future)
+    return future
 
-    The caller's thread state that torch keeps per thread (`platforms.carry_thread_state`: the
-    CUDA device) goes with it, so `device=None` resolves as it would have on the caller's thread.
-    """
+
+def run_on_passing_thread(fn: Callable[[], T], name: str) -> T:
+    """`fn()` on a new thread that ends when it returns (`on_passing_thread`); its result or its
+    exception, here, once the thread has ended."""
+    future: Future[T] = Future()
+    _start(fn, name, future).join()
+    return future.result()
+
+
+def _start(fn: Callable[[], T], name: str, future: Future[T]) -> threading.Thread:
     enter = carry_thread_state()
-    box: dict[str, T] = {}
-    errors: list[BaseException] = []
 
     def body() -> None:
+        if not future.set_running_or_notify_cancel():
+            return
         try:
             enter()
-            box["result"] = fn()
+            future.set_result(fn())
         except BaseException as exc:  # noqa: BLE001 - handed back to the caller, whatever it is
-            errors.append(exc)
+            future.set_exception(exc)
 
     # daemon: a caller interrupted while waiting (Ctrl-C during a load) does not keep the process alive
     thread = threading.Thread(target=body, name=name, daemon=True)
     thread.start()
-    thread.join()
-    if errors:
-        raise errors[0]
-    return box["result"]
+    return thread

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import threading
 import time
@@ -32,12 +33,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kev_engine import Arrival, Completion, Engine, KevError
+from kev_engine import Arrival, Completion, Engine, KevError, on_passing_thread
 
 from .admin import add_admin_routes
 from .chat_prompt import cut_forced_call
 from .config import ServerConfig
-from .echo import echoed_prompts, on_passing_thread, unanswered
+from .echo import echoed_prompts, unanswered
 from .endings import Endings
 from .errors import APIError, bad_request, engine_error
 from .inflight import PerKeyLimit
@@ -325,8 +326,10 @@ def build_app(engine: Engine | Callable[[], Engine], config: ServerConfig | None
                     raise engine_error(exc, None, call.fields) from None
                 _refused(futures, call.fields)
             if call.echo:  # beside the answers: the prompts' own pass (logprobs) or only their token counts
-                futures.append(on_passing_thread(echoed_prompts, engine_now, call.prompts, call.adapter,
-                                                 call.prompt_logprobs, call.fields))
+                # on a thread that ends: the logprobs' tensor work leaves no OpenMP team beside the engine's
+                futures.append(on_passing_thread(functools.partial(
+                    echoed_prompts, engine_now, call.prompts, call.adapter, call.prompt_logprobs, call.fields),
+                    "kev-echo"))
             results = await _answers(request, futures, config.request_timeout_s, call.fields, len(call.prompts))
         finally:
             state.release(places)

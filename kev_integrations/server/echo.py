@@ -16,18 +16,14 @@ prefill runs to its end.
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any, TypeVar
+from typing import Any
 
 from kev_engine import Completion, Engine, KevError, TokenLogprob
 
 from .errors import engine_error
 from .token_prompts import prompt_text
-
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -70,21 +66,3 @@ def unanswered(echoed: Sequence[EchoedPrompt], n: int, logprobs: bool) -> list[C
         return Completion(text="", token_ids=[], finish_reason="length", prompt_tokens=echo.num_tokens,
                           completion_tokens=0, logprobs=[] if logprobs else None)
     return [replace(empty(e), samples=tuple(empty(e) for _ in range(n)) if n > 1 else ()) for e in echoed]
-
-
-def on_passing_thread(fn: Callable[..., T], *args: Any) -> Future[T]:
-    """`fn(*args)` on a new thread that ends with it, as a future (cancelling it before it starts
-    skips it). A thread that ends takes its OpenMP team with it: torch ops on a long-lived pool
-    thread would leave one beside the engine's and slow every pass (`kev_engine.platforms.threads`)."""
-    future: Future[T] = Future()
-
-    def body() -> None:
-        if not future.set_running_or_notify_cancel():
-            return
-        try:
-            future.set_result(fn(*args))
-        except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the future
-            future.set_exception(exc)
-
-    threading.Thread(target=body, name="kev-echo", daemon=True).start()
-    return future
