@@ -30,7 +30,7 @@ from workload import load_rag, rag_messages  # noqa: E402
 from kev_engine import Engine  # noqa: E402
 from kev_engine.core.blocks import blocks_for  # noqa: E402
 from kev_engine.model.pack import Segment, pack  # noqa: E402
-from kev_engine.platforms.cpu.compiled import CompiledBackend  # noqa: E402
+from kev_engine.platforms.cpu.fast import FastBackend  # noqa: E402
 from kev_engine.platforms.cpu.kernels import load_kernels  # noqa: E402
 from kev_engine.platforms.torch_ops import TorchBackend  # noqa: E402
 
@@ -71,7 +71,7 @@ def time_paths(rows: list[tuple[list[int], int]], repeat: int) -> dict[str, floa
     segments = [Segment(i, [1], n - 1, True, block_ids=table) for i, (table, n) in enumerate(rows)]
     kernels = load_kernels()
     pool = SimpleNamespace(block_size=BLOCK, keys=keys, values=values)
-    backends = {"compiled": CompiledBackend(kernels).bind(pool), "torch": TorchBackend().bind(pool)}
+    backends = {"compiled": FastBackend(kernels).bind(pool), "torch": TorchBackend().bind(pool)}
     layouts = {path: pack(segments, backend=backend).attention for path, backend in backends.items()}
     outputs = {path: backend.decode_rows(query, layouts[path], 0, None) for path, backend in backends.items()}
     # the exact pool keeps each block's keys transposed; one row per segment, past = its tokens before

@@ -136,7 +136,7 @@ def decode_step_vs_floor(engine: Engine, msgs: list, dtype: str, steps: int = 32
     floors: dict[str, list[float]] = {"plain": [], "same_products": []}
     step = engine.step
 
-    kernels = load_kernels() if engine.attention in ("compiled", "exact") else None
+    kernels = load_kernels() if engine.attention in ("fast", "exact") else None
 
     def floor(kind: str) -> float:
         if kind == "same_products":

@@ -458,7 +458,7 @@ class Engine:
     @property
     def attention(self) -> str:
         """The attention every row of a pass runs on, prefill and decode (`platforms`): "exact" (the
-        batch-invariant CPU kernel), "varlen" or "flash-attn" (the paged CUDA kernel), "compiled"
+        batch-invariant CPU kernel), "varlen" or "flash-attn" (the paged CUDA kernel), "fast"
         (Kev's CPU decode kernel, SDPA for prefill) or "torch"."""
         return self._backend.name
 

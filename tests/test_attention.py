@@ -25,7 +25,7 @@ from kev_engine.model.kv_pool import kv_shape
 from kev_engine.model.pack import Segment, pack
 from kev_engine.platforms import torch_ops as reference
 from kev_engine.platforms.cpu import kernels
-from kev_engine.platforms.cpu.compiled import CompiledBackend
+from kev_engine.platforms.cpu.fast import FastBackend
 from kev_engine.platforms.cuda import choice
 from kev_engine.platforms.cuda import varlen as cuda_backend
 from kev_engine.platforms.torch_ops import TorchBackend
@@ -222,7 +222,7 @@ class KernelCounter(TorchDispatchMode):
 def test_one_attention_call_per_layer_for_any_number_of_decode_rows(tokenizer, path: str) -> None:
     """The compiled decode kernel: one call per layer and no torch matmul; the torch path: a fixed set."""
     engine = Engine(tiny_model("llama", tokenizer), tokenizer, cpu_kernels=path, batch_invariant=False)
-    assert engine.attention == path
+    assert engine.attention == {"compiled": "fast", "torch": "torch"}[path]
     two, sixteen = count_attention_kernels(engine, 2), count_attention_kernels(engine, 16)
     engine.close()
     assert two == sixteen
@@ -251,7 +251,7 @@ def test_compiled_decode_kernel_equals_attention_per_row(shape, dtype) -> None:
             keys[block_id, :, :n] = torch.randn(kv_heads, n, dim)
             values[block_id, :, :n] = torch.randn(kv_heads, n, dim)
     keys, values = keys.to(dtype), values.to(dtype)
-    backend = CompiledBackend(kernels.load_kernels()).bind(SimpleNamespace(block_size=block, keys=[keys],
+    backend = FastBackend(kernels.load_kernels()).bind(SimpleNamespace(block_size=block, keys=[keys],
                                                                           values=[values]))
     segments = [Segment(i, [1], n - 1, True, block_ids=t) for i, (t, n) in enumerate(zip(tables, lengths))]
     batch = pack(segments, backend=backend)
@@ -406,7 +406,7 @@ def test_cpu_kernels_mode_is_checked_and_a_failed_build_is_said(tokenizer, monke
     engine.close()
 
 
-BACKEND_OPTIONS = {"exact": {}, "compiled": {"batch_invariant": False}, "torch": {"cpu_kernels": "torch"}}
+BACKEND_OPTIONS = {"exact": {}, "fast": {"batch_invariant": False}, "torch": {"cpu_kernels": "torch"}}
 
 
 @pytest.mark.parametrize("kind", list(BACKEND_OPTIONS))

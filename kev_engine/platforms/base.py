@@ -15,7 +15,7 @@ else in the engine knows which kernel runs or how a block is laid out.
 
     backend      layout of a block (keys │ values)       kernels
     "torch"      [kvH, bs, D] │ [kvH, bs, D]            torch's SDPA per prefill chunk, decode rows batched
-    "compiled"   [kvH, bs, D] │ [kvH, bs, D]            the same prefill; Kev's C++ decode kernel and KV writes
+    "fast"       [kvH, bs, D] │ [kvH, bs, D]            the same prefill; Kev's C++ decode kernel and KV writes
     "exact"      [kvH, D, bs] │ [kvH, bs, D]            Kev's batch-invariant kernel: every row, one call
     "varlen"     [bs, kvH, D] │ [bs, kvH, D]            torch's paged varlen_attn on CUDA: every row, one call
                                                         (torch 2.10/2.11: each segment's keys gathered first)

@@ -3,7 +3,7 @@
 Kev's own model computes with the platform's ops (`ops`): batch-invariant (the default where the
 kernels load, in float32 and bfloat16) every product by the packed kernel, each layer as one
 kernel call, and every attention row by the exact kernel (`exact.ExactBackend`); otherwise the
-few-row product for decode and the compiled decode kernel (`compiled.CompiledBackend`), or
+few-row product for decode and the compiled decode kernel (`fast.FastBackend`), or
 torch's ops where the kernels are off or failed to build.
 
 A transformers model on the fallback path gets the same kernels installed on its modules: every
@@ -24,8 +24,8 @@ from .. import inplace
 from ..base import AttentionBackend, Platform
 from ..torch_ops import TorchBackend
 from . import exact_linear, rotary_table, rows_linear
-from .compiled import CompiledBackend
 from .exact import ExactBackend
+from .fast import FastBackend
 from .kernels import Kernels
 from .ops import ExactOps, FastOps, packed_delta
 
@@ -41,7 +41,7 @@ class CpuPlatform(Platform):
             assert kernels is not None, "the batch-invariant CPU path runs on Kev's kernels (why_not says so)"
             attention = ExactBackend(kernels)
         else:
-            attention = CompiledBackend(kernels) if kernels is not None else TorchBackend()
+            attention = FastBackend(kernels) if kernels is not None else TorchBackend()
         super().__init__(device, attention, batch_invariant)
         self.kernels = kernels
         if batch_invariant:

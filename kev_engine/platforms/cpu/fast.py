@@ -1,4 +1,5 @@
-"""The compiled CPU backend: the torch backend's layout and prefill, Kev's C++ kernels for decode and KV writes.
+"""The fast CPU backend (`batch_invariant=False` with Kev's kernels): the torch backend's layout
+and prefill, Kev's C++ kernels for decode and KV writes.
 
 Decode rows: ONE call per layer of `paged_decode` (csrc/paged_decode.cpp) over every row's block
 table, reading only each row's own positions — so blocks just handed out need no clearing.
@@ -17,8 +18,8 @@ from ...model.pack import PackedBatch, Segment
 from ..torch_ops import DecodeLayout, TorchBackend, kernel_decode_layout
 
 
-class CompiledBackend(TorchBackend):
-    name: ClassVar[str] = "compiled"
+class FastBackend(TorchBackend):
+    name: ClassVar[str] = "fast"
     reads_whole_blocks: ClassVar[bool] = False
 
     def __init__(self, kernels: Any) -> None:
