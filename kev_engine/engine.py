@@ -216,9 +216,10 @@ class Engine:
         self._delivery = Delivery("kev")  # on_text and results reach callers from its threads, never from a pass
         arrivals = Arrivals(max(0.0, coalesce_ms) / 1000)  # under the engine's lock
         self._arrivals = arrivals
+        self._outputs = OutputProcessor(tokenizer, self.eos_ids, self._delivery)
         self._stepper = Stepper(cond=self._cond, scheduler=self._scheduler, runner=self._runner,
                                 sampler=Sampler(self._grammars, self.eos_ids, self._token_texts),
-                                outputs=OutputProcessor(tokenizer, self.eos_ids, self._delivery), arrivals=arrivals)
+                                outputs=self._outputs, arrivals=arrivals)
         self._worker = Worker(self._stepper, self._cond, arrivals, enter=self._platform.enter_pass_thread)
         self._given_back = False  # close() drained the requests and gave the model back
         _live.add(self)  # closed at interpreter exit, before torch tears down its thread pools
@@ -425,7 +426,7 @@ class Engine:
             return {
                 **self._scheduler.stats,
                 **self._stepper.stats,
-                "generated_tokens": self._stepper.outputs.generated_tokens,
+                "generated_tokens": self._outputs.generated_tokens,
                 "kv_cache_peak_bytes": self._scheduler.peak_blocks * self._kv.block_bytes,
                 "dtype": str(self.dtype).removeprefix("torch."),
                 "dtype_choice": self.dtype_choice,

@@ -117,13 +117,13 @@ class Stepper:
         how often the pass let others run between its layers, for `paused_s`."""
         draws = self.sampler.sample(self._rows_to_sample(chunks, batch), logits)
         has_prefill = any(c.request.in_prefill for c in chunks)  # before update() moves them on
-        with self.cond:
+        with self.cond:  # `Engine.stats` reads the counters under it
             self.scheduler.update(chunks, seconds=seconds, planned=planned)
-        self.stats["forward_passes"] += 1
-        self.stats["prefill_passes" if has_prefill else "decode_steps"] += 1  # disjoint: they add up to every pass
-        self.stats["pass_slices"] += pauses
-        self.stats["paused_seconds"] += paused_s
-        self.pass_seconds.observe(seconds)
+            self.stats["forward_passes"] += 1
+            self.stats["prefill_passes" if has_prefill else "decode_steps"] += 1  # disjoint: they add up to all
+            self.stats["pass_slices"] += pauses
+            self.stats["paused_seconds"] += paused_s
+            self.pass_seconds.observe(seconds)
         finished = self.outputs.record(chunks, batch, logits, draws)
         if any(chunk.draft for chunk in chunks):
             self._walk_drafts(chunks, batch, logits, finished)
