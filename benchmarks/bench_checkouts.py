@@ -12,9 +12,11 @@ Per dtype (`--dtypes`), one process per tree and round measures, in this order:
   one     after a warm-up (the last RAG chat, 4 tokens, so the first one's prompt is not in the
           prefix cache), ONE `generate` of the first RAG chat alone, greedy, 48 new tokens
   rag16   then ONE `generate` of the 16 RAG chats (benchmarks/workload.py), greedy, 48 new tokens
+  docqa   then ONE `generate` of DOC-QA's 20 questions on one document (bench_prefix.py), greedy,
+          48 new tokens (its document computed once: the prefix cache is on)
 and, once per tree and round:
   tests   `pytest -q` on `--tests` (files both trees have), its wall time
-The answers' token ids (one and rag16, last round) are compared between the trees per dtype.
+The answers' token ids (one, rag16 and docqa, last round) are compared between the trees per dtype.
 
 Usage: python benchmarks/bench_checkouts.py --baseline DIR [--rounds 3] [--dtypes float32,bfloat16]
        [--tests tests/test_schedule.py ...]
@@ -42,12 +44,13 @@ PRIME = "import sys; from kev_engine import Engine; Engine.from_pretrained(dtype
 WORKER = """
 import json, resource, sys, time
 from kev_engine import Engine
-chats, dtype = json.load(open(sys.argv[1])), sys.argv[2]
+workloads, dtype = json.load(open(sys.argv[1])), sys.argv[2]
+chats = workloads["rag"]
 started = time.perf_counter()
 engine = Engine.from_pretrained(dtype=dtype)
 result = {"load": time.perf_counter() - started, "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 engine.generate(chats[-1:], {"temperature": 0, "max_tokens": 4})
-for name, batch in (("one", chats[:1]), ("rag16", chats)):
+for name, batch in (("one", chats[:1]), ("rag16", chats), ("docqa", workloads["docqa"])):
     started = time.perf_counter()
     answers = engine.generate(batch, {"temperature": 0, "max_tokens": 48})
     result[name] = time.perf_counter() - started
@@ -57,7 +60,8 @@ engine.close()
 """
 # the worker's numbers: key -> (the report's label, its format)
 MEASURES = {"load": ("load s", ".2f"), "rss": ("peak RSS after load MiB", ".0f"),
-            "one": ("one question s", ".2f"), "rag16": ("RAG-16 generate s", ".2f")}
+            "one": ("one question s", ".2f"), "rag16": ("RAG-16 generate s", ".2f"),
+            "docqa": ("DOC-QA generate s", ".2f")}
 
 
 def _env(tree: Path) -> dict[str, str]:
@@ -111,11 +115,12 @@ def main() -> None:
     parser.add_argument("--tests", nargs="*", default=DEFAULT_TESTS, help="test files (none: no tests)")
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_prefix import doc_qa_messages
     from workload import load_rag, rag_messages
 
     trees = {"this tree": ROOT, "baseline": args.baseline.resolve()}
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as handle:
-        json.dump([rag_messages(item) for item in load_rag()], handle)
+        json.dump({"rag": [rag_messages(item) for item in load_rag()], "docqa": doc_qa_messages()}, handle)
     for tree in trees.values():
         for dtype in args.dtypes:
             _python(tree, PRIME, dtype)  # untimed: fills the caches a load reads
@@ -129,7 +134,8 @@ def main() -> None:
                 for key in MEASURES:
                     samples[f"{dtype} {key}"][name].append(result[key])
                 parts.append(f"{dtype} load {result['load']:.2f} s ({result['rss']:.0f} MiB), "
-                             f"one {result['one']:.2f} s, RAG-16 {result['rag16']:.2f} s")
+                             f"one {result['one']:.2f} s, RAG-16 {result['rag16']:.2f} s, "
+                             f"DOC-QA {result['docqa']:.2f} s")
             if args.tests:
                 samples["tests"][name].append(tests(tree, args.tests))
                 parts.append(f"tests {samples['tests'][name][-1]:.1f} s")
@@ -138,8 +144,8 @@ def main() -> None:
             for dtype in args.dtypes for key, (label, fmt) in MEASURES.items()]
     if args.tests:
         rows.append(_row("tests s", ".1f", samples["tests"]))
-    same = [f"{dtype} one {_same(answers, dtype, 'one')}, RAG-16 {_same(answers, dtype, 'rag16')}"
-            for dtype in args.dtypes]
+    same = [f"{dtype} one {_same(answers, dtype, 'one')}, RAG-16 {_same(answers, dtype, 'rag16')}, "
+            f"DOC-QA {_same(answers, dtype, 'docqa')}" for dtype in args.dtypes]
     text = "\n".join([
         f"# bench_checkouts ({time.strftime('%Y-%m-%d')}, {_cpu()}, {os.cpu_count()} CPUs; "
         f"embedded model, {', '.join(args.dtypes)})", "",

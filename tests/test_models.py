@@ -93,7 +93,7 @@ def test_the_one_call_layer_is_the_op_by_op_layer_bitwise(family: str, dtype: to
 def _pass(engine: Engine, ids: list[int], native: bool) -> torch.Tensor:
     """Logits of `ids` as one fresh question in the engine's pool, each layer one call or op by op."""
     model, backend = engine.model, engine._backend
-    blocks = list(range(-(-len(ids) // engine._kv.block_size)))
+    blocks = list(range(-(-len(ids) // engine.stats()["kv_block_size"])))
     batch = pack([Segment(request_id=0, token_ids=ids, past_len=0, needs_logits=True, block_ids=blocks,
                           all_logits=True)], "cpu", backend)
     saved = [layer.native for layer in model.layers]

@@ -213,7 +213,7 @@ def test_a_request_cancelled_in_a_paused_pass_is_freed_after_it(tokenizer: Any,
                 engine.step()
         stats = engine.stats()
         assert stats["cancelled"] == 2 and stats["running"] == stats["waiting"] == 0
-        assert engine._blocks.num_used == 0 or stats["kv_cache_bytes"] == 0
+        assert stats["kv_cache_bytes"] == 0  # every block given back
         assert [big[i].result(timeout=60).completion_tokens for i in (0, 2)] == [2, 2]
 
 
