@@ -12,9 +12,12 @@ processor puts tokens on their requests and hands callers their text and results
 owns the pass counters and holds the engine's lock around every scheduler call.
 
 A pass that pauses: with a time target and Kev's own model, a batch is one pass whatever its size
-(`Scheduler.schedule(whole=True)`), and its forward runs in slices, each about one target long by
-the cost model's prediction: whole layers, or where one layer alone takes longer (a prompt of
-thousands of tokens), the next rows of a layer (`DecoderModel.advance`). Between two slices, while
+(`Scheduler.schedule(whole=True)`), and its forward runs in slices: whole layers, or where one
+layer alone takes longer than the target (a prompt of thousands of tokens), the next rows of a
+layer (`DecoderModel.advance`). A running answer waits a slice and a pass between two tokens, so a
+slice is sized to the target less the pass between, by the pace of the last slices in rows and in
+the keys those rows attend to (`core/slice_work.py`; the cost model's prediction before any slice
+was timed). Between two slices, while
 anything else is queued or answering, one ordinary pass runs for it (the running answers' next
 tokens, newly arrived questions; nothing of the paused pass, whose blocks under way it cannot
 see), then the paused pass resumes. Alone on the engine it runs to its end. Its rows are the same
@@ -24,6 +27,7 @@ states.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import math
 import threading
@@ -36,12 +40,16 @@ from .core.arrivals import Arrivals
 from .core.latency import Histogram
 from .core.request import Request
 from .core.schedule import Chunk, Plan, Scheduler
+from .core.slice_work import WINDOW, SlicePace, SliceWork
 from .errors import EngineClosedError, PassFailedError
 from .model.pack import PackedBatch
 from .outputs.processor import Finished, OutputProcessor
 from .runner import ModelRunner
 from .sample.sample import Sampler, draws_alone
 
+SLICE_AIM = 0.9  # of a slice's time, what its rows are sized to at the slices' pace: the wait between two of a
+# running answer's tokens also holds their sampling and delivery, and the target is that wait's p99
+LEAST_SLICE = 0.25  # of the target, the least a slice aims at however long the passes between take
 MIN_SLICE_ROWS = 64  # a slice's least rows of a layer: fewer would cost more in calls than they save
 BETWEEN_SHARE = 0.5  # of the pass target, what a pass between two slices may take (a prompt that came
 # meanwhile goes on in chunks there): a running answer waits a slice and that pass between two tokens
@@ -62,7 +70,8 @@ class Stepper:
         self.sampler = sampler
         self.outputs = outputs
         self.arrivals = arrivals
-        self.row_seconds: float | None = None  # the last slice's seconds per row of a layer
+        self.pace = SlicePace()  # what the last slices' rows and keys took
+        self.betweens: collections.deque[float] = collections.deque(maxlen=WINDOW)  # the last passes between
         self.stats: dict[str, float] = dict.fromkeys(PASS_STATS, 0)
         self.stats["paused_seconds"] = 0.0
         self.pass_seconds = Histogram()  # each pass, pack to draws
@@ -196,13 +205,14 @@ class Stepper:
         try:
             batch = runner.prepare(plan)
             state = runner.begin(batch, plan.resident)
-            per_slice = self.slice_rows(planned, layers, state.num_rows)
+            work = SliceWork(batch.past_lens, batch.cu_seqlens_list)
+            per_slice = self.slice_rows(planned, layers, work)
             while state.next_layer < layers:
                 sliced, before = time.perf_counter(), state.rows_done
                 runner.advance(state, per_slice)
                 took, between, done = time.perf_counter() - sliced, 0.0, state.rows_done - before
                 if done >= MIN_SLICE_ROWS:  # a prompt's pace (a decode pass's few rows are mostly fixed costs)
-                    self.row_seconds = took / done
+                    self.pace.observe(done, work.keys_between(before, state.rows_done), took)
                 if state.next_layer < layers and self._others_wait(in_flight):
                     paused = time.perf_counter()
                     computing += paused - started
@@ -210,8 +220,9 @@ class Stepper:
                         pauses += 1
                         between = time.perf_counter() - paused
                         paused_s += between
+                        self.betweens.append(between)
                     started = time.perf_counter()
-                per_slice = self.resize(done, took, between, state.num_rows)
+                per_slice = self.resize(work, state.rows_done, done, took, max(self.betweens, default=between))
             logits = runner.end(state)  # [K, vocab]
         finally:
             self._ended()
@@ -224,29 +235,37 @@ class Stepper:
         with self.cond:
             return self.scheduler.has_other_work(in_flight)
 
-    def slice_rows(self, planned: tuple[float, float], layers: int, rows: int) -> int:
-        """A pass's first slice, in rows of layers (a whole layer is `rows` of them): at the pace of
-        the last slice run (half a target's worth: it may have been a shorter context's), else as
-        many as the pass target holds by the cost model's prediction of the whole pass (one layer
-        before it has timed a pass); at least MIN_SLICE_ROWS."""
-        least = min(MIN_SLICE_ROWS, rows)
-        if self.row_seconds is not None:  # the last slice's pace, where one ran: the clock, not the fit
-            return max(least, int(self.scheduler.pass_time_s * BETWEEN_SHARE / self.row_seconds))
+    def slice_rows(self, planned: tuple[float, float], layers: int, work: SliceWork) -> int:
+        """A pass's first slice, in rows of layers (a whole layer is `work.rows` of them): at the
+        pace of the last slices run (`SlicePace`), the rows predicted within the target less the
+        most a pass between may take (BETWEEN_SHARE); else as many as the pass target holds by the
+        cost model's prediction of the whole pass (one layer before it has timed a pass); at
+        least MIN_SLICE_ROWS."""
+        least = min(MIN_SLICE_ROWS, work.rows)
+        target = self.scheduler.pass_time_s
+        if self.pace.ready:  # the clock, not the fit
+            return max(least, self.pace.rows_within(work, 0, target * (1 - BETWEEN_SHARE), layers * work.rows))
         seconds = self.scheduler.predict(*planned)
         if seconds is None or seconds <= 0:
-            return rows
-        return max(least, int(layers * rows * self.scheduler.pass_time_s / seconds))
+            return work.rows
+        return max(least, int(layers * work.rows * target / seconds))
 
-    def resize(self, rows: int, seconds: float, between: float, total: int) -> int:
-        """The next slice's rows, from the last one's: `rows` took `seconds`, and the pass run
-        after it `between` (0: none ran). A running answer waits a slice and a pass between two tokens, so a
-        slice aims at the target less that pass (at least half the target); the prediction the
-        first slice was sized by may be far off (a long prompt's attention), the clock is not.
-        At most twice the last slice, never under MIN_SLICE_ROWS."""
+    def resize(self, work: SliceWork, rows_done: int, rows: int, seconds: float, between: float) -> int:
+        """The next slice's rows, after the first `rows_done`; the last one's `rows` took `seconds`,
+        and a pass between two slices takes `between` (the longest of the last few; 0: none ran).
+        A running answer waits a slice and a pass between two tokens, so a slice aims at the
+        target less that pass (at least LEAST_SLICE of it): the rows the pace of the last slices
+        predicts within it (rows late in a long prompt's layer cost more than its first:
+        `SliceWork`), else in the last slice's proportion. At most twice the last slice's rows,
+        never under MIN_SLICE_ROWS."""
+        least = min(MIN_SLICE_ROWS, work.rows)
+        target = max(self.scheduler.pass_time_s * LEAST_SLICE, self.scheduler.pass_time_s - between)
+        if self.pace.ready:
+            target *= SLICE_AIM
+            return max(least, self.pace.rows_within(work, rows_done, target, 2 * rows))
         if seconds <= 0:
             return rows
-        target = max(self.scheduler.pass_time_s / 2, self.scheduler.pass_time_s - between)
-        return max(min(MIN_SLICE_ROWS, total), min(2 * rows, int(rows * target / seconds)))
+        return max(least, min(2 * rows, int(rows * target / seconds)))
 
     def _between(self, in_flight: frozenset[int]) -> bool:
         """One ordinary pass for what waits beside a paused pass; whether one ran. The paused

@@ -19,6 +19,7 @@ from test_invariance import alone, answers, differences, greedy, questions
 from test_pass_budget import per_token
 
 from kev_engine import Engine, SamplingParams
+from kev_engine.core.slice_work import SlicePace, SliceWork
 from kev_engine.models.llama import PassState
 from kev_integrations.server.metrics import Metrics
 
@@ -60,8 +61,8 @@ def spy_slices(engine: Engine, monkeypatch: pytest.MonkeyPatch, before: Any = No
 
 def by_layers(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
     """Slices of one whole layer each (the cost model and the clock would cut these passes into rows)."""
-    monkeypatch.setattr(engine._stepper, "slice_rows", lambda planned, layers, rows: rows)
-    monkeypatch.setattr(engine._stepper, "resize", lambda rows, seconds, between, total: total)
+    monkeypatch.setattr(engine._stepper, "slice_rows", lambda planned, layers, work: work.rows)
+    monkeypatch.setattr(engine._stepper, "resize", lambda work, rows_done, rows, seconds, between: work.rows)
 
 
 def answering(engine: Engine) -> Any:
@@ -83,7 +84,7 @@ def long_prompts(count: int, shared: bool = True) -> list[Any]:
 def test_a_batch_alone_is_one_pass_whatever_its_size(tokenizer: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     with paused_engine(tokenizer) as engine:
         prompts = long_prompts(3, shared=False)
-        monkeypatch.setattr(engine._stepper, "resize", lambda rows, seconds, between, total: rows)  # no clock
+        monkeypatch.setattr(engine._stepper, "resize", lambda work, done, rows, seconds, between: rows)  # no clock
         seen = spy_slices(engine, monkeypatch)
         with engine.hold():  # nothing else runs: the worker waits, this thread steps
             futures = engine.submit_many(prompts, SamplingParams(temperature=0, max_tokens=2))
@@ -96,11 +97,12 @@ def test_a_batch_alone_is_one_pass_whatever_its_size(tokenizer: Any, monkeypatch
             per_slice = LAYERS * tokens * TARGET_MS // tokens
             assert len(seen) == math.ceil(LAYERS * tokens / per_slice)
             stepper = engine._stepper
-            assert stepper.row_seconds is not None  # the pace of the slices run, for the next pass's first
-            stepper.row_seconds = None
-            assert stepper.slice_rows((float(tokens), 0.0), LAYERS, tokens) == per_slice < tokens
-            stepper.row_seconds = 0.001  # 1 ms a row of a layer: half a target's rows
-            assert stepper.slice_rows((float(tokens), 0.0), LAYERS, tokens) == TARGET_MS // 2
+            assert stepper.pace.ready  # the pace of the slices run, for the next pass's first
+            stepper.pace = SlicePace()
+            uniform = SliceWork([0], [0, tokens])
+            assert stepper.slice_rows((float(tokens), 0.0), LAYERS, uniform) == per_slice < tokens
+            stepper.pace.observe(100, 0, 0.1)  # 1 ms a row of a layer: half a target's rows
+            assert stepper.slice_rows((float(tokens), 0.0), LAYERS, uniform) == TARGET_MS // 2
         assert all(f.result(timeout=60).completion_tokens == 2 for f in futures)
 
 
@@ -171,9 +173,9 @@ def test_packed_equals_alone_bitwise_with_pauses_at_random_slices(
             adapters = ["qv", None, "qv", None, None, "qv"]
         rng = random.Random(5)
         monkeypatch.setattr(engine._stepper, "slice_rows",
-                            lambda planned, layers, rows: rng.randint(max(1, rows // 6), 2 * rows))
+                            lambda planned, layers, work: rng.randint(max(1, work.rows // 6), 2 * work.rows))
         monkeypatch.setattr(engine._stepper, "resize",
-                            lambda rows, seconds, between, total: rng.randint(max(1, total // 6), 2 * total))
+                            lambda work, *_: rng.randint(max(1, work.rows // 6), 2 * work.rows))
         inside: list[int] = []
         spy_slices(engine, monkeypatch, lambda state: state.next_row and inside.append(state.next_row))
         prompts = questions(2, 6, document_words=150)
@@ -245,19 +247,52 @@ def test_control_a_pause_that_loses_the_pass_state_changes_the_answer(tokenizer:
 
 
 def test_a_slice_follows_the_clock_within_bounds(tokenizer: Any) -> None:
-    """After a pause the next slice is sized by how long the last one took, aiming at the target
-    less the pass run between (at least half the target), at most twice the last, at least
-    MIN_SLICE_ROWS."""
-    from kev_engine.stepper import MIN_SLICE_ROWS
+    """After a pause the next slice is sized by how long the last ones took, aiming at the target
+    less the pass run between (at least LEAST_SLICE of it), at most twice the last, at least
+    MIN_SLICE_ROWS: before any slice was timed, in the last one's proportion."""
+    from kev_engine.stepper import LEAST_SLICE, MIN_SLICE_ROWS, SLICE_AIM
 
     with paused_engine(tokenizer) as engine:  # a 200 ms target
-        resize = engine._stepper.resize
-        assert resize(1000, 0.4, 0.0, 5000) == 500  # twice the target: half the rows
-        assert resize(1000, 0.4, 0.04, 5000) == 400  # the target less the pass between
-        assert resize(1000, 0.4, 0.16, 5000) == 250  # never under half the target
-        assert resize(1000, 0.001, 0.0, 5000) == 2000  # at most twice the last
-        assert resize(1000, 100.0, 0.0, 5000) == MIN_SLICE_ROWS
-        assert resize(1000, 100.0, 0.0, 10) == 10  # a pass of fewer rows than that: its rows
+        stepper = engine._stepper
+        stepper.pace = SlicePace()  # nothing timed yet: the last slice's proportion
+        alike = SliceWork([0], [0, 5000])
+        assert stepper.resize(alike, 1000, 1000, 0.4, 0.0) == 500  # twice the target: half the rows
+        assert stepper.resize(alike, 1000, 1000, 0.4, 0.04) == 400  # the target less the pass between
+        assert stepper.resize(alike, 1000, 1000, 0.4, 0.19) == int(1000 * LEAST_SLICE / 2)  # never under that
+        assert stepper.resize(alike, 1000, 1000, 0.001, 0.0) == 2000  # at most twice the last
+        assert stepper.resize(alike, 1000, 1000, 100.0, 0.0) == MIN_SLICE_ROWS
+        assert stepper.resize(SliceWork([0], [0, 10]), 10, 10, 100.0, 0.0) == 10  # fewer rows than that: its rows
+        # timed slices: 1 ms a row and 0.1 us a key, exactly; the next slice holds the rows predicted
+        # within SLICE_AIM of the target, fewer late in a long prompt's layer than early
+        prompt = SliceWork([0], [0, 5000])
+        for start, rows in ((0, 1000), (1000, 1000), (2000, 500)):
+            stepper.pace.observe(rows, prompt.keys_between(start, start + rows),
+                                 0.001 * rows + 1e-7 * prompt.keys_between(start, start + rows))
+        early, late = stepper.resize(prompt, 100, 100, 0.1, 0.0), stepper.resize(prompt, 4000, 100, 0.1, 0.0)
+        budget = 0.2 * SLICE_AIM
+        for done, rows in ((100, early), (4000, late)):
+            def seconds(count: int, done: int = done) -> float:
+                return 0.001 * count + 1e-7 * prompt.keys_between(done, done + count)
+            assert seconds(rows) <= budget < seconds(rows + 1)
+        assert late < early <= 200  # at most twice the last slice's 100 rows
+
+
+def test_the_pace_is_fitted_to_rows_and_keys_and_its_margin_to_the_slowest_slice() -> None:
+    pace = SlicePace()
+    work = SliceWork([0, 100], [0, 300, 500])  # two segments: the second after 100 cached tokens
+    assert work.keys(300) == sum(range(1, 301)) and work.keys(301) == work.keys(300) + 101
+    assert work.keys(500 + 2) == work.layer_keys + 1 + 2  # the next layer starts again at its first rows
+    for rows, keys in ((100, 5_000), (100, 25_000), (200, 10_000)):
+        pace.observe(rows, keys, 0.002 * rows + 4e-6 * keys)
+    per_row, per_key = pace.rates()
+    assert per_row == pytest.approx(0.002) and per_key == pytest.approx(4e-6)
+    assert pace.margin(per_row, per_key) == pytest.approx(1.0)
+    pace.observe(100, 5_000, 2 * (0.002 * 100 + 4e-6 * 5_000))  # a slice the machine stretched twice over
+    assert pace.margin(*pace.rates()) > 1.5  # the next slices aim that much under their time
+    # control: rows alone (rows and keys in one proportion) put the whole time on the rows
+    alone = SlicePace()
+    alone.observe(100, 1_000, 0.1)
+    assert alone.rates() == (pytest.approx(0.001), 0.0)
 
 
 def test_the_fallback_cannot_pause_and_cuts_a_batch_into_passes(tokenizer: Any) -> None:

@@ -1,5 +1,13 @@
-"""Schedule: which tokens of which questions run in the next pass — within a time budget, a token
-cap and the KV memory budget, fairly.
+"""Schedule: the owner of every request from the moment it is queued until it leaves, and which
+tokens of which questions run in the next pass — within a time budget, a token cap and the KV
+memory budget, fairly.
+
+What it owns (`Scheduler`, every method under the engine's lock): the queue and each request's
+status; its KV blocks (through `BlockManager`) and its adapter's slot on the device (through the
+adapter pool: taken at admission and at a fork, given back at preemption and when it leaves);
+the samples of an n > 1 request, forked from its prefill (`fork`, `fanout`); cancelling, finishing,
+failing and draining. A pass leaves it as a `Plan` for the model runner; what the pass computed
+comes back through `update` (and `computed`, `drafted` for the draft walk).
 
 A pass that can pause between its layers (Kev's own model: `schedule(whole=True)`, see
 `stepper`) is not bounded by time: its prompts run whole, and the passes run between its slices
