@@ -23,8 +23,10 @@ tokens since the last lookup, keeps each lookup a few dict reads whatever the co
 
 from __future__ import annotations
 
+import itertools
+import operator
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 ENV_VAR = "KEV_SPECULATIVE"
 MODES = ("auto", "ngram", "off")
@@ -51,12 +53,28 @@ def speculative_mode(value: str | None, batch_invariant: bool) -> str:
     return value
 
 
+TOKEN_BITS = 21  # an n-gram's key packs its ids, this many bits each (vocabularies are far smaller)
+
+
+def _shift(k: int) -> int:
+    return 3 + TOKEN_BITS * k  # 3 bits for n: n-grams of different lengths never share a key
+
+
+def _key(gram: Sequence[int]) -> int:
+    """An n-gram as one int: ints are no work for the garbage collector, where a tuple per token
+    of every prompt made it scan the heap (a full collection stalls the pass it lands in)."""
+    key = len(gram)
+    for k, token in enumerate(gram):
+        key |= token << _shift(k)
+    return key
+
+
 class Drafter:
     """One question's n-gram index over its own tokens, and how often its drafts' first token was taken."""
 
     def __init__(self) -> None:
         self.seen = 0  # tokens indexed so far
-        self.index: dict[tuple[int, ...], int] = {}  # n-gram → the position after its latest occurrence
+        self.index: dict[int, int] = {}  # n-gram (`_key`) → the position after its latest occurrence
         self.tried = 0  # drafts verified for this question
         self.taken = 0  # of those, the ones whose first token its answer took
 
@@ -65,7 +83,7 @@ class Drafter:
         self._grow(ids)
         end = len(ids)
         for n in range(min(MAX_NGRAM, end - 1), MIN_NGRAM - 1, -1):
-            at = self.index.get(tuple(ids[end - n :]))
+            at = self.index.get(_key(ids[end - n :]))
             if at is not None:
                 # ids[at] follows the earlier occurrence; past the end, the draft repeats its own start
                 draft: list[int] = []
@@ -77,14 +95,17 @@ class Drafter:
     def _grow(self, ids: Sequence[int]) -> None:
         """Index the n-grams that end before each token added since the last lookup: n-gram
         ids[p-n:p] is followed by ids[p], later positions replacing earlier ones. The question's
-        own end is never its own match. Built by zips of shifted slices: a prompt of thousands
+        own end is never its own match. Built by maps over shifted slices: a prompt of thousands
         of tokens is indexed in C, not token by token."""
         end = len(ids)
         for n in range(MIN_NGRAM, MAX_NGRAM + 1):
             start = max(self.seen, n)
             if start < end:
-                grams = zip(*(ids[start - n + k : end - n + k] for k in range(n)))
-                self.index.update(zip(grams, range(start, end)))
+                keys: Iterable[int] = itertools.repeat(n, end - start)
+                for k in range(n):
+                    shifted = map(operator.lshift, ids[start - n + k : end - n + k], itertools.repeat(_shift(k)))
+                    keys = map(operator.or_, keys, shifted)
+                self.index.update(zip(keys, range(start, end)))
         self.seen = end
 
 
