@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .adapters.pool import AdapterPool
-from .core.schedule import Chunk, Plan
+from .core.plan import Chunk, Plan
 from .model.forward import run_model
 from .model.pack import PackedBatch, Segment, pack
 from .models import DecoderModel

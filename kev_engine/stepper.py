@@ -38,8 +38,9 @@ import torch
 
 from .core.arrivals import Arrivals
 from .core.latency import Histogram
+from .core.plan import Chunk, Plan
 from .core.request import Request
-from .core.schedule import Chunk, Plan, Scheduler
+from .core.schedule import Scheduler
 from .core.slice_work import WINDOW, SlicePace, SliceWork
 from .errors import EngineClosedError, PassFailedError
 from .model.pack import PackedBatch

@@ -17,16 +17,9 @@ from kev_engine.core import pass_cost
 from kev_engine.core.blocks import BlockManager
 from kev_engine.core.latency import Histogram, merged
 from kev_engine.core.pass_cost import GROWTH, CostModel, Work, pairs, target_ms
+from kev_engine.core.plan import ALONE_FACTOR, FIRST_PASS_TOKENS, MIN_CHUNK, Chunk
 from kev_engine.core.request import Request
-from kev_engine.core.schedule import (
-    ALONE_FACTOR,
-    FIRST_PASS_TOKENS,
-    LEAST_SHARE,
-    LONG_SHARE,
-    MIN_CHUNK,
-    Chunk,
-    Scheduler,
-)
+from kev_engine.core.schedule import LEAST_SHARE, LONG_SHARE, Scheduler
 from kev_engine.platforms.cpu.platform import CpuPlatform
 from kev_engine.platforms.cuda.platform import CudaPlatform
 from kev_integrations.server.metrics import Metrics

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from kev_engine.core.blocks import BlockManager, BlockTable
+from kev_engine.core.plan import Chunk
 from kev_engine.core.request import Request, Status
-from kev_engine.core.schedule import Chunk, Scheduler
+from kev_engine.core.schedule import Scheduler
 from kev_engine.inputs.params import SamplingParams
 
 

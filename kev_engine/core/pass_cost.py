@@ -24,7 +24,7 @@ a token's worth at a time) says a prompt costs many times what it does, so the n
 question's prompt would be cut into passes it does not need.
 
 Until a pass has been timed, nothing is predicted: the scheduler keeps that first pass short
-(`schedule.FIRST_PASS_TOKENS`) so the model learns at once. Then a pass never holds more than
+(`plan.FIRST_PASS_TOKENS`) so the model learns at once. Then a pass never holds more than
 `GROWTH` times the work per second of the best pass timed, or what that first pass held
 (`pass_flops`): the fit's swings under load, or its reach from decode steps alone, never plan a
 pass of several targets.

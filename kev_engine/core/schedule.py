@@ -15,7 +15,7 @@ A pass that can pause between its layers (Kev's own model: `schedule(whole=True)
 
 A pass is bounded by a target duration (`pass_time_s`, predicted by the `pass_cost` model this
 engine learns as it runs) and by `max_batch_tokens`. While one submitted batch is all the engine
-has (nobody else waiting or answering), its passes may take `ALONE_FACTOR` targets: every pass
+has (nobody else waiting or answering), its passes may take `plan.ALONE_FACTOR` targets: every pass
 streams all the weights once, so fewer, longer passes finish a batch sooner, and a question
 arriving meanwhile still starts within about three targets. What goes in, in this order:
 1. every running question's next token (a decode is one token): nobody who is answering stalls;
@@ -51,7 +51,6 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ..errors import KevError
@@ -62,20 +61,17 @@ from .blocks import BlockManager, BlockTable
 from .drafts import MAX_DRAFT, Acceptance, Drafter
 from .latency import Histogram
 from .pass_cost import CostModel, RowCost, pairs
+from .plan import FIRST_PASS_TOKENS, MIN_CHUNK, Chunk, PassBudget, Plan
 from .request import Request, Status
 
 BUCKET = 128
 WATERMARK = 0.01  # share of blocks kept free at admission, so running decodes rarely preempt
 LONG_SHARE = 0.5  # of a pass's time left after decodes, what the longest prompt under way keeps while
 # the others and the queue need more than the pass holds
-MIN_CHUNK = 16  # tokens a prompt gets in a pass that has room for nothing else: progress, however slow
 LEAST_SHARE = 0.1  # of a pass's time left, the least the longest prompt under way keeps while the
 # others and the queue all finish in the pass (MIN_CHUNK tokens at most, a token at least)
-ALONE_FACTOR = 2.0  # a pass holding one batch alone: fewer passes (each streams the weights), a newcomer
-# still starts within about three targets
 DRAFT_MARGIN = 2.0  # a draft token joins where it is predicted to pay this many times its rows' cost: in a
 # batch the longest answers set the passes, and a token taken from a shorter one saves none of them
-FIRST_PASS_TOKENS = 256  # a time-bounded engine's passes before one was timed: short, so it learns at once
 
 
 def shared_blocks(a: Sequence[int], b: Sequence[int], size: int, limit: int) -> int:
@@ -130,34 +126,6 @@ class NoAdapters:
 
     def prefix_key(self, name: str | None) -> Any:
         return None
-
-
-@dataclass(frozen=True)
-class Chunk:
-    """`num_tokens` of `request` starting at `request.num_computed`, run this pass: its known
-    tokens, then its `draft`'s."""
-
-    request: Request
-    num_tokens: int
-    needs_logits: bool
-    """It reaches the request's last known token, so its last row's logits are sampled from
-    (never for prompt_logits, whose every row is kept: `Request.all_logits`). Fixed when planned:
-    `num_computed` moves once the pass has run."""
-    draft: tuple[int, ...] = ()
-    """Tokens the answer may write next (`drafts`), each a row after its one known token, each
-    row's logits kept: the pass's records take those the answer writes."""
-
-
-@dataclass
-class Plan:
-    """One pass as the scheduler hands it to the model runner: its chunks in row order (a
-    segment's adapter rows contiguous), the KV blocks handed out since the last plan (cleared
-    before the forward by backends that read whole blocks: `BlockManager.take_fresh`), and the
-    adapters resident on the device for its rows."""
-
-    chunks: list[Chunk]
-    fresh: list[int] = field(default_factory=list)
-    resident: dict[str, Any] = field(default_factory=dict)
 
 
 SCHEDULER_STATS = ("requests", "prompt_tokens", "prefix_hit_tokens", "cancelled", "forked_samples",
@@ -299,7 +267,7 @@ class Scheduler:
         (otherwise they run in the passes between its slices, a token each). `share`: of the pass
         target, what this pass may take (a pass between two slices takes part of one: a running
         answer waits for both)."""
-        plan = _Pass(self, timed=not whole, share=share, in_flight=in_flight)
+        plan = PassBudget(self, timed=not whole, share=share, in_flight=in_flight)
         running = [r for r in self.running if id(r) not in in_flight]
         decoding = [r for r in running if r.decoding]
         continuing = [r for r in running if r not in decoding]
@@ -315,12 +283,12 @@ class Scheduler:
         self.planned = (plan.dense, plan.attention)
         return plan.chunks
 
-    def _decodes(self, plan: _Pass, decoding: list[Request]) -> None:
+    def _decodes(self, plan: PassBudget, decoding: list[Request]) -> None:
         for request in decoding:
             if request.status is Status.RUNNING and plan.tokens_left > 0:
                 self._continue(plan, request, 1, decode=True)
 
-    def _drafts(self, plan: _Pass, share: float) -> None:
+    def _drafts(self, plan: PassBudget, share: float) -> None:
         """Step 4: each decoding question's draft, its rows priced by the cost model. A pass of
         `tokens` sampled rows predicted at `seconds` makes tokens / seconds; a draft token taken
         with chance p (`Acceptance`) at `extra` seconds more (the cost model's prediction of its
@@ -372,17 +340,17 @@ class Scheduler:
             if depth > 0:
                 plan.extend(index, tuple(drafts[index][:depth]))
 
-    def _decodes_fit(self, plan: _Pass, rows: int) -> bool:
+    def _decodes_fit(self, plan: PassBudget, rows: int) -> bool:
         """Whether `plan` with `rows` decode rows is predicted within the pass target."""
         return self.cost is not None and self._within_target(plan, self.cost.work.dense(rows, rows))
 
-    def _within_target(self, plan: _Pass, dense: float) -> bool:
+    def _within_target(self, plan: PassBudget, dense: float) -> bool:
         """Whether a pass of `plan` and `dense` more work is predicted within the pass target (False
         before the cost model has timed a pass)."""
         seconds = self.predict(plan.dense + dense, plan.attention)
         return seconds is not None and seconds <= self.pass_time_s
 
-    def _fits_with(self, plan: _Pass, request: Request) -> bool:
+    def _fits_with(self, plan: PassBudget, request: Request) -> bool:
         """Whether `plan` with all of `request`'s prompt is predicted within the target (before
         the cost model has timed a pass: whether they hold at most FIRST_PASS_TOKENS, what such a
         pass holds)."""
@@ -401,7 +369,7 @@ class Scheduler:
         """Whether anything outside a paused pass is queued or running."""
         return bool(self.waiting) or any(id(r) not in in_flight for r in self.running)
 
-    def _admit_waiting(self, plan: _Pass, defer: Callable[[Request], bool], whole: bool = False) -> None:
+    def _admit_waiting(self, plan: PassBudget, defer: Callable[[Request], bool], whole: bool = False) -> None:
         """Step 3. In a pass that can pause (`whole`), the first group waiting joins whole (unless
         prompts under way are in it already), and a later group only while the pass is predicted
         within the target with it: a question that came on its own beside a long batch starts
@@ -445,7 +413,7 @@ class Scheduler:
             request.status = Status.RUNNING
             plan.add(self._plan(request, take), decode=False, admitted=True)
 
-    def _under_way(self, plan: _Pass, continuing: list[Request]) -> None:
+    def _under_way(self, plan: PassBudget, continuing: list[Request]) -> None:
         """Step 2 (the module docstring): prompts under way, the shortest left first, then the longest
         with what the others and the queue leave it."""
         continuing.sort(key=lambda r: r.num_tokens - r.num_computed)  # stable: older first among equals
@@ -476,7 +444,7 @@ class Scheduler:
             want = max(plan.fit(longest, budget), plan.clip(longest, floor))
             self._continue(plan, longest, want, decode=False)
 
-    def _continue(self, plan: _Pass, request: Request, take: int, decode: bool) -> None:
+    def _continue(self, plan: PassBudget, request: Request, take: int, decode: bool) -> None:
         """Plan `take` more tokens of a running request (fewer if the caps say so), preempting the
         most recently admitted request not yet in this pass (nor in a paused one) while the pool
         lacks blocks."""
@@ -507,13 +475,13 @@ class Scheduler:
         take = min(take, request.num_tokens - request.num_computed)
         return self.cost.units(take, 0, pairs(request.num_computed, take))
 
-    def _waiting_flops(self, running: int, plan: _Pass) -> float:
+    def _waiting_flops(self, running: int, plan: PassBudget) -> float:
         """The work of admitting the waiting prompts that have sequence slots and will not wait for
         a prompt under way (`_waits_for_prefix`), whole."""
         return sum(self._need(r) for r in self.waiting[: max(0, self.max_num_seqs - running)]
                    if not self._waits_for_prefix(r, plan, 0))
 
-    def _waits_for_prefix(self, request: Request, plan: _Pass, cached: int) -> bool:
+    def _waits_for_prefix(self, request: Request, plan: PassBudget, cached: int) -> bool:
         """Whether a prompt under way shares full blocks with the start of `request`'s prompt beyond
         both `cached` and what it will have computed by the end of this pass: admitted now, the
         request would compute those blocks a second time beside it; next pass they may be cached.
@@ -684,90 +652,3 @@ class Scheduler:
         self.adapters.unref(request.adapter)
         request.status = Status.FINISHED
         request.drafter = None  # its n-gram index: a few MB for a prompt of thousands of tokens
-
-
-class _Pass:
-    """One pass being planned: its chunks and what is left of its token, logits and time budgets."""
-
-    def __init__(self, scheduler: Scheduler, timed: bool = True, share: float = 1.0,
-                 in_flight: frozenset[int] = frozenset()) -> None:
-        """`timed`: the pass target bounds it (else tokens, logits and KV alone); `share`: of it;
-        `in_flight`: ids of a paused pass's requests (`Scheduler.schedule`)."""
-        self.chunks: list[Chunk] = []
-        self.requests: set[int] = set()  # ids of the requests in it
-        self.in_flight = in_flight
-        self.continued = 0  # chunks of prompts already under way
-        self.admitted = 0  # requests admitted from the queue
-        self.tokens_left = scheduler.max_batch_tokens
-        self.logits_left = scheduler.max_logits_tokens
-        cost = scheduler.cost
-        self.model = cost  # counts the work whenever there is one (it learns from it), predicts only when timed
-        self.dense = self.attention = 0.0
-        bounded = cost if timed and cost is not None and math.isfinite(scheduler.pass_time_s) else None
-        if bounded is not None and not bounded.ready:  # not timed yet: a short pass, so it learns at once
-            self.tokens_left = min(self.tokens_left, max(FIRST_PASS_TOKENS, len(scheduler.running)))
-        self.cost = bounded if bounded is not None and bounded.ready else None  # predicts: a target, a timed pass
-        self.target = math.inf  # the pass's seconds, where it predicts
-        if self.cost is not None:  # one batch alone (nobody else waits or answers) may take ALONE_FACTOR targets
-            alone = len({r.group for r in scheduler.running} | {r.group for r in scheduler.waiting}) <= 1
-            self.target = scheduler.pass_time_s * (ALONE_FACTOR if alone else 1.0) * share
-        self.budget: float | None = None  # the flops `target` holds: asked of the cost model when first needed
-
-    @property
-    def flops_left(self) -> float:
-        """What is left of the pass's time budget, in flops (`CostModel.units`): its target's work
-        less the chunks planned so far. Reckoned when a prompt asks, not before: a pass of decode
-        steps alone (each takes its token whatever the budget) never asks, and the cost model fits
-        nothing for it."""
-        if self.cost is None:
-            return math.inf
-        if self.budget is None:
-            self.budget = self.cost.pass_flops(self.target, at_least=self.cost.units(FIRST_PASS_TOKENS, 1, 0))
-        return self.budget - (self.dense + self.cost.attention_ratio * self.attention)
-
-    def clip(self, request: Request, take: int) -> int:
-        """`take` within what the request has left and the pass's token and logits caps."""
-        take = min(take, request.num_tokens - request.num_computed, self.tokens_left)
-        return min(take, self.logits_left) if request.all_logits else take
-
-    def fit(self, request: Request, flops: float) -> int:
-        """The longest next chunk of `request` whose work fits `flops` (the caps applied)."""
-        if self.cost is None or math.isinf(flops):
-            return self.clip(request, 1 << 40)
-        if request.all_logits:  # every position is a logits row too
-            share = self.cost.work.per_token / (self.cost.work.per_token + self.cost.work.per_row)
-            return self.clip(request, int(self.cost.tokens_within(flops * share, request.num_computed, 0)))
-        return self.clip(request, self.cost.tokens_within(flops, request.num_computed, 1))
-
-    def least(self, request: Request, waiting: bool) -> int:
-        """What a prompt gets even when no time is left: MIN_CHUNK tokens for the first prompt under
-        way planned (the one with the least left; the longest gets its own MIN_CHUNK in `schedule`)
-        and for the first waiting one, so neither the prompts under way nor the queue ever stall (a
-        mispredicted pass cannot starve them); nothing for the others."""
-        first = not self.admitted if waiting else not self.continued
-        return self.clip(request, MIN_CHUNK) if first else 0
-
-    def add(self, chunk: Chunk, decode: bool, admitted: bool = False) -> None:
-        request = chunk.request
-        self.chunks.append(chunk)
-        self.requests.add(id(request))
-        self.admitted += admitted
-        self.continued += not decode and not admitted
-        self.tokens_left -= chunk.num_tokens
-        if request.all_logits:
-            self.logits_left -= chunk.num_tokens
-        if self.model is not None:  # the pass's work so far: the cost model learns it, `flops_left` spends it
-            rows = chunk.num_tokens if request.all_logits else int(chunk.needs_logits)
-            self.dense += self.model.work.dense(chunk.num_tokens, rows)
-            self.attention += self.model.work.per_pair * pairs(request.num_computed, chunk.num_tokens)
-
-    def extend(self, index: int, draft: tuple[int, ...]) -> None:
-        """Chunk `index`, one decoding token, goes on with `draft`'s rows (each with its logits)."""
-        chunk = self.chunks[index]
-        request, rows = chunk.request, len(draft)
-        self.chunks[index] = Chunk(request, chunk.num_tokens + rows, chunk.needs_logits, draft)
-        self.tokens_left -= rows
-        if self.model is not None:
-            self.dense += self.model.work.dense(rows, rows)
-            self.attention += self.model.work.per_pair * (pairs(request.num_computed, 1 + rows)
-                                                         - pairs(request.num_computed, 1))

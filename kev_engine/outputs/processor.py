@@ -15,8 +15,8 @@ from typing import Any
 import torch
 
 from ..core.delivery import Delivery
+from ..core.plan import Chunk
 from ..core.request import Request
-from ..core.schedule import Chunk
 from ..model.pack import PackedBatch
 from ..results import TextPiece
 from ..sample.sample import Draw
