@@ -733,7 +733,6 @@ def _logits_width(model: Any) -> int:
     return int(weight.shape[0]) if weight is not None else int(model.config.vocab_size)
 
 
-
 EXIT_JOIN_S = 10.0  # at interpreter exit, a thread stuck in a pass (a model hook, say) is left behind
 _live: weakref.WeakSet[Engine] = weakref.WeakSet()  # every engine not yet collected
 
