@@ -34,20 +34,6 @@ ENGINE_LEVELS = {
 INTEGRATION_LEVELS = {"langchain": 1, "llamaindex": 1, "server": 1, "ray": 2, "cli": 3, "__main__": 4, "__init__": 4}
 
 
-def engine_imports(source: str) -> list[str]:
-    """Every `kev_engine...` module an integration file imports, with the names it takes from `kev_engine`."""
-    found = []
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("kev_engine"):
-            if node.module != "kev_engine":
-                found.append(node.module)
-            else:
-                found += [f"kev_engine.{a.name}" for a in node.names if a.name not in kev_engine.__all__]
-        elif isinstance(node, ast.Import):
-            found += [a.name for a in node.names if a.name.startswith("kev_engine")]
-    return found
-
-
 def imported_modules(source: str, package: list[str]) -> list[str]:
     """Every module a file in `package` (its dotted parts) imports, relative imports resolved;
     function-local and TYPE_CHECKING imports count too (a cycle hidden in a function is one)."""
@@ -61,6 +47,14 @@ def imported_modules(source: str, package: list[str]) -> list[str]:
         elif isinstance(node, ast.Import):
             found += [a.name for a in node.names]
     return found
+
+
+def engine_imports(source: str) -> list[str]:
+    """Every `kev_engine...` module an integration file imports, with the names it takes from
+    `kev_engine` that are not its public surface (`__all__`)."""
+    return [module for module in imported_modules(source, ["kev_integrations"])
+            if module == "kev_engine" or (module.startswith("kev_engine.")
+                                          and module.removeprefix("kev_engine.") not in kev_engine.__all__)]
 
 
 def wrong_way(root: Path, levels: dict[str, int], source: str, path: Path) -> list[str]:
