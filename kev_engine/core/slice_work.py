@@ -14,29 +14,33 @@ what it should wait at most.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import itertools
 from collections.abc import Sequence
+
+from .pass_cost import pairs
 
 WINDOW = 8  # slices the pace is fitted to: recent enough to follow the machine, enough for two rates
 
 
 class SliceWork:
-    """A pass's rows of layers (a whole layer is `rows` of them) and the keys each attends to."""
+    """A pass's rows of layers (a whole layer is `rows` of them) and the keys each attends to: row
+    i of a segment after `past` tokens attends to past + i + 1 (`pass_cost.pairs` counts them)."""
 
     def __init__(self, past_lens: Sequence[int], cu_seqlens: Sequence[int]) -> None:
         """`past_lens`, `cu_seqlens`: each segment's tokens before this pass, and its rows in it."""
-        keys: list[int] = []
-        for past, start, stop in zip(past_lens, cu_seqlens, cu_seqlens[1:]):
-            keys += range(past + 1, past + stop - start + 1)
-        self.rows = len(keys)
-        self.cumulative = list(itertools.accumulate(keys, initial=0))  # keys of the first i rows of a layer
-        self.layer_keys = self.cumulative[-1]
+        self.pasts, self.starts = list(past_lens), list(cu_seqlens)
+        self.rows = self.starts[-1]
+        sizes = (pairs(past, stop - start) for past, start, stop in zip(self.pasts, self.starts, self.starts[1:]))
+        self.before = list(itertools.accumulate(sizes, initial=0))  # keys of the segments before each
+        self.layer_keys = self.before[-1]
 
     def keys(self, rows_done: int) -> int:
         """The keys the pass's first `rows_done` rows of layers attend to."""
         layers, row = divmod(rows_done, self.rows)
-        return layers * self.layer_keys + self.cumulative[row]
+        segment = bisect.bisect_right(self.starts, row, hi=len(self.pasts)) - 1
+        return layers * self.layer_keys + self.before[segment] + pairs(self.pasts[segment], row - self.starts[segment])
 
     def keys_between(self, start: int, stop: int) -> int:
         return self.keys(stop) - self.keys(start)
