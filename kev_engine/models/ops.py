@@ -29,7 +29,13 @@ class Ops:
     name = "torch"
 
     def prepare(self, model: Any) -> None:
-        """Put each weight in this platform's layout, once, before the first pass (nothing here)."""
+        """Put each weight in this platform's layout, once, before the first pass (nothing here:
+        torch computes dense weights; a model holding a GGUF's quantized weights is refused)."""
+        if model.quantized():
+            raise ValueError(
+                f"this model holds a GGUF's quantized weights as stored, which Kev computes on its batch-invariant "
+                f"CPU kernels; this engine computes with {self.name}'s ops. Load it with weights='dense', or on "
+                "the CPU with batch_invariant left on and cpu_kernels not 'torch'")
 
     def embedding(self, input_ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
         """input_ids [T] → [T, hidden]."""

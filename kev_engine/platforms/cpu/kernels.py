@@ -60,7 +60,8 @@ ENV_VAR = "KEV_CPU_KERNELS"
 CSRC = Path(__file__).resolve().parent / "csrc"
 # sources, headers and flags of each build; the exact build must never reassociate or contract
 BUILDS: dict[str, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]] = {
-    "exact": (("linear.cpp", "attention.cpp", "elementwise.cpp", "rows_linear.cpp", "layer.cpp", "bind_exact.cpp"),
+    "exact": (("linear.cpp", "quant.cpp", "attention.cpp", "elementwise.cpp", "rows_linear.cpp", "layer.cpp",
+               "bind_exact.cpp"),
               ("simd.h", "exact.h", "pool.h"),
               ("-O3", "-march=native", "-fno-fast-math", "-ffp-contract=off", "-fopenmp")),
     "fast": (("paged_decode.cpp", "bind_fast.cpp"), ("pool.h",),
@@ -83,6 +84,8 @@ class Kernels:
         self.bf16_path = bf16_path  # `dtype_choice.PathChoice`: the path bf16 products take, and why
         self.set_bf16_path = exact.set_bf16_path  # refused once a product ran on another path
         self.linear_paths: str = exact.linear_paths()
+        self.quant_linear = exact.quant_linear  # products on GGUF's quantized weights (quant.cpp)
+        self.quant_rows = exact.quant_rows
         self.paged_attention = exact.paged_attention
         self.paged_write_transposed = exact.paged_write_transposed
         self.silu_mul = exact.silu_mul
@@ -91,6 +94,7 @@ class Kernels:
         self.add_into = exact.add_into  # the one-call layer's residual additions
         self.rows_linear = exact.rows_linear
         self.DecoderLayer = exact.DecoderLayer
+        self.Product = exact.Product  # a DecoderLayer's product: packed or quantized
         self.paged_decode = fast.paged_decode
         self.paged_write = fast.paged_write
         self.serial_torch_here = exact.serial_torch_here

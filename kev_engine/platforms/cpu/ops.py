@@ -9,7 +9,10 @@ once into its panels and the torch copies dropped; RMSNorm, the rotary embedding
 `silu(gate) * up` by their kernels (one formula per row or element); and each decoder layer as
 one call (`kernels.DecoderLayer`, csrc/layer.cpp: these kernels in this order without returning
 to Python) on a pass of the exact pool without LoRA rows. The LoRA deltas by the packed product
-too: a row's delta is the same however many rows of its adapter share the pass.
+too: a row's delta is the same however many rows of its adapter share the pass. Weights kept as
+a GGUF stores them (`models.quant`) by `quant_linear` (csrc/quant.cpp: each chunk decoded, then
+the packed product on it: the same bits as `linear_packed` on the dequantized weight), the
+embedding lookup by `quant_rows`.
 
 `FastOps` (`batch_invariant=False`): torch's BLAS for prefill, Kev's few-row kernel for decode
 rows (`rows_linear`), the same elementwise kernels.
@@ -24,6 +27,7 @@ import torch
 from ...adapters.lora import LoraWeights
 from ...models.layout import Layer, Linear
 from ...models.ops import Ops
+from ...models.quant import QuantWeight
 from . import rows_linear
 from .exact import ExactBackend
 
@@ -61,25 +65,41 @@ class ExactOps(_KernelElementwise):
     name = "cpu-exact"
 
     def prepare(self, model: Any) -> None:
-        """Each product packed once (the torch copy dropped, but the embedding table a tied head
-        reads), and each layer's one call built."""
+        """Each dense product packed once (the torch copy dropped, but the embedding table a tied
+        head reads), and each layer's one call built where its products are packed."""
+        self.dtype = model.dtype  # a quantized embedding's rows come out in it
         for linear in model.linears():
-            if linear.packed is None:
+            if linear.packed is None and linear.quant is None:
                 linear.packed = self.kernels.linear_pack(linear.weight)
                 if linear.weight is not model.embed:
                     linear.weight = None
         for layer in model.layers:
             layer.native = self._native(layer, model)
 
+    def embedding(self, input_ids: torch.Tensor, table: Any) -> torch.Tensor:
+        if not isinstance(table, QuantWeight):
+            return super().embedding(input_ids, table)
+        rows = self.kernels.quant_rows(table.tiled[0], table.types[0], table.out_features, table.in_features,
+                                       input_ids)
+        return rows.to(self.dtype)
+
     def _native(self, layer: Layer, model: Any) -> Any:
         q, k, v = layer.qkv.widths
+        qkv, o, gate_up, down = (self._product(linear) for linear in layer.linears)
         return self.kernels.DecoderLayer(
-            layer.input_norm, layer.post_norm, layer.q_norm, layer.k_norm, [model.eps] * 4,
-            layer.qkv.packed, layer.qkv.bias, layer.o.packed, layer.o.bias, layer.gate_up.packed, layer.gate_up.bias,
-            layer.down.packed, layer.down.bias, [q, k, v, model.intermediate], model.head_dim, model.hidden,
-            float(model.scaling))
+            layer.input_norm, layer.post_norm, layer.q_norm, layer.k_norm, [model.eps] * 4, qkv, layer.qkv.bias,
+            o, layer.o.bias, gate_up, layer.gate_up.bias, down, layer.down.bias, [q, k, v, model.intermediate],
+            model.head_dim, model.hidden, float(model.scaling))
+
+    def _product(self, linear: Linear) -> Any:
+        if linear.quant is not None:
+            return self.kernels.Product.quantized(linear.quant.tiled, linear.quant.types, linear.quant.widths)
+        return self.kernels.Product.packed(linear.packed, linear.out_features)
 
     def linear(self, x: torch.Tensor, linear: Linear) -> torch.Tensor:
+        if linear.quant is not None:
+            q = linear.quant
+            return self.kernels.quant_linear(x, q.tiled, q.types, q.widths, linear.bias)
         return self.kernels.linear_packed(x, linear.packed, linear.out_features, linear.bias)
 
     def layer(self, layer: Layer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: Any,

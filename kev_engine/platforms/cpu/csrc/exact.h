@@ -4,10 +4,14 @@
 #include <torch/extension.h>
 
 #include <string>
+#include <vector>
 
 at::Tensor linear_pack(const at::Tensor& weight);
 at::Tensor linear_packed(const at::Tensor& input, const at::Tensor& packed, int64_t n,
                          const c10::optional<at::Tensor>& bias, const std::string& path);
+void linear_packed_into(const void* x, int64_t m, int64_t k, const void* w, int64_t n, const float* bias, void* out,
+                        int64_t ldo, bool f32, int path);
+int linear_bf16_path(const std::string& name);
 std::string linear_paths();
 void set_bf16_path(const std::string& name);
 at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values,
@@ -19,5 +23,9 @@ void silu_mul(const at::Tensor& gate, const at::Tensor& up, at::Tensor& out);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 void add_into(at::Tensor& out, const at::Tensor& residual);
 at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+at::Tensor quant_linear(const at::Tensor& input, const std::vector<at::Tensor>& parts, const std::vector<int64_t>& types,
+                        const std::vector<int64_t>& widths, const c10::optional<at::Tensor>& bias,
+                        const std::string& path);
+at::Tensor quant_rows(const at::Tensor& tiled, int64_t type, int64_t n, int64_t k, const at::Tensor& ids);
 at::Tensor rows_linear(const at::Tensor& input, const at::Tensor& weight);
 void bind_layer(pybind11::module& m);  // layer.cpp's DecoderLayer

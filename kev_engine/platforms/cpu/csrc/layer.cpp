@@ -10,7 +10,7 @@
 // forwards) and a call runs the whole layer without returning to Python, the interpreter's lock
 // released (the server's event loop and tokenizers run meanwhile).
 //
-// What it runs: RMSNorm; q, k and v as one packed product; Qwen3's per-head norms where given;
+// What it runs: RMSNorm; q, k and v as one product (`Product`: packed, or a GGUF's quantized parts); Qwen3's per-head norms where given;
 // the rotary kernel for queries and keys; the new keys and values written to the pool; paged
 // attention over it; the output projection and the residual; RMSNorm; gate and up as one packed
 // product; silu(gate) * up; the down projection and the residual. The memory layout of a tensor
@@ -25,6 +25,35 @@ namespace {
 
 using Optional = c10::optional<at::Tensor>;
 
+// One of a layer's products: a packed weight (linear.cpp) or quantized parts (quant.cpp).
+class Product {
+ public:
+  static Product packed(at::Tensor weight, int64_t n) {
+    Product p;
+    p.packed_ = std::move(weight);
+    p.n_ = n;
+    return p;
+  }
+  static Product quantized(std::vector<at::Tensor> parts, std::vector<int64_t> types, std::vector<int64_t> widths) {
+    Product p;
+    p.parts_ = std::move(parts);
+    p.types_ = std::move(types);
+    p.widths_ = std::move(widths);
+    for (const int64_t w : p.widths_) p.n_ += w;
+    return p;
+  }
+  at::Tensor operator()(const at::Tensor& x, const Optional& bias) const {
+    if (parts_.empty()) return linear_packed(x, packed_, n_, bias, "");
+    return quant_linear(x, parts_, types_, widths_, bias, "");
+  }
+
+ private:
+  at::Tensor packed_;
+  std::vector<at::Tensor> parts_;
+  std::vector<int64_t> types_, widths_;
+  int64_t n_ = 0;
+};
+
 // RMSNorm of every row of width weight.size(0): rows [T, ...] → the same shape.
 at::Tensor norm_rows(const at::Tensor& x, const at::Tensor& weight, double eps) {
   const auto rows = x.reshape({-1, weight.size(0)});
@@ -34,11 +63,11 @@ at::Tensor norm_rows(const at::Tensor& x, const at::Tensor& weight, double eps) 
 class DecoderLayer {
  public:
   // norms: input, post-attention; head_norms: Qwen3's q_norm and k_norm weights (or none);
-  // eps: one per norm, in that order; qkv and gate_up: packed products of [q | k | v] and
-  // [gate | up] (linear.cpp's layout), o and down likewise; widths: q, k, v, intermediate.
+  // eps: one per norm, in that order; qkv and gate_up: the products of [q | k | v] and
+  // [gate | up], o and down likewise; widths: q, k, v, intermediate.
   DecoderLayer(at::Tensor input_norm, at::Tensor post_norm, Optional q_norm, Optional k_norm,
-               std::vector<double> eps, at::Tensor qkv, Optional qkv_bias, at::Tensor o, Optional o_bias,
-               at::Tensor gate_up, Optional gate_up_bias, at::Tensor down, Optional down_bias,
+               std::vector<double> eps, Product qkv, Optional qkv_bias, Product o, Optional o_bias,
+               Product gate_up, Optional gate_up_bias, Product down, Optional down_bias,
                std::vector<int64_t> widths, int64_t head_dim, int64_t hidden, double scale)
       : input_norm_(std::move(input_norm)), post_norm_(std::move(post_norm)), q_norm_(std::move(q_norm)),
         k_norm_(std::move(k_norm)), eps_(std::move(eps)), qkv_(std::move(qkv)), qkv_bias_(std::move(qkv_bias)),
@@ -60,7 +89,7 @@ class DecoderLayer {
     const int64_t tokens = hidden.size(0);
     const int64_t q_width = widths_[0], k_width = widths_[1], v_width = widths_[2], inter = widths_[3];
     const auto normed = norm_rows(hidden, input_norm_, eps_[0]);
-    const auto qkv = linear_packed(normed, qkv_, q_width + k_width + v_width, qkv_bias_, "");
+    const auto qkv = qkv_(normed, qkv_bias_);
     auto query = qkv.narrow(1, 0, q_width).view({tokens, -1, head_dim_});
     auto key = qkv.narrow(1, q_width, k_width).view({tokens, -1, head_dim_});
     const auto value = qkv.narrow(1, q_width + k_width, v_width).view({tokens, -1, head_dim_});
@@ -72,12 +101,12 @@ class DecoderLayer {
     key = rotary(key, cos, sin);      // [T, kv_heads, dim]
     paged_write_transposed(keys, values, key.transpose(0, 1), value.transpose(0, 1), slot_blocks, slot_offsets);
     const auto attended = paged_attention(query, keys, values, tables, cu_seqlens, past, scale_);
-    auto mixed = linear_packed(attended.view({tokens, -1}), o_, hidden_, o_bias_, "");
+    auto mixed = o_(attended.view({tokens, -1}), o_bias_);
     add_into(mixed, hidden);
-    const auto both = linear_packed(norm_rows(mixed, post_norm_, eps_[1]), gate_up_, 2 * inter, gate_up_bias_, "");
+    const auto both = gate_up_(norm_rows(mixed, post_norm_, eps_[1]), gate_up_bias_);
     auto product = at::empty({tokens, inter}, both.options());
     silu_mul(both.narrow(1, 0, inter), both.narrow(1, inter, inter), product);
-    auto out = linear_packed(product, down_, hidden_, down_bias_, "");
+    auto out = down_(product, down_bias_);
     add_into(out, mixed);
     return out;
   }
@@ -86,13 +115,13 @@ class DecoderLayer {
   at::Tensor input_norm_, post_norm_;
   Optional q_norm_, k_norm_;
   std::vector<double> eps_;
-  at::Tensor qkv_;
+  Product qkv_;
   Optional qkv_bias_;
-  at::Tensor o_;
+  Product o_;
   Optional o_bias_;
-  at::Tensor gate_up_;
+  Product gate_up_;
   Optional gate_up_bias_;
-  at::Tensor down_;
+  Product down_;
   Optional down_bias_;
   std::vector<int64_t> widths_;
   int64_t head_dim_, hidden_;
@@ -102,9 +131,12 @@ class DecoderLayer {
 }  // namespace
 
 void bind_layer(pybind11::module& m) {
+  pybind11::class_<Product>(m, "Product", "One product of a DecoderLayer: packed, or quantized parts (layer.cpp)")
+      .def_static("packed", &Product::packed, "linear_pack's weight of n outputs")
+      .def_static("quantized", &Product::quantized, "quant_linear's parts, their GGML types and widths");
   pybind11::class_<DecoderLayer>(m, "DecoderLayer", "A Llama-style decoder layer in one call (see layer.cpp)")
-      .def(pybind11::init<at::Tensor, at::Tensor, Optional, Optional, std::vector<double>, at::Tensor, Optional,
-                          at::Tensor, Optional, at::Tensor, Optional, at::Tensor, Optional, std::vector<int64_t>,
+      .def(pybind11::init<at::Tensor, at::Tensor, Optional, Optional, std::vector<double>, Product, Optional,
+                          Product, Optional, Product, Optional, Product, Optional, std::vector<int64_t>,
                           int64_t, int64_t, double>())
       .def("forward", &DecoderLayer::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
 }

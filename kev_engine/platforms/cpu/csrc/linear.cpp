@@ -181,7 +181,9 @@ void f32_rows(const float* x, int64_t ldx, int64_t rows, const float* w, int64_t
   });
 }
 
-void linear_f32(const float* x, int64_t m, int64_t k, const float* w, int64_t n, const float* bias, float* out) {
+// out: rows of ldo floats (n of them computed here; quant.cpp writes chunks of a wider output).
+void linear_f32(const float* x, int64_t m, int64_t k, const float* w, int64_t n, const float* bias, float* out,
+                int64_t ldo) {
 #if !defined(__AVX512F__)
   if (m == 1) {  // one row: each thread an even share of the panels, kWideRow at a time (f32_row_wide)
     const int64_t panels = panels_f32(n);
@@ -211,14 +213,14 @@ void linear_f32(const float* x, int64_t m, int64_t k, const float* w, int64_t n,
       const float* wp = w + p0 * k * kPanel;
       const float* bp = bias != nullptr ? bias + n0 : nullptr;
       const float* xp = x + m0 * k;
-      float* op = out + m0 * n + n0;
+      float* op = out + m0 * ldo + n0;
       switch (std::min<int64_t>(kGroup, panels - p0)) {
 #if defined(__AVX512F__)
-        case 4: f32_rows<4>(xp, k, rows, wp, k, bp, op, n, cols); break;
-        case 3: f32_rows<3>(xp, k, rows, wp, k, bp, op, n, cols); break;
-        case 2: f32_rows<2>(xp, k, rows, wp, k, bp, op, n, cols); break;
+        case 4: f32_rows<4>(xp, k, rows, wp, k, bp, op, ldo, cols); break;
+        case 3: f32_rows<3>(xp, k, rows, wp, k, bp, op, ldo, cols); break;
+        case 2: f32_rows<2>(xp, k, rows, wp, k, bp, op, ldo, cols); break;
 #endif
-        default: f32_rows<1>(xp, k, rows, wp, k, bp, op, n, cols); break;
+        default: f32_rows<1>(xp, k, rows, wp, k, bp, op, ldo, cols); break;
       }
     }
   });
@@ -469,7 +471,8 @@ inline void pair_rows(const X* x, int64_t ldx, int64_t rows, const bf16* w, int6
 // stays in cache while every row tile of the block uses it, and the accumulators wait in c between
 // K blocks (stored and reloaded as fp32: exact, so blocking changes no sum).
 template <typename X>
-void linear_bf16_pairs(const bf16* x, int64_t m, int64_t k, const bf16* w, int64_t n, const float* bias, bf16* out) {
+void linear_bf16_pairs(const bf16* x, int64_t m, int64_t k, const bf16* w, int64_t n, const float* bias, bf16* out,
+                       int64_t ldo) {
   const int64_t panels = panels_bf16(n), panel_size = pairs_bf16(k) * 32, k_pairs = (k + 1) / 2;
   const int64_t per_block = row_block(m, 1), blocks = (m + per_block - 1) / per_block;
   // panels per task: 16 (256 outputs) when there are several row blocks (prefill); one row block
@@ -532,7 +535,7 @@ void linear_bf16_pairs(const bf16* x, int64_t m, int64_t k, const bf16* w, int64
         for (int64_t kp0 = 0; kp0 < k_pairs; kp0 += k_block)
           for (int64_t p = p0; p < p1; p += kDpPanels) unit(kp0, p);
       }
-      store_bf16(acc.data(), ldc, rows, bias != nullptr ? bias + n0 : nullptr, out + m0 * n + n0, n, cols);
+      store_bf16(acc.data(), ldc, rows, bias != nullptr ? bias + n0 : nullptr, out + m0 * ldo + n0, ldo, cols);
     }
   });
 }
@@ -557,12 +560,12 @@ void bf16_tile_fma(const bf16* x, int64_t ldx, int64_t rows, const bf16* b0, con
 }
 
 void linear_bf16(const bf16* x, int64_t m, int64_t k, const bf16* w, int64_t n, const float* bias, bf16* out,
-                 Bf16Path path) {
+                 int64_t ldo, Bf16Path path) {
 #if defined(__AVX512BF16__)
-  if (path == Bf16Path::kAvx512Bf16) return linear_bf16_pairs<bf16>(x, m, k, w, n, bias, out);
+  if (path == Bf16Path::kAvx512Bf16) return linear_bf16_pairs<bf16>(x, m, k, w, n, bias, out, ldo);
 #endif
 #if defined(__AVX512F__)
-  if (path == Bf16Path::kFma) return linear_bf16_pairs<float>(x, m, k, w, n, bias, out);
+  if (path == Bf16Path::kFma) return linear_bf16_pairs<float>(x, m, k, w, n, bias, out, ldo);
 #endif
   const int64_t panels = panels_bf16(n), pairs = panels / 2, k_pairs = pairs_bf16(k), kpad = 2 * k_pairs;
   const int64_t panel_size = k_pairs * 32;                  // bf16 elements of one packed panel
@@ -620,7 +623,7 @@ void linear_bf16(const bf16* x, int64_t m, int64_t k, const bf16* w, int64_t n, 
             } else
 #endif
               bf16_tile_fma(a, lda, rows, b0, b0 + panel_size, (k + 1) / 2, c);
-            store_bf16(c, 32 * take, rows, bias != nullptr ? bias + n0 : nullptr, out + (m0 + i) * n + n0, n, cols);
+            store_bf16(c, 32 * take, rows, bias != nullptr ? bias + n0 : nullptr, out + (m0 + i) * ldo + n0, ldo, cols);
           }
           q += take;
         }
@@ -704,12 +707,28 @@ at::Tensor linear_packed(const at::Tensor& input, const at::Tensor& packed, int6
   auto out = at::empty({m, n}, x.options());
   if (m == 0) return out;
   if (f32) {
-    linear_f32(x.data_ptr<float>(), m, k, packed.data_ptr<float>(), n, b, out.data_ptr<float>());
+    linear_f32(x.data_ptr<float>(), m, k, packed.data_ptr<float>(), n, b, out.data_ptr<float>(), n);
   } else {
-    linear_bf16(x.data_ptr<bf16>(), m, k, packed.data_ptr<bf16>(), n, b, out.data_ptr<bf16>(), parse_path(path));
+    linear_bf16(x.data_ptr<bf16>(), m, k, packed.data_ptr<bf16>(), n, b, out.data_ptr<bf16>(), n, parse_path(path));
   }
   return out;
 }
+
+// rows x [m, k] (float32 or bfloat16, contiguous) @ a packed weight at w (linear_pack's layout of an
+// [n, k] weight, in memory of the caller's) into the first n columns of out (rows of ldo values):
+// quant.cpp's products, chunk by chunk of outputs decoded into that layout. `path`: linear_bf16_path's.
+void linear_packed_into(const void* x, int64_t m, int64_t k, const void* w, int64_t n, const float* bias, void* out,
+                        int64_t ldo, bool f32, int path) {
+  if (f32)
+    linear_f32(static_cast<const float*>(x), m, k, static_cast<const float*>(w), n, bias, static_cast<float*>(out),
+               ldo);
+  else
+    linear_bf16(static_cast<const bf16*>(x), m, k, static_cast<const bf16*>(w), n, bias, static_cast<bf16*>(out),
+                ldo, static_cast<Bf16Path>(path));
+}
+
+// The bf16 path a product naming `name` takes ("": this process's), for linear_packed_into.
+int linear_bf16_path(const std::string& name) { return static_cast<int>(parse_path(name)); }
 
 // Which instructions compute each dtype here: "float32:<...> bfloat16:<...>".
 // The bf16 path of products that name none, from now on; refused (naming both) once one ran on
