@@ -233,9 +233,14 @@ class Engine:
         dtype: str | torch.dtype | None = None,
         trust_remote_code: bool = False,
         adapters: dict[str, str] | None = None,
+        weights: str | None = None,
         **engine_kwargs: Any,
     ) -> Engine:
         """Load `model` from a local folder, a .gguf file or a hub id; None is the embedded SmolLM2-135M-Instruct.
+
+        `weights`: how a GGUF's quantized weights are kept — "as-stored" (computed in place by Kev's
+        CPU kernels: the file's size in memory, the same bits as dequantized), "dense" (dequantized
+        into `dtype`), or "auto"/None (as stored where the engine can compute them so); see `loader`.
 
         `model` is the name `ChatKev`, LlamaIndex's `Kev`, `kev --model` and vLLM's `LLM(model=...)`
         use. `adapters` maps names to PEFT LoRA folders, loaded before the engine serves.
@@ -251,7 +256,8 @@ class Engine:
             if dtype is None or dtype == "auto":  # decided here, once, so the engine can say why
                 chosen, why = platforms.auto_dtype(loader.resolve_device(device))
             loaded, tokenizer, name = loader.load(model, device, chosen, trust_remote_code,
-                                                  engine_kwargs.get("model_impl"))
+                                                  engine_kwargs.get("model_impl"), weights,
+                                                  engine_kwargs.get("cpu_kernels"), engine_kwargs.get("batch_invariant"))
             engine = cls(loaded, tokenizer, name=name, **engine_kwargs)
             if why is not None:
                 engine.dtype_choice = why
@@ -419,7 +425,8 @@ class Engine:
         """Counters since start (requests; passes — `prefill_passes`, those with prompt tokens, and
         `decode_steps`, those of decode rows alone, add up to `forward_passes`; tokens, prefix
         hits), the KV memory now, how this engine computes (its dtype, and whether packed equals
-        alone bit for bit), its pass target, and two latency histograms (`latency.Histogram.snapshot`):
+        alone bit for bit; its weights — `weights`: "dense", or a GGUF's blocks "as stored (...)",
+        `weights_choice` why, `weight_bytes` the memory they take), its pass target, and two latency histograms (`latency.Histogram.snapshot`):
         each pass's duration (`pass_seconds`) and each request's wait from submission to its first
         pass (`queue_seconds`)."""
         with self._cond:
@@ -430,6 +437,9 @@ class Engine:
                 "kv_cache_peak_bytes": self._scheduler.peak_blocks * self._kv.block_bytes,
                 "dtype": str(self.dtype).removeprefix("torch."),
                 "dtype_choice": self.dtype_choice,
+                "weights": getattr(self.model, "weights", "dense"),
+                "weights_choice": getattr(self.model, "weights_choice", None),
+                "weight_bytes": self.model.weight_bytes() if hasattr(self.model, "weight_bytes") else None,
                 "batch_invariant": self._platform.batch_invariant,
                 "model_impl": self.model_impl,
                 "speculative": self.speculative,

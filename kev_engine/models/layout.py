@@ -9,17 +9,27 @@ as one `Linear` of widths (q, k, v), gate and up as one of (intermediate, interm
 product sums each output exactly as its own would (each output is its own dot product), so the
 bits are those of the separate products, in one call instead of three (each call wakes the
 threads). `names` keeps each part's checkpoint name: LoRA adapters target the parts by it.
+
+A GGUF read as stored gives quantized parts (`quant.QuantTensor`): a product whose parts all are
+keeps them (`Linear.quant`, no dense weight); one that mixes them with dense parts (an F16 part
+beside Q4_K ones) has its quantized parts dequantized, and says so on the "kev" logger.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-Tensors = Callable[[str], "torch.Tensor | None"]  # checkpoint name → tensor (None: not in the checkpoint)
+from .quant import QuantTensor, QuantWeight
+
+log = logging.getLogger("kev")
+
+# checkpoint name → tensor (None: not in the checkpoint; a QuantTensor: a GGUF weight as stored)
+Tensors = Callable[[str], "torch.Tensor | QuantTensor | None"]
 
 
 @dataclass
@@ -32,6 +42,7 @@ class Linear:
     names: tuple[str, ...]  # each part's checkpoint module name (what a LoRA adapter targets)
     in_features: int
     packed: Any = None  # the platform's own layout of the weight (`Ops.prepare`)
+    quant: QuantWeight | None = None  # the weight as a GGUF stores it (then `weight` is None)
 
     @property
     def out_features(self) -> int:
@@ -46,13 +57,19 @@ class Linear:
             if weight is None:
                 raise ValueError(f"the checkpoint has no {name}.weight")
             weights.append(weight)
-        biases = [tensors(f"{name}.bias") for name in names]
+        biases = [_dense(tensors(f"{name}.bias")) for name in names]
         if any(b is None for b in biases) and any(b is not None for b in biases):
             missing = names[[b is None for b in biases].index(True)]
             raise ValueError(f"the checkpoint has biases for some of {names} but not {missing}.bias")
-        weight = _joined(weights, dtype, device)  # [out, in]
         bias = None if biases[0] is None else _joined([b for b in biases if b is not None], dtype, device)
-        return cls(weight, bias, tuple(int(w.shape[0]) for w in weights), tuple(names), int(weight.shape[1]))
+        widths = tuple(int(w.shape[0]) if isinstance(w, torch.Tensor) else w.rows for w in weights)
+        if all(isinstance(w, QuantTensor) for w in weights):
+            quant = QuantWeight.of(weights)  # type: ignore[arg-type]
+            return cls(None, bias, widths, tuple(names), quant.in_features, quant=quant)
+        if any(isinstance(w, QuantTensor) for w in weights):
+            log.info("Kev: %s mixes quantized and dense parts; its quantized parts are dequantized", ", ".join(names))
+        weight = _joined([_dense(w) for w in weights], dtype, device)  # [out, in]
+        return cls(weight, bias, widths, tuple(names), int(weight.shape[1]))
 
 
 @dataclass
@@ -76,10 +93,15 @@ class Layer:
 
 
 def read_tensor(tensors: Tensors, name: str, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    tensor = tensors(name)
+    tensor = _dense(tensors(name))
     if tensor is None:
         raise ValueError(f"the checkpoint has no {name}")
     return tensor.to(device=device, dtype=dtype).contiguous()
+
+
+def _dense(tensor: Any) -> Any:
+    """A quantized tensor's values (gguf's dequantization), any other as it is."""
+    return tensor.dequantized() if isinstance(tensor, QuantTensor) else tensor
 
 
 def _joined(parts: list[torch.Tensor], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

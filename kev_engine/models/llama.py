@@ -9,7 +9,9 @@ modules on the way (their tokenizer and chat template are still Kev's, in `input
 What differs between the families is read from the config and the checkpoint, never guessed:
 q/k/v biases (Qwen2; Llama's `attention_bias`) are there when the checkpoint has them, Qwen3's
 per-head q/k norms likewise, `head_dim` where the config sets it, the rope block (`rope`), a tied
-output head (`tie_word_embeddings`: the head reads the embedding table). A sliding window narrower
+output head (`tie_word_embeddings`: the head reads the embedding table). Weights a GGUF stores
+quantized stay so where the checkpoint hands them over that way (`quant`): the products and the
+embedding lookup then decode them (the platform's ops). A sliding window narrower
 than the engine's context is refused at load (`setup.check_packable`): Kev's attention has none.
 """
 
@@ -22,6 +24,7 @@ import torch
 
 from ..adapters.lora import LoraRoutes
 from .layout import Layer, Linear, Tensors, read_tensor
+from .quant import QuantTensor, QuantWeight
 from .ops import Ops
 from .rope import Rope
 
@@ -71,15 +74,25 @@ class DecoderModel:
         self.intermediate = int(text.intermediate_size)
         self.eps = float(text.rms_norm_eps)
         self.scaling = self.head_dim**-0.5
-        self.embed = read_tensor(tensors, "model.embed_tokens.weight", dtype, device)  # [vocab, hidden]
+        table = tensors("model.embed_tokens.weight")
+        self.embed: torch.Tensor | QuantWeight  # [vocab, hidden]
+        if isinstance(table, QuantTensor):
+            self.embed = QuantWeight.of([table])
+        else:
+            self.embed = read_tensor(tensors, "model.embed_tokens.weight", dtype, device)
         self.layers = [self._read_layer(tensors, i) for i in range(int(text.num_hidden_layers))]
         self.norm = read_tensor(tensors, "model.norm.weight", dtype, device)
         if getattr(text, "tie_word_embeddings", False) or getattr(config, "tie_word_embeddings", False):
-            self.head = Linear(self.embed, None, (int(self.embed.shape[0]),), ("lm_head",), self.hidden)
+            if isinstance(self.embed, QuantWeight):
+                self.head = Linear(None, None, (self.embed.out_features,), ("lm_head",), self.hidden, quant=self.embed)
+            else:
+                self.head = Linear(self.embed, None, (int(self.embed.shape[0]),), ("lm_head",), self.hidden)
         else:
             self.head = Linear.read(tensors, ["lm_head"], dtype, device)
         self.rope = Rope(text, self.head_dim, dtype, device)
         self.ops = Ops()
+        self.weights = "dense"  # or how a GGUF's weights are kept (`load.from_gguf`)
+        self.weights_choice: str | None = None  # why, for a GGUF (the loader's `weights`)
 
     def _read_layer(self, tensors: Tensors, index: int) -> Layer:
         prefix = f"model.layers.{index}."
@@ -110,12 +123,27 @@ class DecoderModel:
         return self
 
     def parameters(self) -> Any:
-        """The tensors Kev computes with (the embedding first: its dtype and device are the model's)."""
-        yield self.embed
+        """The dense tensors Kev computes with (the final norm first: its dtype and device are the
+        model's); quantized weights are in `quantized()`."""
+        yield self.norm
+        if isinstance(self.embed, torch.Tensor):
+            yield self.embed
         for layer in self.layers:
             yield from (t for t in (layer.input_norm, layer.post_norm, layer.q_norm, layer.k_norm) if t is not None)
             yield from (t for linear in layer.linears for t in (linear.weight, linear.bias) if t is not None)
-        yield self.norm
+
+    def quantized(self) -> list[QuantWeight]:
+        """The weights kept as a GGUF stores them (the embedding table once, though a tied head reads it)."""
+        found = [self.embed] if isinstance(self.embed, QuantWeight) else []
+        return found + [linear.quant for linear in self.linears() if linear.quant is not None
+                        and linear.quant is not self.embed]
+
+    def weight_bytes(self) -> int:
+        """Memory the weights take: dense tensors, quantized ones and the platform's packed copies."""
+        dense = {id(t): t.nbytes for t in self.parameters()}
+        dense.update({id(linear.packed): linear.packed.nbytes for linear in self.linears()
+                      if isinstance(linear.packed, torch.Tensor)})
+        return sum(dense.values()) + sum(q.nbytes for q in self.quantized())
 
     def linears(self) -> list[Linear]:
         """Every product of a token's pass, the output head last."""

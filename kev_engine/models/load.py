@@ -1,11 +1,12 @@
-"""Checkpoints into Kev's model: a safetensors folder read straight into Kev's layout, or the
-tensors of a transformers model already in memory.
+"""Checkpoints into Kev's model: a safetensors folder or a GGUF file read straight into Kev's
+layout, or the tensors of a transformers model already in memory.
 
 Where this sits: `Engine.from_pretrained` reads a folder here (no transformers model is built on
 Kev's path: the config and generation config are read from their JSON, the tensors one at a time
 from the safetensors files); `Engine(model, tokenizer)` with a transformers model of a family Kev
 owns takes its tensors (`from_module`). A family Kev does not own runs on the transformers model
-itself (`models.choose_impl`).
+itself (`models.choose_impl`). A GGUF's quantized weights stay as the file stores them where the
+engine computes them in place (`from_gguf`, `gguf_file`), else they are dequantized.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from .llama import DecoderModel
@@ -65,6 +67,35 @@ def from_folder(folder: str | Path, dtype: torch.dtype, device: torch.device, na
         model = DecoderModel(config.model_type, config, tensors.get, dtype, device, generation)
     log.info("Kev: read %s into Kev's layout in %.1f s", folder.name, time.perf_counter() - started)
     return model
+
+
+def from_gguf(path: str | Path, config: Any, generation: Any, dtype: torch.dtype, device: torch.device,
+              keep_quantized: bool) -> DecoderModel:
+    """Kev's model from a .gguf (`config` and `generation` read from its header): quantized weights
+    as stored where `keep_quantized`, everything else dequantized into `dtype`, one tensor at a time."""
+    from .gguf_file import GgufFile
+
+    started = time.perf_counter()
+    tensors = GgufFile(path, config, keep_quantized)
+    model = DecoderModel(config.model_type, config, tensors.get, dtype, device, generation)
+    kept = ", ".join(f"{count} {kind}" for kind, count in sorted(tensors.kept.items()))
+    log.info("Kev: read %s in %.1f s; weights as stored: %s", Path(path).name, time.perf_counter() - started,
+             kept or "none")
+    if tensors.dequantized:
+        log.info("Kev: %s: dequantized into %s (types Kev does not compute in place): %s", Path(path).name,
+                 str(dtype).removeprefix("torch."),
+                 ", ".join(f"{count} {kind}" for kind, count in sorted(tensors.dequantized.items())))
+    model.weights = f"as stored ({kept})" if kept else "dense"
+    return model
+
+
+def dense_bytes(path: str | Path, dtype: torch.dtype) -> int:
+    """The bytes a GGUF's tensors take dequantized into `dtype` (from its header alone)."""
+    from .gguf_file import read_header
+
+    _, tensors = read_header(Path(path))
+    size = torch.tensor([], dtype=dtype).element_size()
+    return sum(int(np.prod(info.shape, dtype=np.int64)) * size for info in tensors.values())
 
 
 SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,

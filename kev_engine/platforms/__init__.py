@@ -19,7 +19,7 @@ from torch import nn
 
 from . import inplace, invariance
 from .base import AttentionBackend, Platform
-from .cpu import dtype_choice, exact_linear, kernels, rotary_table, rows_linear
+from .cpu import cache_size, dtype_choice, exact_linear, kernels, rotary_table, rows_linear
 from .cpu.platform import CpuPlatform
 from .cpu.platform import why_not_invariant as cpu_why_not
 from .cuda import choice as cuda_choice
@@ -28,7 +28,7 @@ from .cuda.platform import CudaPlatform
 from .torch_ops import TorchPlatform
 
 __all__ = ["AttentionBackend", "Platform", "auto_dtype", "carry_thread_state", "choose", "default_dtype",
-           "resolve_device", "uninstall"]
+           "resolve_device", "stored_or_dense", "uninstall", "why_not_quantized"]
 
 
 def choose(model: nn.Module, *, cpu_kernels: str | None, batch_invariant: bool | None, cuda_attention: str | None,
@@ -84,6 +84,40 @@ def auto_dtype(device: torch.device) -> tuple[torch.dtype, str]:
         choice = dtype_choice.choose()
         return getattr(torch, choice.dtype), choice.reason
     return torch.float32, f"no measured bfloat16 path on {device.type}"
+
+
+def why_not_quantized(device: torch.device, dtype: torch.dtype, cpu_kernels: str | None,
+                      batch_invariant: bool | None) -> str | None:
+    """Why an engine of these settings cannot compute a GGUF's quantized weights as stored (they
+    are computed by Kev's batch-invariant CPU kernels, csrc/quant.cpp), or None where it can."""
+    if device.type != "cpu":
+        return f"the engine runs on {device}"
+    if batch_invariant is False:
+        return "batch_invariant=False"
+    if dtype not in exact_linear.DTYPES:
+        return f"dtype={str(dtype).removeprefix('torch.')} (they compute float32 and bfloat16)"
+    if kernels.resolve_mode(cpu_kernels) == "torch":
+        return "cpu_kernels='torch'"
+    try:
+        kernels.load_kernels()
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
+
+def stored_or_dense(dense_bytes: int, dtype: torch.dtype) -> tuple[str, str]:
+    """("as-stored" or "dense", why) for a GGUF whose weights take `dense_bytes` in `dtype`: dense
+    where they fit this CPU's last-level cache (`cpu.cache_size`: read from it, dense weights
+    compute faster than decoded ones), else as stored (fewer bytes to stream every step)."""
+    cache = cache_size.last_level_bytes()
+    size = f"its weights in {str(dtype).removeprefix('torch.')} ({dense_bytes / 1e6:.0f} MB)"
+    if cache is None:
+        return "as-stored", f"{size}: this system does not say its CPU's cache size; the file's blocks are fewer bytes"
+    if dense_bytes > cache:
+        return "as-stored", (f"{size} exceed this CPU's last-level cache ({cache / 1e6:.0f} MB): a step streams "
+                             "them from memory, and the file's blocks are fewer bytes")
+    return "dense", (f"{size} fit this CPU's last-level cache ({cache / 1e6:.0f} MB), where dense weights "
+                     "compute faster than decoded ones")
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
