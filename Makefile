@@ -35,7 +35,7 @@ test: setup
 ISA ?= no-avx512
 ISA_TESTS ?= tests/test_cpu_isa.py tests/test_cpu_linear.py tests/test_linear_kernel.py tests/test_attention.py tests/test_inplace.py \
 	tests/test_invariance.py tests/test_isolation.py tests/test_lora.py tests/test_kv_memory.py tests/test_pass_budget.py \
-	tests/test_models.py tests/test_paused_pass.py tests/test_kernel_threads.py tests/test_speculative.py
+	tests/test_models.py tests/test_paused_pass.py tests/test_kernel_threads.py tests/test_speculative.py tests/test_quant.py
 test-isa: setup
 	$(BIN)/python -m kev_engine.platforms.cpu.isa $(ISA) -- $(BIN)/kev build-kernel
 	$(BIN)/python -m kev_engine.platforms.cpu.isa $(ISA) -- $(BIN)/python -m pytest -q $(ISA_TESTS)

@@ -129,6 +129,10 @@ class SafetensorsFolder:
             for key, entry in header.items():
                 self._where[key] = (stream, 8 + size, entry)
 
+    def names(self) -> list[str]:
+        """Every tensor's name."""
+        return list(self._where)
+
     def get(self, name: str) -> torch.Tensor | None:
         found = self._where.get(name)
         if found is None:

@@ -234,6 +234,19 @@ def run_build_kernel() -> int:
     return 0
 
 
+def run_quantize(args: argparse.Namespace) -> int:
+    """Write args.folder as a GGUF of args.kind blocks; 2 with the reason if it cannot."""
+    from .quantize import quantize
+
+    try:
+        out = quantize(args.folder, args.out, args.kind)
+    except (ValueError, OSError) as exc:
+        print(f"kev: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"kev: wrote {out} ({args.kind}, {out.stat().st_size / 1e6:.1f} MB)", file=sys.stderr)
+    return 0
+
+
 def build_parser(extra: Sequence[Command] = ()) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kev", description="Answer many questions in one packed pass.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -249,6 +262,10 @@ def build_parser(extra: Sequence[Command] = ()) -> argparse.ArgumentParser:
     common.add_argument("--max-model-len", dest="max_model_len", type=int, metavar="TOKENS",
                         help="longest question (prompt + answer) in tokens, at most the model's context (default: "
                         "the model's); a model with a narrower sliding window loads only with this at most the window")
+    common.add_argument("--weights", choices=("auto", "as-stored", "dense"),
+                        help="a GGUF's quantized weights: as-stored (computed in place by Kev's CPU kernels: the "
+                        "file's size in memory, the same answers), dense (dequantized into --dtype), auto (default: "
+                        "as stored where the dense weights would not fit this CPU's last-level cache)")
     common.add_argument("--model-impl", dest="model_impl", choices=("auto", "kev", "transformers"),
                         help="the model's implementation: auto (default: Kev's own forward for the Llama, Mistral, "
                         "Qwen2 and Qwen3 families, else transformers' modeling code), kev, transformers")
@@ -278,6 +295,10 @@ def build_parser(extra: Sequence[Command] = ()) -> argparse.ArgumentParser:
     show.add_argument("--out", required=True, help="PNG file to write")
     show.add_argument("--max-pixels", dest="max_pixels", type=int, default=1024, help="most mask pixels per side")
     commands.add_parser("build-kernel", help="build Kev's CPU kernels now (make setup does)")
+    quantize = commands.add_parser("quantize", help="write a transformers folder as a GGUF of quantized blocks")
+    quantize.add_argument("folder", help="the model folder (config.json, *.safetensors, tokenizer)")
+    quantize.add_argument("out", help="the .gguf file to write")
+    quantize.add_argument("--type", dest="kind", default="Q8_0", help="Q8_0 (default), Q4_0, Q4_1, Q5_0 or Q5_1")
     for command in extra:
         command.add_arguments(commands.add_parser(command.name, help=command.help))
     for sub in (gen, verify, show):
@@ -304,6 +325,8 @@ def main(argv: Sequence[str] | None = None, extra: Sequence[Command] = ()) -> in
             return command.run(args)
     if args.command == "build-kernel":
         return run_build_kernel()
+    if args.command == "quantize":
+        return run_quantize(args)
     try:
         records = read_questions(args)
         if args.command == "generate":
@@ -316,7 +339,7 @@ def main(argv: Sequence[str] | None = None, extra: Sequence[Command] = ()) -> in
         adapters = parse_adapters(args)
         engine = Engine.from_pretrained(args.model, device=args.device, dtype=args.dtype,
                                         max_model_len=args.max_model_len, model_impl=args.model_impl,
-                                        speculative=args.speculative)
+                                        speculative=args.speculative, weights=args.weights)
     except (UsageError, ValueError, OSError) as exc:
         print(f"kev: error: {exc}", file=sys.stderr)
         return 2

@@ -1,0 +1,280 @@
+"""GGUF's quantized weights computed as stored: each block type decoded bit for bit as gguf-py's
+own `dequantize`, products equal to the packed product on the dequantized weight bit for bit (so
+packed equals alone), engines on the file's blocks giving the answers of the same model dequantized,
+LoRA on a quantized base against PEFT on the dequantized one, and `kev quantize`'s round trip.
+
+Controls: one changed quantized value is seen by every comparison of values and products; the
+packed-versus-alone comparison on a quantized engine fails once a reduction is ordered by the
+pass's size (`test_invariance.reorder_by_pass_size`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import QUESTIONS, make_adapter, rounding_tolerance, save_tiny_model
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
+from peft import PeftModel
+from test_invariance import alone, answers, differences, doc_questions, greedy, questions, reorder_by_pass_size
+
+from kev_engine import Engine, loader
+from kev_engine.models.gguf_file import GgufFile, read_header
+from kev_engine.models.quant import FORMATS, QuantTensor, tile
+from kev_engine.platforms.cpu import kernels as cpu_kernels
+from kev_engine.tools.cli import main as cli_main
+from kev_engine.tools.quantize import quantize
+
+DTYPES = [torch.float32, torch.bfloat16]
+NAMES = {f.name: kind for kind, f in FORMATS.items()}
+# (dtype, bf16 instruction path): "" is this machine's own
+PATHS = [(torch.float32, ""), (torch.bfloat16, ""), (torch.bfloat16, "amx"), (torch.bfloat16, "avx512_bf16"),
+         (torch.bfloat16, "fma")]
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    return cpu_kernels.load_kernels()
+
+
+def random_blocks(kind: int, rows: int, cols: int, seed: int = 0) -> QuantTensor:
+    """A weight of `kind`: quantized by gguf-py where it can, else random bytes with finite scales
+    (one a subnormal fp16: every fp16 converts exactly, and that one must too)."""
+    rng = np.random.default_rng(seed)
+    f = FORMATS[kind]
+    d_at = 208 if f.name == "Q6_K" else 0  # where a block's fp16 d is (Q4_K and Q5_K: dmin follows it)
+    try:
+        blocks = quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32), GGMLQuantizationType(kind))
+    except NotImplementedError:  # gguf-py has no K-quant quantizer
+        blocks = rng.integers(0, 256, size=(rows, cols // f.block_k, f.block_bytes), dtype=np.uint8)
+        scales = rng.uniform(1e-3, 2e-2, size=blocks.shape[:2] + (2,)).astype(np.float16).view(np.uint8)
+        width = 2 if f.name == "Q6_K" else 4
+        blocks[..., d_at:d_at + width] = scales[..., :width]
+        blocks = blocks.reshape(rows, -1)
+    blocks[0, d_at:d_at + 2] = (1, 0)  # row 0's first scale: the smallest fp16 subnormal
+    return QuantTensor(kind, rows, cols, blocks)
+
+
+def decoded(kernels, tensor: QuantTensor) -> torch.Tensor:
+    return kernels.quant_rows(tile(tensor), tensor.type, tensor.rows, tensor.cols, torch.arange(tensor.rows))
+
+
+@pytest.mark.parametrize("name", list(NAMES))
+def test_each_format_decodes_as_gguf_dequantizes_bitwise(kernels, name: str) -> None:
+    kind = NAMES[name]
+    tensor = random_blocks(kind, 37, 3 * FORMATS[kind].block_k)
+    expected = tensor.dequantized()
+    assert torch.isfinite(expected).all()
+    assert torch.equal(decoded(kernels, tensor), expected)
+    changed = QuantTensor(kind, tensor.rows, tensor.cols, tensor.blocks.copy())  # control: one value moved
+    changed.blocks[5, -1] ^= 0x11
+    assert not torch.equal(decoded(kernels, changed), expected)
+
+
+def test_the_embedded_files_tensors_decode_as_gguf_dequantizes(kernels) -> None:
+    path = loader.embedded_gguf()
+    _, infos = read_header(path)
+    file = GgufFile(path, loader_config(path), keep_quantized=True)
+    for name in ("model.layers.0.mlp.down_proj.weight", "model.layers.7.self_attn.q_proj.weight",
+                 "model.embed_tokens.weight"):
+        tensor = file.get(name)
+        assert isinstance(tensor, QuantTensor)
+        rows = torch.arange(0, tensor.rows, 97)  # the 49,152-row table: a sample of its rows
+        got = kernels.quant_rows(tile(tensor), tensor.type, tensor.rows, tensor.cols, rows)
+        assert torch.equal(got, tensor.dequantized()[rows])
+    assert {FORMATS[info.type].name for info in infos.values() if info.type in FORMATS} == {"Q4_1", "Q8_0"}
+
+
+def tensor_bytes(path: Path) -> int:
+    """The bytes of a GGUF's tensors, as its header lists them."""
+    _, infos = read_header(path)
+    total = 0
+    for info in infos.values():
+        block_k, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(info.type)]
+        total += int(np.prod(info.shape)) // block_k * block_bytes
+    return total
+
+
+def loader_config(path: Path):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(loader.gguf_header_dir(path)))
+
+
+@pytest.mark.parametrize("dtype,path", PATHS, ids=["fp32", "bf16", "bf16-amx", "bf16-avx512_bf16", "bf16-fma"])
+def test_products_equal_the_packed_product_on_the_dequantized_weight(kernels, dtype, path: str) -> None:
+    """Fused parts of three types (Q4_K, Q8_0, Q6_K: a Q4_K_M file mixes them), a bias, row counts
+    of a decode step and of prefills: every row the same bits as linear_packed on the dequantized
+    weight, and so the same bits whatever the row count (packed == alone)."""
+    if path:
+        try:
+            kernels.linear_packed(torch.ones(1, 2, dtype=dtype), kernels.linear_pack(torch.ones(1, 2, dtype=dtype)), 1,
+                                  None, path)
+        except RuntimeError as exc:
+            pytest.skip(str(exc).splitlines()[0])
+    parts = [random_blocks(NAMES["Q4_K"], 40, 512, 1), random_blocks(NAMES["Q8_0"], 24, 512, 2),
+             random_blocks(NAMES["Q6_K"], 72, 512, 3)]
+    weight = torch.cat([part.dequantized() for part in parts]).to(dtype)
+    bias = torch.randn(weight.shape[0])
+    packed = kernels.linear_pack(weight)
+    tiled = [tile(part) for part in parts]
+    x = torch.randn(300, 512).to(dtype)
+    got = {}
+    for rows in (1, 5, 97, 300):
+        out = kernels.quant_linear(x[:rows], tiled, [p.type for p in parts], [p.rows for p in parts], bias, path)
+        assert torch.equal(out, kernels.linear_packed(x[:rows], packed, weight.shape[0], bias, path))
+        got[rows] = out
+    for rows in (1, 5, 97):
+        assert torch.equal(got[rows], got[300][:rows])
+    tiled[1][0, 0, 40] ^= 0x70  # control: one quantized value of the Q8_0 part changed
+    out = kernels.quant_linear(x[:5], tiled, [p.type for p in parts], [p.rows for p in parts], bias, path)
+    assert not torch.equal(out, got[5])
+
+
+def test_a_bad_tiled_weight_or_type_is_refused(kernels) -> None:
+    tensor = random_blocks(NAMES["Q4_0"], 16, 64)
+    with pytest.raises(RuntimeError, match="not one Kev computes in place"):
+        kernels.quant_linear(torch.randn(1, 64), [tile(tensor)], [10], [16])
+    with pytest.raises(RuntimeError, match="not a tiled weight of 16 outputs x 96 inputs"):
+        kernels.quant_linear(torch.randn(1, 96), [tile(tensor)], [tensor.type], [16])
+    with pytest.raises(RuntimeError, match="row 16 of a weight of 16 rows"):
+        kernels.quant_rows(tile(tensor), tensor.type, 16, 64, torch.tensor([16]))
+
+
+# ---- engines on the embedded file ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module", params=DTYPES, ids=["fp32", "bf16"])
+def stored_and_dense(request):
+    stored = Engine.from_pretrained(dtype=request.param, weights="as-stored")
+    dense = Engine.from_pretrained(dtype=request.param, weights="dense")
+    yield stored, dense
+    stored.close()
+    dense.close()
+
+
+def test_the_embedded_file_as_stored_answers_as_dequantized_bitwise(stored_and_dense) -> None:
+    stored, dense = stored_and_dense
+    assert stored.stats()["weights"] == "as stored (210 Q4_1, 1 Q8_0)" and dense.stats()["weights"] == "dense"
+    assert stored.stats()["weight_bytes"] <= 1.1 * tensor_bytes(loader.embedded_gguf())
+    prompts = questions(5, 6)
+    assert differences(answers(stored, prompts, greedy(6, 10)), answers(dense, prompts, greedy(6, 10))) == []
+
+
+def test_the_embedded_file_as_stored_packed_equals_alone_bitwise(stored_and_dense) -> None:
+    stored, _ = stored_and_dense
+    prompts = doc_questions()
+    packed = answers(stored, prompts, greedy(6, 12))
+    assert differences(packed, alone(stored, prompts, greedy(6, 12))) == []
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_control_a_reordered_reduction_on_quantized_weights_is_caught(dtype) -> None:
+    control = Engine.from_pretrained(dtype=dtype, weights="as-stored")
+    try:
+        reorder_by_pass_size(control.model)
+        prompts = doc_questions()
+        assert differences(answers(control, prompts, greedy(6, 12)), alone(control, prompts, greedy(6, 12))) != []
+    finally:
+        control.close()
+
+
+def test_weights_is_checked_and_refused_where_it_cannot_be_computed() -> None:
+    with pytest.raises(ValueError, match=r"weights='as-is' is not allowed; use one of \['auto', 'as-stored', 'dense'\]"):
+        Engine.from_pretrained(weights="as-is")
+    with pytest.raises(ValueError, match="here batch_invariant=False; use weights='dense'"):
+        Engine.from_pretrained(weights="as-stored", batch_invariant=False)
+    with pytest.raises(ValueError, match="here cpu_kernels='torch'"):
+        Engine.from_pretrained(weights="as-stored", cpu_kernels="torch")
+    engine = Engine.from_pretrained(batch_invariant=False)  # auto: dequantized, saying why
+    try:
+        assert engine.stats()["weights"] == "dense"
+        assert "batch_invariant=False" in engine.stats()["weights_choice"]
+    finally:
+        engine.close()
+
+
+# ---- tiny models through `kev quantize` -----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_files(tokenizer, tmp_path_factory):
+    """(HF folder, its Q8_0 GGUF, its Q4_0 GGUF) for a tiny llama and a tiny qwen2."""
+    root = tmp_path_factory.mktemp("quant")
+    files = {}
+    for family in ("llama", "qwen2"):
+        folder = save_tiny_model(root / family, tokenizer, family)
+        files[family] = (folder, quantize(folder, root / f"{family}-q8.gguf", "Q8_0"),
+                         quantize(folder, root / f"{family}-q4.gguf", "Q4_0"))
+    return files
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_quantized_tiny_models_packed_equal_alone_and_dense(tiny_files, family: str, dtype) -> None:
+    _, q8, q4 = tiny_files[family]
+    for path in (q8, q4):
+        stored = Engine.from_pretrained(str(path), dtype=dtype, weights="as-stored", max_batch_tokens=64)
+        dense = Engine.from_pretrained(str(path), dtype=dtype, weights="dense")
+        try:
+            assert stored.stats()["weights"].startswith("as stored")
+            prompts = questions(7, 7)
+            packed = answers(stored, prompts, greedy(7))  # chunked: at most 64 tokens a pass
+            assert stored.stats()["prefill_passes"] > 1
+            assert differences(packed, alone(stored, prompts, greedy(7))) == []
+            assert differences(packed, answers(dense, prompts, greedy(7))) == []
+        finally:
+            stored.close()
+            dense.close()
+
+
+def test_q8_0_stays_close_to_the_model_it_was_written_from(tiny_files) -> None:
+    """The round trip through `kev quantize` keeps the model (rows in transformers' order again):
+    Q8_0's logits within a few hundredths of the original's, far nearer than another model's."""
+    folder, q8, _ = tiny_files["llama"]
+    original = Engine.from_pretrained(str(folder), dtype="float32")
+    stored = Engine.from_pretrained(str(q8), dtype="float32", weights="as-stored")
+    try:
+        a, b = original.prompt_logits(QUESTIONS[:2]), stored.prompt_logits(QUESTIONS[:2])
+        for x, y in zip(a, b):
+            assert (x - y).abs().max() < 0.05 * x.abs().max()
+    finally:
+        original.close()
+        stored.close()
+
+
+def test_lora_on_a_quantized_base_equals_peft_on_the_dequantized_model(tiny_files, tmp_path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    _, q8, _ = tiny_files["qwen2"]
+    base = AutoModelForCausalLM.from_pretrained(str(q8.parent), gguf_file=q8.name, dtype=torch.float32).eval()
+    folder = make_adapter(base, tmp_path / "a", 1, r=4, lora_alpha=8,
+                          target_modules=["q_proj", "v_proj", "gate_proj", "down_proj"])
+    engine = Engine.from_pretrained(str(q8), dtype="float32", weights="as-stored", adapters={"a": str(folder)})
+    try:
+        names = ["a", None, "a"]
+        for prompt, name, logits in zip(QUESTIONS[:3], names, engine.prompt_logits(QUESTIONS[:3], adapters=names)):
+            reference = PeftModel.from_pretrained(base, str(folder)).eval() if name else base
+            with torch.no_grad():
+                expected = reference(input_ids=torch.tensor([engine.encode(prompt)])).logits[0]
+            if name:
+                reference.unload()
+            torch.testing.assert_close(logits, expected, atol=rounding_tolerance(expected, torch.float32), rtol=0)
+        plain = engine.prompt_logits(QUESTIONS[:1])[0]
+        assert not torch.allclose(plain, engine.prompt_logits(QUESTIONS[:1], adapters=["a"])[0], atol=1e-3)  # control
+    finally:
+        engine.close()
+
+
+def test_kev_quantize_refuses_what_it_cannot_write(tiny_files, tmp_path, capsys) -> None:
+    folder, _, _ = tiny_files["llama"]
+    assert cli_main(["quantize", str(folder), str(tmp_path / "x.gguf"), "--type", "Q3_K"]) == 2
+    assert "type 'Q3_K' is not one kev quantize writes; use one of Q8_0, Q4_0, Q4_1, Q5_0, Q5_1" in capsys.readouterr().err
+    assert cli_main(["quantize", str(tmp_path), str(tmp_path / "x.gguf")]) == 2
+    assert "has no config.json" in capsys.readouterr().err
+    assert cli_main(["quantize", str(folder), str(tmp_path / "ok.gguf"), "--type", "Q5_1"]) == 0
+    _, infos = read_header(tmp_path / "ok.gguf")
+    assert {info.type for info in infos.values()} == {int(GGMLQuantizationType.Q5_1), int(GGMLQuantizationType.F32)}
+    assert GGML_QUANT_SIZES[GGMLQuantizationType.Q5_1] == (32, 24)
