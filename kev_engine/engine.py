@@ -257,7 +257,8 @@ class Engine:
                 chosen, why = platforms.auto_dtype(loader.resolve_device(device))
             loaded, tokenizer, name = loader.load(model, device, chosen, trust_remote_code,
                                                   engine_kwargs.get("model_impl"), weights,
-                                                  engine_kwargs.get("cpu_kernels"), engine_kwargs.get("batch_invariant"))
+                                                  engine_kwargs.get("cpu_kernels"),
+                                                  engine_kwargs.get("batch_invariant"))
             engine = cls(loaded, tokenizer, name=name, **engine_kwargs)
             if why is not None:
                 engine.dtype_choice = why
@@ -426,7 +427,8 @@ class Engine:
         `decode_steps`, those of decode rows alone, add up to `forward_passes`; tokens, prefix
         hits), the KV memory now, how this engine computes (its dtype, and whether packed equals
         alone bit for bit; its weights — `weights`: "dense", or a GGUF's blocks "as stored (...)",
-        `weights_choice` why, `weight_bytes` the memory they take), its pass target, and two latency histograms (`latency.Histogram.snapshot`):
+        `weights_choice` why, `weight_bytes` the memory they take), its pass target, and two
+        latency histograms (`latency.Histogram.snapshot`):
         each pass's duration (`pass_seconds`) and each request's wait from submission to its first
         pass (`queue_seconds`)."""
         with self._cond:

@@ -283,7 +283,8 @@ def load(
                                          torch_device, keep_quantized=True)
                 model.weights_choice = why
                 return model, AutoTokenizer.from_pretrained(str(header)), name
-            _, why = resolve_weights(weights, f"Kev's forward cannot compute this model: {why_not}")  # refuses "as-stored"
+            # "as-stored" asked for is refused here; "auto" falls back to dense, saying why
+            _, why = resolve_weights(weights, f"Kev's forward cannot compute this model: {why_not}")
         folder = converted_gguf_dir(gguf)
     if folder is None:
         model, tokenizer = _load_from_hub(name, torch_dtype, trust_remote_code)

@@ -19,7 +19,8 @@ from .ops import Ops
 
 IMPLS = ("auto", "kev", "transformers")
 
-__all__ = ["FAMILIES", "IMPLS", "DecoderModel", "Ops", "choose_impl", "dense_bytes", "from_folder", "from_gguf", "from_module",
+__all__ = ["FAMILIES", "IMPLS", "DecoderModel", "Ops", "choose_impl", "dense_bytes", "from_folder", "from_gguf",
+           "from_module",
            "owned"]
 
 

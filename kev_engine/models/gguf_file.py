@@ -32,7 +32,8 @@ from .quant import FORMATS, QuantTensor
 INTERLEAVED_QK = ("llama",)  # GGUF architectures whose q and k rows llama.cpp's converter interleaved
 
 
-_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}  # GGUF value types
+# GGUF's scalar value types, as struct formats
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 
 
 @dataclass

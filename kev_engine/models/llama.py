@@ -24,8 +24,8 @@ import torch
 
 from ..adapters.lora import LoraRoutes
 from .layout import Layer, Linear, Tensors, read_tensor
-from .quant import QuantTensor, QuantWeight
 from .ops import Ops
+from .quant import QuantTensor, QuantWeight
 from .rope import Rope
 
 ATTENTION_PARTS = ("q_proj", "k_proj", "v_proj")

@@ -55,8 +55,8 @@ def quantize(folder: str | Path, out: str | Path, kind: str = "Q8_0") -> Path:
                          f"default ({type(config)().head_dim}), so its file would not load back")
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
     writer = gguf.GGUFWriter(str(out), arch)
-    _hyperparameters(writer, config, text, head_dim, kind)
-    _tokenizer(writer, folder, tokenizer, int(text.vocab_size))
+    write_hyperparameters(writer, config, text, head_dim, kind)
+    write_tokenizer(writer, folder, tokenizer, int(text.vocab_size))
     qtype = gguf.GGMLQuantizationType[kind]
     names = gguf.get_tensor_name_map(next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch),
                                      int(text.num_hidden_layers))
@@ -81,7 +81,7 @@ def quantize(folder: str | Path, out: str | Path, kind: str = "Q8_0") -> Path:
     return out
 
 
-def _hyperparameters(writer: Any, config: Any, text: Any, head_dim: int, kind: str) -> None:
+def write_hyperparameters(writer: Any, config: Any, text: Any, head_dim: int, kind: str) -> None:
     import gguf
 
     rope = getattr(text, "rope_parameters", None) or {}
@@ -101,7 +101,7 @@ def _hyperparameters(writer: Any, config: Any, text: Any, head_dim: int, kind: s
     writer.add_vocab_size(int(text.vocab_size))
 
 
-def _tokenizer(writer: Any, folder: Path, tokenizer: Any, vocab_size: int) -> None:
+def write_tokenizer(writer: Any, folder: Path, tokenizer: Any, vocab_size: int) -> None:
     """The tokenizer as llama.cpp's converter writes a byte-level BPE one."""
     import gguf
 

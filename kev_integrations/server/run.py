@@ -53,6 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", help="cpu, cuda, cuda:1... (default: cuda if available)")
     parser.add_argument("--dtype", help="auto, float32, bfloat16, float16 (default auto: bf16 on CUDA, and on CPUs "
                         "where bf16 measures faster than fp32; else fp32)")
+    parser.add_argument("--weights", choices=("auto", "as-stored", "dense"),
+                        help="a GGUF's quantized weights: as-stored (computed in place by Kev's CPU kernels), dense "
+                        "(dequantized), auto (default: as stored where the dense ones would not fit the CPU's cache)")
     parser.add_argument("--max-model-len", dest="max_model_len", type=int, metavar="TOKENS",
                         help="longest question (prompt + answer) in tokens, at most the model's context (default: "
                         "the model's); a model with a narrower sliding window loads only with this at most the window")
@@ -128,12 +131,13 @@ def missing_adapter_folder(adapters: dict[str, str]) -> str | None:
 
 def engine_factory(model: str | None, device: str | None, dtype: str | None,
                    adapters: dict[str, str], max_model_len: int | None = None,
-                   model_impl: str | None = None, speculative: str | None = None) -> Callable[[], Engine]:
+                   model_impl: str | None = None, speculative: str | None = None,
+                   weights: str | None = None) -> Callable[[], Engine]:
     """The engine with its adapters, or a `StartError` naming the flag whose value did not load."""
     def load() -> Engine:
         try:
             engine = Engine.from_pretrained(model, device=device, dtype=dtype, max_model_len=max_model_len,
-                                            model_impl=model_impl, speculative=speculative)
+                                            model_impl=model_impl, speculative=speculative, weights=weights)
         except Exception as exc:
             raise StartError(f"--model {model or EMBEDDED_NAME!r} could not be loaded: "
                              f"{type(exc).__name__}: {exc}") from exc
@@ -244,7 +248,8 @@ def serve(args: Any, config: ServerConfig, adapters: dict[str, str], name: str) 
 
     ready = Ready(name, stop)
     app = build_app(ready.loader(engine_factory(
-        args.model, args.device, args.dtype, adapters, args.max_model_len, args.model_impl, args.speculative)), config,
+        args.model, args.device, args.dtype, adapters, args.max_model_len, args.model_impl, args.speculative,
+        args.weights)), config,
                     model_name=name)
     server = Server(uvicorn.Config(app, host=args.host, port=args.port, timeout_graceful_shutdown=args.grace,
                                    log_level="info", http=header_deadline_protocol(

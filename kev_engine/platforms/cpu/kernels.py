@@ -1,10 +1,11 @@
 """Kev's compiled CPU kernels (`csrc/`): built once per environment, then loaded as one `Kernels` object.
 
 Two builds, each with the compiler flags its sources need:
-  exact  (`linear.cpp`, `attention.cpp`, `elementwise.cpp`, `rows_linear.cpp`) — no fast-math,
-         no implicit contraction: the batch-invariant path. Every value is computed by the
-         operations written in the source, in the order written, whatever else is in the pass:
-         Linear products from packed weights (`linear_pack`, `linear_packed`), attention for every
+  exact  (`linear.cpp`, `quant.cpp`, `attention.cpp`, `elementwise.cpp`, `rows_linear.cpp`) — no
+         fast-math, no implicit contraction: the batch-invariant path. Every value is computed by
+         the operations written in the source, in the order written, whatever else is in the pass:
+         Linear products from packed weights (`linear_pack`, `linear_packed`) and from a GGUF's
+         quantized blocks (`quant_linear`, `quant_rows`), attention for every
          row of a pass over the paged pool (`paged_attention`, `paged_write_transposed`), the
          MLP's activation (`silu_mul`), RMSNorm (`rms_norm`), rotary embeddings (`rotary`), the
          residual additions of a decoder layer in one call (`add_into`, `DecoderLayer`), and the

@@ -1,0 +1,265 @@
+"""Weights as they ship: Kev on a GGUF's quantized blocks against the same file dequantized, one run.
+
+For each model file and dtype, one process holds two engines on the same GGUF:
+`weights="as-stored"` (the file's blocks, decoded by Kev's CPU kernels in each product) and
+`weights="dense"` (dequantized into the dtype at load), speculation off in both (a decode step is
+then one token), and times each workload on them in alternating rounds, best of `--rounds`, fresh
+prefix-cache keys each round. Answers must be the same token ids (they are the same bits: the
+kernels decode each weight to the value gguf's `dequantize` gives, then run the packed product).
+
+Reported per model, dtype and workload: wall seconds as stored and dense and their ratio, and
+whether the answers are the same; per model and dtype: the memory the weights take in each engine
+(`stats()["weight_bytes"]`) beside the file's tensor bytes, the load seconds, and a one-row decode
+step (one question, its 64 decode steps after the first token timed through `generate`, whole
+steps: scheduling and sampling included) beside the read roofline of the bytes one step reads
+(the Linear weights as the engine keeps them) at the read bandwidth measured in the same run
+(`bench_decode_roofline.read_bandwidth`, after the engines).
+
+Models: "embedded" (SmolLM2-135M-Instruct, its Q4_1 file as the wheel ships it); "llama-0.7b-q8_0"
+(the 0.73B random-weight Llama of `random_models`, written by `kev quantize --type Q8_0`) and
+"llama-0.7b-q4_k_m" (the same shapes with random Q4_K blocks, Q6_K for the value and down
+projections of every other layer as llama.cpp's Q4_K_M mix has them: gguf-py cannot quantize
+K-quants, and random weights change no kernel's speed).
+
+llama-server is not run here: no llama.cpp binary can be installed in this environment (PyPI's
+llama-cpp-python compiles llama.cpp and was not reachable as a wheel); its columns say so.
+
+Usage: python benchmarks/bench_quant.py [--model embedded llama-0.7b-q8_0 llama-0.7b-q4_k_m]
+           [--dtype float32 bfloat16] [--workload one rag16 docqa q64] [--rounds 3] [--model-dir DIR] [--out PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_decode_roofline import read_bandwidth  # noqa: E402
+from bench_invariance import WARM_UP, messages, write_report  # noqa: E402
+from machine import cpu_line  # noqa: E402
+
+RESULTS_MD = Path(__file__).resolve().parent / "results" / "bench_quant.md"
+MAX_TOKENS = {"one": 48, "rag16": 48, "docqa": 32, "q64": 32}
+MODELS = ("embedded", "llama-0.7b-q8_0", "llama-0.7b-q4_k_m")
+DECODE_TOKENS = 64
+
+
+def model_file(name: str, folder: Path | None) -> Path:
+    """The GGUF of `name` (built once in `folder` for the random ones)."""
+    from kev_engine import loader
+
+    if name == "embedded":
+        return loader.embedded_gguf()
+    assert folder is not None, "a random-weight model needs --model-dir"
+    import random_models
+
+    source = folder / "llama-0.7b"
+    if not (source / "config.json").exists():
+        import torch
+
+        embedded = loader.converted_gguf_dir(loader.embedded_gguf())
+        random_models.build(embedded, "llama-0.7b", source, device="cpu", dtype=torch.bfloat16)
+    out = folder / f"{name}.gguf"
+    if not out.exists():
+        if name.endswith("q8_0"):
+            from kev_engine.tools.quantize import quantize
+
+            quantize(source, out, "Q8_0")
+        else:
+            write_random_k_quants(source, out)
+    return out
+
+
+def write_random_k_quants(folder: Path, out: Path, seed: int = 0) -> Path:
+    """`folder`'s model as a GGUF of random Q4_K blocks (Q6_K for attn_v and ffn_down of every other
+    layer), each block's scales set so its weights lie within about +-0.03 (a trained model's range)."""
+    import gguf
+    from transformers import AutoConfig, AutoTokenizer
+
+    from kev_engine.models.load import SafetensorsFolder
+    from kev_engine.tools.quantize import write_hyperparameters, write_tokenizer
+
+    config = AutoConfig.from_pretrained(str(folder))
+    text = config.get_text_config()
+    head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
+    writer = gguf.GGUFWriter(str(out), "llama")
+    write_hyperparameters(writer, config, text, head_dim, "Q8_0")
+    write_tokenizer(writer, folder, AutoTokenizer.from_pretrained(str(folder)), int(text.vocab_size))
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, int(text.num_hidden_layers))
+    rng = np.random.default_rng(seed)
+    half = np.float16
+    with SafetensorsFolder(folder) as tensors:
+        for name in sorted(tensors.names()):
+            base, _, suffix = name.rpartition(".")
+            target = f"{names.get_name(base)}.{suffix}"
+            values = tensors.get(name)
+            assert values is not None
+            if values.dim() != 2:
+                writer.add_tensor(target, values.float().numpy())
+                continue
+            rows, cols = values.shape
+            layer = int(target.split(".")[1]) if target.startswith("blk.") else 0
+            six = target.endswith(("attn_v.weight", "ffn_down.weight")) and layer % 2 == 0
+            kind = gguf.GGMLQuantizationType.Q6_K if six else gguf.GGMLQuantizationType.Q4_K
+            block_bytes = 210 if six else 144
+            blocks = rng.integers(0, 256, size=(rows, cols // 256, block_bytes), dtype=np.uint8)
+            if six:  # 16 int8 scales of 16, d: weights 1e-4 * 16 * (q - 32)
+                blocks[..., 192:208] = 16
+                blocks[..., 208:210] = np.array([1e-4], dtype=half).view(np.uint8)
+            else:  # d, dmin, every group's scale and min 32: weights 32 d q - 32 dmin, centred
+                blocks[..., 0:2] = np.array([1e-4], dtype=half).view(np.uint8)
+                blocks[..., 2:4] = np.array([7.5e-4], dtype=half).view(np.uint8)
+                blocks[..., 4:12] = 160  # six-bit 32s, and the high bits of the last four groups'
+                blocks[..., 12:16] = 0
+            writer.add_tensor(target, blocks.reshape(rows, -1), raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def tensor_bytes(path: Path) -> int:
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    from kev_engine.models.gguf_file import read_header
+
+    total = 0
+    for info in read_header(path)[1].values():
+        block_k, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(info.type)]
+        total += int(np.prod(info.shape)) // block_k * block_bytes
+    return total
+
+
+def timed(engine: Any, prompts: list[Any], max_tokens: int, salt: str) -> tuple[float, list[list[int]]]:
+    from kev_engine import SamplingParams
+
+    started = time.perf_counter()
+    answers = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, cache_salt=salt))
+    return time.perf_counter() - started, [a.token_ids for a in answers]
+
+
+def decode_step(engine: Any, rounds: int) -> float:
+    """Seconds of one decode step of one question: (time to 1 + DECODE_TOKENS tokens - time to 1) / DECODE_TOKENS."""
+    from kev_engine import SamplingParams
+
+    prompt = messages("one")
+    steps = []
+    for r in range(rounds):
+        times = []
+        for tokens in (1, 1 + DECODE_TOKENS):
+            sampling = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True,
+                                      cache_salt=f"step-{r}-{tokens}")
+            started = time.perf_counter()
+            engine.generate(prompt, sampling)
+            times.append(time.perf_counter() - started)
+        steps.append((times[1] - times[0]) / DECODE_TOKENS)
+    return statistics.median(steps)
+
+
+def streamed_bytes(engine: Any) -> int:
+    """What a decode step reads of the weights: every product's weight once, as the engine keeps it."""
+    model = engine.model
+    total = 0
+    for linear in model.linears():
+        if linear.quant is not None:
+            total += linear.quant.nbytes
+        elif linear.packed is not None:
+            total += linear.packed.nbytes
+    return total
+
+
+def measure(name: str, path: Path, dtype: str, workloads: list[str], rounds: int) -> dict[str, Any]:
+    from kev_engine import Engine
+
+    row: dict[str, Any] = {"model": name, "dtype": dtype, "file_bytes": path.stat().st_size,
+                           "tensor_bytes": tensor_bytes(path), "workloads": {}}
+    engines = {}
+    for mode in ("as-stored", "dense"):
+        started = time.perf_counter()
+        engines[mode] = Engine.from_pretrained(str(path), dtype=dtype, weights=mode, speculative="off")
+        row[f"{mode}_load_s"] = time.perf_counter() - started
+    try:
+        for mode, engine in engines.items():
+            engine.generate([WARM_UP] * 2)
+            row[f"{mode}_weight_bytes"] = engine.stats()["weight_bytes"]
+            row[f"{mode}_streamed_bytes"] = streamed_bytes(engine)
+            row[f"{mode}_step_s"] = decode_step(engine, rounds)
+            print(f"  {name} {dtype} {mode}: one-row decode step {row[f'{mode}_step_s'] * 1e3:.2f} ms", flush=True)
+        for workload in workloads:
+            prompts, best, ids = messages(workload), {}, {}
+            for r in range(rounds):
+                for mode, engine in engines.items():
+                    wall, answer = timed(engine, prompts, MAX_TOKENS[workload], f"{workload}-{mode}-{r}")
+                    print(f"  {name} {dtype} {workload} {mode} round {r}: {wall:.3f} s", flush=True)
+                    best[mode] = min(best.get(mode, wall), wall)
+                    ids[mode] = answer
+            row["workloads"][workload] = {"stored_s": best["as-stored"], "dense_s": best["dense"],
+                                          "same": ids["as-stored"] == ids["dense"]}
+    finally:
+        for engine in engines.values():
+            engine.close()
+    return row
+
+
+def report(rows: list[dict[str, Any]], rounds: int, bandwidth: float, how: str) -> str:
+    import torch
+
+    lines = [f"# bench_quant: a GGUF's blocks as stored vs dequantized ({cpu_line()}; torch {torch.__version__}, "
+             f"{platform.machine()}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})", "",
+             f"Wall = best of {rounds} alternating rounds per engine; greedy; speculation off; the same answers "
+             f"required. Read bandwidth measured in this run: {bandwidth / 1e9:.1f} GB/s ({how}). llama-server: "
+             "not run (no binary in this environment).", "",
+             "| model | dtype | workload | as stored s | dense s | stored / dense | same answers |",
+             "|---|---|---|---|---|---|---|"]
+    for row in rows:
+        for workload, w in row["workloads"].items():
+            lines.append(f"| {row['model']} | {row['dtype']} | {workload} | {w['stored_s']:.3f} | {w['dense_s']:.3f} | "
+                         f"{w['stored_s'] / w['dense_s']:.2f}x | {'yes' if w['same'] else 'NO'} |")
+    lines += ["", "| model | dtype | file tensor MB | weights MB as stored / dense | as stored / file | load s "
+              "stored / dense | one-row step ms stored / dense | stored step / its roofline | "
+              "dense step / its roofline |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        roof = {mode: row[f"{mode}_streamed_bytes"] / bandwidth for mode in ("as-stored", "dense")}
+        lines.append(
+            f"| {row['model']} | {row['dtype']} | {row['tensor_bytes'] / 1e6:.0f} | "
+            f"{row['as-stored_weight_bytes'] / 1e6:.0f} / {row['dense_weight_bytes'] / 1e6:.0f} | "
+            f"{row['as-stored_weight_bytes'] / row['tensor_bytes']:.2f}x | "
+            f"{row['as-stored_load_s']:.1f} / {row['dense_load_s']:.1f} | "
+            f"{row['as-stored_step_s'] * 1e3:.2f} / {row['dense_step_s'] * 1e3:.2f} | "
+            f"{row['as-stored_step_s'] / roof['as-stored']:.2f}x ({roof['as-stored'] * 1e3:.2f} ms) | "
+            f"{row['dense_step_s'] / roof['dense']:.2f}x ({roof['dense'] * 1e3:.2f} ms) |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", nargs="+", default=["embedded"], choices=MODELS)
+    ap.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
+    ap.add_argument("--workload", nargs="+", default=list(MAX_TOKENS), choices=list(MAX_TOKENS))
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--model-dir", dest="model_dir", help="where the random-weight models are built (and reused)")
+    ap.add_argument("--out", default=str(RESULTS_MD), help="the report's path (.md; its .json beside it)")
+    args = ap.parse_args()
+    folder = Path(args.model_dir) if args.model_dir else None
+    rows = []
+    for name in args.model:
+        path = model_file(name, folder)
+        for dtype in args.dtype:
+            rows.append(measure(name, path, dtype, args.workload, args.rounds))
+    bandwidth, how = read_bandwidth()
+    write_report(args.out, report(rows, args.rounds, bandwidth, how), rows)
+    if not all(w["same"] for row in rows for w in row["workloads"].values()):
+        sys.exit("an answer differed between the stored and the dequantized weights: see the report")
+
+
+if __name__ == "__main__":
+    main()
