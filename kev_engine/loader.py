@@ -7,11 +7,10 @@ The embedded default is SmolLM2-135M-Instruct (GGUF Q4_1) shipped in the PyPI wh
                and cached (`gguf_header_dir`);
   "dense"      dequantized: transformers converts it once (with progress bars) and the
                safetensors are cached (`converted_gguf_dir`);
-  "auto"       "as-stored" where the engine can compute them so (Kev's batch-invariant CPU
-               kernels, `platforms.why_not_quantized`, and a family Kev's forward owns) and the
-               weights in the engine's dtype would not fit the CPU's last-level cache
-               (`platforms.stored_or_dense`: there the dense weights are read at cache speed and
-               run faster); else "dense". `stats()["weights_choice"]` says why.
+  "auto"       "dense" where the dense weights fit in memory (they computed faster), else
+               "as-stored" where the engine can compute them so (Kev's batch-invariant CPU
+               kernels, `platforms.why_not_quantized`, and a family Kev's forward owns):
+               `platforms.stored_or_dense`. `stats()["weights_choice"]` says why.
 Caches live under `KEV_CACHE_DIR` (default ~/.cache/kev), keyed on the file's content: a fresh
 venv reuses them. `trust_remote_code` only when asked.
 
@@ -173,6 +172,26 @@ def resolve_weights(weights: str | None, blocker: str | None,
     return kept, why
 
 
+def _gguf_weights(gguf: Path, device: torch.device, dtype: torch.dtype, model_impl: str | None, weights: str | None,
+                  cpu_kernels: str | None, batch_invariant: bool | None) -> tuple[str, str, Path | None]:
+    """("as-stored" or "dense", why, the header's folder where "as-stored") for a GGUF (`resolve_weights`):
+    what keeps its blocks from being computed as stored is the engine's settings, then the family."""
+    from transformers import AutoConfig
+
+    blocker = "model_impl='transformers'" if model_impl == "transformers" else None
+    blocker = blocker or platforms.why_not_quantized(device, dtype, cpu_kernels, batch_invariant)
+    if blocker is not None or weights == "dense":
+        return (*resolve_weights(weights, blocker), None)
+    header = gguf_header_dir(gguf)
+    why_not = models.owned(AutoConfig.from_pretrained(str(header)))
+    if why_not is not None:  # "as-stored" is refused; "auto" dequantizes, saying why
+        return (*resolve_weights(weights, f"Kev's forward cannot compute this model: {why_not}"), None)
+    if weights == "as-stored":
+        return (*resolve_weights(weights, None), header)
+    kept, why = resolve_weights(weights, None, platforms.stored_or_dense(models.dense_bytes(gguf, dtype), dtype))
+    return kept, why, header if kept == "as-stored" else None
+
+
 def is_hub_id(source: str) -> bool:
     """True for an `owner/name` that is not a local path (its `owner` is no folder here)."""
     return _HUB_ID.fullmatch(source) is not None and not Path(source.partition("/")[0]).exists()
@@ -264,27 +283,18 @@ def load(
         else:
             name = str(source)
     if gguf is not None:
-        blocker = "model_impl='transformers'" if model_impl == "transformers" else None
-        blocker = blocker or platforms.why_not_quantized(torch_device, torch_dtype, cpu_kernels, batch_invariant)
-        if blocker is None and weights in (None, "auto"):
-            kept, why = resolve_weights(weights, None, platforms.stored_or_dense(models.dense_bytes(gguf, torch_dtype),
-                                                                                 torch_dtype))
-        else:
-            kept, why = resolve_weights(weights, blocker)
+        kept, why, header = _gguf_weights(gguf, torch_device, torch_dtype, model_impl, weights, cpu_kernels,
+                                          batch_invariant)
         if kept == "as-stored":
-            header = gguf_header_dir(gguf)
+            assert header is not None
+            from transformers import GenerationConfig
+
             config = AutoConfig.from_pretrained(str(header))
             config._name_or_path = name  # adapters compare it to their base model's
-            why_not = models.owned(config)
-            if why_not is None:
-                from transformers import GenerationConfig
-
-                model = models.from_gguf(gguf, config, GenerationConfig.from_pretrained(str(header)), torch_dtype,
-                                         torch_device, keep_quantized=True)
-                model.weights_choice = why
-                return model, AutoTokenizer.from_pretrained(str(header)), name
-            # "as-stored" asked for is refused here; "auto" falls back to dense, saying why
-            _, why = resolve_weights(weights, f"Kev's forward cannot compute this model: {why_not}")
+            model = models.from_gguf(gguf, config, GenerationConfig.from_pretrained(str(header)), torch_dtype,
+                                     torch_device, keep_quantized=True)
+            model.weights_choice = why
+            return model, AutoTokenizer.from_pretrained(str(header)), name
         folder = converted_gguf_dir(gguf)
     if folder is None:
         model, tokenizer = _load_from_hub(name, torch_dtype, trust_remote_code)

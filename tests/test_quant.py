@@ -197,6 +197,23 @@ def test_weights_is_checked_and_refused_where_it_cannot_be_computed() -> None:
         engine.close()
 
 
+def test_auto_keeps_the_blocks_where_the_dense_weights_would_not_fit_in_memory(monkeypatch) -> None:
+    from kev_engine import platforms
+
+    dense = Engine.from_pretrained(dtype="bfloat16")
+    try:
+        assert dense.stats()["weights"] == "dense" and "fit in memory" in dense.stats()["weights_choice"]
+    finally:
+        dense.close()
+    monkeypatch.setattr(platforms, "available_memory", lambda: 400_000_000)  # 0.27 GB of bf16 > half of it
+    stored = Engine.from_pretrained(dtype="bfloat16")
+    try:
+        assert stored.stats()["weights"] == "as stored (210 Q4_1, 1 Q8_0)"
+        assert "would take more than 50% of the memory available (0.4 GB)" in stored.stats()["weights_choice"]
+    finally:
+        stored.close()
+
+
 # ---- tiny models through `kev quantize` -----------------------------------------------------------
 
 

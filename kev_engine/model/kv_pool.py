@@ -30,16 +30,22 @@ def kv_shape(model: Any) -> tuple[int, int, int]:
     return config.num_hidden_layers, getattr(config, "num_key_value_heads", None) or heads, head_dim
 
 
-def host_kv_cache_bytes() -> int:
-    """A sane budget in host memory when the caller gives none: a share of what is available now
-    (a platform whose KV lives elsewhere gives its own, `Platform.default_kv_cache_bytes`)."""
+def available_memory() -> int:
+    """Bytes of host memory available now (Linux's MemAvailable, which counts reclaimable page
+    cache; elsewhere the free pages)."""
     available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     try:
-        with open("/proc/meminfo") as meminfo:  # MemAvailable counts reclaimable page cache; AVPHYS does not
+        with open("/proc/meminfo") as meminfo:
             available = next(int(line.split()[1]) * 1024 for line in meminfo if line.startswith("MemAvailable:"))
     except (OSError, StopIteration):
         pass
-    return int(min(CPU_DEFAULT_MAX_BYTES, available * CPU_DEFAULT_FRACTION))
+    return available
+
+
+def host_kv_cache_bytes() -> int:
+    """A sane budget in host memory when the caller gives none: a share of what is available now
+    (a platform whose KV lives elsewhere gives its own, `Platform.default_kv_cache_bytes`)."""
+    return int(min(CPU_DEFAULT_MAX_BYTES, available_memory() * CPU_DEFAULT_FRACTION))
 
 
 Shape = tuple[int, ...]

@@ -19,7 +19,8 @@ from torch import nn
 
 from . import inplace, invariance
 from .base import AttentionBackend, Platform
-from .cpu import cache_size, dtype_choice, exact_linear, kernels, rotary_table, rows_linear
+from ..model.kv_pool import available_memory
+from .cpu import dtype_choice, exact_linear, kernels, rotary_table, rows_linear
 from .cpu.platform import CpuPlatform
 from .cpu.platform import why_not_invariant as cpu_why_not
 from .cuda import choice as cuda_choice
@@ -105,19 +106,21 @@ def why_not_quantized(device: torch.device, dtype: torch.dtype, cpu_kernels: str
     return None
 
 
+MEMORY_SHARE = 0.5  # of the memory available, the most dense weights may take under weights="auto"
+
+
 def stored_or_dense(dense_bytes: int, dtype: torch.dtype) -> tuple[str, str]:
     """("as-stored" or "dense", why) for a GGUF whose weights take `dense_bytes` in `dtype`: dense
-    where they fit this CPU's last-level cache (`cpu.cache_size`: read from it, dense weights
-    compute faster than decoded ones), else as stored (fewer bytes to stream every step)."""
-    cache = cache_size.last_level_bytes()
-    size = f"its weights in {str(dtype).removeprefix('torch.')} ({dense_bytes / 1e6:.0f} MB)"
-    if cache is None:
-        return "as-stored", f"{size}: this system does not say its CPU's cache size; the file's blocks are fewer bytes"
-    if dense_bytes > cache:
-        return "as-stored", (f"{size} exceed this CPU's last-level cache ({cache / 1e6:.0f} MB): a step streams "
-                             "them from memory, and the file's blocks are fewer bytes")
-    return "dense", (f"{size} fit this CPU's last-level cache ({cache / 1e6:.0f} MB), where dense weights "
-                     "compute faster than decoded ones")
+    where they fit in MEMORY_SHARE of the memory available (there dense weights computed faster
+    than decoded blocks, bf16 on AMX by a third to a half: docs/benchmarks.md, "Weights as they
+    ship"), else as stored (the file's size: a model that would not fit dense still runs)."""
+    available = available_memory()
+    size = f"its weights in {str(dtype).removeprefix('torch.')} ({dense_bytes / 1e9:.2f} GB)"
+    if dense_bytes > MEMORY_SHARE * available:
+        return "as-stored", (f"{size} would take more than {MEMORY_SHARE:.0%} of the memory available "
+                             f"({available / 1e9:.1f} GB); the file's blocks take its size")
+    return "dense", (f"{size} fit in memory ({available / 1e9:.1f} GB available), where dense weights compute "
+                     "faster than decoded blocks")
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
