@@ -6,8 +6,8 @@ product's parts, and the CPU platform's ops compute with it (`csrc/quant.cpp`), 
 
 Why a layout of Kev's: the file stores each output row's blocks one after another; a product that
 decodes 16 outputs' k-th weights as one vector wants them side by side. `tile` moves the same bytes
-(a block's scales as the file has them, its 4-bit values two rows to a byte, fifth and sixth bits
-in planes of their own) into panels of 16 outputs, the layout csrc/quant.cpp documents: the memory
+(a block's scales as the file has them, its 4-bit values two k to a byte, fifth and sixth bits in
+planes of their own) into panels of 16 outputs, the layout csrc/quant.cpp documents: the memory
 a weight takes is the file's bytes (padding aside: a last panel of fewer than 16 outputs, and an
 odd panel count, filled with zero bytes).
 """
@@ -155,8 +155,8 @@ def tile(tensor: QuantTensor) -> torch.Tensor:
     if f.low_bits == 8:
         planes.append(v.reshape(panels, blocks, -1))
     else:
-        low = v & 0x0F
-        planes.append((low[..., :8] | (low[..., 8:] << 4)).reshape(panels, blocks, -1))
+        low = (v & 0x0F).reshape(panels, blocks, f.block_k // 2, 2, LANES)  # byte j: row j at the even k, the odd
+        planes.append((low[..., 0, :] | (low[..., 1, :] << 4)).reshape(panels, blocks, -1))
     if f.high_bits:
         width = np.uint16 if f.high_bits == 1 else np.uint32
         shifts = (np.arange(LANES) * f.high_bits).astype(width)

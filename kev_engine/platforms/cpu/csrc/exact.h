@@ -12,6 +12,9 @@ at::Tensor linear_packed(const at::Tensor& input, const at::Tensor& packed, int6
 void linear_packed_into(const void* x, int64_t m, int64_t k, const void* w, int64_t n, const float* bias, void* out,
                         int64_t ldo, bool f32, int path);
 int linear_bf16_path(const std::string& name);
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+void amx_configure_tiles();
+#endif
 std::string linear_paths();
 void set_bf16_path(const std::string& name);
 at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values,

@@ -257,13 +257,18 @@ struct TileConfig {
 };
 
 // every tile 16 rows x 64 bytes; prefill (amx_tile): 0-3 C (16 x 16 fp32), 4, 5 A (16 rows x 32
-// bf16), 6, 7 B (16 k pairs x 16); decode (amx_decode): 0-5 C, 6 A, 7 B
+// bf16), 6, 7 B (16 k pairs x 16); decode (amx_decode): 0-5 C, 6 A, 7 B. The configuration lives in
+// static storage: built on the stack, GCC dropped the stores of its rows and widths (ldtilecfg's
+// read of them is not seen), and the instruction then faulted on what was left there.
 void amx_configure() {
-  TileConfig config;
-  for (int t = 0; t < 8; ++t) {
-    config.rows[t] = 16;
-    config.colsb[t] = 64;
-  }
+  static const TileConfig config = [] {
+    TileConfig c;
+    for (int t = 0; t < 8; ++t) {
+      c.rows[t] = 16;
+      c.colsb[t] = 64;
+    }
+    return c;
+  }();
   _tile_loadconfig(&config);
 }
 
@@ -726,6 +731,12 @@ void linear_packed_into(const void* x, int64_t m, int64_t k, const void* w, int6
     linear_bf16(static_cast<const bf16*>(x), m, k, static_cast<const bf16*>(w), n, bias, static_cast<bf16*>(out),
                 ldo, static_cast<Bf16Path>(path));
 }
+
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+// This thread's tiles configured as linear.cpp's AMX products have them (every tile 16 rows x 64
+// bytes), for quant.cpp's decode tiles.
+void amx_configure_tiles() { amx_configure(); }
+#endif
 
 // The bf16 path a product naming `name` takes ("": this process's), for linear_packed_into.
 int linear_bf16_path(const std::string& name) { return static_cast<int>(parse_path(name)); }

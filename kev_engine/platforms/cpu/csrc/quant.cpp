@@ -14,7 +14,8 @@
 // Layout (`models/quant.py` builds it from the file's blocks; the same bytes, reordered): the
 // outputs in panels of 16 (a last panel and an odd panel count padded with zero bytes), each
 // panel's blocks along K in the file's order, each block [16 rows' scale bytes as in the file]
-// [low plane: per k, 16 rows' 4-bit values (byte i: row i low, row i + 8 high) or 8-bit ones]
+// [low plane: per pair of k, 16 rows' 4-bit values (byte j: row j's at the even k low, at the odd
+// k high), or per k 16 rows' 8-bit ones]
 // [high plane: per k, the 16 rows' fifth bits (2 bytes) or fifth and sixth (4 bytes)]. Decoding
 // a k reads 16 outputs' values side by side: one vector, the layout linear.cpp's panels have.
 //
@@ -118,7 +119,7 @@ inline void decode_block(const uint8_t* block, int lane, float* out) {
       if constexpr (f.low_bits == 8)
         q[j] = static_cast<int8_t>(low[k * 16 + r]);
       else
-        q[j] = r < 8 ? low[k * 8 + r] & 0x0F : low[k * 8 + r - 8] >> 4;
+        q[j] = k % 2 == 0 ? low[k / 2 * 16 + r] & 0x0F : low[k / 2 * 16 + r] >> 4;
     }
     if constexpr (f.high_bits == 1) {
       uint16_t h;
@@ -149,57 +150,77 @@ template <int T, typename Emit>
 inline void decode_panel_block(const uint8_t* block, Emit&& emit) {
   constexpr Format f = format_of(T);
   constexpr int groups = f.block_k / f.group;
-  __m512 S[groups], O[groups];
+  __m512 S[groups], O[groups] = {};  // O: none for the formats without an offset
   if constexpr (f.scale_bytes == 2) {  // Q4_0, Q5_0, Q8_0: 16 rows' d side by side
     S[0] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block)));
   } else if constexpr (f.scale_bytes == 4) {  // Q4_1, Q5_1: each row's (d, m)
     const __m512i dm = _mm512_loadu_si512(block);
     S[0] = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dm));
     O[0] = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(dm, 16)));
-  } else {
-    alignas(64) float s[groups][kLanes], o[groups][kLanes] = {};
-    for (int j = 0; j < kLanes; ++j) {
-      float sj[groups], oj[groups] = {};
-      row_scales<T>(block + j * f.scale_bytes, sj, oj);
-      for (int g = 0; g < groups; ++g) {
-        s[g][j] = sj[g];
-        o[g][j] = oj[g];
+  } else {  // the K-quants: each row's dwords of scale bytes gathered into lanes, then row_scales' arithmetic
+    const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                            _mm512_set1_epi32(f.scale_bytes));
+    auto dwords = [&](int offset) { return _mm512_i32gather_epi32(rows, block + offset, 1); };
+    auto floats = [](__m512i v) { return _mm512_cvtepi32_ps(v); };
+    const __m512i six = _mm512_set1_epi32(0x3F), four = _mm512_set1_epi32(0x0F), high = _mm512_set1_epi32(0x30);
+    if constexpr (T == kQ4_K || T == kQ5_K) {
+      const __m512i dm = dwords(0), q0 = dwords(4), q1 = dwords(8), q2 = dwords(12);
+      const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dm));
+      const __m512 dmin = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(dm, 16)));
+      for (int g = 0; g < 4; ++g) {
+        const __m512i a = _mm512_srli_epi32(q0, 8 * g), b = _mm512_srli_epi32(q1, 8 * g);
+        const __m512i c = _mm512_srli_epi32(q2, 8 * g);
+        S[g] = _mm512_mul_ps(d, floats(_mm512_and_si512(a, six)));
+        O[g] = _mm512_mul_ps(dmin, floats(_mm512_and_si512(b, six)));
+        S[4 + g] = _mm512_mul_ps(d, floats(_mm512_or_si512(_mm512_and_si512(c, four),
+                                                           _mm512_and_si512(_mm512_srli_epi32(a, 2), high))));
+        O[4 + g] = _mm512_mul_ps(dmin, floats(_mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(c, 4), four),
+                                                              _mm512_and_si512(_mm512_srli_epi32(b, 2), high))));
       }
-    }
-    for (int g = 0; g < groups; ++g) {
-      S[g] = _mm512_load_ps(s[g]);
-      O[g] = _mm512_load_ps(o[g]);
+    } else {  // Q6_K: 16 signed eight-bit scales, then d
+      const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dwords(16)));
+      for (int i = 0; i < 4; ++i) {
+        const __m512i v = dwords(4 * i);
+        for (int byte = 0; byte < 4; ++byte)
+          S[4 * i + byte] = _mm512_mul_ps(d, floats(_mm512_srai_epi32(_mm512_slli_epi32(v, 24 - 8 * byte), 24)));
+      }
     }
   }
   const uint8_t* low = block + kLanes * f.scale_bytes;
   const uint8_t* high = low + f.block_k * (f.low_bits == 8 ? 16 : 8);
   const __m128i nibble = _mm_set1_epi8(0x0F);
-  for (int k = 0; k < f.block_k; ++k) {
-    const int g = k / f.group;
-    __m512i q;
-    if constexpr (f.low_bits == 8) {
-      q = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(low + k * 16)));
-    } else {
-      const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(low + k * 8));
-      const __m128i both = _mm_unpacklo_epi64(_mm_and_si128(v, nibble), _mm_and_si128(_mm_srli_epi16(v, 4), nibble));
-      q = _mm512_cvtepu8_epi32(both);
+  __m128i pair = _mm_setzero_si128();  // 4-bit values: a pair of k's 16 bytes, read at the even k
+  for (int g = 0; g < groups; ++g) {  // group by group: each one's scale and offset stay in registers
+    const __m512 scale = S[g], offset = O[g];
+    for (int i = 0; i < f.group; ++i) {
+      const int k = g * f.group + i;
+      __m512i q;
+      if constexpr (f.low_bits == 8) {
+        q = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(low + k * 16)));
+      } else if (k % 2 == 0) {
+        pair = _mm_loadu_si128(reinterpret_cast<const __m128i*>(low + k / 2 * 16));
+        q = _mm512_cvtepu8_epi32(_mm_and_si128(pair, nibble));
+      } else {
+        q = _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(pair, 4), nibble));
+      }
+      if constexpr (f.high_bits == 1) {
+        uint16_t h;
+        std::memcpy(&h, high + k * 2, sizeof(h));
+        q = _mm512_or_si512(q, _mm512_maskz_set1_epi32(static_cast<__mmask16>(h), 16));
+      } else if constexpr (f.high_bits == 2) {
+        uint32_t h;
+        std::memcpy(&h, high + k * 4, sizeof(h));
+        const __mmask16 even = static_cast<__mmask16>(_pext_u32(h, 0x55555555u));
+        const __mmask16 odd = static_cast<__mmask16>(_pext_u32(h, 0xAAAAAAAAu));
+        q = _mm512_or_si512(q, _mm512_or_si512(_mm512_maskz_set1_epi32(even, 16),
+                                               _mm512_maskz_set1_epi32(odd, 32)));
+      }
+      if constexpr (f.zero != 0) q = _mm512_sub_epi32(q, _mm512_set1_epi32(f.zero));
+      __m512 w = _mm512_mul_ps(scale, _mm512_cvtepi32_ps(q));
+      if constexpr (f.kind == 1) w = _mm512_add_ps(w, offset);
+      if constexpr (f.kind == 2) w = _mm512_sub_ps(w, offset);
+      emit(k, w);
     }
-    if constexpr (f.high_bits == 1) {
-      uint16_t h;
-      std::memcpy(&h, high + k * 2, sizeof(h));
-      q = _mm512_or_si512(q, _mm512_maskz_set1_epi32(static_cast<__mmask16>(h), 16));
-    } else if constexpr (f.high_bits == 2) {
-      uint32_t h;
-      std::memcpy(&h, high + k * 4, sizeof(h));
-      const __mmask16 even = static_cast<__mmask16>(_pext_u32(h, 0x55555555u));
-      const __mmask16 odd = static_cast<__mmask16>(_pext_u32(h, 0xAAAAAAAAu));
-      q = _mm512_or_si512(q, _mm512_or_si512(_mm512_maskz_set1_epi32(even, 16), _mm512_maskz_set1_epi32(odd, 32)));
-    }
-    if constexpr (f.zero != 0) q = _mm512_sub_epi32(q, _mm512_set1_epi32(f.zero));
-    __m512 w = _mm512_mul_ps(S[g], _mm512_cvtepi32_ps(q));
-    if constexpr (f.kind == 1) w = _mm512_add_ps(w, O[g]);
-    if constexpr (f.kind == 2) w = _mm512_sub_ps(w, O[g]);
-    emit(k, w);
   }
 }
 
@@ -242,10 +263,11 @@ void decode_panels(const uint8_t* tiled, int64_t k, int64_t p0, int64_t count, b
   constexpr Format f = format_of(T);
   const int64_t blocks = k / f.block_k;
   alignas(64) float tmp[f.block_k * kLanes];
-  for (int64_t p = 0; p < count; ++p) {
-    const uint8_t* panel = tiled + (p0 + p) * blocks * block_bytes(f);
-    for (int64_t b = 0; b < blocks; ++b) {
-      const uint8_t* block = panel + b * block_bytes(f);
+  // block by block across the panels: `count` streams from memory in flight at once, where one
+  // panel after another would leave a core waiting on one stream
+  for (int64_t b = 0; b < blocks; ++b) {
+    for (int64_t p = 0; p < count; ++p) {
+      const uint8_t* block = tiled + ((p0 + p) * blocks + b) * block_bytes(f);
 #if defined(KEV_QUANT_AVX512)
       if (f32) {
         float* w = static_cast<float*>(dst) + (p * k + b * f.block_k) * kLanes;
@@ -270,7 +292,8 @@ void decode_panels(const uint8_t* tiled, int64_t k, int64_t p0, int64_t count, b
       uint32_t* pairs = static_cast<uint32_t*>(dst) + (p * k + b * f.block_k) / 2 * kLanes;
       for (int kp = 0; kp < f.block_k / 2; ++kp)
         for (int j = 0; j < kLanes; ++j)
-          pairs[kp * kLanes + j] = bf16_bits(tmp[2 * kp * kLanes + j]) | bf16_bits(tmp[(2 * kp + 1) * kLanes + j]) << 16;
+          pairs[kp * kLanes + j] =
+              bf16_bits(tmp[2 * kp * kLanes + j]) | bf16_bits(tmp[(2 * kp + 1) * kLanes + j]) << 16;
     }
   }
 }
@@ -284,6 +307,81 @@ void decode_row(const uint8_t* tiled, int64_t k, int64_t row, float* out) {
   for (int64_t b = 0; b < blocks; ++b)
     decode_block<T, 1>(panel + b * block_bytes(f), static_cast<int>(row % kLanes), out + b * f.block_k);
 }
+
+#if defined(KEV_QUANT_AVX512) && defined(__AMX_BF16__) && defined(__AMX_TILE__)
+constexpr int kAmxPanels = 6;  // panels a decode tile streams side by side (linear.cpp's kDecodePairs pairs)
+constexpr int64_t kAmxBuffer = 16 * 1024;  // bytes of decoded blocks a tile keeps in L1 at most
+
+// Panels a decode tile of `type` takes: kAmxPanels, fewer where their decoded blocks (a K-quant's
+// are 256 k long: 8 KB a panel) would crowd L1, in pairs.
+int64_t amx_panels(int type) {
+  const int64_t block = format_of(type).block_k * kLanes * 2;
+  return std::max<int64_t>(2, std::min<int64_t>(kAmxPanels, kAmxBuffer / block / 2 * 2));
+}
+
+// A decode pass's bf16 product on AMX, decoded in the tile: for `count` panels (even, at most
+// kAmxPanels) from p0, each block of K decoded into an L1 buffer in the packed layout, then the
+// block's 32-wide steps run as linear.cpp's `amx_decode` runs them (A, the rows padded to 16, in
+// tile 6; each panel's step loaded into tile 7 just before its product into C tile J), the same
+// instructions on the same values in the same order, so the bits of `linear_packed`. C (16 rows x
+// count * 16 outputs, fp32) is left in c.
+template <int T>
+void amx_decoded_panels(const uint8_t* tiled, int64_t k, int64_t p0, int64_t count, const at::BFloat16* a,
+                        float* c, uint32_t* buffer) {
+  constexpr Format f = format_of(T);
+  const int64_t blocks = k / f.block_k;
+  constexpr int64_t panel_pairs = f.block_k / 2 * kLanes;  // one panel's block, as bf16 pairs
+  for (int j = 0; j < count; ++j) {
+    switch (j) {  // the tile number is part of the instruction
+      case 0: _tile_zero(0); break;
+      case 1: _tile_zero(1); break;
+      case 2: _tile_zero(2); break;
+      case 3: _tile_zero(3); break;
+      case 4: _tile_zero(4); break;
+      default: _tile_zero(5); break;
+    }
+  }
+  for (int64_t b = 0; b < blocks; ++b) {
+    for (int64_t p = 0; p < count; ++p) {
+      uint32_t* pairs = buffer + p * panel_pairs;
+      __m512 even = _mm512_setzero_ps();
+      decode_panel_block<T>(tiled + ((p0 + p) * blocks + b) * block_bytes(f), [&](int kk, __m512 v) {
+        if (kk % 2 == 0)
+          even = v;
+        else
+          _mm512_storeu_si512(pairs + kk / 2 * kLanes, bf16_pairs(even, v));
+      });
+    }
+    for (int s = 0; s < f.block_k / 32; ++s) {
+      _tile_loadd(6, a + b * f.block_k + s * 32, k * 2);
+#define KEV_PANEL(J)                                                   \
+  if (J < count) {                                                     \
+    _tile_loadd(7, buffer + J * panel_pairs + s * 16 * kLanes, 64); \
+    _tile_dpbf16ps(J, 6, 7);                                           \
+  }
+      KEV_PANEL(0);
+      KEV_PANEL(1);
+      KEV_PANEL(2);
+      KEV_PANEL(3);
+      KEV_PANEL(4);
+      KEV_PANEL(5);
+#undef KEV_PANEL
+    }
+  }
+  const int64_t ldc = count * kLanes * sizeof(float);
+  _tile_stored(0, c, ldc);
+  _tile_stored(1, c + 16, ldc);
+  if (count > 2) {
+    _tile_stored(2, c + 32, ldc);
+    _tile_stored(3, c + 48, ldc);
+  }
+  if (count > 4) {
+    _tile_stored(4, c + 64, ldc);
+    _tile_stored(5, c + 80, ldc);
+  }
+}
+#define KEV_QUANT_AMX 1
+#endif
 
 template <typename F>
 void by_type(int type, F&& f) {
@@ -299,6 +397,66 @@ void by_type(int type, F&& f) {
     default: TORCH_CHECK(false, "quant: GGML type ", type, " is not one Kev computes in place");
   }
 }
+
+#if defined(KEV_QUANT_AMX)
+// quant_linear's decode pass on AMX: the rows padded to 16 (linear.cpp's decode tile), runs of
+// kAmxPanels panels claimed by the threads, each decoded in the tile (amx_decoded_panels), then
+// + bias in fp32 and one rounding to bf16, as linear.cpp's store_bf16 does.
+void amx_decode_product(const at::Tensor& x, int64_t m, int64_t k, const std::vector<at::Tensor>& parts,
+                        const std::vector<int64_t>& types, const std::vector<int64_t>& widths, const float* bias,
+                        at::Tensor& out) {
+  using bf16 = at::BFloat16;
+  const int64_t n = out.size(1);
+  std::vector<bf16> a(kLanes * k, bf16(0.f));
+  std::memcpy(a.data(), x.data_ptr<bf16>(), m * k * sizeof(bf16));
+  struct Task {
+    int64_t part, p0, count, col0;
+  };
+  std::vector<Task> tasks;
+  int64_t col = 0;
+  for (size_t i = 0; i < parts.size(); ++i) {
+    const int64_t panels = (widths[i] + 2 * kLanes - 1) / (2 * kLanes) * 2;  // the tiled layout's: pairs
+    const int64_t run = amx_panels(static_cast<int>(types[i]));
+    for (int64_t p0 = 0; p0 < panels; p0 += run)
+      tasks.push_back({static_cast<int64_t>(i), p0, std::min<int64_t>(run, panels - p0), col});
+    col += widths[i];
+  }
+  bf16* o = out.data_ptr<bf16>();
+  std::atomic<int64_t> next{0};
+  kev::on_threads([&] {
+    amx_configure_tiles();
+    alignas(64) float c[kLanes * kAmxPanels * kLanes];
+    std::vector<uint32_t> buffer(kAmxPanels * 256 / 2 * kLanes);  // each panel's block of K (at most 256)
+    for (int64_t t = next++; t < static_cast<int64_t>(tasks.size()); t = next++) {
+      const Task& task = tasks[t];
+      by_type(static_cast<int>(types[task.part]), [&](auto tc) {
+        amx_decoded_panels<decltype(tc)::value>(parts[task.part].data_ptr<uint8_t>(), k, task.p0, task.count,
+                                                a.data(), c, buffer.data());
+      });
+      const int64_t n0 = task.p0 * kLanes, cols = std::min(task.count * kLanes, widths[task.part] - n0);
+      const int64_t ldc = task.count * kLanes;
+      const float* add = bias != nullptr ? bias + task.col0 + n0 : nullptr;
+      bf16* row_out = o + task.col0 + n0;
+      for (int64_t j = 0; j < cols; j += kLanes) {
+        const int64_t left = std::min<int64_t>(kLanes, cols - j);
+#if defined(__AVX512BF16__)
+        const __mmask16 mask = left >= kLanes ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
+        const __m512 plus = add != nullptr ? _mm512_maskz_loadu_ps(mask, add + j) : _mm512_setzero_ps();
+        for (int64_t i = 0; i < m; ++i) {
+          const __m512 v = _mm512_add_ps(_mm512_loadu_ps(c + i * ldc + j), plus);
+          _mm256_mask_storeu_epi16(row_out + i * n + j, mask, (__m256i)_mm512_cvtneps_pbh(v));
+        }
+#else
+        for (int64_t i = 0; i < m; ++i)
+          for (int64_t jj = j; jj < j + left; ++jj)
+            row_out[i * n + jj] = static_cast<bf16>(c[i * ldc + jj] + (add != nullptr ? add[jj] : 0.f));
+#endif
+      }
+    }
+    _tile_release();
+  });
+}
+#endif
 
 // A tiled weight's checks: its format, and bytes for `rows` outputs of k inputs.
 Format check_tiled(const at::Tensor& tiled, int64_t type, int64_t rows, int64_t k) {
@@ -334,9 +492,9 @@ at::Tensor quant_rows(const at::Tensor& tiled, int64_t type, int64_t n, int64_t 
 
 // input [M, k] (float32 or bfloat16) @ W.T (+ bias) → [M, sum(widths)], W the parts stacked: part i
 // tiled (`types[i]`, widths[i] outputs). `path`: a bf16 path for tests ("": this process's).
-at::Tensor quant_linear(const at::Tensor& input, const std::vector<at::Tensor>& parts, const std::vector<int64_t>& types,
-                        const std::vector<int64_t>& widths, const c10::optional<at::Tensor>& bias,
-                        const std::string& path) {
+at::Tensor quant_linear(const at::Tensor& input, const std::vector<at::Tensor>& parts,
+                        const std::vector<int64_t>& types, const std::vector<int64_t>& widths,
+                        const c10::optional<at::Tensor>& bias, const std::string& path) {
   TORCH_CHECK(input.device().is_cpu() && input.dim() == 2, "quant_linear takes a CPU input [M, K]");
   TORCH_CHECK(input.scalar_type() == at::kFloat || input.scalar_type() == at::kBFloat16,
               "quant_linear computes float32 and bfloat16 inputs, not ", input.scalar_type());
@@ -357,7 +515,7 @@ at::Tensor quant_linear(const at::Tensor& input, const std::vector<at::Tensor>& 
   }
   auto out = at::empty({m, n}, x.options());
   if (m == 0) return out;
-  const int bf16_path = f32 ? 0 : linear_bf16_path(path);
+  const int bf16_path = f32 ? -1 : linear_bf16_path(path);
   // a decode pass (few rows): runs of 4 panels, so the threads share even small products finely
   // (and a run's decoded weights stay in L1); a prefill: runs of 16 panels over 192 rows, each run
   // decoded once for its rows
@@ -378,6 +536,12 @@ at::Tensor quant_linear(const at::Tensor& input, const std::vector<at::Tensor>& 
   const char* xs = static_cast<const char*>(x.data_ptr());
   char* os = static_cast<char*>(out.data_ptr());
   const float* b = bias32.defined() ? bias32.data_ptr<float>() : nullptr;
+#if defined(KEV_QUANT_AMX)
+  if (bf16_path == 0 && m <= 16) {  // AMX (linear.cpp's path 0) and one decode tile of rows: decoded in the tile
+    amx_decode_product(x, m, k, parts, types, widths, b, out);
+    return out;
+  }
+#endif
   std::atomic<int64_t> next{0};
   kev::on_threads([&] {
     std::vector<uint8_t> scratch(run * kLanes * k * esize);
