@@ -520,7 +520,7 @@ at::Tensor quant_linear(const at::Tensor& input, const std::vector<at::Tensor>& 
   // (and a run's decoded weights stay in L1); a prefill: runs of 16 panels over 192 rows, each run
   // decoded once for its rows
   const bool few = m <= 96;
-  const int64_t run = few ? 4 : 16, row_run = few ? m : 192;
+  const int64_t run = few ? 4 : 8, row_run = few ? m : 768;
   struct Task {
     int64_t part, p0, col0, r0;
   };
