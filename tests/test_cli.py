@@ -54,7 +54,7 @@ def test_jsonl_in_jsonl_out_in_order(loads, capsys, tmp_path, tokenizer) -> None
     rows, err = output_rows(capsys)
     assert code == 0
     assert loads == [("m", {"device": "cpu", "dtype": None, "max_model_len": None, "model_impl": None,
-                            "speculative": None})]
+                            "speculative": None, "weights": None})]
     assert [r["id"] for r in rows] == ["paris", 1, 2]  # default id: position among the questions
     assert all(r["completion_tokens"] <= n for r, n in zip(rows, [6, 3, 6]))
     assert all(r["finish_reason"] in ("stop", "length") for r in rows)

@@ -205,6 +205,11 @@ def test_auto_keeps_the_blocks_where_the_dense_weights_would_not_fit_in_memory(m
         assert dense.stats()["weights"] == "dense" and "fit in memory" in dense.stats()["weights_choice"]
     finally:
         dense.close()
+    fp32 = Engine.from_pretrained(dtype="float32")
+    try:
+        assert fp32.stats()["weights"].startswith("as stored") and "float32" in fp32.stats()["weights_choice"]
+    finally:
+        fp32.close()
     monkeypatch.setattr(platforms, "available_memory", lambda: 400_000_000)  # 0.27 GB of bf16 > half of it
     stored = Engine.from_pretrained(dtype="bfloat16")
     try:

@@ -17,9 +17,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from ..model.kv_pool import available_memory
 from . import inplace, invariance
 from .base import AttentionBackend, Platform
-from ..model.kv_pool import available_memory
 from .cpu import dtype_choice, exact_linear, kernels, rotary_table, rows_linear
 from .cpu.platform import CpuPlatform
 from .cpu.platform import why_not_invariant as cpu_why_not
@@ -110,12 +110,15 @@ MEMORY_SHARE = 0.5  # of the memory available, the most dense weights may take u
 
 
 def stored_or_dense(dense_bytes: int, dtype: torch.dtype) -> tuple[str, str]:
-    """("as-stored" or "dense", why) for a GGUF whose weights take `dense_bytes` in `dtype`: dense
-    where they fit in MEMORY_SHARE of the memory available (there dense weights computed faster
-    than decoded blocks, bf16 on AMX by a third to a half: docs/benchmarks.md, "Weights as they
-    ship"), else as stored (the file's size: a model that would not fit dense still runs)."""
+    """("as-stored" or "dense", why) for a GGUF whose weights take `dense_bytes` in `dtype`, as
+    measured (docs/benchmarks.md, "Weights as they ship"): float32 products ran as fast or faster
+    on the file's blocks than on dense weights, so as stored; bfloat16 ones ran faster dense, so
+    dense where the dense weights fit in MEMORY_SHARE of the memory available, else as stored (the
+    file's size: a model that would not fit dense still runs)."""
     available = available_memory()
     size = f"its weights in {str(dtype).removeprefix('torch.')} ({dense_bytes / 1e9:.2f} GB)"
+    if dtype == torch.float32:
+        return "as-stored", "float32 products measured as fast or faster on the file's blocks as on dense weights"
     if dense_bytes > MEMORY_SHARE * available:
         return "as-stored", (f"{size} would take more than {MEMORY_SHARE:.0%} of the memory available "
                              f"({available / 1e9:.1f} GB); the file's blocks take its size")

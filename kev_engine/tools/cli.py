@@ -265,7 +265,7 @@ def build_parser(extra: Sequence[Command] = ()) -> argparse.ArgumentParser:
     common.add_argument("--weights", choices=("auto", "as-stored", "dense"),
                         help="a GGUF's quantized weights: as-stored (computed in place by Kev's CPU kernels: the "
                         "file's size in memory, the same answers), dense (dequantized into --dtype), auto (default: "
-                        "dense where the dense weights take at most half the memory available, else as stored)")
+                        "as stored in float32; in bfloat16 dense where that takes at most half the memory available)")
     common.add_argument("--model-impl", dest="model_impl", choices=("auto", "kev", "transformers"),
                         help="the model's implementation: auto (default: Kev's own forward for the Llama, Mistral, "
                         "Qwen2 and Qwen3 families, else transformers' modeling code), kev, transformers")

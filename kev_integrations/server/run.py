@@ -55,7 +55,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "where bf16 measures faster than fp32; else fp32)")
     parser.add_argument("--weights", choices=("auto", "as-stored", "dense"),
                         help="a GGUF's quantized weights: as-stored (computed in place by Kev's CPU kernels), dense "
-                        "(dequantized), auto (default: dense where they take at most half the memory available)")
+                        "(dequantized), auto (default: as stored in float32; in bfloat16 dense where that fits in "
+                        "half the memory)")
     parser.add_argument("--max-model-len", dest="max_model_len", type=int, metavar="TOKENS",
                         help="longest question (prompt + answer) in tokens, at most the model's context (default: "
                         "the model's); a model with a narrower sliding window loads only with this at most the window")
