@@ -66,7 +66,7 @@ class ExactOps(_KernelElementwise):
 
     def prepare(self, model: Any) -> None:
         """Each dense product packed once (the torch copy dropped, but the embedding table a tied
-        head reads), and each layer's one call built where its products are packed."""
+        head reads), and each layer's one call built over its products, packed or quantized."""
         self.dtype = model.dtype  # a quantized embedding's rows come out in it
         for linear in model.linears():
             if linear.packed is None and linear.quant is None:

@@ -20,7 +20,9 @@
 // a k reads 16 outputs' values side by side: one vector, the layout linear.cpp's panels have.
 //
 // Threads: a product's tasks (a run of panels x a run of rows) are claimed from a counter; each
-// decodes its panels into its thread's buffer and runs linear.cpp's product on them there.
+// decodes its panels into its thread's buffer and runs linear.cpp's product on them there. A
+// decode pass on AMX decodes block by block into an L1 buffer instead, running linear.cpp's
+// decode-tile steps on each block (amx_decoded_panels).
 #include <c10/util/Half.h>
 
 #include <algorithm>
