@@ -732,6 +732,12 @@ void linear_packed_into(const void* x, int64_t m, int64_t k, const void* w, int6
                 ldo, static_cast<Bf16Path>(path));
 }
 
+// store_bf16 for quant.cpp's decode tiles: their accumulators rounded as linear.cpp's are.
+void store_bf16_rows(const float* c, int64_t ldc, int64_t rows, const float* bias, at::BFloat16* out, int64_t ldo,
+                     int64_t cols) {
+  store_bf16(c, ldc, rows, bias, out, ldo, cols);
+}
+
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)
 // This thread's tiles configured as linear.cpp's AMX products have them (every tile 16 rows x 64
 // bytes), for quant.cpp's decode tiles.

@@ -403,7 +403,7 @@ void by_type(int type, F&& f) {
 #if defined(KEV_QUANT_AMX)
 // quant_linear's decode pass on AMX: the rows padded to 16 (linear.cpp's decode tile), runs of
 // kAmxPanels panels claimed by the threads, each decoded in the tile (amx_decoded_panels), then
-// + bias in fp32 and one rounding to bf16, as linear.cpp's store_bf16 does.
+// + bias in fp32 and one rounding to bf16 by linear.cpp's own store (store_bf16_rows).
 void amx_decode_product(const at::Tensor& x, int64_t m, int64_t k, const std::vector<at::Tensor>& parts,
                         const std::vector<int64_t>& types, const std::vector<int64_t>& widths, const float* bias,
                         at::Tensor& out) {
@@ -436,24 +436,8 @@ void amx_decode_product(const at::Tensor& x, int64_t m, int64_t k, const std::ve
                                                 a.data(), c, buffer.data());
       });
       const int64_t n0 = task.p0 * kLanes, cols = std::min(task.count * kLanes, widths[task.part] - n0);
-      const int64_t ldc = task.count * kLanes;
-      const float* add = bias != nullptr ? bias + task.col0 + n0 : nullptr;
-      bf16* row_out = o + task.col0 + n0;
-      for (int64_t j = 0; j < cols; j += kLanes) {
-        const int64_t left = std::min<int64_t>(kLanes, cols - j);
-#if defined(__AVX512BF16__)
-        const __mmask16 mask = left >= kLanes ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
-        const __m512 plus = add != nullptr ? _mm512_maskz_loadu_ps(mask, add + j) : _mm512_setzero_ps();
-        for (int64_t i = 0; i < m; ++i) {
-          const __m512 v = _mm512_add_ps(_mm512_loadu_ps(c + i * ldc + j), plus);
-          _mm256_mask_storeu_epi16(row_out + i * n + j, mask, (__m256i)_mm512_cvtneps_pbh(v));
-        }
-#else
-        for (int64_t i = 0; i < m; ++i)
-          for (int64_t jj = j; jj < j + left; ++jj)
-            row_out[i * n + jj] = static_cast<bf16>(c[i * ldc + jj] + (add != nullptr ? add[jj] : 0.f));
-#endif
-      }
+      store_bf16_rows(c, task.count * kLanes, m, bias != nullptr ? bias + task.col0 + n0 : nullptr,
+                      o + task.col0 + n0, n, cols);
     }
     _tile_release();
   });
