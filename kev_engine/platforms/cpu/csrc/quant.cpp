@@ -402,7 +402,7 @@ void by_type(int type, F&& f) {
 
 #if defined(KEV_QUANT_AMX)
 // quant_linear's decode pass on AMX: the rows padded to 16 (linear.cpp's decode tile), runs of
-// kAmxPanels panels claimed by the threads, each decoded in the tile (amx_decoded_panels), then
+// panels (`amx_panels`) claimed by the threads, each decoded in the tile (amx_decoded_panels), then
 // + bias in fp32 and one rounding to bf16 by linear.cpp's own store (store_bf16_rows).
 void amx_decode_product(const at::Tensor& x, int64_t m, int64_t k, const std::vector<at::Tensor>& parts,
                         const std::vector<int64_t>& types, const std::vector<int64_t>& widths, const float* bias,
