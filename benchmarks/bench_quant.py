@@ -126,18 +126,6 @@ def write_random_k_quants(folder: Path, out: Path, seed: int = 0) -> Path:
     return out
 
 
-def tensor_bytes(path: Path) -> int:
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
-    from kev_engine.models.gguf_file import read_header
-
-    total = 0
-    for info in read_header(path)[1].values():
-        block_k, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(info.type)]
-        total += int(np.prod(info.shape)) // block_k * block_bytes
-    return total
-
-
 def timed(engine: Any, prompts: list[Any], max_tokens: int, salt: str) -> tuple[float, list[list[int]]]:
     from kev_engine import SamplingParams
 
@@ -178,6 +166,7 @@ def streamed_bytes(engine: Any) -> int:
 
 def measure(name: str, path: Path, dtype: str, workloads: list[str], rounds: int) -> dict[str, Any]:
     from kev_engine import Engine
+    from kev_engine.models.gguf_file import tensor_bytes
 
     row: dict[str, Any] = {"model": name, "dtype": dtype, "file_bytes": path.stat().st_size,
                            "tensor_bytes": tensor_bytes(path), "workloads": {}}

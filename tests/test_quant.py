@@ -21,7 +21,7 @@ from peft import PeftModel
 from test_invariance import alone, answers, differences, doc_questions, greedy, questions, reorder_by_pass_size
 
 from kev_engine import Engine, loader
-from kev_engine.models.gguf_file import GgufFile, read_header
+from kev_engine.models.gguf_file import GgufFile, read_header, tensor_bytes
 from kev_engine.models.quant import FORMATS, QuantTensor, tile
 from kev_engine.platforms.cpu import kernels as cpu_kernels
 from kev_engine.tools.cli import main as cli_main
@@ -85,16 +85,6 @@ def test_the_embedded_files_tensors_decode_as_gguf_dequantizes(kernels) -> None:
         got = kernels.quant_rows(tile(tensor), tensor.type, tensor.rows, tensor.cols, rows)
         assert torch.equal(got, tensor.dequantized()[rows])
     assert {FORMATS[info.type].name for info in infos.values() if info.type in FORMATS} == {"Q4_1", "Q8_0"}
-
-
-def tensor_bytes(path: Path) -> int:
-    """The bytes of a GGUF's tensors, as its header lists them."""
-    _, infos = read_header(path)
-    total = 0
-    for info in infos.values():
-        block_k, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(info.type)]
-        total += int(np.prod(info.shape)) // block_k * block_bytes
-    return total
 
 
 def loader_config(path: Path):

@@ -44,6 +44,22 @@ class TensorInfo:
     shape: tuple[int, ...]
     offset: int  # from the start of the file
 
+    @property
+    def numel(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes one row (the innermost dimension) takes in the file: whole blocks of its type."""
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+        block_k, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(self.type)]
+        return self.shape[-1] // block_k * block_bytes
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel // self.shape[-1] * self.row_bytes
+
 
 def read_header(path: Path) -> tuple[dict[str, Any], dict[str, TensorInfo]]:
     """A GGUF's scalar and string metadata (arrays skipped) and its tensors, by name."""
@@ -97,6 +113,11 @@ def read_header(path: Path) -> tuple[dict[str, Any], dict[str, TensorInfo]]:
     return metadata, {name: TensorInfo(kind, shape, start + offset) for name, kind, shape, offset in infos}
 
 
+def tensor_bytes(path: Path) -> int:
+    """The bytes of a GGUF's tensors, as its header lists them."""
+    return sum(info.nbytes for info in read_header(path)[1].values())
+
+
 class GgufFile:
     """The tensors of `path` by transformers' name (`get`); `keep_quantized` False dequantizes all."""
 
@@ -125,23 +146,20 @@ class GgufFile:
         info = self._tensors.get(f"{gguf_name}.{suffix}") if gguf_name is not None else None
         if info is None:
             return None
-        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
+        from gguf import GGMLQuantizationType, quants
 
         kind, shape = info.type, info.shape
-        block_k, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(kind)]
-        row_bytes = shape[-1] // block_k * block_bytes
-        rows = int(np.prod(shape[:-1], dtype=np.int64))
-        data = self._file[info.offset:info.offset + rows * row_bytes].reshape(rows, row_bytes)
+        data = self._file[info.offset:info.offset + info.nbytes].reshape(-1, info.row_bytes)
         order = self._row_order(gguf_name, shape[0])
         if kind in FORMATS and len(shape) == 2 and self.keep_quantized:
             self.kept[FORMATS[kind].name] += 1
             quantized = QuantTensor(kind, shape[0], shape[1], data)
             return quantized.permuted_rows(order) if order is not None else quantized
         name = GGMLQuantizationType(kind).name
-        if name not in ("F32", "F16", "BF16"):
-            self.dequantized[name] += 1
         if name in ("F32", "F16", "BF16"):  # the bytes are the values
             data = data.view({"F32": np.float32, "F16": np.float16, "BF16": np.uint16}[name])
+        else:
+            self.dequantized[name] += 1
         values = np.array(quants.dequantize(data, GGMLQuantizationType(kind)), dtype=np.float32).reshape(shape)
         if order is not None:
             values = values[order]

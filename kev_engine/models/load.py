@@ -18,7 +18,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from .llama import DecoderModel
@@ -94,8 +93,7 @@ def dense_bytes(path: str | Path, dtype: torch.dtype) -> int:
     from .gguf_file import read_header
 
     _, tensors = read_header(Path(path))
-    size = torch.tensor([], dtype=dtype).element_size()
-    return sum(int(np.prod(info.shape, dtype=np.int64)) * size for info in tensors.values())
+    return sum(info.numel for info in tensors.values()) * torch.tensor([], dtype=dtype).element_size()
 
 
 SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
