@@ -182,6 +182,8 @@ class Engine:
                             "difference between packs is possible there)", ", ".join(torch_elementwise[:4]))
         self.model_impl = impl
         self.model, self.tokenizer = model, tokenizer
+        # what the weights take, once: they do not change while the engine serves (None: a fallback model)
+        self._weight_bytes = model.weight_bytes() if isinstance(model, models.DecoderModel) else None
         parameter = next(model.parameters())
         self.dtype, self.device = parameter.dtype, parameter.device
         self.max_context = max_context
@@ -441,7 +443,7 @@ class Engine:
                 "dtype_choice": self.dtype_choice,
                 "weights": getattr(self.model, "weights", "dense"),
                 "weights_choice": getattr(self.model, "weights_choice", None),
-                "weight_bytes": self.model.weight_bytes() if hasattr(self.model, "weight_bytes") else None,
+                "weight_bytes": self._weight_bytes,
                 "batch_invariant": self._platform.batch_invariant,
                 "model_impl": self.model_impl,
                 "speculative": self.speculative,

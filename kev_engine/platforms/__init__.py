@@ -115,10 +115,10 @@ def stored_or_dense(dense_bytes: int, dtype: torch.dtype) -> tuple[str, str]:
     on the file's blocks than on dense weights, so as stored; bfloat16 ones ran faster dense, so
     dense where the dense weights fit in MEMORY_SHARE of the memory available, else as stored (the
     file's size: a model that would not fit dense still runs)."""
-    available = available_memory()
-    size = f"its weights in {str(dtype).removeprefix('torch.')} ({dense_bytes / 1e9:.2f} GB)"
     if dtype == torch.float32:
         return "as-stored", "float32 products measured as fast or faster on the file's blocks as on dense weights"
+    available = available_memory()
+    size = f"its weights in {str(dtype).removeprefix('torch.')} ({dense_bytes / 1e9:.2f} GB)"
     if dense_bytes > MEMORY_SHARE * available:
         return "as-stored", (f"{size} would take more than {MEMORY_SHARE:.0%} of the memory available "
                              f"({available / 1e9:.1f} GB); the file's blocks take its size")
