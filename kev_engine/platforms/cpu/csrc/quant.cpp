@@ -247,6 +247,18 @@ inline __m512i bf16_pairs(__m512 even, __m512 odd) {
   return _mm512_or_si512(lanes(even), _mm512_slli_epi32(lanes(odd), 16));
 #endif
 }
+
+// A panel's block decoded into linear.cpp's bf16 layout at pairs: [block_k / 2][16 rows][2].
+template <int T>
+inline void decode_block_pairs(const uint8_t* block, uint32_t* pairs) {
+  __m512 even = _mm512_setzero_ps();
+  decode_panel_block<T>(block, [&](int kk, __m512 v) {
+    if (kk % 2 == 0)
+      even = v;
+    else
+      _mm512_storeu_si512(pairs + kk / 2 * kLanes, bf16_pairs(even, v));
+  });
+}
 #define KEV_QUANT_AVX512 1
 #endif
 
@@ -275,14 +287,7 @@ void decode_panels(const uint8_t* tiled, int64_t k, int64_t p0, int64_t count, b
         float* w = static_cast<float*>(dst) + (p * k + b * f.block_k) * kLanes;
         decode_panel_block<T>(block, [&](int kk, __m512 v) { _mm512_storeu_ps(w + kk * kLanes, v); });
       } else {
-        uint32_t* pairs = static_cast<uint32_t*>(dst) + (p * k + b * f.block_k) / 2 * kLanes;
-        __m512 even = _mm512_setzero_ps();
-        decode_panel_block<T>(block, [&](int kk, __m512 v) {
-          if (kk % 2 == 0)
-            even = v;
-          else
-            _mm512_storeu_si512(pairs + kk / 2 * kLanes, bf16_pairs(even, v));
-        });
+        decode_block_pairs<T>(block, static_cast<uint32_t*>(dst) + (p * k + b * f.block_k) / 2 * kLanes);
       }
       continue;
 #endif
@@ -345,14 +350,7 @@ void amx_decoded_panels(const uint8_t* tiled, int64_t k, int64_t p0, int64_t cou
   }
   for (int64_t b = 0; b < blocks; ++b) {
     for (int64_t p = 0; p < count; ++p) {
-      uint32_t* pairs = buffer + p * panel_pairs;
-      __m512 even = _mm512_setzero_ps();
-      decode_panel_block<T>(tiled + ((p0 + p) * blocks + b) * block_bytes(f), [&](int kk, __m512 v) {
-        if (kk % 2 == 0)
-          even = v;
-        else
-          _mm512_storeu_si512(pairs + kk / 2 * kLanes, bf16_pairs(even, v));
-      });
+      decode_block_pairs<T>(tiled + ((p0 + p) * blocks + b) * block_bytes(f), buffer + p * panel_pairs);
     }
     for (int s = 0; s < f.block_k / 32; ++s) {
       _tile_loadd(6, a + b * f.block_k + s * 32, k * 2);
