@@ -107,11 +107,12 @@ class Engine:
             True: that or an error saying why; False: torch's BLAS and attention kernels instead,
             equal only up to rounding (faster only where BLAS beats Kev's kernels).
         cuda_attention: the attention of a CUDA engine (`platforms.cuda.choice`): "auto" (None;
-            torch's own varlen_attn — paged from torch 2.12, over gathered keys in 2.10 and 2.11 —,
-            else the flash-attn package, else — with a warning saying why — torch's SDPA per
-            segment), "varlen" or "flash-attn" (that kernel or an error), "torch" (SDPA per
-            segment). Each kernel is tried on a probe pack first. Ignored on CPU, except that
-            naming a kernel is an error.
+            torch's own paged varlen_attn (torch 2.12 and later), else Kev's Triton kernel over
+            the pool, else varlen_attn over gathered keys (2.10 and 2.11), else the flash-attn
+            package, else — with a warning saying why — torch's SDPA per segment), "varlen",
+            "triton" or "flash-attn" (that kernel or an error), "torch" (SDPA per segment). Each
+            kernel is tried on a probe pack first. Ignored on CPU, except that naming a kernel is
+            an error.
         model_impl: which forward computes, with vLLM's names: "kev" (Kev's own, for the Llama,
             Mistral, Qwen2 and Qwen3 families: an error for others), "transformers" (the
             transformers model through Kev's attention), "auto" (None: Kev's where the family is
@@ -473,7 +474,7 @@ class Engine:
     @property
     def attention(self) -> str:
         """The attention every row of a pass runs on, prefill and decode (`platforms`): "exact" (the
-        batch-invariant CPU kernel), "varlen" or "flash-attn" (the paged CUDA kernel), "fast"
+        batch-invariant CPU kernel), "varlen", "triton" or "flash-attn" (the CUDA kernels), "fast"
         (Kev's CPU decode kernel, SDPA for prefill) or "torch"."""
         return self._backend.name
 

@@ -4,13 +4,15 @@ Marked `cuda`: deselected by default (pyproject's addopts), run by `make gpu-che
 (`pytest -m cuda`), where a missing GPU is an error, never a skip. The CPU suite checks the same
 plumbing against stand-ins of varlen_attn's contracts (tests/test_cuda_backend.py); here the real
 kernels run, in the form the installed torch has (paged from torch 2.12, gathered in 2.10/2.11):
-  - varlen_attn through the engine's backend against SDPA per segment, and one segment's output
-    the same bits alone as among others;
-  - packed == alone bitwise in bf16 (shared documents, a later call on the prefix cache, chunked
-    prefill, per-question adapters, a model of the embedded one's shape), and the control that
-    can fail;
-  - decode through CUDA graphs == eager, bitwise (the paged form; the gathered form has none);
-  - bf16, varlen, graphs where paged, and batch invariance by default; the KV budget from free
+  - varlen_attn and Kev's Triton attention through the engine's backends against SDPA per
+    segment, and one segment's output the same bits alone as among others (Triton's with a
+    control whose key blocks follow the pass);
+  - packed == alone bitwise in bf16 on both (shared documents, a later call on the prefix cache,
+    chunked prefill, per-question adapters, a model of the embedded one's shape), and the
+    controls that can fail;
+  - decode through CUDA graphs == eager, bitwise (Kev's Triton attention on every torch, varlen's
+    paged form; its gathered form has none);
+  - bf16, a paged attention, graphs and batch invariance by default; the KV budget from free
     GPU memory.
 Models are random-weight, built on the GPU from the embedded model's config and tokenizer files
 (`KEV_TEST_MODEL_FILES` where the embedded model is not installed): nothing large is carried.
@@ -71,6 +73,9 @@ def smollm2_folder(cuda, tmp_path_factory, request) -> Path:
     return folder
 
 
+ATTENTIONS = ["varlen", "triton"]  # torch's varlen_attn in this torch's form, and Kev's Triton kernel
+
+
 def cuda_engine(family: str, tokenizer, cuda: torch.device, **kwargs) -> Engine:
     return Engine(tiny_model(family, tokenizer).to(cuda, torch.bfloat16), tokenizer, name=family, **kwargs)
 
@@ -90,12 +95,13 @@ def contract_backend(form: str) -> cuda_backend.VarlenBackend:
 
 
 def test_defaults_on_a_gpu(cuda, form, smollm2_folder) -> None:
-    """bf16, torch's varlen_attn, decode graphs where it is paged, and batch invariance, nothing asked for."""
+    """bf16, torch's varlen_attn where it is paged (else Kev's Triton attention), decode graphs, and
+    batch invariance, nothing asked for."""
     engine = Engine.from_pretrained(str(smollm2_folder), device="cuda")
     try:
         assert engine.dtype == torch.bfloat16 and engine.device.type == "cuda"
-        assert engine.attention == "varlen" and engine._backend.form == form and engine.batch_invariant
-        assert engine.cuda_graphs == (form == "paged") and engine._backend.num_splits == 1
+        assert engine.attention == ("varlen" if form == "paged" else "triton") and engine._backend.form == "paged"
+        assert engine.batch_invariant and engine.cuda_graphs and engine._backend.num_splits == 1
     finally:
         engine.close()
 
@@ -165,6 +171,45 @@ def test_varlen_unsplit_is_the_same_alone_and_among_others(cuda, form) -> None:
         assert torch.equal(alone_out, together[cu_q[i]: cu_q[i + 1]]), f"segment {i} {SEGMENTS[i]}"
 
 
+@pytest.mark.parametrize("page", [256, 16])
+def test_triton_attention_matches_sdpa_per_segment(cuda, page) -> None:
+    """Kev's Triton attention (pages scattered, NaN where nothing is read, GQA, bottom-right causal)
+    against the paged contract's stand-in in float32, on tensor cores."""
+    from kev_engine.platforms.cuda.triton_paged import TritonBackend
+
+    segments, pool, cu_q, query = varlen_case(cuda, SEGMENTS, page=page)
+    out = attend(TritonBackend(), pool, segments, cu_q, query)
+    fp32 = SimpleNamespace(keys=[pool.keys[0].float()], values=[pool.values[0].float()], block_size=pool.block_size)
+    expected = attend(contract_backend("paged"), fp32, segments, cu_q, query.float())
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("shape_dependent", [False, True], ids=["invariant", "control"])
+def test_triton_attention_rows_equal_alone(cuda, shape_dependent) -> None:
+    """Each segment's rows have the same bits alone as among the others, and a prompt's the same
+    whole as in chunks continuing its cache. The control (key blocks sized by the pass) differs:
+    a difference is found where the order moves, so the comparison can fail on this GPU."""
+    from kev_engine.platforms.cuda.triton_paged import TritonBackend
+
+    kernel = TritonBackend(shape_dependent=shape_dependent)
+    segments, pool, cu_q, query = varlen_case(cuda, SEGMENTS, page=16)
+    together = attend(kernel, pool, segments, cu_q, query)
+    found = []
+    for i, segment in enumerate(segments):
+        alone_out = attend(kernel, pool, [segment], [0, cu_q[i + 1] - cu_q[i]], query[:, cu_q[i]: cu_q[i + 1]])
+        if not torch.equal(alone_out, together[cu_q[i]: cu_q[i + 1]]):
+            found.append(i)
+    last = segments[-1]  # (10 cached, 300 new): chunks of 100 continuing its own cache, one pass each
+    for done in (0, 100, 200):
+        chunk = Segment(0, [0] * 100, last.past_len + done, True, block_ids=last.block_ids)
+        start = cu_q[-2] + done
+        if not torch.equal(attend(kernel, pool, [chunk], [0, 100], query[:, start: start + 100]),
+                           together[start: start + 100]):
+            found.append(f"chunk at {done}")
+    assert (found != []) if shape_dependent else (found == [])
+
+
 def test_triton_products_are_row_count_invariant(cuda) -> None:
     from kev_engine.platforms.cuda import triton_kernels as cuda_triton
 
@@ -177,11 +222,12 @@ def test_triton_products_are_row_count_invariant(cuda) -> None:
         assert torch.equal(cuda_triton.linear(rows[:m], weight, None), full[:m]), m
 
 
+@pytest.mark.parametrize("attention", ATTENTIONS)
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_packed_equals_alone_bitwise_bf16(cuda, family, tokenizer) -> None:
-    engine = cuda_engine(family, tokenizer, cuda)
+def test_packed_equals_alone_bitwise_bf16(cuda, family, attention, tokenizer) -> None:
+    engine = cuda_engine(family, tokenizer, cuda, cuda_attention=attention, block_size=256)
     try:
-        assert engine.batch_invariant and engine.attention == "varlen"
+        assert engine.batch_invariant and engine.attention == attention
         prompts = questions(1, 10, document_words=400)  # a document over one 256-token block
         packed = answers(engine, prompts, greedy(10, 16))
         assert engine.stats()["prefix_hit_tokens"] > 0  # the shared document was computed once
@@ -194,10 +240,28 @@ def test_packed_equals_alone_bitwise_bf16(cuda, family, tokenizer) -> None:
         engine.close()
 
 
-def test_chunked_prefill_equals_alone_bf16(cuda, tokenizer) -> None:
+@pytest.mark.parametrize("shape_dependent", [False, True], ids=["invariant", "control"])
+def test_triton_engine_packed_equals_alone_bf16(cuda, shape_dependent, tokenizer) -> None:
+    """Kev's Triton attention in an engine, with decode graphs, chunked prefill and a shared document:
+    packed == alone bitwise; the control (its key blocks sized by the pass) differs."""
+    engine = cuda_engine("llama", tokenizer, cuda, cuda_attention="triton", max_batch_tokens=300, max_num_seqs=6)
+    try:
+        assert engine.batch_invariant and engine.attention == "triton" and engine.cuda_graphs
+        engine._backend.shape_dependent = shape_dependent
+        prompts = questions(4, 10, document_words=400)
+        found = differences(answers(engine, prompts, greedy(10, 16)), alone(engine, prompts, greedy(10, 16)))
+        assert engine._runner.graphs.replays > 0
+        assert (found != []) if shape_dependent else (found == [])
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("attention", ATTENTIONS)
+def test_chunked_prefill_equals_alone_bf16(cuda, attention, tokenizer) -> None:
     prompts = questions(2, 8, document_words=400)  # over one 256-token block each
-    whole = cuda_engine("llama", tokenizer, cuda)
-    chunked = cuda_engine("llama", tokenizer, cuda, max_batch_tokens=100, max_num_seqs=4)
+    whole = cuda_engine("llama", tokenizer, cuda, cuda_attention=attention, block_size=256)
+    chunked = cuda_engine("llama", tokenizer, cuda, cuda_attention=attention, block_size=256, max_batch_tokens=100,
+                          max_num_seqs=4)
     try:
         found = differences(answers(chunked, prompts, greedy(8, 12)), alone(whole, prompts, greedy(8, 12)))
         assert chunked.stats()["prefill_passes"] > 8 and found == []
@@ -206,10 +270,11 @@ def test_chunked_prefill_equals_alone_bf16(cuda, tokenizer) -> None:
         chunked.close()
 
 
-def test_per_question_adapters_equal_alone_bf16(cuda, tokenizer, tmp_path) -> None:
+@pytest.mark.parametrize("attention", ATTENTIONS)
+def test_per_question_adapters_equal_alone_bf16(cuda, attention, tokenizer, tmp_path) -> None:
     base = tiny_model("qwen2", tokenizer)
     folders = two_adapters(base, tmp_path)
-    engine = Engine(base.to(cuda, torch.bfloat16), tokenizer)
+    engine = Engine(base.to(cuda, torch.bfloat16), tokenizer, cuda_attention=attention)
     try:
         assert engine.batch_invariant
         for name, folder in folders.items():
@@ -241,14 +306,16 @@ def test_smollm2_shape_packed_equals_alone_bf16(cuda, smollm2_folder, batch_inva
         engine.close()
 
 
-def test_graph_replay_equals_eager_bitwise(cuda, form, tokenizer) -> None:
+@pytest.mark.parametrize("attention", ATTENTIONS)
+def test_graph_replay_equals_eager_bitwise(cuda, form, attention, tokenizer) -> None:
     """Decode through captured graphs (buckets padded with trash-block rows) against eager decode:
-    the same tokens and logits, bit for bit. The gathered form has no graphs: asked for, it says so."""
+    the same tokens and logits, bit for bit — on Kev's Triton attention on every torch. torch's
+    gathered varlen form has no graphs: asked for, it says so."""
     prompts = questions(6, 11)  # 11 rows: buckets of 16, 8, 4 ... as questions finish
-    graphed = cuda_engine("llama", tokenizer, cuda)
-    eager = cuda_engine("llama", tokenizer, cuda, cuda_graphs=False)
+    graphed = cuda_engine("llama", tokenizer, cuda, cuda_attention=attention)
+    eager = cuda_engine("llama", tokenizer, cuda, cuda_attention=attention, cuda_graphs=False)
     try:
-        if form != "paged":
+        if attention == "varlen" and form != "paged":
             assert not graphed.cuda_graphs
             pytest.skip(f"torch {torch.__version__}'s varlen_attn is not paged: decode runs eagerly, no graphs")
         assert graphed.cuda_graphs and not eager.cuda_graphs
@@ -261,7 +328,7 @@ def test_graph_replay_equals_eager_bitwise(cuda, form, tokenizer) -> None:
         eager.close()
 
 
-def test_graphs_replay_kevs_model_and_the_fallback_runs_its_hooks(cuda, form, tokenizer) -> None:
+def test_graphs_replay_kevs_model_and_the_fallback_runs_its_hooks(cuda, tokenizer) -> None:
     """Kev's own model replays its decode graphs; the transformers fallback has none, and a forward
     hook registered while it serves runs on every pass, with the same tokens."""
     engine = cuda_engine("llama", tokenizer, cuda)
@@ -273,10 +340,7 @@ def test_graphs_replay_kevs_model_and_the_fallback_runs_its_hooks(cuda, form, to
         calls: list[int] = []
         fallback.model.model.layers[0].mlp.register_forward_hook(lambda module, args, out: calls.append(1))
         assert differences(answers(fallback, prompts, sampling), plain) == [] and len(calls) >= 6
-        if form != "paged":
-            assert not engine.cuda_graphs
-            pytest.skip(f"torch {torch.__version__}'s varlen_attn is not paged: decode runs eagerly, no graphs")
-        assert engine._runner.graphs.replays > 0
+        assert engine.cuda_graphs and engine._runner.graphs.replays > 0  # a paged attention on every torch
     finally:
         engine.close()
         fallback.close()

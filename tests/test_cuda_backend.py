@@ -210,9 +210,45 @@ def test_choose_names_the_bad_value_and_the_reason(monkeypatch) -> None:
     assert choice.choose("torch", cpu, torch.float32) is None
     with pytest.raises(ValueError, match=r"cuda_attention='varlen' names a CUDA kernel; this engine runs on cpu"):
         choice.choose("varlen", cpu, torch.bfloat16)
-    with pytest.raises(ValueError, match=r"cuda_attention='flash' is not allowed; use one of \['auto', 'varlen'"):
+    with pytest.raises(ValueError, match=r"cuda_attention='triton' names a CUDA kernel; this engine runs on cpu"):
+        choice.choose("triton", cpu, torch.float32)
+    with pytest.raises(ValueError, match=r"cuda_attention='flash' is not allowed; use one of \['auto', 'varlen', "
+                                         "'triton'"):
         choice.choose("flash", cpu, torch.bfloat16)
     assert "CUDA only" in choice.why_not_device(cpu, torch.bfloat16)
+
+
+def test_auto_takes_the_triton_kernel_before_a_gather(monkeypatch, caplog) -> None:
+    """On a GPU, "auto" takes torch's paged varlen_attn; where it is only the gathered form (torch
+    2.10/2.11), Kev's Triton kernel first (the pool in place, graphs), the gathered form where
+    Triton fails its probe; named kernels are that kernel or an error; none at all warns with every
+    reason. (What each candidate finds installed and the probe are stood in for: no GPU here.)"""
+    paged = cuda_backend.CudaBackend("varlen", VarlenContract())
+    gathered = GatheredBackend(GatheredContract())
+    triton = SimpleNamespace(name="triton", form="paged")
+    installed = {"varlen": (paged, None), "triton": (triton, None), "flash-attn": (None, "no flash-attn package")}
+    failing: set[str] = set()
+    monkeypatch.setattr(choice, "candidate", lambda name, device, dtype: installed[name])
+    monkeypatch.setattr(probe, "contract_error",
+                        lambda backend, device, dtype: "it differs" if backend.name in failing else None)
+    cuda = torch.device("cuda")
+    assert choice.choose(None, cuda, torch.bfloat16) is paged
+    installed["varlen"] = (gathered, None)  # torch 2.10/2.11
+    assert choice.choose(None, cuda, torch.bfloat16) is triton
+    assert choice.choose("varlen", cuda, torch.bfloat16) is gathered
+    failing.add("triton")
+    assert choice.choose(None, cuda, torch.bfloat16) is gathered
+    with pytest.raises(ValueError, match="cuda_attention='triton' cannot be honoured: it differs"):
+        choice.choose("triton", cuda, torch.bfloat16)
+    failing.add("varlen")
+    with caplog.at_level("WARNING", logger="kev"):
+        assert choice.choose(None, cuda, torch.bfloat16) is None
+    assert "triton: it differs; varlen: it differs; flash-attn: no flash-attn package" in caplog.text
+
+
+def test_triton_is_refused_off_cuda_and_in_other_dtypes() -> None:
+    assert "runs on CUDA only" in choice.candidate("triton", torch.device("cpu"), torch.bfloat16)[1]
+    assert "computes float32, float16 and bfloat16" in choice.why_not_triton_device(torch.device("cuda"), torch.int8)
 
 
 def test_varlen_form_is_read_from_its_signature(monkeypatch) -> None:

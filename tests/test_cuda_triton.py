@@ -5,8 +5,9 @@ plumbing runs on every CI machine: strides, masks of partial tiles (M, N and K n
 64), bias, dtype casts, results equal to torch's ops up to rounding, and a row's result the same
 alone as among 1, 3, 70 or 130 rows, within rounding. Then the whole batch-invariant CUDA
 engine path with those kernels and varlen_attn's stand-ins (tests/varlen_contract.py), in the
-paged form and in torch 2.11's gathered one: installed on the model, num_splits=1, LoRA deltas by
-the same products, decode graphs' static path (paged) — packed gives the same tokens as alone
+paged form and in torch 2.11's gathered one, and with Kev's own Triton attention: installed on
+the model, num_splits=1, LoRA deltas by the same products, decode graphs' static path (paged
+forms) — packed gives the same tokens as alone
 with a shared document and an adapter, logits within rounding, and the model comes back as it was.
 Not bitwise here: the interpreter computes `tl.dot` with numpy, whose BLAS may sum a row in
 another order by its place in the tile (it does on some CPUs), and the stand-in's attention is
@@ -77,17 +78,21 @@ ENGINE = textwrap.dedent("""
     from kev_engine.platforms.cuda import invariant as cuda_invariant
     from kev_engine.platforms.cuda import varlen as cuda_backend
     from kev_engine.platforms.cuda.gathered import GatheredBackend
+    from kev_engine.platforms.cuda.triton_paged import TritonBackend
 
-    paged = sys.argv[2] == "paged"  # else torch 2.11's contiguous varlen_attn, gathered
+    kind = sys.argv[2]  # "paged" (torch 2.12's varlen_attn), "gathered" (2.10/2.11's) or Kev's "triton"
+    paged = kind != "gathered"
     tokenizer = AutoTokenizer.from_pretrained(str(loader.converted_gguf_dir(loader.embedded_gguf())))
-    kernel = VarlenContract() if paged else GatheredContract()
-    backend = cuda_backend.CudaBackend("varlen", kernel, page_multiple=16) if paged else GatheredBackend(kernel)
+    kernel = VarlenContract() if kind == "paged" else GatheredContract()
+    backend = {"paged": lambda: cuda_backend.CudaBackend("varlen", kernel, page_multiple=16),
+               "gathered": lambda: GatheredBackend(kernel), "triton": TritonBackend}[kind]()
     choice.choose = lambda mode, device, dtype: backend
     base = tiny_model("llama", tokenizer)
     folder = make_adapter(base, pathlib.Path(tempfile.mkdtemp()) / "qv", seed=1)
     engine = Engine(base.to(torch.bfloat16), tokenizer, block_size=16, batch_invariant=True)
-    assert engine.batch_invariant and engine.cuda_graphs == paged and engine.attention == "varlen"
-    assert engine._backend.num_splits == 1 and engine._backend.form == sys.argv[2]
+    assert engine.batch_invariant and engine.cuda_graphs == paged
+    assert engine.attention == ("triton" if kind == "triton" else "varlen")
+    assert engine._backend.num_splits == 1 and engine._backend.form == ("gathered" if kind == "gathered" else "paged")
     assert engine.model.ops.name == "cuda-invariant"  # Kev's model: every product and norm by Triton
     engine.load_adapter("qv", str(folder))
     prompts = questions(1, 4, document_words=30)
@@ -100,12 +105,51 @@ ENGINE = textwrap.dedent("""
         torch.testing.assert_close(mine, theirs, rtol=0, atol=rounding_tolerance(theirs, torch.bfloat16))
     assert len({tuple(tokens) for tokens, _ in packed}) > 1
     if paged:
-        assert {call["num_splits"] for call in kernel.calls} == {1} and engine._runner.graphs.replays > 0
-    else:
+        assert engine._runner.graphs.replays > 0
+    if kind == "paged":
+        assert {call["num_splits"] for call in kernel.calls} == {1}
+    elif kind == "gathered":
         assert kernel.calls and min(call["max_q"] for call in kernel.calls) == 2
     engine.close()
     assert not any(cuda_invariant._is_ours(m.__dict__.get("forward")) for m in base.modules())
     print("engine ok")
+""")
+
+
+GRAPHS = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, sys.argv[1])
+    import torch
+    from transformers import AutoTokenizer
+    from conftest import QUESTIONS, tiny_model
+    from test_invariance import reorder_by_pass_size
+    from kev_engine import Engine, loader
+    from kev_engine.model.pack import Segment, pack
+    from kev_engine.platforms.cuda import choice
+    from kev_engine.platforms.cuda.triton_paged import TritonBackend
+
+    tokenizer = AutoTokenizer.from_pretrained(str(loader.converted_gguf_dir(loader.embedded_gguf())))
+    control = sys.argv[2] == "control"
+    backend = TritonBackend()
+    choice.choose = lambda mode, device, dtype: backend
+    engine = Engine(tiny_model("llama", tokenizer).to(torch.bfloat16), tokenizer, block_size=16, batch_invariant=True)
+    assert engine.cuda_graphs and engine.attention == "triton" and engine.model.ops.name == "cuda-invariant"
+    if control:
+        reorder_by_pass_size(engine.model)  # the down projections summed in an order set by the pass's rows
+    segments, block = [], 0
+    for i, prompt in enumerate(QUESTIONS[:3]):  # 3 live rows: a bucket of 4, one padding row
+        ids = engine.encode(prompt)
+        blocks = list(range(block, block + -(-(len(ids) + 1) // 16)))
+        block = blocks[-1] + 1
+        engine._runner.forward(pack([Segment(i, ids[:-1], 0, False, block_ids=blocks)], engine.device, backend), {})
+        segments.append(Segment(i, ids[-1:], len(ids) - 1, True, block_ids=blocks))
+    decode = pack(segments, engine.device, backend)
+    via_bucket = engine._runner.graphs.run(decode)
+    eager = engine.model.forward(decode, backend)
+    assert via_bucket.shape == eager.shape == (3, engine.model.config.vocab_size)
+    assert torch.equal(via_bucket, eager) != control, "the control changed nothing" if control else "graphs != eager"
+    engine.close()
+    print("graphs ok")
 """)
 
 
@@ -119,7 +163,17 @@ def test_triton_kernels_in_the_interpreter() -> None:
     assert done.returncode == 0 and "kernels ok" in done.stdout, done.stderr[-3000:]
 
 
-@pytest.mark.parametrize("form", ["paged", "gathered"])
+@pytest.mark.parametrize("case", ["invariant", "control"])
+def test_decode_bucket_equals_eager_bitwise_in_the_interpreter(case) -> None:
+    """With Kev's Triton attention and products, a decode pass through its graph bucket (the static
+    path, a padding row on the trash block) gives the eager logits bit for bit: a live row sits at
+    the same place of every tile either way. The control, the down projections summed in an order
+    the pass's row count sets, differs."""
+    done = interpreted(GRAPHS, TESTS, case)
+    assert done.returncode == 0 and "graphs ok" in done.stdout, done.stderr[-3000:]
+
+
+@pytest.mark.parametrize("form", ["paged", "gathered", "triton"])
 def test_batch_invariant_cuda_path_in_the_interpreter(form) -> None:
     done = interpreted(ENGINE, TESTS, form)
     assert done.returncode == 0 and "engine ok" in done.stdout, done.stderr[-3000:]

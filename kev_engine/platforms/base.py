@@ -19,6 +19,7 @@ else in the engine knows which kernel runs or how a block is laid out.
     "exact"      [kvH, D, bs] │ [kvH, bs, D]            Kev's batch-invariant kernel: every row, one call
     "varlen"     [bs, kvH, D] │ [bs, kvH, D]            torch's paged varlen_attn on CUDA: every row, one call
                                                         (torch 2.10/2.11: each segment's keys gathered first)
+    "triton"     [bs, kvH, D] │ [bs, kvH, D]            Kev's Triton kernel over the pool in place, every torch
     "flash-attn" [bs, kvH, D] │ [bs, kvH, D]            the flash-attn package's paged kernel, the same way
 """
 

@@ -8,7 +8,8 @@ Where this sits: installed on the model when a CUDA `Engine` runs batch-invarian
   - RMSNorm (the layers', and Qwen3's per-head q/k norms): `triton_kernels.rms_norm`, one program
     per row (torch's reduction would lay its threads out by the number of rows);
   - attention: torch's varlen_attn with `num_splits=1` (`varlen`), each query's keys in
-    one thread block in one order;
+    one thread block in one order, or Kev's Triton attention (`triton_attention`), one order by
+    construction;
   - rotary cos/sin (a K=1 product and elementwise functions), residuals, the MLP's activation:
     elementwise, one formula per element, whatever the shape.
 Which modules: plain `nn.Linear`s and the RMSNorm classes `inplace` lists, each instance checked
@@ -72,8 +73,9 @@ def uncovered(model: nn.Module) -> list[str]:
 
 def why_not(model: nn.Module, paged: Any) -> str | None:
     """Why a CUDA model cannot run batch-invariant, or None when it can."""
-    if paged is None or paged.name != "varlen":
-        return "batch invariance on CUDA needs torch's varlen_attn (num_splits=1); this engine has none"
+    if paged is None or paged.name not in ("varlen", "triton"):
+        return ("batch invariance on CUDA needs torch's varlen_attn (num_splits=1) or Kev's Triton attention; "
+                "this engine has neither")
     device = next(model.parameters()).device
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         return f"the model is on {device}; Kev's Triton kernels run on CUDA (on CPU only under TRITON_INTERPRET=1)"

@@ -1,9 +1,10 @@
 """The CUDA platform: the varlen attention, decode CUDA graphs, batch invariance by Triton.
 
-Batch-invariant where torch's `varlen_attn` runs unsplit (`num_splits=1` in its paged form; its
-contiguous form never splits, see `gathered`) and Triton loads: every `nn.Linear`, the output head
-and LoRA deltas, and the RMSNorms by fixed-order Triton kernels (`invariant`). Decode graphs need
-the paged form (fixed-size tables). Without a varlen kernel (`choice.choose` said why), attention
+Batch-invariant where the attention keeps one order per query (Kev's Triton kernel; torch's
+`varlen_attn` unsplit, `num_splits=1` in its paged form, its contiguous form never splitting, see
+`gathered`) and Triton loads: every `nn.Linear`, the output head and LoRA deltas, and the RMSNorms
+by fixed-order Triton kernels (`invariant`). Decode graphs need a paged form (fixed-size tables:
+Kev's Triton kernel or the paged varlen_attn). Without any (`choice.choose` said why), attention
 runs on torch's SDPA per segment, with neither graphs nor invariance.
 """
 
