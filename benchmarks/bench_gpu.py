@@ -1,7 +1,8 @@
-"""RAG-16, DOC-QA and a 64-question RAG batch: Kev against transformers one at a time and padded.
+"""RAG-16, DOC-QA and a 64-question RAG batch: Kev against transformers one at a time and padded, and the floor.
 
 The benchmark half of `make gpu-check` (benchmarks/gpu_check.py puts its result in the report);
-alone: `python benchmarks/bench_gpu.py [--device cuda] [--model FOLDER] [--max-tokens 48] [--out FILE]`.
+alone: `python benchmarks/bench_gpu.py [--device cuda] [--model FOLDER] [--max-tokens 48]
+[--systems kev ...] [--out FILE]`.
 
 Every system answers the same prompt ids (`engine.encode`) greedily, in one process, one after
 another, each timed after an untimed warm-up (Kev's on the whole workload under another
@@ -12,8 +13,13 @@ another, each timed after an untimed warm-up (Kev's on the whole workload under 
   hf_padded  transformers `generate` on one left-padded batch.
 Per system: wall seconds, generated tokens (cut at the first stop token), tokens/s, peak memory
 the device allocated during the timed run (None off CUDA), and how many answers equal
-hf_serial's token for token. On a CPU (the report format's test) the same code runs with the
-device named in the result: never a GPU figure that a GPU did not produce.
+hf_serial's token for token. On a GPU, beside them (`gpu_floor`, measured in the same run): the
+device's read bandwidth and bf16 rate, each workload's floor and Kev's time over it, a decode
+step of 1 and of 16 rows in milliseconds (two runs of the same questions with `ignore_eos`, 8 and
+40 tokens each: the difference over 32 steps), and the model's weight shapes through Kev's
+Triton product against the rate. On a CPU (the report format's test) the same code runs with the
+device named in the result and none of the GPU-only figures: never a GPU figure that a GPU did not
+produce.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gpu_floor  # noqa: E402
 from bench_prefix import doc_qa_messages  # noqa: E402
 from workload import SYSTEM_PROMPT, load_rag, rag_messages  # noqa: E402
 
@@ -40,6 +47,9 @@ from kev_engine import (
 
 SYSTEMS = ("kev", "hf_serial", "hf_padded")
 RAG64_ROUNDS = 4  # 16 passages, 4 rounds: 64 questions, each round under its own system prompt
+STEP_ROWS = (1, 16)  # decode steps timed at these row counts
+STEP_TOKENS = (8, 40)  # tokens per question in the two runs a step's time is the difference of
+PRODUCT_ROWS = 4096  # a prefill's rows, for the products' rates
 
 
 def rag64_messages() -> list[list[dict]]:
@@ -127,14 +137,37 @@ def kv_budget(engine: Engine, prompts: list[list[int]], max_tokens: int) -> int:
     return 2 * (blocks + 1) * kv.block_bytes
 
 
+def decode_step_ms(engine: Engine, chats: list[list[dict]], rows: int) -> float:
+    """Milliseconds of one decode step of `rows` questions: the same questions answered to
+    STEP_TOKENS[1] and to STEP_TOKENS[0] tokens (no stop), the difference over the steps between."""
+    device = engine.device
+    walls = []
+    for tokens in STEP_TOKENS:
+        sampling = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True, cache_salt=f"step-{tokens}")
+        engine.generate(chats[:rows], sampling=sampling)  # warm: this row count's graph captured
+        sampling = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True, cache_salt=f"step-{tokens}-timed")
+        walls.append(timed(device, lambda s=sampling: engine.generate(chats[:rows], sampling=s))[0])
+    return (walls[1] - walls[0]) / (STEP_TOKENS[1] - STEP_TOKENS[0]) * 1e3
+
+
+def device_figures(engine: Engine, chats: list[list[dict]], rates: dict[str, float]) -> dict[str, Any]:
+    """The GPU-only figures of one engine: decode steps and its weight shapes' product rates."""
+    return {"decode_step_ms": {str(rows): decode_step_ms(engine, chats, rows) for rows in STEP_ROWS},
+            "products": gpu_floor.products(engine.model, engine.device, PRODUCT_ROWS, rates["bf16_flop_s"])}
+
+
 def run(device: str = "cuda", source: str | None = None, max_tokens: int = 48,
-        workloads: list[str] | None = None, limit: int | None = None, dtype: str | None = None) -> dict[str, Any]:
+        workloads: list[str] | None = None, limit: int | None = None, dtype: str | None = None,
+        systems: list[str] | None = None) -> dict[str, Any]:
     """The benchmark's JSON result. `source`: a model folder (None: the embedded SmolLM2-135M);
     `limit`: the first N questions of each workload (the CPU format test); `dtype`: None is the
-    engine's default (bf16 on CUDA)."""
+    engine's default (bf16 on CUDA); `systems`: which of SYSTEMS run (default all; "kev" always)."""
     from transformers import AutoModelForCausalLM
 
     torch_device = loader.resolve_device(device)
+    chosen = ["kev", *[name for name in (systems or SYSTEMS) if name != "kev"]]
+    if set(chosen) - set(SYSTEMS):
+        raise ValueError(f"systems {sorted(set(chosen) - set(SYSTEMS))} are not allowed; use some of {list(SYSTEMS)}")
     names = workloads or list(WORKLOADS)
     unknown = sorted(set(names) - set(WORKLOADS))
     if unknown:
@@ -150,6 +183,9 @@ def run(device: str = "cuda", source: str | None = None, max_tokens: int = 48,
     result: dict[str, Any] = {"model": folder if source else "embedded SmolLM2-135M-Instruct",
                               "device": str(device), "dtype": str(torch_dtype).removeprefix("torch."),
                               "max_tokens": max_tokens, "workloads": {}}
+    on_gpu = torch_device.type == "cuda"
+    rates = gpu_floor.rates(torch_device) if on_gpu else None
+    result["rates"] = rates
     for name, prompts in suites.items():
         systems: dict[str, dict[str, Any]] = {}
         engine = Engine.from_pretrained(folder, device=device, dtype=torch_dtype, kv_cache_bytes=budgets[name])
@@ -159,30 +195,38 @@ def run(device: str = "cuda", source: str | None = None, max_tokens: int = 48,
         kev()  # warm-up on the whole workload: graphs captured, kernels compiled
         systems["kev"] = measure(torch_device, kev)
         systems["kev"]["kv_cache_bytes"] = budgets[name]
+        shape = gpu_floor.Shape.of(engine.model)
+        if rates is not None and "device_figures" not in result:
+            result["device_figures"] = device_figures(engine, chats.get("rag16", chats[name]), rates)
         engine.close()
         del engine, kev
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype, attn_implementation="sdpa")
-        model = model.to(torch_device).eval()
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(stop)
-        for system, runner in hf_runners(model, prompts, max_tokens, pad, torch_device).items():
-            runner_warm = hf_runners(model, prompts[:1], max_tokens, pad, torch_device)[system]
-            runner_warm()
-            systems[system] = measure(torch_device, runner)
-        del model
-        if torch_device.type == "cuda":
+        if len(chosen) > 1:
+            model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype, attn_implementation="sdpa")
+            model = model.to(torch_device).eval()
+            pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(stop)
+            for system, runner in hf_runners(model, prompts, max_tokens, pad, torch_device).items():
+                if system in chosen:
+                    runner_warm = hf_runners(model, prompts[:1], max_tokens, pad, torch_device)[system]
+                    runner_warm()
+                    systems[system] = measure(torch_device, runner)
+            del model
+        if on_gpu:
             torch.cuda.empty_cache()
-        reference = systems["hf_serial"].pop("answers")
-        for system in SYSTEMS:
+        reference = systems["hf_serial"].pop("answers") if "hf_serial" in systems else None
+        for system in chosen:
             answers = [strip_stop(a, stop) for a in systems[system].pop("answers", reference)]
             systems[system]["generated_tokens"] = sum(map(len, answers))
             systems[system]["tokens_per_s"] = systems[system]["generated_tokens"] / systems[system]["wall_s"]
-            systems[system]["answers_equal_to_hf_serial"] = sum(
+            systems[system]["answers_equal_to_hf_serial"] = None if reference is None else sum(
                 a == strip_stop(b, stop) for a, b in zip(answers, reference))
-        result["workloads"][name] = {
-            "questions": len(prompts), "prompt_tokens": sum(map(len, prompts)), "systems": systems,
-            "kev_speedup_vs_hf_serial": systems["hf_serial"]["wall_s"] / systems["kev"]["wall_s"],
-            "kev_speedup_vs_hf_padded": systems["hf_padded"]["wall_s"] / systems["kev"]["wall_s"],
-        }
+        row: dict[str, Any] = {"questions": len(prompts), "prompt_tokens": sum(map(len, prompts)), "systems": systems}
+        for system in chosen[1:]:
+            row[f"kev_speedup_vs_{system}"] = systems[system]["wall_s"] / systems["kev"]["wall_s"]
+        if rates is not None:
+            row["floor"] = gpu_floor.floor(shape, list(map(len, prompts)), max_tokens, rates["read_bytes_s"],
+                                           rates["bf16_flop_s"])
+            row["kev_over_floor"] = systems["kev"]["wall_s"] / row["floor"]["floor_s"]
+        result["workloads"][name] = row
     return result
 
 
@@ -199,9 +243,11 @@ def main() -> None:
     parser.add_argument("--workload", action="append", choices=list(WORKLOADS))
     parser.add_argument("--dtype", default=None, help="default: the engine's (bf16 on CUDA)")
     parser.add_argument("--limit", type=int, default=None, help="the first N questions of each workload")
+    parser.add_argument("--systems", nargs="+", choices=list(SYSTEMS), default=None, help="default: all")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    result = run(args.device, args.model, args.max_tokens, args.workload, limit=args.limit, dtype=args.dtype)
+    result = run(args.device, args.model, args.max_tokens, args.workload, limit=args.limit, dtype=args.dtype,
+                 systems=args.systems)
     text = json.dumps(result, indent=2)
     if args.out:
         args.out.write_text(text + "\n")

