@@ -39,9 +39,14 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's CPU interpre
 BLOCK_N = 64  # keys per step, aligned to position 0: part of the order, the same for every pass
 MIN_ROWS = 16  # tl.dot's smallest tile height
 NUM_WARPS = 4
+# multiply-adds fused (FMA) by choice, not by the Triton release's default (which changes in 3.10):
+# the compiled arithmetic, and so the bits, the same on every Triton
+FP_FUSION = True
 
 
-@triton.jit
+# the arguments a pass changes (the query's head stride is its token count × head_dim, the table's
+# row its widest segment's blocks) are not specialized on: one compiled kernel for every pass
+@triton.jit(do_not_specialize=["stride_qh", "stride_table"])
 def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, cu_q_ptr, seqused_ptr, table_ptr, scale,
                             stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                             stride_ot, stride_oh, stride_table,
@@ -150,6 +155,7 @@ def paged_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
         block_table.stride(0),
         GROUP=group, TOKENS=per_tile, ROWS=rows, HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         PAGE=page, BN=width, DOT=use_dot, IEEE=query.dtype == torch.float32, num_warps=NUM_WARPS,
+        enable_fp_fusion=FP_FUSION,
     )
     if upcast:
         out.copy_(target)

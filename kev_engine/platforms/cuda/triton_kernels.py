@@ -25,6 +25,7 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's CPU interpre
 # not per element, so there the output tiles are wider (a vocabulary of 49,152 in 48 programs)
 BLOCK_M, BLOCK_N, BLOCK_K = 64, (1024 if INTERPRETED else 64), 64
 NUM_WARPS, NUM_STAGES = 4, 3
+FP_FUSION = True  # multiply-adds fused by choice, not by the Triton release's default (it changes in 3.10)
 
 
 @triton.jit(do_not_specialize=["M"])  # one compiled kernel for every row count, 1 included
@@ -81,7 +82,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
                              weight.stride(0), out.stride(0), HAS_BIAS=bias is not None,
                              IEEE=x.dtype == torch.float32, UPCAST=INTERPRETED and x.dtype != torch.float32,
                              BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K,
-                             num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+                             num_warps=NUM_WARPS, num_stages=NUM_STAGES, enable_fp_fusion=FP_FUSION)
     return out.view(*x.shape[:-1], N)
 
 
@@ -94,5 +95,5 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     out = torch.empty(rows.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
     if rows.shape[0]:
         _rms_norm_kernel[(rows.shape[0],)](rows, weight, out, H, rows.stride(0), out.stride(0), eps,
-                                           BLOCK=triton.next_power_of_2(H))
+                                           BLOCK=triton.next_power_of_2(H), enable_fp_fusion=FP_FUSION)
     return out.view(x.shape)

@@ -1,0 +1,66 @@
+"""Kev's Triton kernels compile for the GPUs they serve, on a machine without one.
+
+Triton's NVIDIA backend (its wheel carries `ptxas`) compiles a kernel to PTX and a cubin for a
+named target with no device present: the attention (bf16, fp16, fp32; grouped heads of 1, 3 and 8;
+a head_dim that is not a power of two), the products and the norm, for sm_80 (A100) and sm_90
+(H100, H200). The interpreter tests run the kernels' Python; this is what the GPU compiler makes
+of it, so an error only a compiled kernel has shows here rather than on a lent GPU.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from kev_engine.platforms.cuda import triton_attention, triton_kernels
+
+TYPES = {"bf16": "*bf16", "fp16": "*fp16", "fp32": "*fp32"}
+
+
+def compile_for(kernel, arch: int, pointers: dict[str, str], constants: dict[str, object], **options):
+    """`kernel` compiled for sm_`arch`: pointers typed as given, other runtime arguments int32/fp32."""
+    names = list(inspect.signature(kernel.fn).parameters)
+    signature = {}
+    for name in names:
+        if name in constants:
+            signature[name] = "constexpr"
+        elif name in pointers:
+            signature[name] = pointers[name]
+        else:
+            signature[name] = "fp32" if name in ("scale", "eps") else "i32"
+    source = ASTSource(fn=kernel, signature=signature,
+                       constexprs={(names.index(name),): value for name, value in constants.items()})
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
+
+
+@pytest.mark.parametrize("arch", [80, 90])
+@pytest.mark.parametrize("dtype", list(TYPES))
+@pytest.mark.parametrize("group,head_dim", [(1, 64), (3, 128), (8, 80)])
+def test_attention_compiles(arch, dtype, group, head_dim) -> None:
+    rows, tokens = triton_attention.tile_rows(group)
+    pointers = {name: TYPES[dtype] for name in ("q_ptr", "k_ptr", "v_ptr", "o_ptr")}
+    pointers.update({name: "*i32" for name in ("cu_q_ptr", "seqused_ptr", "table_ptr")})
+    compiled = compile_for(triton_attention._paged_attention_kernel, arch, pointers, dict(
+        GROUP=group, TOKENS=tokens, ROWS=rows, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+        PAGE=32, BN=triton_attention.BLOCK_N, DOT=True, IEEE=dtype == "fp32"), num_warps=triton_attention.NUM_WARPS,
+        enable_fp_fusion=triton_attention.FP_FUSION)
+    assert compiled.asm["cubin"]
+    assert ("mma" in compiled.asm["ptx"]) == (dtype != "fp32")  # half products on tensor cores, fp32 ones exact
+
+
+@pytest.mark.parametrize("arch", [80, 90])
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_products_and_norm_compile(arch, dtype) -> None:
+    pointers = {name: TYPES[dtype] for name in ("x_ptr", "w_ptr", "b_ptr", "y_ptr")}
+    linear = compile_for(triton_kernels._linear_kernel, arch, pointers, dict(
+        HAS_BIAS=True, IEEE=dtype == "fp32", UPCAST=False, BM=triton_kernels.BLOCK_M, BN=triton_kernels.BLOCK_N,
+        BK=triton_kernels.BLOCK_K), num_warps=triton_kernels.NUM_WARPS, num_stages=triton_kernels.NUM_STAGES,
+        enable_fp_fusion=triton_kernels.FP_FUSION)
+    assert linear.asm["cubin"]
+    norm = compile_for(triton_kernels._rms_norm_kernel, arch, pointers, dict(BLOCK=1024),
+                       enable_fp_fusion=triton_kernels.FP_FUSION)
+    assert norm.asm["cubin"]
