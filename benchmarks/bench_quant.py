@@ -21,11 +21,14 @@ Models: "embedded" (SmolLM2-135M-Instruct, its Q4_1 file as the wheel ships it);
 projections of every other layer as llama.cpp's Q4_K_M mix has them: gguf-py cannot quantize
 K-quants, and random weights change no kernel's speed).
 
-llama-server is not run here: no llama.cpp binary can be installed in this environment (PyPI's
-llama-cpp-python compiles llama.cpp and was not reachable as a wheel); its columns say so.
+With `--llama-server PATH` (llama.cpp's server, built as docs/benchmarks.md says: "Workloads and
+how llama-server was built"), llama-server answers the same prompt ids from the same file, once
+per model (its products do not follow Kev's dtype), `-np N -kvu`, every request at once, greedy,
+best of `--rounds` (`bench_invariance.llama_server_run`); each Kev time is then also given over it.
 
 Usage: python benchmarks/bench_quant.py [--model embedded llama-0.7b-q8_0 llama-0.7b-q4_k_m]
-           [--dtype float32 bfloat16] [--workload one rag16 docqa q64] [--rounds 3] [--model-dir DIR] [--out PATH]
+           [--dtype float32 bfloat16] [--workload one rag16 docqa q64] [--rounds 3] [--model-dir DIR]
+           [--llama-server PATH] [--out PATH]
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_decode_roofline import read_bandwidth  # noqa: E402
-from bench_invariance import WARM_UP, messages, write_report  # noqa: E402
+from bench_invariance import WARM_UP, llama_server_run, messages, write_report  # noqa: E402
 from machine import cpu_line  # noqa: E402
 
 RESULTS_MD = Path(__file__).resolve().parent / "results" / "bench_quant.md"
@@ -164,6 +167,25 @@ def streamed_bytes(engine: Any) -> int:
     return total
 
 
+def llama_server_times(binary: str, path: Path, workloads: list[str], rounds: int) -> dict[str, Any]:
+    """llama-server's best wall seconds per workload on `path`, on the prompt ids Kev encodes."""
+    from kev_engine import Engine
+
+    engine = Engine.from_pretrained(str(path), speculative="off")  # only its tokenizer and chat template
+    try:
+        ids = {workload: [engine.encode(chat) for chat in messages(workload)] for workload in workloads}
+    finally:
+        engine.close()
+    out: dict[str, Any] = {}
+    for workload in workloads:
+        try:
+            out[workload] = llama_server_run(binary, path, ids[workload], MAX_TOKENS[workload], rounds)
+        except (OSError, RuntimeError) as exc:  # the report says so; Kev's figures are kept
+            out[workload] = {"skipped": f"{type(exc).__name__}: {exc}"[:300]}
+        print(f"  {path.name} {workload} llama-server: {out[workload]}", flush=True)
+    return out
+
+
 def measure(name: str, path: Path, dtype: str, workloads: list[str], rounds: int) -> dict[str, Any]:
     from kev_engine import Engine
     from kev_engine.models.gguf_file import tensor_bytes
@@ -198,20 +220,26 @@ def measure(name: str, path: Path, dtype: str, workloads: list[str], rounds: int
     return row
 
 
-def report(rows: list[dict[str, Any]], rounds: int, bandwidth: float, how: str) -> str:
+def report(rows: list[dict[str, Any]], rounds: int, bandwidth: float, how: str,
+           servers: dict[str, dict[str, Any]]) -> str:
     import torch
 
     lines = [f"# bench_quant: a GGUF's blocks as stored vs dequantized ({cpu_line()}; torch {torch.__version__}, "
              f"{platform.machine()}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})", "",
              f"Wall = best of {rounds} alternating rounds per engine; greedy; speculation off; the same answers "
              f"required. Read bandwidth measured in this run: {bandwidth / 1e9:.1f} GB/s ({how}). llama-server: "
-             "not run (no binary in this environment).", "",
-             "| model | dtype | workload | as stored s | dense s | stored / dense | same answers |",
-             "|---|---|---|---|---|---|---|"]
+             + ("; ".join(sorted({s.get('command') or s['skipped'] for r in servers.values() for s in r.values()}))
+                if servers else "not run (no --llama-server)") + ".", "",
+             "| model | dtype | workload | as stored s | dense s | stored / dense | llama-server s | "
+             "stored / llama-server | dense / llama-server | same answers |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         for workload, w in row["workloads"].items():
+            server = servers.get(row["model"], {}).get(workload, {})
+            theirs = (f"{server['wall_s']:.3f} | {w['stored_s'] / server['wall_s']:.2f}x | "
+                      f"{w['dense_s'] / server['wall_s']:.2f}x") if "wall_s" in server else "- | - | -"
             lines.append(f"| {row['model']} | {row['dtype']} | {workload} | {w['stored_s']:.3f} | {w['dense_s']:.3f} | "
-                         f"{w['stored_s'] / w['dense_s']:.2f}x | {'yes' if w['same'] else 'NO'} |")
+                         f"{w['stored_s'] / w['dense_s']:.2f}x | {theirs} | {'yes' if w['same'] else 'NO'} |")
     lines += ["", "| model | dtype | file tensor MB | weights MB as stored / dense | as stored / file | load s "
               "stored / dense | one-row step ms stored / dense | stored step / its roofline | "
               "dense step / its roofline |",
@@ -236,16 +264,19 @@ def main() -> None:
     ap.add_argument("--workload", nargs="+", default=list(MAX_TOKENS), choices=list(MAX_TOKENS))
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--model-dir", dest="model_dir", help="where the random-weight models are built (and reused)")
+    ap.add_argument("--llama-server", dest="llama_server", help="a llama-server binary, run on the same files")
     ap.add_argument("--out", default=str(RESULTS_MD), help="the report's path (.md; its .json beside it)")
     args = ap.parse_args()
     folder = Path(args.model_dir) if args.model_dir else None
-    rows = []
+    rows, servers = [], {}
     for name in args.model:
         path = model_file(name, folder)
         for dtype in args.dtype:
             rows.append(measure(name, path, dtype, args.workload, args.rounds))
+        if args.llama_server:
+            servers[name] = llama_server_times(args.llama_server, path, args.workload, args.rounds)
     bandwidth, how = read_bandwidth()
-    write_report(args.out, report(rows, args.rounds, bandwidth, how), rows)
+    write_report(args.out, report(rows, args.rounds, bandwidth, how, servers), [*rows, {"llama_server": servers}])
     if not all(w["same"] for row in rows for w in row["workloads"].values()):
         sys.exit("an answer differed between the stored and the dequantized weights: see the report")
 

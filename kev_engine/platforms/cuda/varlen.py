@@ -58,7 +58,7 @@ class VarlenBackend(AttentionBackend):
     """What both forms of the varlen kernel share: the pool layout [num_blocks, block_size,
     kv_heads, head_dim], keys and values alike, and each new key/value written to its slot."""
 
-    name: str  # type: ignore[misc]  # "varlen" or "flash-attn", per instance
+    name: str  # type: ignore[misc]  # "varlen", "triton" or "flash-attn", per instance
     form: ClassVar[str]  # "paged": read through block tables; "gathered": copied out per layer
 
     def __init__(self, name: str, function: Callable[..., Any], page_multiple: int,
