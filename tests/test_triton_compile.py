@@ -3,20 +3,24 @@
 Triton's NVIDIA backend (its wheel carries `ptxas`) compiles a kernel to PTX and a cubin for a
 named target with no device present: the attention (bf16, fp16, fp32; grouped heads of 1, 3 and 8;
 a head_dim that is not a power of two), the products and the norm, for sm_80 (A100) and sm_90
-(H100, H200). The interpreter tests run the kernels' Python; this is what the GPU compiler makes
-of it, so an error only a compiled kernel has shows here rather than on a lent GPU.
+(H100, H200), and the product on a GGUF's blocks. The interpreter tests run the kernels' Python;
+this is what the GPU compiler makes of it, so an error only a compiled kernel has shows here rather
+than on a lent GPU — and what the PTX holds: the block product's decode is not contracted into
+fused multiply-adds (gguf's `d * q + m` rounds twice), while its product keeps the dense kernel's
+multiply-adds, one for one; the control, compiled with contraction, fuses the decode.
 """
 
 from __future__ import annotations
 
 import inspect
+import re
 
 import pytest
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kev_engine.platforms.cuda import triton_attention, triton_kernels
+from kev_engine.platforms.cuda import triton_attention, triton_kernels, triton_quant
 
 TYPES = {"bf16": "*bf16", "fp16": "*fp16", "fp32": "*fp32"}
 
@@ -64,3 +68,41 @@ def test_products_and_norm_compile(arch, dtype) -> None:
     norm = compile_for(triton_kernels._rms_norm_kernel, arch, pointers, dict(BLOCK=1024),
                        enable_fp_fusion=triton_kernels.FP_FUSION)
     assert norm.asm["cubin"]
+
+
+def quant_ptx(arch: int, name: str, fusion: bool) -> str:
+    code, block_bytes = triton_quant.FORMATS[name]
+    pointers = {"x_ptr": "*fp32", "q_ptr": "*u8", "y_ptr": "*fp32"}
+    return compile_for(triton_quant._quant_linear_kernel, arch, pointers, dict(
+        FORMAT=code, BLOCK_BYTES=block_bytes, BF16=False, IEEE=True, UPCAST=False, BM=64, BN=64, BK=64),
+        num_warps=4, num_stages=3, enable_fp_fusion=fusion).asm["ptx"]
+
+
+def fused(ptx: str) -> int:
+    return len(re.findall(r"\bfma\.rn\.f32\b", ptx))
+
+
+@pytest.mark.parametrize("arch", [80, 90])
+@pytest.mark.parametrize("name", list(triton_quant.FORMATS))
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_quant_product_compiles(arch, name, dtype) -> None:
+    code, block_bytes = triton_quant.FORMATS[name]
+    pointers = {"x_ptr": TYPES[dtype], "q_ptr": "*u8", "y_ptr": TYPES[dtype]}
+    compiled = compile_for(triton_quant._quant_linear_kernel, arch, pointers, dict(
+        FORMAT=code, BLOCK_BYTES=block_bytes, BF16=dtype == "bf16", IEEE=dtype == "fp32", UPCAST=False,
+        BM=triton_kernels.BLOCK_M, BN=triton_kernels.BLOCK_N, BK=triton_kernels.BLOCK_K),
+        num_warps=triton_kernels.NUM_WARPS, num_stages=triton_kernels.NUM_STAGES, enable_fp_fusion=False)
+    assert compiled.asm["cubin"] and ("mma" in compiled.asm["ptx"]) == (dtype == "bf16")
+
+
+def test_quant_decode_is_not_contracted() -> None:
+    """fp32, 64x64x64 tiles: the dense kernel's product is 2048 multiply-adds in its PTX; the Q4_1
+    kernel as shipped (no contraction) has exactly those, and its decode's mul and add apart; the
+    control, the same kernel compiled with contraction, has more fused ones: its decode fused."""
+    dense = compile_for(triton_kernels._linear_kernel, 90, {n: "*fp32" for n in ("x_ptr", "w_ptr", "b_ptr", "y_ptr")},
+                        dict(HAS_BIAS=False, IEEE=True, UPCAST=False, BM=64, BN=64, BK=64), num_warps=4, num_stages=3,
+                        enable_fp_fusion=triton_kernels.FP_FUSION).asm["ptx"]
+    shipped, control = quant_ptx(90, "Q4_1", fusion=False), quant_ptx(90, "Q4_1", fusion=True)
+    assert fused(shipped) == fused(dense) > 0
+    assert re.search(r"\bmul\.(rn\.)?f32\b", shipped) and re.search(r"\badd\.(rn\.)?f32\b", shipped)
+    assert fused(control) > fused(dense)
