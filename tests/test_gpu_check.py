@@ -57,8 +57,8 @@ def stand_in_tests(tmp_path: Path) -> Path:
 def test_report_on_cpu(tmp_path, model_files) -> None:
     out = tmp_path / "report.json"
     code = gpu_check.main(["--device", "cpu", "--tests", str(stand_in_tests(tmp_path)), "--model-files",
-                           str(model_files), "--shape", "tiny", "--max-tokens", "3", "--limit", "2",
-                           "--dtype", "float32", "--out", str(out)])
+                           str(model_files), "--shape", "tiny", "--larger-shape", "tiny", "--max-tokens", "3",
+                           "--limit", "2", "--dtype", "float32", "--out", str(out)])
     report = json.loads(out.read_text())
     gpu_check.check(report)
     assert code == 1 and report["ok"] is False  # a marked case failed
@@ -86,6 +86,12 @@ def test_report_on_cpu(tmp_path, model_files) -> None:
     assert targets["packed_equals_alone_tests"] == [next(c["name"] for c in tests["cases"] if "packed" in c["name"])]
     assert targets["packed_equals_alone_bitwise"] is True
     assert targets["rag16_kev_speedup_vs_hf_serial"] == bench["workloads"]["rag16"]["kev_speedup_vs_hf_serial"]
+    assert targets["rag16_kev_s"] == bench["workloads"]["rag16"]["systems"]["kev"]["wall_s"]
+    assert targets["decode_step_16_rows_ms"] is None and targets["products_at_least_half_the_rate"] is None  # GPU only
+    larger = report["larger_benchmark"]  # Kev alone, the second shape
+    assert larger["shape"] == "tiny" and "error" not in larger
+    assert {tuple(w["systems"]) for w in larger["benchmark"]["workloads"].values()} == {("kev",)}
+    assert larger["benchmark"]["rates"] is None and "floor" not in larger["benchmark"]["workloads"]["rag16"]
 
 
 def test_a_control_that_finds_no_difference_is_reported_apart_from_packed_equals_alone() -> None:
