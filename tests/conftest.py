@@ -183,6 +183,22 @@ def embedded_reference(embedded_dir: str) -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(embedded_dir, dtype=torch.float32).eval()
 
 
+def prefilled_decode_pack(engine: Engine, prompts: list[Any]) -> Any:
+    """One decode row per prompt, after a prefill pass of its own wrote each prompt's KV (blocks
+    handed out in order from 0, room for the new token): the pack a graph bucket replays."""
+    from kev_engine.model.pack import Segment, pack
+
+    backend, size = engine._backend, engine._kv.block_size
+    segments, block = [], 0
+    for i, prompt in enumerate(prompts):
+        ids = engine.encode(prompt)
+        blocks = list(range(block, block + -(-(len(ids) + 1) // size)))
+        block = blocks[-1] + 1
+        engine._runner.forward(pack([Segment(i, ids[:-1], 0, False, block_ids=blocks)], engine.device, backend), {})
+        segments.append(Segment(i, ids[-1:], len(ids) - 1, True, block_ids=blocks))
+    return pack(segments, engine.device, backend)
+
+
 def chat(question: str, context: str | None = None) -> list[dict[str, str]]:
     content = f"Context:\n{context}\n\nQuestion: {question}" if context else question
     return [{"role": "user", "content": content}]

@@ -18,7 +18,15 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import QUESTIONS, chat, reference_copy, reference_greedy, rounding_tolerance, tiny_model
+from conftest import (
+    QUESTIONS,
+    chat,
+    prefilled_decode_pack,
+    reference_copy,
+    reference_greedy,
+    rounding_tolerance,
+    tiny_model,
+)
 from torch.utils._python_dispatch import TorchDispatchMode
 from varlen_contract import GatheredContract, GatheredContractIsCausal, VarlenContract
 
@@ -79,18 +87,10 @@ def test_graph_replay_equals_eager_logits(tokenizer, monkeypatch) -> None:
     """A decode pass through a bucket (padding rows on the trash block) gives the eager logits, up to
     the CPU's rounding."""
     engine, _ = varlen_engine(tokenizer, monkeypatch, graphs=True)
-    kv, backend, segments, block = engine._kv, engine._backend, [], 0
-    for i, prompt in enumerate(QUESTIONS[:3]):  # 3 rows: a bucket of 4, one padding row
-        ids = engine.encode(prompt)
-        blocks = list(range(block, block + -(-(len(ids) + 1) // kv.block_size)))
-        block = blocks[-1] + 1
-        engine._runner.forward(pack([Segment(i, ids[:-1], 0, False, block_ids=blocks)], engine.device, backend),
-                               {})  # its prompt's KV
-        segments.append(Segment(i, ids[-1:], len(ids) - 1, True, block_ids=blocks))
-    decode = pack(segments, engine.device, backend)
+    decode = prefilled_decode_pack(engine, QUESTIONS[:3])  # 3 rows: a bucket of 4, one padding row
     assert engine._runner.graphs.fits(decode)
     via_bucket = engine._runner.graphs.run(decode)
-    eager = engine.model.forward(decode, backend)
+    eager = engine.model.forward(decode, engine._backend)
     # not bitwise here: this stand-in engine is not batch-invariant, and torch's CPU BLAS may sum the
     # bucket's 4 rows in another order than the eager pass's 3 (it does on some CPUs). Bitwise
     # replay on the invariant path is a GPU claim: tests/test_cuda.py

@@ -121,10 +121,9 @@ GRAPHS = textwrap.dedent("""
     sys.path.insert(0, sys.argv[1])
     import torch
     from transformers import AutoTokenizer
-    from conftest import QUESTIONS, tiny_model
+    from conftest import QUESTIONS, prefilled_decode_pack, tiny_model
     from test_invariance import reorder_by_pass_size
     from kev_engine import Engine, loader
-    from kev_engine.model.pack import Segment, pack
     from kev_engine.platforms.cuda import choice
     from kev_engine.platforms.cuda.triton_paged import TritonBackend
 
@@ -136,14 +135,7 @@ GRAPHS = textwrap.dedent("""
     assert engine.cuda_graphs and engine.attention == "triton" and engine.model.ops.name == "cuda-invariant"
     if control:
         reorder_by_pass_size(engine.model)  # the down projections summed in an order set by the pass's rows
-    segments, block = [], 0
-    for i, prompt in enumerate(QUESTIONS[:3]):  # 3 live rows: a bucket of 4, one padding row
-        ids = engine.encode(prompt)
-        blocks = list(range(block, block + -(-(len(ids) + 1) // 16)))
-        block = blocks[-1] + 1
-        engine._runner.forward(pack([Segment(i, ids[:-1], 0, False, block_ids=blocks)], engine.device, backend), {})
-        segments.append(Segment(i, ids[-1:], len(ids) - 1, True, block_ids=blocks))
-    decode = pack(segments, engine.device, backend)
+    decode = prefilled_decode_pack(engine, QUESTIONS[:3])  # 3 live rows: a bucket of 4, one padding row
     via_bucket = engine._runner.graphs.run(decode)
     eager = engine.model.forward(decode, backend)
     assert via_bucket.shape == eager.shape == (3, engine.model.config.vocab_size)
