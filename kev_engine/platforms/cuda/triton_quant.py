@@ -21,7 +21,6 @@ import torch
 import triton
 import triton.language as tl
 
-from . import triton_kernels
 from .triton_kernels import BLOCK_K, BLOCK_M, BLOCK_N, INTERPRETED, NUM_STAGES, NUM_WARPS
 
 FORMATS = {"Q8_0": (0, 34), "Q4_0": (1, 18), "Q4_1": (2, 20)}  # name → (kernel's code, bytes a block of 32)
@@ -107,5 +106,3 @@ def quant_linear(x: torch.Tensor, blocks: torch.Tensor, format: str, in_features
                                    enable_fp_fusion=False)
     return out.view(*x.shape[:-1], N)
 
-
-__all__ = ["FORMATS", "quant_linear", "triton_kernels"]
