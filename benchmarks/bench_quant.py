@@ -45,7 +45,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_decode_roofline import read_bandwidth  # noqa: E402
-from bench_invariance import WARM_UP, llama_server_run, messages, write_report  # noqa: E402
+from bench_invariance import WARM_UP, llama_server_run, messages, prompt_ids, write_report  # noqa: E402
 from machine import cpu_line  # noqa: E402
 
 RESULTS_MD = Path(__file__).resolve().parent / "results" / "bench_quant.md"
@@ -169,17 +169,11 @@ def streamed_bytes(engine: Any) -> int:
 
 def llama_server_times(binary: str, path: Path, workloads: list[str], rounds: int) -> dict[str, Any]:
     """llama-server's best wall seconds per workload on `path`, on the prompt ids Kev encodes."""
-    from kev_engine import Engine
-
-    engine = Engine.from_pretrained(str(path), speculative="off")  # only its tokenizer and chat template
-    try:
-        ids = {workload: [engine.encode(chat) for chat in messages(workload)] for workload in workloads}
-    finally:
-        engine.close()
     out: dict[str, Any] = {}
     for workload in workloads:
         try:
-            out[workload] = llama_server_run(binary, path, ids[workload], MAX_TOKENS[workload], rounds)
+            out[workload] = llama_server_run(binary, path, prompt_ids(workload, str(path)), MAX_TOKENS[workload],
+                                             rounds)
         except (OSError, RuntimeError) as exc:  # the report says so; Kev's figures are kept
             out[workload] = {"skipped": f"{type(exc).__name__}: {exc}"[:300]}
         print(f"  {path.name} {workload} llama-server: {out[workload]}", flush=True)
