@@ -501,7 +501,7 @@ at::Tensor quant_linear(const at::Tensor& input, const std::vector<at::Tensor>& 
   if (m == 0) return out;
   const int bf16_path = f32 ? -1 : linear_bf16_path(path);
   // a decode pass (few rows): runs of 4 panels, so the threads share even small products finely
-  // (and a run's decoded weights stay in L1); a prefill: runs of 16 panels over 192 rows, each run
+  // (and a run's decoded weights stay in L1); a prefill: runs of 8 panels over 768 rows, each run
   // decoded once for its rows
   const bool few = m <= 96;
   const int64_t run = few ? 4 : 8, row_run = few ? m : 768;
