@@ -242,7 +242,7 @@ class Engine:
         """Load `model` from a local folder, a .gguf file or a hub id; None is the embedded SmolLM2-135M-Instruct.
 
         `weights`: how a GGUF's quantized weights are kept — "as-stored" (computed in place by Kev's
-        CPU kernels: the file's size in memory, the same bits as dequantized), "dense" (dequantized
+        CPU kernels: the file's size in memory, within rounding of dequantized), "dense" (dequantized
         into `dtype`), or "auto"/None (as stored where the engine can compute them so); see `loader`.
 
         `model` is the name `ChatKev`, LlamaIndex's `Kev`, `kev --model` and vLLM's `LLM(model=...)`

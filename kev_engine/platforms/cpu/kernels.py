@@ -61,9 +61,9 @@ ENV_VAR = "KEV_CPU_KERNELS"
 CSRC = Path(__file__).resolve().parent / "csrc"
 # sources, headers and flags of each build; the exact build must never reassociate or contract
 BUILDS: dict[str, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]] = {
-    "exact": (("linear.cpp", "quant.cpp", "attention.cpp", "elementwise.cpp", "rows_linear.cpp", "layer.cpp",
-               "bind_exact.cpp"),
-              ("simd.h", "exact.h", "pool.h"),
+    "exact": (("linear.cpp", "quant.cpp", "quant_scaled.cpp", "attention.cpp", "elementwise.cpp", "rows_linear.cpp",
+               "layer.cpp", "bind_exact.cpp"),
+              ("simd.h", "exact.h", "pool.h", "quant_blocks.h"),
               ("-O3", "-march=native", "-fno-fast-math", "-ffp-contract=off", "-fopenmp")),
     "fast": (("paged_decode.cpp", "bind_fast.cpp"), ("pool.h",),
              ("-O3", "-march=native", "-ffast-math", "-fopenmp")),

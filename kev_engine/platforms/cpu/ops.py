@@ -10,9 +10,10 @@ once into its panels and the torch copies dropped; RMSNorm, the rotary embedding
 one call (`kernels.DecoderLayer`, csrc/layer.cpp: these kernels in this order without returning
 to Python) on a pass of the exact pool without LoRA rows. The LoRA deltas by the packed product
 too: a row's delta is the same however many rows of its adapter share the pass. Weights kept as
-a GGUF stores them (`models.quant`) by `quant_linear` (csrc/quant.cpp: each chunk decoded, then
-the packed product on it: the same bits as `linear_packed` on the dequantized weight), the
-embedding lookup by `quant_rows`.
+a GGUF stores them (`models.quant`) by `quant_linear`: in bf16 on AMX each chunk decoded and the
+packed product run on it (csrc/quant.cpp: the bits of `linear_packed` on the dequantized weight),
+elsewhere block-scaled (csrc/quant_scaled.cpp: each group's scale applied once to its integers'
+sum with the inputs, never a weight decoded to a float); the embedding lookup by `quant_rows`.
 
 `FastOps` (`batch_invariant=False`): torch's BLAS for prefill, Kev's few-row kernel for decode
 rows (`rows_linear`), the same elementwise kernels.

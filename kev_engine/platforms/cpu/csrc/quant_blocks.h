@@ -1,0 +1,211 @@
+// GGUF's quantized blocks in Kev's tiled layout: the formats, each row's scales, each weight's value.
+// quant.cpp (decoded weights, quant_rows, the AMX products) and quant_scaled.cpp (block-scaled
+// products) both read weights through these.
+//
+// Layout (`models/quant.py` builds it from the file's blocks; the same bytes, reordered): the
+// outputs in panels of 16 (a last panel and an odd panel count padded with zero bytes), each
+// panel's blocks along K in the file's order, each block [16 rows' scale bytes as in the file]
+// [low plane: per pair of k, 16 rows' 4-bit values (byte j: row j's at the even k low, at the odd
+// k high), or per k 16 rows' 8-bit ones]
+// [high plane: per k, the 16 rows' fifth bits (2 bytes) or fifth and sixth (4 bytes)]. Decoding
+// a k reads 16 outputs' values side by side: one vector, the layout linear.cpp's panels have.
+#pragma once
+
+#include <torch/extension.h>
+#include <c10/util/Half.h>
+
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+namespace kev_quant {
+
+// GGML's type ids
+constexpr int kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14;
+constexpr int kLanes = 16;  // outputs per panel
+
+// A format: block_k weights a block, scale_bytes a row's scales in it, a scale every `group` weights,
+// bits of the low plane (4 or 8), high bits (0-2), `zero` subtracted from each stored value, and
+// how scale S and offset O apply: kind 0 S * q, 1 S * q + O, 2 S * q - O.
+struct Format {
+  int block_k, scale_bytes, group, low_bits, high_bits, zero, kind;
+};
+
+constexpr Format format_of(int type) {
+  switch (type) {
+    case kQ4_0: return {32, 2, 32, 4, 0, 8, 0};
+    case kQ4_1: return {32, 4, 32, 4, 0, 0, 1};
+    case kQ5_0: return {32, 2, 32, 4, 1, 16, 0};
+    case kQ5_1: return {32, 4, 32, 4, 1, 0, 1};
+    case kQ8_0: return {32, 2, 32, 8, 0, 0, 0};
+    case kQ4_K: return {256, 16, 32, 4, 0, 0, 2};
+    case kQ5_K: return {256, 16, 32, 4, 1, 0, 2};
+    case kQ6_K: return {256, 18, 16, 4, 2, 32, 0};
+    default: return {0, 0, 0, 0, 0, 0, 0};
+  }
+}
+
+constexpr int64_t block_bytes(const Format& f) {  // a panel's block: 16 x the file's block bytes
+  return kLanes * f.scale_bytes + f.block_k * (f.low_bits == 8 ? 16 : 8) + f.block_k * f.high_bits * 2;
+}
+
+inline float half_at(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, sizeof(bits));
+  return c10::detail::fp16_ieee_to_fp32_value(bits);
+}
+
+// One row's scales S and offsets O for each group of a block, as gguf's dequantize computes them.
+template <int T>
+inline void row_scales(const uint8_t* s, float* S, float* O) {
+  if constexpr (T == kQ4_0 || T == kQ5_0 || T == kQ8_0) {
+    S[0] = half_at(s);
+  } else if constexpr (T == kQ4_1 || T == kQ5_1) {
+    S[0] = half_at(s);
+    O[0] = half_at(s + 2);
+  } else if constexpr (T == kQ4_K || T == kQ5_K) {
+    const float d = half_at(s), dmin = half_at(s + 2);
+    const uint8_t* q = s + 4;  // 12 bytes: six-bit scales and mins of 8 groups
+    for (int g = 0; g < 4; ++g) {
+      S[g] = d * static_cast<float>(q[g] & 0x3F);
+      O[g] = dmin * static_cast<float>(q[4 + g] & 0x3F);
+      S[4 + g] = d * static_cast<float>((q[8 + g] & 0x0F) | ((q[g] >> 2) & 0x30));
+      O[4 + g] = dmin * static_cast<float>((q[8 + g] >> 4) | ((q[4 + g] >> 2) & 0x30));
+    }
+  } else {  // Q6_K: 16 signed eight-bit scales, then d
+    const float d = half_at(s + 16);
+    for (int g = 0; g < 16; ++g) S[g] = d * static_cast<float>(static_cast<int8_t>(s[g]));
+  }
+}
+
+// The block at `block` (a panel's), lanes [lane, lane + L), into out [block_k][L] as fp32.
+template <int T, int L>
+inline void decode_block(const uint8_t* block, int lane, float* out) {
+  constexpr Format f = format_of(T);
+  constexpr int groups = f.block_k / f.group;
+  float S[groups][L], O[groups][L];
+  for (int j = 0; j < L; ++j) {
+    float s[groups], o[groups] = {};
+    row_scales<T>(block + (lane + j) * f.scale_bytes, s, o);
+    for (int g = 0; g < groups; ++g) {
+      S[g][j] = s[g];
+      O[g][j] = o[g];
+    }
+  }
+  const uint8_t* low = block + kLanes * f.scale_bytes;
+  const uint8_t* high = low + f.block_k * (f.low_bits == 8 ? 16 : 8);
+  for (int k = 0; k < f.block_k; ++k) {
+    const int g = k / f.group;
+    int32_t q[L];
+    for (int j = 0; j < L; ++j) {
+      const int r = L == kLanes ? j : lane + j;  // a whole panel: lanes known here, the loop vectorizes
+      if constexpr (f.low_bits == 8)
+        q[j] = static_cast<int8_t>(low[k * 16 + r]);
+      else
+        q[j] = k % 2 == 0 ? low[k / 2 * 16 + r] & 0x0F : low[k / 2 * 16 + r] >> 4;
+    }
+    if constexpr (f.high_bits == 1) {
+      uint16_t h;
+      std::memcpy(&h, high + k * 2, sizeof(h));
+      for (int j = 0; j < L; ++j) q[j] |= ((h >> (lane + j)) & 1) << 4;
+    } else if constexpr (f.high_bits == 2) {
+      uint32_t h;
+      std::memcpy(&h, high + k * 4, sizeof(h));
+      for (int j = 0; j < L; ++j) q[j] |= ((h >> (2 * (lane + j))) & 3) << 4;
+    }
+    for (int j = 0; j < L; ++j) {
+      const float w = S[g][j] * static_cast<float>(q[j] - f.zero);
+      if constexpr (f.kind == 1)
+        out[k * L + j] = w + O[g][j];
+      else if constexpr (f.kind == 2)
+        out[k * L + j] = w - O[g][j];
+      else
+        out[k * L + j] = w;
+    }
+  }
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__F16C__)
+// The 16 rows' scales S and offsets O of each group of a panel's block, one vector a group: the
+// values row_scales gives (its arithmetic, or vcvtph2ps, exact as every fp16 → fp32 conversion is).
+template <int T>
+inline void panel_scales(const uint8_t* block, __m512* S, __m512* O) {
+  constexpr Format f = format_of(T);
+  if constexpr (f.scale_bytes == 2) {  // Q4_0, Q5_0, Q8_0: 16 rows' d side by side
+    S[0] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block)));
+  } else if constexpr (f.scale_bytes == 4) {  // Q4_1, Q5_1: each row's (d, m)
+    const __m512i dm = _mm512_loadu_si512(block);
+    S[0] = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dm));
+    O[0] = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(dm, 16)));
+  } else {  // the K-quants: each row's dwords of scale bytes gathered into lanes, then row_scales' arithmetic
+    const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                            _mm512_set1_epi32(f.scale_bytes));
+    auto dwords = [&](int offset) { return _mm512_i32gather_epi32(rows, block + offset, 1); };
+    auto floats = [](__m512i v) { return _mm512_cvtepi32_ps(v); };
+    const __m512i six = _mm512_set1_epi32(0x3F), four = _mm512_set1_epi32(0x0F), high = _mm512_set1_epi32(0x30);
+    if constexpr (T == kQ4_K || T == kQ5_K) {
+      const __m512i dm = dwords(0), q0 = dwords(4), q1 = dwords(8), q2 = dwords(12);
+      const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dm));
+      const __m512 dmin = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(dm, 16)));
+      for (int g = 0; g < 4; ++g) {
+        const __m512i a = _mm512_srli_epi32(q0, 8 * g), b = _mm512_srli_epi32(q1, 8 * g);
+        const __m512i c = _mm512_srli_epi32(q2, 8 * g);
+        S[g] = _mm512_mul_ps(d, floats(_mm512_and_si512(a, six)));
+        O[g] = _mm512_mul_ps(dmin, floats(_mm512_and_si512(b, six)));
+        S[4 + g] = _mm512_mul_ps(d, floats(_mm512_or_si512(_mm512_and_si512(c, four),
+                                                           _mm512_and_si512(_mm512_srli_epi32(a, 2), high))));
+        O[4 + g] = _mm512_mul_ps(dmin, floats(_mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(c, 4), four),
+                                                              _mm512_and_si512(_mm512_srli_epi32(b, 2), high))));
+      }
+    } else {  // Q6_K: 16 signed eight-bit scales, then d
+      const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dwords(16)));
+      for (int i = 0; i < 4; ++i) {
+        const __m512i v = dwords(4 * i);
+        for (int byte = 0; byte < 4; ++byte)
+          S[4 * i + byte] = _mm512_mul_ps(d, floats(_mm512_srai_epi32(_mm512_slli_epi32(v, 24 - 8 * byte), 24)));
+      }
+    }
+  }
+}
+#define KEV_QUANT_AVX512 1
+#endif
+
+template <typename F>
+void by_type(int type, F&& f) {
+  switch (type) {
+    case kQ4_0: return f(std::integral_constant<int, kQ4_0>{});
+    case kQ4_1: return f(std::integral_constant<int, kQ4_1>{});
+    case kQ5_0: return f(std::integral_constant<int, kQ5_0>{});
+    case kQ5_1: return f(std::integral_constant<int, kQ5_1>{});
+    case kQ8_0: return f(std::integral_constant<int, kQ8_0>{});
+    case kQ4_K: return f(std::integral_constant<int, kQ4_K>{});
+    case kQ5_K: return f(std::integral_constant<int, kQ5_K>{});
+    case kQ6_K: return f(std::integral_constant<int, kQ6_K>{});
+    default: TORCH_CHECK(false, "quant: GGML type ", type, " is not one Kev computes in place");
+  }
+}
+
+// A tiled weight's checks: its format, and bytes for `rows` outputs of k inputs.
+inline Format check_tiled(const at::Tensor& tiled, int64_t type, int64_t rows, int64_t k) {
+  const Format f = format_of(static_cast<int>(type));
+  TORCH_CHECK(f.block_k > 0, "quant: GGML type ", type, " is not one Kev computes in place");
+  TORCH_CHECK(k % f.block_k == 0, "quant: ", k, " inputs is not a whole number of ", f.block_k, "-weight blocks");
+  const int64_t panels = (rows + 2 * kLanes - 1) / (2 * kLanes) * 2;
+  TORCH_CHECK(tiled.device().is_cpu() && tiled.scalar_type() == at::kByte && tiled.is_contiguous() &&
+                  tiled.numel() == panels * (k / f.block_k) * block_bytes(f),
+              "quant: not a tiled weight of ", rows, " outputs x ", k, " inputs (models/quant.py's layout)");
+  return f;
+}
+
+
+// input [m, k] as fp32 (x) @ W.T (+ bias, fp32 or null) into out [m, n] (fp32 or bf16) by the
+// block-scaled arithmetic (quant_scaled.cpp); the parts checked by the caller.
+void scaled_product(const float* x, int64_t m, int64_t k, const std::vector<at::Tensor>& parts,
+                    const std::vector<int64_t>& types, const std::vector<int64_t>& widths, const float* bias,
+                    at::Tensor& out);
+
+}  // namespace kev_quant

@@ -1,0 +1,303 @@
+// Products on GGUF's quantized blocks, block-scaled: each group's scale applied once to the sum of
+// the activations times its stored integers, not once a weight.
+//
+// Why: a decode step reads every weight once, and decoding each to a float (an integer conversion,
+// a multiply by its scale, an add of its offset, a rounding to bf16) costs more than the bytes it
+// saves (quant.cpp's decoded products). A weight of group g is S_g * q + O'_g (O' = O, -O or none by
+// the format), so a row's sum over the group is S_g * sum(x * q) + O'_g * sum(x): the integers q
+// (exact as floats) multiply the activations as they are, and the scales come in once a group.
+//
+// What it computes, for every output of every row, whatever the rows beside it, the tile or the
+// thread (so a row's product is the same bits alone or in any pack, in a prefill as in a decode
+// step), from acc = 0:
+//   for each group g of K in order:  p = 0;  p = fma(x[k], q[k], p) for k in g in order;
+//                                    acc = fma(S_g, p, acc);  acc = fma(O'_g, sx_g, acc) (if an offset)
+// where sx_g is the row's sum of x over g (adds in order); then + bias in fp32 and, for bf16, one
+// rounding to nearest even. x is the input as fp32 (exact from bf16). The same operations on every
+// x86 CPU with fused multiply-adds (AVX-512 tiles here; one scalar at a time elsewhere): the same
+// bits on each. Not gguf's dequantized weights times x (that is quant.cpp's arithmetic): within
+// fp32 rounding of it, tests/test_quant.py checks both against an emulation of this one.
+//
+// Threads: a product's tasks (a run of 8 panels x a run of up to 96 rows) are claimed from a
+// counter; each computes its rows in register tiles of up to 6 rows, decoding the panels' values
+// as it goes (1 row: 4 panels in flight; more: 2, each decoded vector serving every row).
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "exact.h"
+#include "pool.h"
+#include "quant_blocks.h"
+
+namespace kev_quant {
+namespace {
+
+// q (the stored value less the format's zero) of every k of a block for lanes [lane, lane + L), as
+// fp32, into q [block_k][L]; S and O' of each group into S [groups][L], O [groups][L].
+template <int T, int L>
+inline void block_q(const uint8_t* block, int lane, float* q, float* S, float* O) {
+  constexpr Format f = format_of(T);
+  constexpr int groups = f.block_k / f.group;
+  for (int j = 0; j < L; ++j) {
+    float s[groups], o[groups] = {};
+    row_scales<T>(block + (lane + j) * f.scale_bytes, s, o);
+    for (int g = 0; g < groups; ++g) {
+      S[g * L + j] = s[g];
+      O[g * L + j] = f.kind == 2 ? -o[g] : o[g];
+    }
+  }
+  const uint8_t* low = block + kLanes * f.scale_bytes;
+  const uint8_t* high = low + f.block_k * (f.low_bits == 8 ? 16 : 8);
+  for (int k = 0; k < f.block_k; ++k) {
+    for (int j = 0; j < L; ++j) {
+      const int r = lane + j;
+      int32_t v;
+      if constexpr (f.low_bits == 8)
+        v = static_cast<int8_t>(low[k * 16 + r]);
+      else
+        v = k % 2 == 0 ? low[k / 2 * 16 + r] & 0x0F : low[k / 2 * 16 + r] >> 4;
+      if constexpr (f.high_bits == 1) {
+        uint16_t h;
+        std::memcpy(&h, high + k * 2, sizeof(h));
+        v |= ((h >> r) & 1) << 4;
+      } else if constexpr (f.high_bits == 2) {
+        uint32_t h;
+        std::memcpy(&h, high + k * 4, sizeof(h));
+        v |= ((h >> (2 * r)) & 3) << 4;
+      }
+      q[k * L + j] = static_cast<float>(v - f.zero);
+    }
+  }
+}
+
+// R rows of x (fp32, ldx apart; sx their group sums, ldsx apart) times `count` panels (each
+// `blocks` blocks from panels[i]) into c [R][count * 16] — the arithmetic above, one scalar at a time.
+template <int T>
+void scaled_rows_generic(const float* x, int64_t ldx, const float* sx, int64_t ldsx, int64_t rows,
+                         const uint8_t* const* panels, int count, int64_t blocks, float* c, int64_t ldc) {
+  constexpr Format f = format_of(T);
+  constexpr int groups = f.block_k / f.group;
+  alignas(64) float q[f.block_k * kLanes], S[groups * kLanes], O[groups * kLanes];
+  for (int64_t r = 0; r < rows; ++r)
+    for (int i = 0; i < count * kLanes; ++i) c[r * ldc + i] = 0.f;
+  for (int pi = 0; pi < count; ++pi) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      block_q<T, kLanes>(panels[pi] + b * block_bytes(f), 0, q, S, O);
+      for (int64_t r = 0; r < rows; ++r) {
+        const float* xr = x + r * ldx + b * f.block_k;
+        float* acc = c + r * ldc + pi * kLanes;
+        for (int g = 0; g < groups; ++g) {
+          float p[kLanes] = {};
+          for (int i = 0; i < f.group; ++i) {
+            const int k = g * f.group + i;
+            for (int j = 0; j < kLanes; ++j) p[j] = std::fma(xr[k], q[k * kLanes + j], p[j]);
+          }
+          for (int j = 0; j < kLanes; ++j) {
+            float a = std::fma(S[g * kLanes + j], p[j], acc[j]);
+            if constexpr (f.kind != 0) a = std::fma(O[g * kLanes + j], sx[r * ldsx + b * groups + g], a);
+            acc[j] = a;
+          }
+        }
+      }
+    }
+  }
+}
+
+#if defined(KEV_QUANT_AVX512)
+// One panel's stored values along a block's k, 16 outputs a vector, as fp32 (less the zero).
+template <int T>
+struct PanelValues {
+  static constexpr Format f = format_of(T);
+  const uint8_t* low;
+  const uint8_t* high;
+
+  explicit PanelValues(const uint8_t* block)
+      : low(block + kLanes * f.scale_bytes), high(low + f.block_k * (f.low_bits == 8 ? 16 : 8)) {}
+
+  // the fifth (and sixth) bits of k's 16 values, added to q
+  inline __m512i with_high(__m512i q, int k) const {
+    if constexpr (f.high_bits == 1) {
+      uint16_t h;
+      std::memcpy(&h, high + k * 2, sizeof(h));
+      return _mm512_or_si512(q, _mm512_maskz_set1_epi32(static_cast<__mmask16>(h), 16));
+    } else if constexpr (f.high_bits == 2) {
+      uint32_t h;
+      std::memcpy(&h, high + k * 4, sizeof(h));
+      const __mmask16 even = static_cast<__mmask16>(_pext_u32(h, 0x55555555u));
+      const __mmask16 odd = static_cast<__mmask16>(_pext_u32(h, 0xAAAAAAAAu));
+      return _mm512_or_si512(q, _mm512_or_si512(_mm512_maskz_set1_epi32(even, 16), _mm512_maskz_set1_epi32(odd, 32)));
+    }
+    return q;
+  }
+  inline __m512 value(__m512i q) const {
+    if constexpr (f.zero != 0) q = _mm512_sub_epi32(q, _mm512_set1_epi32(f.zero));
+    return _mm512_cvtepi32_ps(q);
+  }
+  // the values at k and k + 1 (k even)
+  inline void pair(int k, __m512& even, __m512& odd) const {
+    if constexpr (f.low_bits == 8) {
+      even = value(with_high(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(low + k * 16))), k));
+      odd = value(with_high(
+          _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(low + (k + 1) * 16))), k + 1));
+    } else {
+      const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(low + k / 2 * 16)));
+      even = value(with_high(_mm512_and_si512(bytes, _mm512_set1_epi32(0x0F)), k));
+      odd = value(with_high(_mm512_srli_epi32(bytes, 4), k + 1));
+    }
+  }
+};
+
+// scaled_rows_generic's arithmetic for R rows x NP panels in registers.
+template <int T, int R, int NP>
+void scaled_tile(const float* x, int64_t ldx, const float* sx, int64_t ldsx, const uint8_t* const* panels,
+                 int64_t blocks, float* c, int64_t ldc) {
+  constexpr Format f = format_of(T);
+  constexpr int groups = f.block_k / f.group;
+  __m512 acc[R][NP];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NP; ++j) acc[r][j] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m512 S[NP][groups], O[NP][groups];
+    const uint8_t* block[NP];
+    for (int j = 0; j < NP; ++j) {
+      block[j] = panels[j] + b * block_bytes(f);
+      panel_scales<T>(block[j], S[j], O[j]);
+    }
+    const float* xb = x + b * f.block_k;
+    for (int g = 0; g < groups; ++g) {
+      __m512 p[R][NP];
+      for (int r = 0; r < R; ++r)
+        for (int j = 0; j < NP; ++j) p[r][j] = _mm512_setzero_ps();
+      for (int i = 0; i < f.group; i += 2) {
+        const int k = g * f.group + i;
+        for (int j = 0; j < NP; ++j) {
+          __m512 even, odd;
+          PanelValues<T>(block[j]).pair(k, even, odd);
+          for (int r = 0; r < R; ++r) p[r][j] = _mm512_fmadd_ps(_mm512_set1_ps(xb[r * ldx + k]), even, p[r][j]);
+          for (int r = 0; r < R; ++r) p[r][j] = _mm512_fmadd_ps(_mm512_set1_ps(xb[r * ldx + k + 1]), odd, p[r][j]);
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        for (int j = 0; j < NP; ++j) {
+          acc[r][j] = _mm512_fmadd_ps(S[j][g], p[r][j], acc[r][j]);
+          if constexpr (f.kind == 1)
+            acc[r][j] = _mm512_fmadd_ps(O[j][g], _mm512_set1_ps(sx[r * ldsx + b * groups + g]), acc[r][j]);
+          else if constexpr (f.kind == 2)
+            acc[r][j] = _mm512_fnmadd_ps(O[j][g], _mm512_set1_ps(sx[r * ldsx + b * groups + g]), acc[r][j]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NP; ++j) _mm512_storeu_ps(c + r * ldc + j * kLanes, acc[r][j]);
+}
+
+// `rows` rows x `count` panels (even): register tiles of up to 6 rows (1 row: 4 panels at a time, so
+// a decode step keeps 4 streams and 4 chains in flight; more rows: 2 panels, the decoded values
+// serving every row of the tile).
+template <int T>
+void scaled_rows(const float* x, int64_t ldx, const float* sx, int64_t ldsx, int64_t rows,
+                 const uint8_t* const* panels, int count, int64_t blocks, float* c, int64_t ldc) {
+  for (int64_t r0 = 0; r0 < rows; r0 += 6) {
+    const int64_t r = std::min<int64_t>(6, rows - r0);
+    const float* xr = x + r0 * ldx;
+    const float* sr = sx + r0 * ldsx;
+    float* cr = c + r0 * ldc;
+    for (int j = 0; j < count;) {
+      if (r == 1 && count - j >= 4) {
+        scaled_tile<T, 1, 4>(xr, ldx, sr, ldsx, panels + j, blocks, cr + j * kLanes, ldc);
+        j += 4;
+        continue;
+      }
+      switch (r) {
+        case 1: scaled_tile<T, 1, 2>(xr, ldx, sr, ldsx, panels + j, blocks, cr + j * kLanes, ldc); break;
+        case 2: scaled_tile<T, 2, 2>(xr, ldx, sr, ldsx, panels + j, blocks, cr + j * kLanes, ldc); break;
+        case 3: scaled_tile<T, 3, 2>(xr, ldx, sr, ldsx, panels + j, blocks, cr + j * kLanes, ldc); break;
+        case 4: scaled_tile<T, 4, 2>(xr, ldx, sr, ldsx, panels + j, blocks, cr + j * kLanes, ldc); break;
+        case 5: scaled_tile<T, 5, 2>(xr, ldx, sr, ldsx, panels + j, blocks, cr + j * kLanes, ldc); break;
+        default: scaled_tile<T, 6, 2>(xr, ldx, sr, ldsx, panels + j, blocks, cr + j * kLanes, ldc); break;
+      }
+      j += 2;
+    }
+  }
+}
+#else
+template <int T>
+void scaled_rows(const float* x, int64_t ldx, const float* sx, int64_t ldsx, int64_t rows,
+                 const uint8_t* const* panels, int count, int64_t blocks, float* c, int64_t ldc) {
+  scaled_rows_generic<T>(x, ldx, sx, ldsx, rows, panels, count, blocks, c, ldc);
+}
+#endif
+
+}  // namespace
+
+void scaled_product(const float* x, int64_t m, int64_t k, const std::vector<at::Tensor>& parts,
+                    const std::vector<int64_t>& types, const std::vector<int64_t>& widths, const float* bias,
+                    at::Tensor& out) {
+  const int64_t n = out.size(1);
+  const bool f32 = out.scalar_type() == at::kFloat;
+  // every format with an offset groups 32 weights: each row's sums over its groups of 32, in order
+  constexpr int64_t kGroup = 32;
+  bool offsets = false;
+  for (const int64_t type : types) offsets = offsets || format_of(static_cast<int>(type)).kind != 0;
+  const int64_t ldsx = k / kGroup;
+  std::vector<float> sums(offsets ? m * ldsx : 1, 0.f);
+  if (offsets)
+    kev::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r)
+        for (int64_t g = 0; g < ldsx; ++g) {
+          float s = 0.f;
+          for (int64_t i = 0; i < kGroup; ++i) s += x[r * k + g * kGroup + i];
+          sums[r * ldsx + g] = s;
+        }
+    });
+  constexpr int64_t kRun = 8;  // panels a task
+  const int64_t row_run = std::min<int64_t>(m, 96);
+  struct Task {
+    int64_t part, p0, col0, r0;
+  };
+  std::vector<Task> tasks;
+  int64_t col = 0;
+  for (size_t i = 0; i < parts.size(); ++i) {
+    const int64_t panels = (widths[i] + 2 * kLanes - 1) / (2 * kLanes) * 2;  // the tiled layout's: pairs
+    for (int64_t r0 = 0; r0 < m; r0 += row_run)
+      for (int64_t p0 = 0; p0 < panels; p0 += kRun) tasks.push_back({static_cast<int64_t>(i), p0, col, r0});
+    col += widths[i];
+  }
+  std::atomic<int64_t> next{0};
+  kev::on_threads([&] {
+    std::vector<float> c(row_run * kRun * kLanes);
+    for (int64_t t = next++; t < static_cast<int64_t>(tasks.size()); t = next++) {
+      const Task& task = tasks[t];
+      const int64_t width = widths[task.part], n0 = task.p0 * kLanes;
+      const int64_t panels = (width + 2 * kLanes - 1) / (2 * kLanes) * 2;
+      const int count = static_cast<int>(std::min(kRun, panels - task.p0));
+      const int64_t cols = std::min<int64_t>(count * kLanes, width - n0), rows = std::min(row_run, m - task.r0);
+      const int64_t ldc = count * kLanes;
+      by_type(static_cast<int>(types[task.part]), [&](auto tc) {
+        constexpr int T = decltype(tc)::value;
+        constexpr Format f = format_of(T);
+        const int64_t blocks = k / f.block_k;
+        const uint8_t* base = parts[task.part].data_ptr<uint8_t>();
+        const uint8_t* panel[kRun];
+        for (int j = 0; j < count; ++j) panel[j] = base + (task.p0 + j) * blocks * block_bytes(f);
+        scaled_rows<T>(x + task.r0 * k, k, sums.data() + (offsets ? task.r0 * ldsx : 0), ldsx, rows, panel, count,
+                       blocks, c.data(), ldc);
+      });
+      const float* b = bias != nullptr ? bias + task.col0 + n0 : nullptr;
+      if (f32) {
+        float* o = out.data_ptr<float>() + task.r0 * n + task.col0 + n0;
+        for (int64_t r = 0; r < rows; ++r)
+          for (int64_t j = 0; j < cols; ++j) o[r * n + j] = b != nullptr ? c[r * ldc + j] + b[j] : c[r * ldc + j];
+      } else {
+        store_bf16_rows(c.data(), ldc, rows, b, out.data_ptr<at::BFloat16>() + task.r0 * n + task.col0 + n0, n, cols);
+      }
+    }
+  });
+}
+
+}  // namespace kev_quant
