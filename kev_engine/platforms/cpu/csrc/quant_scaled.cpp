@@ -19,8 +19,8 @@
 // fp32 rounding of it, tests/test_quant.py checks both against an emulation of this one.
 //
 // Threads: a product's tasks (a run of 8 panels x a run of up to 96 rows) are claimed from a
-// counter; each computes its rows in register tiles of up to 6 rows, decoding the panels' values
-// as it goes (1 row: 4 panels in flight; more: 2, each decoded vector serving every row).
+// counter. A decode pass's rows (at most 6) are one register tile that decodes the panels' values
+// as it goes; a prefill's values are decoded 256 k at a time into an L1 buffer for all its tiles.
 #include <torch/extension.h>
 
 #include <algorithm>
@@ -196,12 +196,97 @@ void scaled_tile(const float* x, int64_t ldx, const float* sx, int64_t ldsx, con
     for (int j = 0; j < NP; ++j) _mm512_storeu_ps(c + r * ldc + j * kLanes, acc[r][j]);
 }
 
-// `rows` rows x `count` panels (even): register tiles of up to 6 rows (1 row: 4 panels at a time, so
-// a decode step keeps 4 streams and 4 chains in flight; more rows: 2 panels, the decoded values
-// serving every row of the tile).
+constexpr int kChunk = 256;   // k a prefill decodes at once (whole blocks: 8 of 32, or one K-quant's)
+constexpr int kChunkGroups = 16;  // groups in a chunk at most (Q6_K's 16 of 16 weights)
+
+// scaled_tile's arithmetic for R rows x 2 panels over `groups` groups whose values (fp32,
+// [2][kChunk][16]) and scales are decoded already, acc in c (read and written back once a group:
+// exact), so a prefill decodes a chunk once for all its register tiles.
+template <int T, int R>
+void scaled_chunk_tile(const float* x, int64_t ldx, const float* sx, int64_t ldsx, const float* values,
+                       const __m512 (*S)[kChunkGroups], const __m512 (*O)[kChunkGroups], int groups, float* c,
+                       int64_t ldc) {
+  constexpr Format f = format_of(T);
+  for (int g = 0; g < groups; ++g) {
+    __m512 p[R][2];
+    for (int r = 0; r < R; ++r) p[r][0] = p[r][1] = _mm512_setzero_ps();
+    for (int i = 0; i < f.group; ++i) {
+      const int k = g * f.group + i;
+      const __m512 w0 = _mm512_load_ps(values + k * kLanes), w1 = _mm512_load_ps(values + (kChunk + k) * kLanes);
+      for (int r = 0; r < R; ++r) {
+        const __m512 v = _mm512_set1_ps(x[r * ldx + k]);
+        p[r][0] = _mm512_fmadd_ps(v, w0, p[r][0]);
+        p[r][1] = _mm512_fmadd_ps(v, w1, p[r][1]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      for (int j = 0; j < 2; ++j) {
+        float* at = c + r * ldc + j * kLanes;
+        __m512 acc = _mm512_fmadd_ps(S[j][g], p[r][j], _mm512_loadu_ps(at));
+        if constexpr (f.kind == 1) acc = _mm512_fmadd_ps(O[j][g], _mm512_set1_ps(sx[r * ldsx + g]), acc);
+        if constexpr (f.kind == 2) acc = _mm512_fnmadd_ps(O[j][g], _mm512_set1_ps(sx[r * ldsx + g]), acc);
+        _mm512_storeu_ps(at, acc);
+      }
+    }
+  }
+}
+
+// A prefill's rows x `count` panels (even): per pair of panels, chunk by chunk of K (kChunk k), the
+// chunk's values decoded once into an L1 buffer and every register tile of 6 rows run over it (the
+// arithmetic of scaled_tile, acc waiting in c between chunks).
+template <int T>
+void scaled_prefill(const float* x, int64_t ldx, const float* sx, int64_t ldsx, int64_t rows,
+                    const uint8_t* const* panels, int count, int64_t blocks, float* c, int64_t ldc) {
+  constexpr Format f = format_of(T);
+  constexpr int groups = f.block_k / f.group;
+  constexpr int64_t chunk = kChunk / f.block_k;  // blocks a chunk
+  static_assert(chunk * groups <= kChunkGroups, "a chunk's groups fit its scales");
+  alignas(64) float values[2 * kChunk * kLanes];
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t i = 0; i < count * kLanes; ++i) c[r * ldc + i] = 0.f;
+  for (int j = 0; j < count; j += 2) {
+    for (int64_t b0 = 0; b0 < blocks; b0 += chunk) {
+      const int64_t nb = std::min(chunk, blocks - b0);
+      __m512 S[2][kChunkGroups], O[2][kChunkGroups];
+      for (int h = 0; h < 2; ++h) {
+        for (int64_t b = 0; b < nb; ++b) {
+          const uint8_t* block = panels[j + h] + (b0 + b) * block_bytes(f);
+          panel_scales<T>(block, S[h] + b * groups, O[h] + b * groups);
+          const PanelValues<T> v(block);
+          float* out = values + (h * kChunk + b * f.block_k) * kLanes;
+          for (int k = 0; k < f.block_k; k += 2) {
+            __m512 even, odd;
+            v.pair(k, even, odd);
+            _mm512_store_ps(out + k * kLanes, even);
+            _mm512_store_ps(out + (k + 1) * kLanes, odd);
+          }
+        }
+      }
+      const int n = static_cast<int>(nb * groups);
+      for (int64_t r0 = 0; r0 < rows; r0 += 6) {
+        const float* xr = x + r0 * ldx + b0 * f.block_k;
+        const float* sr = sx + r0 * ldsx + b0 * groups;
+        float* cr = c + r0 * ldc + j * kLanes;
+        switch (std::min<int64_t>(6, rows - r0)) {
+          case 1: scaled_chunk_tile<T, 1>(xr, ldx, sr, ldsx, values, S, O, n, cr, ldc); break;
+          case 2: scaled_chunk_tile<T, 2>(xr, ldx, sr, ldsx, values, S, O, n, cr, ldc); break;
+          case 3: scaled_chunk_tile<T, 3>(xr, ldx, sr, ldsx, values, S, O, n, cr, ldc); break;
+          case 4: scaled_chunk_tile<T, 4>(xr, ldx, sr, ldsx, values, S, O, n, cr, ldc); break;
+          case 5: scaled_chunk_tile<T, 5>(xr, ldx, sr, ldsx, values, S, O, n, cr, ldc); break;
+          default: scaled_chunk_tile<T, 6>(xr, ldx, sr, ldsx, values, S, O, n, cr, ldc); break;
+        }
+      }
+    }
+  }
+}
+
+// `rows` rows x `count` panels (even). A decode pass (at most 6 rows): one register tile, its
+// values decoded as it goes (1 row: 4 panels at a time, so 4 streams and 4 chains are in flight;
+// more rows: 2 panels, each decoded vector serving every row); more rows: scaled_prefill.
 template <int T>
 void scaled_rows(const float* x, int64_t ldx, const float* sx, int64_t ldsx, int64_t rows,
                  const uint8_t* const* panels, int count, int64_t blocks, float* c, int64_t ldc) {
+  if (rows > 6) return scaled_prefill<T>(x, ldx, sx, ldsx, rows, panels, count, blocks, c, ldc);
   for (int64_t r0 = 0; r0 < rows; r0 += 6) {
     const int64_t r = std::min<int64_t>(6, rows - r0);
     const float* xr = x + r0 * ldx;
