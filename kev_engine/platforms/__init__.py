@@ -111,19 +111,28 @@ MEMORY_SHARE = 0.5  # of the memory available, the most dense weights may take u
 
 def stored_or_dense(dense_bytes: int, dtype: torch.dtype) -> tuple[str, str]:
     """("as-stored" or "dense", why) for a GGUF whose weights take `dense_bytes` in `dtype`, as
-    measured (docs/benchmarks.md, "Weights as they ship"): float32 products ran as fast or faster
-    on the file's blocks than on dense weights, so as stored; bfloat16 ones ran faster dense, so
+    measured (docs/benchmarks.md, "Block-scaled quantized products"): float32 products on the
+    file's blocks (block-scaled) ran one question 2x faster than dense weights and batches within
+    10%, and bfloat16 ones on the AVX512-BF16 path ran every workload faster, so as stored; bfloat16
+    on AMX (each weight decoded) and on the fma path (batches 15-20% slower) ran faster dense, so
     dense where the dense weights fit in MEMORY_SHARE of the memory available, else as stored (the
     file's size: a model that would not fit dense still runs)."""
     if dtype == torch.float32:
-        return "as-stored", "float32 products measured as fast or faster on the file's blocks as on dense weights"
+        return "as-stored", ("float32 products block-scaled on the file's blocks measured a question 2x faster "
+                             "than on dense weights and batches within 10%, at the file's size in memory")
+    from .cpu import kernels as cpu_kernels
+
+    path = cpu_kernels.load_kernels().bf16_path.path
+    if path == "avx512_bf16":
+        return "as-stored", ("bfloat16 products on the avx512_bf16 path measured faster block-scaled on the file's "
+                             "blocks than on dense weights, on every workload")
     available = available_memory()
     size = f"its weights in {str(dtype).removeprefix('torch.')} ({dense_bytes / 1e9:.2f} GB)"
     if dense_bytes > MEMORY_SHARE * available:
         return "as-stored", (f"{size} would take more than {MEMORY_SHARE:.0%} of the memory available "
                              f"({available / 1e9:.1f} GB); the file's blocks take its size")
-    return "dense", (f"{size} fit in memory ({available / 1e9:.1f} GB available), where dense weights compute "
-                     "faster than decoded blocks")
+    return "dense", (f"{size} fit in memory ({available / 1e9:.1f} GB available), where bfloat16 products on "
+                     f"the {path} path measured faster on dense weights than on the file's blocks")
 
 
 def default_dtype(device: torch.device) -> torch.dtype:

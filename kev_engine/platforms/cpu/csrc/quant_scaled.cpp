@@ -124,12 +124,12 @@ struct PanelValues {
       uint16_t h;
       std::memcpy(&h, high + k * 2, sizeof(h));
       return _mm512_or_si512(q, _mm512_maskz_set1_epi32(static_cast<__mmask16>(h), 16));
-    } else if constexpr (f.high_bits == 2) {
-      uint32_t h;
-      std::memcpy(&h, high + k * 4, sizeof(h));
-      const __mmask16 even = static_cast<__mmask16>(_pext_u32(h, 0x55555555u));
-      const __mmask16 odd = static_cast<__mmask16>(_pext_u32(h, 0xAAAAAAAAu));
-      return _mm512_or_si512(q, _mm512_or_si512(_mm512_maskz_set1_epi32(even, 16), _mm512_maskz_set1_epi32(odd, 32)));
+    } else if constexpr (f.high_bits == 2) {  // lane j's two bits at 2j of k's dword: shifted into place in vectors
+      int32_t bits;
+      std::memcpy(&bits, high + k * 4, sizeof(bits));
+      const __m512i h = _mm512_set1_epi32(bits);
+      const __m512i at = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+      return _mm512_or_si512(q, _mm512_slli_epi32(_mm512_and_si512(_mm512_srlv_epi32(h, at), _mm512_set1_epi32(3)), 4));
     }
     return q;
   }
