@@ -217,18 +217,7 @@ void amx_decode_product(const at::Tensor& x, int64_t m, int64_t k, const std::ve
   const int64_t n = out.size(1);
   std::vector<bf16> a(kLanes * k, bf16(0.f));
   std::memcpy(a.data(), x.data_ptr<bf16>(), m * k * sizeof(bf16));
-  struct Task {
-    int64_t part, p0, count, col0;
-  };
-  std::vector<Task> tasks;
-  int64_t col = 0;
-  for (size_t i = 0; i < parts.size(); ++i) {
-    const int64_t panels = (widths[i] + 2 * kLanes - 1) / (2 * kLanes) * 2;  // the tiled layout's: pairs
-    const int64_t run = amx_panels(static_cast<int>(types[i]));
-    for (int64_t p0 = 0; p0 < panels; p0 += run)
-      tasks.push_back({static_cast<int64_t>(i), p0, std::min<int64_t>(run, panels - p0), col});
-    col += widths[i];
-  }
+  const std::vector<Task> tasks = product_tasks(types, widths, m, m, amx_panels);
   bf16* o = out.data_ptr<bf16>();
   std::atomic<int64_t> next{0};
   kev::on_threads([&] {
@@ -237,13 +226,15 @@ void amx_decode_product(const at::Tensor& x, int64_t m, int64_t k, const std::ve
     std::vector<uint32_t> buffer(kAmxPanels * 256 / 2 * kLanes);  // each panel's block of K (at most 256)
     for (int64_t t = next++; t < static_cast<int64_t>(tasks.size()); t = next++) {
       const Task& task = tasks[t];
+      const int64_t count = std::min(amx_panels(static_cast<int>(types[task.part])),
+                                     tiled_panels(widths[task.part]) - task.p0);
       by_type(static_cast<int>(types[task.part]), [&](auto tc) {
-        amx_decoded_panels<decltype(tc)::value>(parts[task.part].data_ptr<uint8_t>(), k, task.p0, task.count,
-                                                a.data(), c, buffer.data());
+        amx_decoded_panels<decltype(tc)::value>(parts[task.part].data_ptr<uint8_t>(), k, task.p0, count, a.data(), c,
+                                                buffer.data());
       });
-      const int64_t n0 = task.p0 * kLanes, cols = std::min(task.count * kLanes, widths[task.part] - n0);
-      store_bf16_rows(c, task.count * kLanes, m, bias != nullptr ? bias + task.col0 + n0 : nullptr,
-                      o + task.col0 + n0, n, cols);
+      const int64_t n0 = task.p0 * kLanes, cols = std::min(count * kLanes, widths[task.part] - n0);
+      store_bf16_rows(c, count * kLanes, m, bias != nullptr ? bias + task.col0 + n0 : nullptr, o + task.col0 + n0, n,
+                      cols);
     }
     _tile_release();
   });
@@ -256,17 +247,7 @@ void amx_prefill_product(const at::Tensor& x, int64_t m, int64_t k, const std::v
                          at::Tensor& out) {
   constexpr int64_t run = 8, row_run = 768;
   const int64_t n = out.size(1);
-  struct Task {
-    int64_t part, p0, col0, r0;
-  };
-  std::vector<Task> tasks;
-  int64_t col = 0;
-  for (size_t i = 0; i < parts.size(); ++i) {
-    const int64_t panels = (widths[i] + kLanes - 1) / kLanes;
-    for (int64_t r0 = 0; r0 < m; r0 += row_run)
-      for (int64_t p0 = 0; p0 < panels; p0 += run) tasks.push_back({static_cast<int64_t>(i), p0, col, r0});
-    col += widths[i];
-  }
+  const std::vector<Task> tasks = product_tasks(types, widths, m, row_run, [](int) { return run; });
   const at::BFloat16* xs = x.data_ptr<at::BFloat16>();
   at::BFloat16* os = out.data_ptr<at::BFloat16>();
   std::atomic<int64_t> next{0};
@@ -275,11 +256,10 @@ void amx_prefill_product(const at::Tensor& x, int64_t m, int64_t k, const std::v
     for (int64_t t = next++; t < static_cast<int64_t>(tasks.size()); t = next++) {
       const Task& task = tasks[t];
       const int64_t width = widths[task.part], n0 = task.p0 * kLanes;
-      const int64_t count = std::min(run, (width + kLanes - 1) / kLanes - task.p0);
-      const int64_t decoded = (count + 1) / 2 * 2;  // bf16 panels come in pairs: the padding's zeros
+      const int64_t count = std::min(run, tiled_panels(width) - task.p0);  // whole pairs, as bf16 panels come
       const int64_t cols = std::min(count * kLanes, width - n0), rows = std::min(row_run, m - task.r0);
       by_type(static_cast<int>(types[task.part]), [&](auto tc) {
-        decode_panels<decltype(tc)::value>(parts[task.part].data_ptr<uint8_t>(), k, task.p0, decoded, scratch.data());
+        decode_panels<decltype(tc)::value>(parts[task.part].data_ptr<uint8_t>(), k, task.p0, count, scratch.data());
       });
       linear_packed_into(xs + task.r0 * k, rows, k, scratch.data(), cols,
                          bias != nullptr ? bias + task.col0 + n0 : nullptr, os + task.r0 * n + task.col0 + n0, n, false,

@@ -202,6 +202,30 @@ inline Format check_tiled(const at::Tensor& tiled, int64_t type, int64_t rows, i
 }
 
 
+// A product's tasks, claimed by its threads: each part's panels (whole pairs, as the tiled layout
+// has them) in runs of `run(type)`, each run over rows [r0, r0 + row_run) for r0 = 0, row_run, ...
+// below m; col0 is the part's first output.
+struct Task {
+  int64_t part, p0, col0, r0;
+};
+
+inline int64_t tiled_panels(int64_t width) { return (width + 2 * kLanes - 1) / (2 * kLanes) * 2; }
+
+template <typename Run>
+std::vector<Task> product_tasks(const std::vector<int64_t>& types, const std::vector<int64_t>& widths, int64_t m,
+                                int64_t row_run, Run&& run) {
+  std::vector<Task> tasks;
+  int64_t col = 0;
+  for (size_t i = 0; i < widths.size(); ++i) {
+    const int64_t step = run(static_cast<int>(types[i]));
+    for (int64_t r0 = 0; r0 < m; r0 += row_run)
+      for (int64_t p0 = 0; p0 < tiled_panels(widths[i]); p0 += step)
+        tasks.push_back({static_cast<int64_t>(i), p0, col, r0});
+    col += widths[i];
+  }
+  return tasks;
+}
+
 // input [m, k] as fp32 (x) @ W.T (+ bias, fp32 or null) into out [m, n] (fp32 or bf16) by the
 // block-scaled arithmetic (quant_scaled.cpp); the parts checked by the caller.
 void scaled_product(const float* x, int64_t m, int64_t k, const std::vector<at::Tensor>& parts,

@@ -342,25 +342,14 @@ void scaled_product(const float* x, int64_t m, int64_t k, const std::vector<at::
     });
   constexpr int64_t kRun = 8;  // panels a task
   const int64_t row_run = std::min<int64_t>(m, 96);
-  struct Task {
-    int64_t part, p0, col0, r0;
-  };
-  std::vector<Task> tasks;
-  int64_t col = 0;
-  for (size_t i = 0; i < parts.size(); ++i) {
-    const int64_t panels = (widths[i] + 2 * kLanes - 1) / (2 * kLanes) * 2;  // the tiled layout's: pairs
-    for (int64_t r0 = 0; r0 < m; r0 += row_run)
-      for (int64_t p0 = 0; p0 < panels; p0 += kRun) tasks.push_back({static_cast<int64_t>(i), p0, col, r0});
-    col += widths[i];
-  }
+  const std::vector<Task> tasks = product_tasks(types, widths, m, row_run, [](int) { return kRun; });
   std::atomic<int64_t> next{0};
   kev::on_threads([&] {
     std::vector<float> c(row_run * kRun * kLanes);
     for (int64_t t = next++; t < static_cast<int64_t>(tasks.size()); t = next++) {
       const Task& task = tasks[t];
       const int64_t width = widths[task.part], n0 = task.p0 * kLanes;
-      const int64_t panels = (width + 2 * kLanes - 1) / (2 * kLanes) * 2;
-      const int count = static_cast<int>(std::min(kRun, panels - task.p0));
+      const int count = static_cast<int>(std::min(kRun, tiled_panels(width) - task.p0));
       const int64_t cols = std::min<int64_t>(count * kLanes, width - n0), rows = std::min(row_run, m - task.r0);
       const int64_t ldc = count * kLanes;
       by_type(static_cast<int>(types[task.part]), [&](auto tc) {
