@@ -189,27 +189,26 @@ void by_type(int type, F&& f) {
   }
 }
 
+// Panels a tiled weight of `width` outputs has: whole pairs (bf16 products take two at a time).
+inline int64_t tiled_panels(int64_t width) { return (width + 2 * kLanes - 1) / (2 * kLanes) * 2; }
+
 // A tiled weight's checks: its format, and bytes for `rows` outputs of k inputs.
 inline Format check_tiled(const at::Tensor& tiled, int64_t type, int64_t rows, int64_t k) {
   const Format f = format_of(static_cast<int>(type));
   TORCH_CHECK(f.block_k > 0, "quant: GGML type ", type, " is not one Kev computes in place");
   TORCH_CHECK(k % f.block_k == 0, "quant: ", k, " inputs is not a whole number of ", f.block_k, "-weight blocks");
-  const int64_t panels = (rows + 2 * kLanes - 1) / (2 * kLanes) * 2;
   TORCH_CHECK(tiled.device().is_cpu() && tiled.scalar_type() == at::kByte && tiled.is_contiguous() &&
-                  tiled.numel() == panels * (k / f.block_k) * block_bytes(f),
+                  tiled.numel() == tiled_panels(rows) * (k / f.block_k) * block_bytes(f),
               "quant: not a tiled weight of ", rows, " outputs x ", k, " inputs (models/quant.py's layout)");
   return f;
 }
 
-
-// A product's tasks, claimed by its threads: each part's panels (whole pairs, as the tiled layout
-// has them) in runs of `run(type)`, each run over rows [r0, r0 + row_run) for r0 = 0, row_run, ...
-// below m; col0 is the part's first output.
+// A product's tasks, claimed by its threads: each part's panels (tiled_panels) in runs of
+// `run(type)`, each run over rows [r0, r0 + row_run) for r0 = 0, row_run, ... below m; col0 is the
+// part's first output.
 struct Task {
   int64_t part, p0, col0, r0;
 };
-
-inline int64_t tiled_panels(int64_t width) { return (width + 2 * kLanes - 1) / (2 * kLanes) * 2; }
 
 template <typename Run>
 std::vector<Task> product_tasks(const std::vector<int64_t>& types, const std::vector<int64_t>& widths, int64_t m,

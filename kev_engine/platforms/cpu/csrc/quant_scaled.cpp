@@ -15,8 +15,9 @@
 // where sx_g is the row's sum of x over g (adds in order); then + bias in fp32 and, for bf16, one
 // rounding to nearest even. x is the input as fp32 (exact from bf16). The same operations on every
 // x86 CPU with fused multiply-adds (AVX-512 tiles here; one scalar at a time elsewhere): the same
-// bits on each. Not gguf's dequantized weights times x (that is quant.cpp's arithmetic): within
-// fp32 rounding of it, tests/test_quant.py checks both against an emulation of this one.
+// bits on each. Not the bits of the product on gguf's dequantized weights (quant.cpp's arithmetic,
+// taken on AMX) but within fp32 rounding of it; tests/test_quant.py checks this arithmetic bit for
+// bit against tests/quant_reference.py, which writes it out in numpy.
 //
 // Threads: a product's tasks (a run of 8 panels x a run of up to 96 rows) are claimed from a
 // counter. A decode pass's rows (at most 6) are one register tile that decodes the panels' values
@@ -36,25 +37,24 @@
 namespace kev_quant {
 namespace {
 
-// q (the stored value less the format's zero) of every k of a block for lanes [lane, lane + L), as
-// fp32, into q [block_k][L]; S and O' of each group into S [groups][L], O [groups][L].
-template <int T, int L>
-inline void block_q(const uint8_t* block, int lane, float* q, float* S, float* O) {
+// q (the stored value less the format's zero) of every k of a panel's block, as fp32, into
+// q [block_k][16]; S and O' of each group into S [groups][16], O [groups][16].
+template <int T>
+inline void block_q(const uint8_t* block, float* q, float* S, float* O) {
   constexpr Format f = format_of(T);
   constexpr int groups = f.block_k / f.group;
-  for (int j = 0; j < L; ++j) {
+  for (int j = 0; j < kLanes; ++j) {
     float s[groups], o[groups] = {};
-    row_scales<T>(block + (lane + j) * f.scale_bytes, s, o);
+    row_scales<T>(block + j * f.scale_bytes, s, o);
     for (int g = 0; g < groups; ++g) {
-      S[g * L + j] = s[g];
-      O[g * L + j] = f.kind == 2 ? -o[g] : o[g];
+      S[g * kLanes + j] = s[g];
+      O[g * kLanes + j] = f.kind == 2 ? -o[g] : o[g];
     }
   }
   const uint8_t* low = block + kLanes * f.scale_bytes;
   const uint8_t* high = low + f.block_k * (f.low_bits == 8 ? 16 : 8);
   for (int k = 0; k < f.block_k; ++k) {
-    for (int j = 0; j < L; ++j) {
-      const int r = lane + j;
+    for (int r = 0; r < kLanes; ++r) {
       int32_t v;
       if constexpr (f.low_bits == 8)
         v = static_cast<int8_t>(low[k * 16 + r]);
@@ -69,7 +69,7 @@ inline void block_q(const uint8_t* block, int lane, float* q, float* S, float* O
         std::memcpy(&h, high + k * 4, sizeof(h));
         v |= ((h >> (2 * r)) & 3) << 4;
       }
-      q[k * L + j] = static_cast<float>(v - f.zero);
+      q[k * kLanes + r] = static_cast<float>(v - f.zero);
     }
   }
 }
@@ -86,7 +86,7 @@ void scaled_rows_generic(const float* x, int64_t ldx, const float* sx, int64_t l
     for (int i = 0; i < count * kLanes; ++i) c[r * ldc + i] = 0.f;
   for (int pi = 0; pi < count; ++pi) {
     for (int64_t b = 0; b < blocks; ++b) {
-      block_q<T, kLanes>(panels[pi] + b * block_bytes(f), 0, q, S, O);
+      block_q<T>(panels[pi] + b * block_bytes(f), q, S, O);
       for (int64_t r = 0; r < rows; ++r) {
         const float* xr = x + r * ldx + b * f.block_k;
         float* acc = c + r * ldc + pi * kLanes;
