@@ -132,7 +132,7 @@ def stored_or_dense(dense_bytes: int, dtype: torch.dtype) -> tuple[str, str]:
         return "as-stored", (f"{size} would take more than {MEMORY_SHARE:.0%} of the memory available "
                              f"({available / 1e9:.1f} GB); the file's blocks take its size")
     return "dense", (f"{size} fit in memory ({available / 1e9:.1f} GB available), where bfloat16 products on "
-                     f"the {path} path measured faster on dense weights than on the file's blocks")
+                     f"the {path} path measured batches faster on dense weights than on the file's blocks")
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
