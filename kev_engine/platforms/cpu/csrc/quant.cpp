@@ -40,53 +40,30 @@ void decode_row(const uint8_t* tiled, int64_t k, int64_t row, float* out) {
   const int64_t blocks = k / f.block_k;
   const uint8_t* panel = tiled + (row / kLanes) * blocks * block_bytes(f);
   for (int64_t b = 0; b < blocks; ++b)
-    decode_block<T, 1>(panel + b * block_bytes(f), static_cast<int>(row % kLanes), out + b * f.block_k);
+    decode_lane<T>(panel + b * block_bytes(f), static_cast<int>(row % kLanes), out + b * f.block_k);
 }
 
-#if defined(KEV_QUANT_AVX512)
-// decode_block<T, 16> on AVX-512: the same operations on the same values, one k's 16 outputs a
-// vector; `emit(k, w)` takes each k's weights.
+#if defined(KEV_QUANT_AVX512) && defined(__AVX512BF16__) && defined(__AMX_BF16__) && defined(__AMX_TILE__)
+// A panel's block as gguf's dequantized values, k by k (decode_lane's operations on the same values,
+// 16 outputs a vector): `emit(k, w)` takes each k's weights.
 template <int T, typename Emit>
 inline void decode_panel_block(const uint8_t* block, Emit&& emit) {
   constexpr Format f = format_of(T);
   constexpr int groups = f.block_k / f.group;
   __m512 S[groups], O[groups] = {};  // O: none for the formats without an offset
   panel_scales<T>(block, S, O);
-  const uint8_t* low = block + kLanes * f.scale_bytes;
-  const uint8_t* high = low + f.block_k * (f.low_bits == 8 ? 16 : 8);
-  const __m128i nibble = _mm_set1_epi8(0x0F);
-  __m128i pair = _mm_setzero_si128();  // 4-bit values: a pair of k's 16 bytes, read at the even k
-  for (int g = 0; g < groups; ++g) {  // group by group: each one's scale and offset stay in registers
-    const __m512 scale = S[g], offset = O[g];
-    for (int i = 0; i < f.group; ++i) {
-      const int k = g * f.group + i;
-      __m512i q;
-      if constexpr (f.low_bits == 8) {
-        q = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(low + k * 16)));
-      } else if (k % 2 == 0) {
-        pair = _mm_loadu_si128(reinterpret_cast<const __m128i*>(low + k / 2 * 16));
-        q = _mm512_cvtepu8_epi32(_mm_and_si128(pair, nibble));
-      } else {
-        q = _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(pair, 4), nibble));
-      }
-      if constexpr (f.high_bits == 1) {
-        uint16_t h;
-        std::memcpy(&h, high + k * 2, sizeof(h));
-        q = _mm512_or_si512(q, _mm512_maskz_set1_epi32(static_cast<__mmask16>(h), 16));
-      } else if constexpr (f.high_bits == 2) {
-        uint32_t h;
-        std::memcpy(&h, high + k * 4, sizeof(h));
-        const __mmask16 even = static_cast<__mmask16>(_pext_u32(h, 0x55555555u));
-        const __mmask16 odd = static_cast<__mmask16>(_pext_u32(h, 0xAAAAAAAAu));
-        q = _mm512_or_si512(q, _mm512_or_si512(_mm512_maskz_set1_epi32(even, 16),
-                                               _mm512_maskz_set1_epi32(odd, 32)));
-      }
-      if constexpr (f.zero != 0) q = _mm512_sub_epi32(q, _mm512_set1_epi32(f.zero));
-      __m512 w = _mm512_mul_ps(scale, _mm512_cvtepi32_ps(q));
-      if constexpr (f.kind == 1) w = _mm512_add_ps(w, offset);
-      if constexpr (f.kind == 2) w = _mm512_sub_ps(w, offset);
-      emit(k, w);
-    }
+  const PanelValues<T> values(block);
+  auto weight = [&](int g, __m512 q) {
+    const __m512 w = _mm512_mul_ps(S[g], q);
+    if constexpr (f.kind == 1) return _mm512_add_ps(w, O[g]);
+    if constexpr (f.kind == 2) return _mm512_sub_ps(w, O[g]);
+    return w;
+  };
+  for (int k = 0; k < f.block_k; k += 2) {
+    __m512 even, odd;
+    values.pair(k, even, odd);
+    emit(k, weight(k / f.group, even));
+    emit(k + 1, weight(k / f.group, odd));
   }
 }
 
@@ -95,21 +72,10 @@ inline void decode_panel_block(const uint8_t* block, Emit&& emit) {
 // fp32 subnormals (which it flushes), and a decoded weight is never subnormal: every format's
 // values are multiples of 2^-24 (fp16 scales times integers), so zero or at least 2^-24.
 inline __m512i bf16_pairs(__m512 even, __m512 odd) {
-#if defined(__AVX512BF16__)
   const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(odd, even);  // [even 0..15 | odd 0..15]
   const __m512i order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
                                          21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   return _mm512_permutexvar_epi16(order, both);
-#else
-  auto lanes = [](__m512 v) {  // bf16_bits' arithmetic, 16 lanes
-    const __m512i u = _mm512_castps_si512(v);
-    const __m512i bias = _mm512_add_epi32(_mm512_set1_epi32(0x7FFF),
-                                          _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)));
-    const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(u, bias), 16);
-    return _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
-  };
-  return _mm512_or_si512(lanes(even), _mm512_slli_epi32(lanes(odd), 16));
-#endif
 }
 
 // A panel's block decoded into linear.cpp's bf16 layout at pairs: [block_k / 2][16 rows][2].
@@ -123,9 +89,7 @@ inline void decode_block_pairs(const uint8_t* block, uint32_t* pairs) {
       _mm512_storeu_si512(pairs + kk / 2 * kLanes, bf16_pairs(even, v));
   });
 }
-#endif  // KEV_QUANT_AVX512
 
-#if defined(KEV_QUANT_AVX512) && defined(__AMX_BF16__) && defined(__AMX_TILE__)
 // Panels [p0, p0 + count) of a weight of k inputs into linear.cpp's bf16 packed layout at dst,
 // [count][k / 2][16][2], block by block across the panels: `count` streams from memory in flight at
 // once, where one panel after another would leave a core waiting on one stream.

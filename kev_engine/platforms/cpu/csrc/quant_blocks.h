@@ -82,50 +82,44 @@ inline void row_scales(const uint8_t* s, float* S, float* O) {
   }
 }
 
-// The block at `block` (a panel's), lanes [lane, lane + L), into out [block_k][L] as fp32.
-template <int T, int L>
-inline void decode_block(const uint8_t* block, int lane, float* out) {
+// Lane r's stored value at k of a panel's block (its low and high planes), less the format's zero.
+template <int T>
+inline int32_t stored_value(const uint8_t* block, int k, int r) {
   constexpr Format f = format_of(T);
-  constexpr int groups = f.block_k / f.group;
-  float S[groups][L], O[groups][L];
-  for (int j = 0; j < L; ++j) {
-    float s[groups], o[groups] = {};
-    row_scales<T>(block + (lane + j) * f.scale_bytes, s, o);
-    for (int g = 0; g < groups; ++g) {
-      S[g][j] = s[g];
-      O[g][j] = o[g];
-    }
-  }
   const uint8_t* low = block + kLanes * f.scale_bytes;
   const uint8_t* high = low + f.block_k * (f.low_bits == 8 ? 16 : 8);
+  int32_t v;
+  if constexpr (f.low_bits == 8)
+    v = static_cast<int8_t>(low[k * 16 + r]);
+  else
+    v = k % 2 == 0 ? low[k / 2 * 16 + r] & 0x0F : low[k / 2 * 16 + r] >> 4;
+  if constexpr (f.high_bits == 1) {
+    uint16_t bits;
+    std::memcpy(&bits, high + k * 2, sizeof(bits));
+    v |= ((bits >> r) & 1) << 4;
+  } else if constexpr (f.high_bits == 2) {
+    uint32_t bits;
+    std::memcpy(&bits, high + k * 4, sizeof(bits));
+    v |= ((bits >> (2 * r)) & 3) << 4;
+  }
+  return v - f.zero;
+}
+
+// Lane r of the block at `block` (a panel's) into out [block_k] as fp32: gguf's dequantized values.
+template <int T>
+inline void decode_lane(const uint8_t* block, int r, float* out) {
+  constexpr Format f = format_of(T);
+  float S[f.block_k / f.group], O[f.block_k / f.group] = {};
+  row_scales<T>(block + r * f.scale_bytes, S, O);
   for (int k = 0; k < f.block_k; ++k) {
     const int g = k / f.group;
-    int32_t q[L];
-    for (int j = 0; j < L; ++j) {
-      const int r = L == kLanes ? j : lane + j;  // a whole panel: lanes known here, the loop vectorizes
-      if constexpr (f.low_bits == 8)
-        q[j] = static_cast<int8_t>(low[k * 16 + r]);
-      else
-        q[j] = k % 2 == 0 ? low[k / 2 * 16 + r] & 0x0F : low[k / 2 * 16 + r] >> 4;
-    }
-    if constexpr (f.high_bits == 1) {
-      uint16_t h;
-      std::memcpy(&h, high + k * 2, sizeof(h));
-      for (int j = 0; j < L; ++j) q[j] |= ((h >> (lane + j)) & 1) << 4;
-    } else if constexpr (f.high_bits == 2) {
-      uint32_t h;
-      std::memcpy(&h, high + k * 4, sizeof(h));
-      for (int j = 0; j < L; ++j) q[j] |= ((h >> (2 * (lane + j))) & 3) << 4;
-    }
-    for (int j = 0; j < L; ++j) {
-      const float w = S[g][j] * static_cast<float>(q[j] - f.zero);
-      if constexpr (f.kind == 1)
-        out[k * L + j] = w + O[g][j];
-      else if constexpr (f.kind == 2)
-        out[k * L + j] = w - O[g][j];
-      else
-        out[k * L + j] = w;
-    }
+    const float w = S[g] * static_cast<float>(stored_value<T>(block, k, r));
+    if constexpr (f.kind == 1)
+      out[k] = w + O[g];
+    else if constexpr (f.kind == 2)
+      out[k] = w - O[g];
+    else
+      out[k] = w;
   }
 }
 
@@ -171,6 +165,49 @@ inline void panel_scales(const uint8_t* block, __m512* S, __m512* O) {
     }
   }
 }
+
+// One panel's stored values along a block's k, 16 outputs a vector, as fp32 (less the zero).
+template <int T>
+struct PanelValues {
+  static constexpr Format f = format_of(T);
+  const uint8_t* low;
+  const uint8_t* high;
+
+  explicit PanelValues(const uint8_t* block)
+      : low(block + kLanes * f.scale_bytes), high(low + f.block_k * (f.low_bits == 8 ? 16 : 8)) {}
+
+  // the fifth (and sixth) bits of k's 16 values, added to q
+  inline __m512i with_high(__m512i q, int k) const {
+    if constexpr (f.high_bits == 1) {
+      uint16_t h;
+      std::memcpy(&h, high + k * 2, sizeof(h));
+      return _mm512_or_si512(q, _mm512_maskz_set1_epi32(static_cast<__mmask16>(h), 16));
+    } else if constexpr (f.high_bits == 2) {  // lane j's two bits at 2j of k's dword: shifted into place in vectors
+      int32_t bits;
+      std::memcpy(&bits, high + k * 4, sizeof(bits));
+      const __m512i h = _mm512_set1_epi32(bits);
+      const __m512i at = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+      return _mm512_or_si512(q, _mm512_slli_epi32(_mm512_and_si512(_mm512_srlv_epi32(h, at), _mm512_set1_epi32(3)), 4));
+    }
+    return q;
+  }
+  inline __m512 value(__m512i q) const {
+    if constexpr (f.zero != 0) q = _mm512_sub_epi32(q, _mm512_set1_epi32(f.zero));
+    return _mm512_cvtepi32_ps(q);
+  }
+  // the values at k and k + 1 (k even)
+  inline void pair(int k, __m512& even, __m512& odd) const {
+    if constexpr (f.low_bits == 8) {
+      even = value(with_high(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(low + k * 16))), k));
+      odd = value(with_high(
+          _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(low + (k + 1) * 16))), k + 1));
+    } else {
+      const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(low + k / 2 * 16)));
+      even = value(with_high(_mm512_and_si512(bytes, _mm512_set1_epi32(0x0F)), k));
+      odd = value(with_high(_mm512_srli_epi32(bytes, 4), k + 1));
+    }
+  }
+};
 #define KEV_QUANT_AVX512 1
 #endif
 

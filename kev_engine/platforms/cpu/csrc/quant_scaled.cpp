@@ -27,7 +27,6 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
-#include <cstring>
 #include <vector>
 
 #include "exact.h"
@@ -51,27 +50,8 @@ inline void block_q(const uint8_t* block, float* q, float* S, float* O) {
       O[g * kLanes + j] = f.kind == 2 ? -o[g] : o[g];
     }
   }
-  const uint8_t* low = block + kLanes * f.scale_bytes;
-  const uint8_t* high = low + f.block_k * (f.low_bits == 8 ? 16 : 8);
-  for (int k = 0; k < f.block_k; ++k) {
-    for (int r = 0; r < kLanes; ++r) {
-      int32_t v;
-      if constexpr (f.low_bits == 8)
-        v = static_cast<int8_t>(low[k * 16 + r]);
-      else
-        v = k % 2 == 0 ? low[k / 2 * 16 + r] & 0x0F : low[k / 2 * 16 + r] >> 4;
-      if constexpr (f.high_bits == 1) {
-        uint16_t h;
-        std::memcpy(&h, high + k * 2, sizeof(h));
-        v |= ((h >> r) & 1) << 4;
-      } else if constexpr (f.high_bits == 2) {
-        uint32_t h;
-        std::memcpy(&h, high + k * 4, sizeof(h));
-        v |= ((h >> (2 * r)) & 3) << 4;
-      }
-      q[k * kLanes + r] = static_cast<float>(v - f.zero);
-    }
-  }
+  for (int k = 0; k < f.block_k; ++k)
+    for (int r = 0; r < kLanes; ++r) q[k * kLanes + r] = static_cast<float>(stored_value<T>(block, k, r));
 }
 
 // R rows of x (fp32, ldx apart; sx their group sums, ldsx apart) times `count` panels (each
@@ -108,48 +88,16 @@ void scaled_rows_generic(const float* x, int64_t ldx, const float* sx, int64_t l
 }
 
 #if defined(KEV_QUANT_AVX512)
-// One panel's stored values along a block's k, 16 outputs a vector, as fp32 (less the zero).
+// A group's end, the same in every tile: acc = fma(S, p, acc), then the offset's fma with the
+// row's sum over the group (acc + O * sum, or acc - O * sum as one rounding each).
 template <int T>
-struct PanelValues {
-  static constexpr Format f = format_of(T);
-  const uint8_t* low;
-  const uint8_t* high;
-
-  explicit PanelValues(const uint8_t* block)
-      : low(block + kLanes * f.scale_bytes), high(low + f.block_k * (f.low_bits == 8 ? 16 : 8)) {}
-
-  // the fifth (and sixth) bits of k's 16 values, added to q
-  inline __m512i with_high(__m512i q, int k) const {
-    if constexpr (f.high_bits == 1) {
-      uint16_t h;
-      std::memcpy(&h, high + k * 2, sizeof(h));
-      return _mm512_or_si512(q, _mm512_maskz_set1_epi32(static_cast<__mmask16>(h), 16));
-    } else if constexpr (f.high_bits == 2) {  // lane j's two bits at 2j of k's dword: shifted into place in vectors
-      int32_t bits;
-      std::memcpy(&bits, high + k * 4, sizeof(bits));
-      const __m512i h = _mm512_set1_epi32(bits);
-      const __m512i at = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-      return _mm512_or_si512(q, _mm512_slli_epi32(_mm512_and_si512(_mm512_srlv_epi32(h, at), _mm512_set1_epi32(3)), 4));
-    }
-    return q;
-  }
-  inline __m512 value(__m512i q) const {
-    if constexpr (f.zero != 0) q = _mm512_sub_epi32(q, _mm512_set1_epi32(f.zero));
-    return _mm512_cvtepi32_ps(q);
-  }
-  // the values at k and k + 1 (k even)
-  inline void pair(int k, __m512& even, __m512& odd) const {
-    if constexpr (f.low_bits == 8) {
-      even = value(with_high(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(low + k * 16))), k));
-      odd = value(with_high(
-          _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(low + (k + 1) * 16))), k + 1));
-    } else {
-      const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(low + k / 2 * 16)));
-      even = value(with_high(_mm512_and_si512(bytes, _mm512_set1_epi32(0x0F)), k));
-      odd = value(with_high(_mm512_srli_epi32(bytes, 4), k + 1));
-    }
-  }
-};
+inline __m512 add_group(__m512 acc, __m512 S, __m512 O, __m512 p, const float* sum) {
+  constexpr Format f = format_of(T);
+  acc = _mm512_fmadd_ps(S, p, acc);
+  if constexpr (f.kind == 1) acc = _mm512_fmadd_ps(O, _mm512_set1_ps(*sum), acc);
+  if constexpr (f.kind == 2) acc = _mm512_fnmadd_ps(O, _mm512_set1_ps(*sum), acc);
+  return acc;
+}
 
 // scaled_rows_generic's arithmetic for R rows x NP panels in registers.
 template <int T, int R, int NP>
@@ -161,7 +109,7 @@ void scaled_tile(const float* x, int64_t ldx, const float* sx, int64_t ldsx, con
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < NP; ++j) acc[r][j] = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
-    __m512 S[NP][groups], O[NP][groups];
+    __m512 S[NP][groups], O[NP][groups] = {};  // O: none for the formats without an offset
     const uint8_t* block[NP];
     for (int j = 0; j < NP; ++j) {
       block[j] = panels[j] + b * block_bytes(f);
@@ -181,15 +129,9 @@ void scaled_tile(const float* x, int64_t ldx, const float* sx, int64_t ldsx, con
           for (int r = 0; r < R; ++r) p[r][j] = _mm512_fmadd_ps(_mm512_set1_ps(xb[r * ldx + k + 1]), odd, p[r][j]);
         }
       }
-      for (int r = 0; r < R; ++r) {
-        for (int j = 0; j < NP; ++j) {
-          acc[r][j] = _mm512_fmadd_ps(S[j][g], p[r][j], acc[r][j]);
-          if constexpr (f.kind == 1)
-            acc[r][j] = _mm512_fmadd_ps(O[j][g], _mm512_set1_ps(sx[r * ldsx + b * groups + g]), acc[r][j]);
-          else if constexpr (f.kind == 2)
-            acc[r][j] = _mm512_fnmadd_ps(O[j][g], _mm512_set1_ps(sx[r * ldsx + b * groups + g]), acc[r][j]);
-        }
-      }
+      for (int r = 0; r < R; ++r)
+        for (int j = 0; j < NP; ++j)
+          acc[r][j] = add_group<T>(acc[r][j], S[j][g], O[j][g], p[r][j], sx + r * ldsx + b * groups + g);
     }
   }
   for (int r = 0; r < R; ++r)
@@ -222,10 +164,7 @@ void scaled_chunk_tile(const float* x, int64_t ldx, const float* sx, int64_t lds
     for (int r = 0; r < R; ++r) {
       for (int j = 0; j < 2; ++j) {
         float* at = c + r * ldc + j * kLanes;
-        __m512 acc = _mm512_fmadd_ps(S[j][g], p[r][j], _mm512_loadu_ps(at));
-        if constexpr (f.kind == 1) acc = _mm512_fmadd_ps(O[j][g], _mm512_set1_ps(sx[r * ldsx + g]), acc);
-        if constexpr (f.kind == 2) acc = _mm512_fnmadd_ps(O[j][g], _mm512_set1_ps(sx[r * ldsx + g]), acc);
-        _mm512_storeu_ps(at, acc);
+        _mm512_storeu_ps(at, add_group<T>(_mm512_loadu_ps(at), S[j][g], O[j][g], p[r][j], sx + r * ldsx + g));
       }
     }
   }
@@ -247,7 +186,7 @@ void scaled_prefill(const float* x, int64_t ldx, const float* sx, int64_t ldsx, 
   for (int j = 0; j < count; j += 2) {
     for (int64_t b0 = 0; b0 < blocks; b0 += chunk) {
       const int64_t nb = std::min(chunk, blocks - b0);
-      __m512 S[2][kChunkGroups], O[2][kChunkGroups];
+      __m512 S[2][kChunkGroups], O[2][kChunkGroups] = {};
       for (int h = 0; h < 2; ++h) {
         for (int64_t b = 0; b < nb; ++b) {
           const uint8_t* block = panels[j + h] + (b0 + b) * block_bytes(f);
