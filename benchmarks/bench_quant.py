@@ -227,10 +227,11 @@ def report(rows: list[dict[str, Any]], rounds: int, bandwidth: float, how: str,
            servers: dict[str, dict[str, Any]]) -> str:
     import torch
 
+    path = bf16_path()
     lines = [f"# bench_quant: a GGUF's blocks as stored vs dequantized ({cpu_line()}; torch {torch.__version__}, "
              f"{platform.machine()}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})", "",
              f"Wall = best of {rounds} alternating rounds per engine; greedy; speculation off; bf16 path "
-             f"{bf16_path()} (quantized products {'decoded' if bf16_path() == 'amx' else 'block-scaled'} in bf16, "
+             f"{path} (quantized products {'decoded' if path == 'amx' else 'block-scaled'} in bf16, "
              f"block-scaled in fp32). Read bandwidth measured in this run: {bandwidth / 1e9:.1f} GB/s ({how}). "
              "llama-server: "
              + ("; ".join(sorted({s.get('command') or s['skipped'] for r in servers.values() for s in r.values()}))
