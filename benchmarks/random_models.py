@@ -91,3 +91,28 @@ def parameters(folder: Path) -> int:
                     count *= size
                 total += count
     return total
+
+
+def first_layers(source: Path, layers: int, out: Path) -> Path:
+    """A model folder at `out` holding `source`'s first `layers` decoder layers, its embedding,
+    final norm and head, beside its tokenizer files: a draft model made from a model itself (the
+    early-exit drafts of LayerSkip / self-speculative decoding), whose tokenizer is the model's."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    config = json.loads((source / "config.json").read_text())
+    if not 1 <= layers < config["num_hidden_layers"]:
+        raise ValueError(f"layers={layers} is not allowed; {source} has {config['num_hidden_layers']} layers, "
+                         "keep from 1 to one fewer")
+    copy_model_files(source, out)
+    config["num_hidden_layers"] = layers
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    kept = {}
+    for path in source.glob("*.safetensors"):
+        for name, tensor in load_file(path).items():
+            parts = name.split(".")
+            if not (parts[:2] == ["model", "layers"] and int(parts[2]) >= layers):
+                kept[name] = tensor
+    save_file(kept, out / "model.safetensors", metadata={"format": "pt"})
+    return out

@@ -38,11 +38,13 @@ from .core.delivery import Delivery
 from .core.request import Status
 from .core.schedule import Scheduler
 from .core.worker import Worker
+from .draft_model import DraftModel, draft_engine
 from .errors import EngineClosedError, InvalidRequestError, KevError
 from .inputs.intake import AdapterArg, Intake, Prepared, SamplingArg, raise_refused
 from .inputs.params import MAX_TOP_LOGPROBS, Defaults, SamplingParams, check_temperature, coerce_sampling
 from .inputs.tokenize import Prompt, check_prompt_list
 from .model.setup import check_packable, claim_model, context_length, eos_ids, prepare_model, release_model
+from .models.quant import QuantWeight
 from .outputs.processor import OutputProcessor
 from .platforms.threads import run_on_passing_thread, use_threads
 from .results import Completion
@@ -119,12 +121,19 @@ class Engine:
             Kev's, else transformers'). `stats()["model_impl"]` says which runs.
         speculative: drafts verified inside the packed pass (`core.drafts`): "ngram" (each
             decoding question's next tokens looked up in its own prompt and answer, the rows that
-            price in beside its token, the tokens it would have written taken), "off", or "auto"
-            (None: `KEV_SPECULATIVE`, else "auto": "ngram" where the engine is batch-invariant).
-            Every token, logprob and finish reason is bitwise what it is with "off", greedy and
-            seeded alike; "ngram" is refused where the engine is not batch-invariant. On CUDA no
-            draft row is priced in yet (`Platform.rows_alike`: a draft would take a decode pass
-            off its graph). `stats()` counts `draft_tokens` and `draft_accepted_tokens`.
+            price in beside its token, the tokens it would have written taken), "model" (the
+            drafts written greedily by `draft_model`), "off", or "auto" (None: `KEV_SPECULATIVE`,
+            else "auto": "model" with a draft model, else "ngram", where the engine is
+            batch-invariant). Every token, logprob and finish reason is bitwise what it is with
+            "off", greedy and seeded alike; drafts are refused where the engine is not
+            batch-invariant. On CUDA no draft row is priced in yet (`Platform.rows_alike`: a draft
+            would take a decode pass off its graph). `stats()` counts `draft_tokens` and
+            `draft_accepted_tokens`.
+        draft_model: for speculative="model", a smaller model with this model's tokenizer (its
+            folder, .gguf file or hub id, loaded in this model's dtype and device and closed with
+            this engine; or a Kev `Engine` built with speculative="off", left open). It drafts
+            before each pass where drafting has paid lately (`draft_model`); `stats()` says how
+            long it took (`draft_seconds`).
         cuda_graphs: replay Kev's own model's decode passes (no prefill chunk, no adapter) as
             CUDA graphs, one per row-count bucket (`platforms.cuda.graphs`), on a paged CUDA
             attention; bitwise the eager result when batch-invariant (padding rows change
@@ -153,6 +162,7 @@ class Engine:
         threads: int | None = None,
         model_impl: str | None = None,
         speculative: str | None = None,
+        draft_model: Any = None,
     ) -> None:
         self.name = name or getattr(model.config, "_name_or_path", "") or type(model).__name__
         self.dtype_choice = "the model's own dtype"  # from_pretrained(dtype="auto") says why it chose
@@ -172,6 +182,9 @@ class Engine:
         self._platform = platforms.choose(model, cpu_kernels=cpu_kernels, batch_invariant=batch_invariant,
                                           cuda_attention=cuda_attention, cuda_graphs=cuda_graphs)
         self._platform.use_threads(self.threads)
+        self.speculative = drafts.speculative_mode(speculative, self._platform.batch_invariant,
+                                                   draft_model=draft_model is not None)
+        self._draft = None if self.speculative != "model" else self._draft_model(draft_model, model, tokenizer)
         if impl == "kev":
             model.use(self._platform.ops())
         else:
@@ -210,8 +223,10 @@ class Engine:
                                     pass_time_s=self.pass_time_ms / 1000, adapters=self._adapters,
                                     max_context=self.max_context,
                                     on_cancel=functools.partial(_wake_if_cancelled, self._cond))
-        self.speculative = drafts.speculative_mode(speculative, self._platform.batch_invariant)
-        self._scheduler.speculative = self.speculative == "ngram"
+        self._scheduler.speculative = self.speculative != "off"
+        if self._draft is not None:
+            self._scheduler.drafter = drafts.ModelDrafter
+            self._draft.saved_per_token = self._scheduler.decode_row_seconds
         self._scheduler.rows_alike = functools.partial(self._platform.rows_alike, dtype=self.dtype)
         self._grammars = Grammars(tokenizer, _logits_width(model), self.eos_ids)
         self._intake = Intake(tokenizer, self.max_context, self._kv, self._grammars, self._adapters, self._cond)
@@ -222,10 +237,23 @@ class Engine:
         self._outputs = OutputProcessor(tokenizer, self.eos_ids, self._delivery)
         self._stepper = Stepper(cond=self._cond, scheduler=self._scheduler, runner=self._runner,
                                 sampler=Sampler(self._grammars, self.eos_ids, self._token_texts),
-                                outputs=self._outputs, arrivals=arrivals)
+                                outputs=self._outputs, arrivals=arrivals, drafts=self._draft)
         self._worker = Worker(self._stepper, self._cond, arrivals, enter=self._platform.enter_pass_thread)
         self._given_back = False  # close() drained the requests and gave the model back
         _live.add(self)  # closed at interpreter exit, before torch tears down its thread pools
+
+    def _draft_model(self, draft_model: Any, model: Any, tokenizer: Any) -> DraftModel:
+        """The draft model's engine (built in this model's dtype and device where `draft_model` is
+        a name), checked against this model's tokenizer, before anything about `model` changes."""
+        parameter = next(model.parameters())
+        engine, owned = draft_engine(draft_model, dtype=parameter.dtype, device=parameter.device,
+                                     threads=self.threads)
+        try:
+            return DraftModel(engine, owned, tokenizer, _embedding_rows(model))
+        except BaseException:
+            if owned:
+                engine.close()
+            raise
 
     @classmethod
     def from_pretrained(
@@ -448,6 +476,8 @@ class Engine:
                 "batch_invariant": self._platform.batch_invariant,
                 "model_impl": self.model_impl,
                 "speculative": self.speculative,
+                "draft_model": None if self._draft is None else self._draft.name,
+                "draft_seconds": 0.0 if self._draft is None else self._draft.seconds,
                 "threads": self.threads,
                 "pass_time_ms": self.pass_time_ms if math.isfinite(self.pass_time_ms) else None,  # None: no bound
                 "pass_seconds": self._stepper.pass_seconds.snapshot(),
@@ -643,6 +673,8 @@ class Engine:
                 platforms.uninstall(self.model)
             self._given_back = True
         self._delivery.close()
+        if self._draft is not None:
+            self._draft.close()
 
     def __enter__(self) -> Engine:
         return self
@@ -736,7 +768,16 @@ def _check_engine_kwargs(cls: type[Engine], engine_kwargs: dict[str, Any]) -> No
     if unknown:
         raise TypeError(f"from_pretrained() got unexpected keyword argument(s) {unknown}; it takes model, device, "
                         f"dtype, trust_remote_code, adapters and Engine's settings {settings}")
-    drafts.speculative_mode(engine_kwargs.get("speculative"), batch_invariant=True)  # a bad mode, before the load
+    drafts.speculative_mode(engine_kwargs.get("speculative"), batch_invariant=True,  # a bad mode, before the load
+                            draft_model=engine_kwargs.get("draft_model") is not None)
+
+
+def _embedding_rows(model: Any) -> int:
+    """How many token ids the model can read (its embedding's rows)."""
+    if isinstance(model, models.DecoderModel):
+        embed = model.embed
+        return int(embed.out_features if isinstance(embed, QuantWeight) else embed.shape[0])
+    return int(model.get_input_embeddings().num_embeddings)
 
 
 def _logits_width(model: Any) -> int:

@@ -1,6 +1,7 @@
 """One pass of the engine, in stage order, each stage its own owner:
 
-    plan (Scheduler) → run (ModelRunner) → sample (Sampler) → record (Scheduler, OutputProcessor) → deliver
+    (draft (DraftModel)) → plan (Scheduler) → run (ModelRunner) → sample (Sampler) → record (Scheduler,
+    OutputProcessor) → deliver
 
 Where this sits: `Engine` composes the components and hands the worker (`core/worker.py`) this
 `Stepper`, a narrow view of them — whether there is work, one step, failing the requests of a
@@ -42,6 +43,7 @@ from .core.plan import Chunk, Plan
 from .core.request import Request
 from .core.schedule import Scheduler
 from .core.slice_work import WINDOW, SlicePace, SliceWork
+from .draft_model import DraftModel
 from .errors import EngineClosedError, PassFailedError
 from .model.pack import PackedBatch
 from .outputs.processor import Finished, OutputProcessor
@@ -64,8 +66,9 @@ pass paused between its layers."""
 
 class Stepper:
     def __init__(self, *, cond: threading.Condition, scheduler: Scheduler, runner: ModelRunner, sampler: Sampler,
-                 outputs: OutputProcessor, arrivals: Arrivals) -> None:
+                 outputs: OutputProcessor, arrivals: Arrivals, drafts: DraftModel | None = None) -> None:
         self.cond = cond  # the engine's lock: every scheduler call holds it
+        self.drafts = drafts  # a draft model writes the decoding questions' drafts before each plan
         self.scheduler = scheduler
         self.runner = runner
         self.sampler = sampler
@@ -99,8 +102,13 @@ class Stepper:
         return self._in_slices(plan) if whole else self._whole(plan)
 
     def _plan(self, in_flight: frozenset[int] = frozenset(), whole: bool = False, share: float = 1.0) -> Plan:
-        """Cancelled requests leave (those of a paused pass, `in_flight`, once it has ended), then
-        the scheduler plans the next pass."""
+        """A draft model writes the decoding questions' drafts (outside the lock: it runs passes of
+        its own), cancelled requests leave (those of a paused pass, `in_flight`, once it has ended),
+        then the scheduler plans the next pass."""
+        if self.drafts is not None:
+            with self.cond:
+                wanted = self.scheduler.wanted_drafts(in_flight)
+            self.drafts.prepare(wanted)
         with self._scheduling():
             self.scheduler.cancel(in_flight)
             return self.scheduler.plan(self._defer, in_flight, whole, share, self.runner.resident_adapters)

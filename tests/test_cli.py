@@ -54,7 +54,7 @@ def test_jsonl_in_jsonl_out_in_order(loads, capsys, tmp_path, tokenizer) -> None
     rows, err = output_rows(capsys)
     assert code == 0
     assert loads == [("m", {"device": "cpu", "dtype": None, "max_model_len": None, "model_impl": None,
-                            "speculative": None, "weights": None})]
+                            "speculative": None, "weights": None, "draft_model": None})]
     assert [r["id"] for r in rows] == ["paris", 1, 2]  # default id: position among the questions
     assert all(r["completion_tokens"] <= n for r, n in zip(rows, [6, 3, 6]))
     assert all(r["finish_reason"] in ("stop", "length") for r in rows)
@@ -315,3 +315,8 @@ def test_speculative_reaches_the_engine_and_a_bad_one_is_refused(loads, capsys) 
     assert loads[-1][1]["speculative"] == "off"
     assert cli.main(["generate", "Hi", "--speculative", "eagle"]) == 2
     assert "invalid choice: 'eagle'" in capsys.readouterr().err
+
+
+def test_a_draft_model_reaches_the_engine(loads) -> None:
+    assert cli.main(["generate", "Hi", "--max-tokens", "2", "--speculative", "model", "--draft-model", "small"]) == 0
+    assert (loads[-1][1]["speculative"], loads[-1][1]["draft_model"]) == ("model", "small")

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -299,6 +301,133 @@ def test_every_block_comes_back(tokenizer) -> None:
         assert on._blocks.num_available == on._blocks.num_blocks
 
 
+# ---- a draft model ---------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def drafted_by(family: str, tokenizer: Any, draft_seed: int, dtype: torch.dtype = torch.float32,
+               **kwargs: Any) -> Iterator[Engine]:
+    """An engine whose drafts a tiny model of `draft_seed` writes (seed 0: the model's own weights,
+    whose greedy drafts are taken; another seed: drafts that are mostly missed), closed after."""
+    draft = Engine(tiny_model(family, tokenizer, seed=draft_seed, **LOOPING).to(dtype), tokenizer, speculative="off")
+    engine = drafts_pay(Engine(tiny_model(family, tokenizer, **LOOPING).to(dtype), tokenizer, draft_model=draft,
+                               **kwargs))
+    try:
+        yield engine
+    finally:
+        engine.close()
+        draft.close()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_a_draft_model_changes_no_bit_packed_and_alone(family: str, dtype: torch.dtype, tokenizer) -> None:
+    off = Engine(tiny_model(family, tokenizer, **LOOPING).to(dtype), tokenizer, speculative="off")
+    try:
+        sampling = mixed_settings(len(QUESTIONS))
+        plain = run(off, QUESTIONS, sampling)
+        for seed in (0, 1):
+            with drafted_by(family, tokenizer, seed, dtype) as on:
+                assert on.stats()["speculative"] == "model"
+                assert differences(plain, run(on, QUESTIONS, sampling)) == []
+                assert differences(plain, run(on, QUESTIONS, sampling, alone=True)) == []
+                drafted, taken = verified(on)
+                assert drafted > 0
+                if seed == 0:
+                    assert_drafts_taken_and_missed(on)
+                assert on.stats()["draft_seconds"] > 0
+    finally:
+        off.close()
+
+
+def test_a_draft_model_with_chunked_prefill_samples_and_adapters(tokenizer, tmp_path) -> None:
+    base = tiny_model("qwen2", tokenizer, **LOOPING)
+    folders = two_adapters(base, tmp_path, scale=0.02)
+    off = Engine(tiny_model("qwen2", tokenizer, **LOOPING), tokenizer, speculative="off")
+    with drafted_by("qwen2", tokenizer, 0, max_batch_tokens=48, max_num_seqs=8) as on:
+        try:
+            for engine in (off, on):
+                for name, folder in folders.items():
+                    engine.load_adapter(name, str(folder))
+            prompts = [chat(f"Question {i}: say it again.", "the mill and the bridge " * (3 + 4 * i)) for i in range(6)]
+            sampling = mixed_settings(len(prompts), max_tokens=30)
+            sampling[0] = SamplingParams(temperature=0.8, seed=7, n=2, max_tokens=30, ignore_eos=True)
+            names = [("qv", "all", None)[i % 3] for i in range(len(prompts))]
+            plain = off.generate(prompts, sampling, adapters=names)
+            spoken = on.generate(prompts, sampling, adapters=names)
+            for a, b in zip(plain, spoken):
+                assert [(s.token_ids, s.logprobs, s.finish_reason) for s in (a.samples or [a])] == \
+                       [(s.token_ids, s.logprobs, s.finish_reason) for s in (b.samples or [b])]
+            assert_drafts_taken_and_missed(on)
+            assert on._blocks.num_available == on._blocks.num_blocks
+        finally:
+            off.close()
+
+
+def test_a_draft_model_that_does_not_pay_is_turned_down(tokenizer) -> None:
+    """Drafts that save nothing (each taken token priced at no time): after its first drafts the
+    draft model drafts only for one pass in PROBE_EVERY; the answers stay the same."""
+    from kev_engine.draft_model import PROBE_EVERY, WARMUP_DRAFTS
+
+    greedy = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    with pair("llama", tokenizer) as (off, _), drafted_by("llama", tokenizer, 1) as on:
+        on._draft.saved_per_token = lambda rows: 0.0
+        assert differences(run(off, QUESTIONS[:1], [greedy]), run(on, QUESTIONS[:1], [greedy])) == []
+        draft = on._draft
+        assert draft.passes > WARMUP_DRAFTS + 2 * PROBE_EVERY
+        assert WARMUP_DRAFTS <= draft.drafting <= WARMUP_DRAFTS + draft.passes // PROBE_EVERY + 1
+
+
+def test_a_draft_model_is_checked_before_it_drafts(tokenizer, embedded_dir) -> None:
+    from transformers import AutoTokenizer
+
+    with pytest.raises(ValueError, match="speculative='model' needs draft_model="):
+        Engine(tiny_model("llama", tokenizer), tokenizer, speculative="model")
+    drafting = Engine(tiny_model("llama", tokenizer), tokenizer, speculative="ngram")
+    other_tokenizer = AutoTokenizer.from_pretrained(embedded_dir)
+    other_tokenizer.add_tokens(["<kev-extra>"])
+    stranger = Engine(tiny_model("llama", other_tokenizer), other_tokenizer, speculative="off")
+    try:
+        with pytest.raises(ValueError, match="draft_model= was given with speculative='ngram'"):
+            Engine(tiny_model("llama", tokenizer), tokenizer, speculative="ngram", draft_model=drafting)
+        with pytest.raises(ValueError, match="drafts itself"):
+            Engine(tiny_model("llama", tokenizer), tokenizer, draft_model=drafting)
+        with pytest.raises(ValueError, match="has another tokenizer"):
+            Engine(tiny_model("llama", tokenizer), tokenizer, draft_model=stranger)
+        with pytest.raises(TypeError, match="draft_model=3 is not allowed"):
+            Engine(tiny_model("llama", tokenizer), tokenizer, draft_model=3)
+        with pytest.raises(ValueError, match="needs a batch-invariant engine"):
+            Engine(tiny_model("llama", tokenizer), tokenizer, speculative="model", draft_model=stranger,
+                   batch_invariant=False)
+        with pytest.raises(ValueError, match="speculative='model' needs draft_model="):
+            Engine.from_pretrained("/nonexistent", speculative="model")  # before the load
+    finally:
+        drafting.close()
+        stranger.close()
+
+
+def test_the_embedded_model_drafted_by_its_own_first_layers_is_bitwise_the_same(tokenizer, embedded_dir,
+                                                                              tmp_path) -> None:
+    """A draft model loaded by name (the embedded model's first 6 layers, saved as a folder)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    from random_models import first_layers
+
+    folder = first_layers(Path(embedded_dir), 6, tmp_path / "draft")
+    off = Engine.from_pretrained(dtype="bfloat16", speculative="off")
+    on = drafts_pay(Engine.from_pretrained(dtype="bfloat16", draft_model=str(folder)))
+    try:
+        assert on.stats()["draft_model"] == "draft"  # the engine's name for the folder
+        document = "The Halloway canal opened to barges in 1823. It runs 42 miles from Brent to the sea."
+        prompts = [chat("When did the Halloway canal open?", document), chat("How long is the canal?", document)]
+        sampling = [SamplingParams(temperature=0, max_tokens=24, logprobs=True)] * 2
+        assert differences(run(off, prompts, sampling), run(on, prompts, sampling)) == []
+        assert verified(on)[0] > 0
+    finally:
+        off.close()
+        on.close()
+    assert on._draft.engine.closed  # a draft model loaded by name is closed with its engine
+
+
 # ---- drafts are priced, and the control --------------------------------------------------------
 
 
@@ -322,6 +451,18 @@ def test_control_a_shape_dependent_kernel_shows_in_the_comparison(tokenizer) -> 
         reorder_by_pass_size(on.model)
         sampling = mixed_settings(len(QUESTIONS))
         assert differences(run(off, QUESTIONS, sampling), run(on, QUESTIONS, sampling)) != []
+
+
+def test_control_a_shape_dependent_kernel_shows_with_a_draft_model(tokenizer) -> None:
+    off = Engine(tiny_model("llama", tokenizer, **LOOPING), tokenizer, speculative="off")
+    with drafted_by("llama", tokenizer, 0) as on:
+        try:
+            reorder_by_pass_size(off.model)
+            reorder_by_pass_size(on.model)
+            sampling = mixed_settings(len(QUESTIONS))
+            assert differences(run(off, QUESTIONS, sampling), run(on, QUESTIONS, sampling)) != []
+        finally:
+            off.close()
 
 
 # ---- the front ends' switch -----------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Drafts: the tokens a question is likely to write next, looked up in its own text (prompt lookup).
+"""Drafts: the tokens a question is likely to write next, looked up in its own text (prompt lookup)
+or written by a smaller model with the same tokenizer (`draft_model`).
 
 Where this sits: the scheduler asks a decoding question's `Drafter` for a draft when it plans a
 pass (`Scheduler.schedule`, step 4); the draft rides as extra rows of that question's segment, and
@@ -19,6 +20,10 @@ earlier tokens, prompt and answer; the tokens after the most recent earlier occu
 draft. Where that occurrence ends close to now (a repeating answer), the draft goes on repeating
 it. An index per question (n-gram → the position after its latest occurrence), grown by the
 tokens since the last lookup, keeps each lookup a few dict reads whatever the context's length.
+
+A draft model's drafts (`ModelDrafter`) are written before the pass is planned, greedily, by a
+second engine; they are verified the same way, so they change no bit either: only how many rows
+are taken.
 """
 
 from __future__ import annotations
@@ -29,25 +34,34 @@ import os
 from collections.abc import Iterable, Sequence
 
 ENV_VAR = "KEV_SPECULATIVE"
-MODES = ("auto", "ngram", "off")
+MODES = ("auto", "ngram", "model", "off")
 MAX_DRAFT = 6  # a draft's most tokens: a longer one is rarely accepted whole, and each row costs
 MIN_NGRAM = 2  # one token matches too often (a comma, "the") to predict what follows
 MAX_NGRAM = 4
 
 
-def speculative_mode(value: str | None, batch_invariant: bool) -> str:
-    """The mode an engine runs: "ngram" or "off". `value`: the setting (None: `KEV_SPECULATIVE`,
-    else "auto"); "auto" is "ngram" where the engine is batch-invariant. "ngram" is refused where
-    it is not: there a verified row would not be the bits of a decoded one."""
+def speculative_mode(value: str | None, batch_invariant: bool, draft_model: bool = False) -> str:
+    """The mode an engine runs: "ngram", "model" or "off". `value`: the setting (None:
+    `KEV_SPECULATIVE`, else "auto"); `draft_model`: whether one was given. "auto" is "model" with
+    a draft model, else "ngram", where the engine is batch-invariant. Drafts are refused where it
+    is not: there a verified row would not be the bits of a decoded one."""
     source = "speculative"
     if value is None:
         source, value = ENV_VAR, os.environ.get(ENV_VAR) or "auto"
     if not isinstance(value, str) or value not in MODES:
         raise ValueError(f"{source}={value!r} is not allowed; use one of {list(MODES)}")
+    if value == "model" and not draft_model:
+        raise ValueError(f"{source}='model' needs draft_model= (a smaller model with the same tokenizer: a folder, "
+                         "a .gguf file, a hub id or a Kev Engine)")
+    if draft_model and value not in ("model", "auto"):
+        raise ValueError(f"draft_model= was given with {source}={value!r}; a draft model drafts only with "
+                         "speculative='model' (or 'auto')")
     if value == "auto":
-        return "ngram" if batch_invariant else "off"
-    if value == "ngram" and not batch_invariant:
-        raise ValueError(f"{source}='ngram' needs a batch-invariant engine, whose verified rows are the bits of "
+        if not batch_invariant:
+            return "off"
+        return "model" if draft_model else "ngram"
+    if value != "off" and not batch_invariant:
+        raise ValueError(f"{source}={value!r} needs a batch-invariant engine, whose verified rows are the bits of "
                          "decoded ones (speculation then changes no token); this one is not (batch_invariant=False "
                          "was asked, or its load warned why it cannot be)")
     return value
@@ -77,6 +91,7 @@ class Drafter:
         self.index: dict[int, int] = {}  # n-gram (`_key`) → the position after its latest occurrence
         self.tried = 0  # drafts verified for this question
         self.taken = 0  # of those, the ones whose first token its answer took
+        self.taken_tokens = 0  # draft tokens its answer took, in all
 
     def propose(self, ids: Sequence[int], limit: int) -> list[int]:
         """Up to `limit` tokens likely to follow `ids` (empty: no n-gram of its end occurred before)."""
@@ -107,6 +122,19 @@ class Drafter:
                     keys = map(operator.or_, keys, shifted)
                 self.index.update(zip(keys, range(start, end)))
         self.seen = end
+
+
+class ModelDrafter(Drafter):
+    """One question's drafts from a draft model: written before a pass is planned (`DraftModel.prepare`),
+    for the tokens the question had then; proposed only while it still has exactly those."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ready: tuple[int, list[int]] = (-1, [])  # (its token count when drafted, the draft)
+
+    def propose(self, ids: Sequence[int], limit: int) -> list[int]:
+        length, draft = self.ready
+        return draft[:limit] if length == len(ids) else []
 
 
 class Acceptance:
@@ -140,3 +168,4 @@ class Acceptance:
             self.taken[depth] += depth <= taken
         drafter.tried += 1
         drafter.taken += taken > 0
+        drafter.taken_tokens += taken

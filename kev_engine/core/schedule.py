@@ -164,6 +164,7 @@ class Scheduler:
         self.cancelled: list[Request] = []
         self.preemptions = 0
         self.speculative = False  # decoding questions' drafts join passes where they pay (`_drafts`)
+        self.drafter: type[Drafter] = Drafter  # where drafts come from: its own text, or a draft model's
         self.acceptance = Acceptance()  # how often drafts were taken: what their rows are worth
         self.rows_alike: Callable[[int], int] = lambda rows: rows  # `Platform.rows_alike`, at the model's dtype
         self.row_cost = RowCost()  # what a decode pass's rows cost, measured
@@ -220,7 +221,7 @@ class Scheduler:
                 grammar=None if all_logits else compiled,
                 logprobs=[] if sample.logprobs else None,
                 sample_index=index,
-                drafter=Drafter() if self.speculative and not all_logits else None,
+                drafter=self.drafter() if self.speculative and not all_logits else None,
             ) for index, sample in enumerate(samples)]
             leader = requests[0]
             leader.siblings = requests[1:]  # they fork from its prefill (see `fanout`)
@@ -310,8 +311,7 @@ class Scheduler:
             request = chunk.request
             if request.drafter is None or chunk.num_tokens != 1 or not request.decoding:
                 continue
-            limit = min(MAX_DRAFT, room, request.max_total - request.num_tokens - 1,
-                        request.sampling.max_tokens - len(request.output_ids) - 1)
+            limit = _draft_limit(request, room)
             draft = request.drafter.propose(request.all_ids, limit) if limit > 0 else []
             if draft:
                 drafts[index] = draft
@@ -339,6 +339,24 @@ class Scheduler:
                 depth -= 1
             if depth > 0:
                 plan.extend(index, tuple(drafts[index][:depth]))
+
+    def wanted_drafts(self, in_flight: frozenset[int] = frozenset()) -> list[tuple[Request, list[int], int]]:
+        """The decoding questions a draft model should write for before the next pass is planned:
+        (request, its tokens now, the most draft tokens it may take). None before a pass was timed
+        (no draft is priced in then), nor where a pass of the decoding rows has no row to spare
+        in its product shape (`_drafts`)."""
+        decoding = [r for r in self.running if r.decoding and r.drafter is not None and id(r) not in in_flight]
+        room = self.rows_alike(len(decoding)) - len(decoding) if decoding else 0
+        if room <= 0 or self.cost is None or not self.cost.ready:
+            return []
+        wanted = [(request, request.all_ids, _draft_limit(request, room)) for request in decoding]
+        return [item for item in wanted if item[2] > 0]
+
+    def decode_row_seconds(self, rows: int) -> float | None:
+        """A decode pass of `rows` questions, predicted, per row: what a taken draft token saves
+        there (None before a pass was timed)."""
+        seconds = None if self.cost is None else self.predict(self.cost.work.dense(rows, rows), 0.0)
+        return None if seconds is None else seconds / rows
 
     def _decodes_fit(self, plan: PassBudget, rows: int) -> bool:
         """Whether `plan` with `rows` decode rows is predicted within the pass target."""
@@ -652,3 +670,10 @@ class Scheduler:
         self.adapters.unref(request.adapter)
         request.status = Status.FINISHED
         request.drafter = None  # its n-gram index: a few MB for a prompt of thousands of tokens
+
+
+def _draft_limit(request: Request, room: int) -> int:
+    """The most draft tokens `request` may take: MAX_DRAFT, the pass's spare rows, and its answer's
+    room (a draft never reaches its last allowed token: that token is drawn, not verified)."""
+    return min(MAX_DRAFT, room, request.max_total - request.num_tokens - 1,
+               request.sampling.max_tokens - len(request.output_ids) - 1)

@@ -269,10 +269,14 @@ def build_parser(extra: Sequence[Command] = ()) -> argparse.ArgumentParser:
     common.add_argument("--model-impl", dest="model_impl", choices=("auto", "kev", "transformers"),
                         help="the model's implementation: auto (default: Kev's own forward for the Llama, Mistral, "
                         "Qwen2 and Qwen3 families, else transformers' modeling code), kev, transformers")
-    common.add_argument("--speculative", choices=("auto", "ngram", "off"),
-                        help="speculative decoding: auto (default: KEV_SPECULATIVE, else auto = ngram where the engine "
-                        "is batch-invariant), ngram (drafts from each question's own text, verified in the packed "
-                        "pass: the same tokens as off, bit for bit), off")
+    common.add_argument("--speculative", choices=("auto", "ngram", "model", "off"),
+                        help="speculative decoding: auto (default: KEV_SPECULATIVE, else auto = model with "
+                        "--draft-model, else ngram, where the engine is batch-invariant), ngram (drafts from each "
+                        "question's own text, verified in the packed pass: the same tokens as off, bit for bit), "
+                        "model (drafts written by --draft-model), off")
+    common.add_argument("--draft-model", dest="draft_model", metavar="MODEL",
+                        help="a smaller model with the same tokenizer that drafts (a folder, .gguf file or hub id; "
+                        "with --speculative model or auto)")
     common.add_argument("--system", help="system message put before every question")
     common.add_argument("--raw", action="store_true", help="send plain text, not chat messages")
     gen = commands.add_parser("generate", parents=[common], help="answer questions, one JSON line each")
@@ -339,7 +343,8 @@ def main(argv: Sequence[str] | None = None, extra: Sequence[Command] = ()) -> in
         adapters = parse_adapters(args)
         engine = Engine.from_pretrained(args.model, device=args.device, dtype=args.dtype,
                                         max_model_len=args.max_model_len, model_impl=args.model_impl,
-                                        speculative=args.speculative, weights=args.weights)
+                                        speculative=args.speculative, weights=args.weights,
+                                        draft_model=args.draft_model)
     except (UsageError, ValueError, OSError) as exc:
         print(f"kev: error: {exc}", file=sys.stderr)
         return 2

@@ -32,7 +32,8 @@ def serve_on_ray(args: Any, config: ServerConfig, adapters: dict[str, str], name
     if args.replicas < 1:
         raise SystemExit(f"--replicas {args.replicas}: give at least 1")
     settings = (("device", args.device), ("dtype", args.dtype), ("max_model_len", args.max_model_len),
-                ("model_impl", args.model_impl), ("speculative", args.speculative), ("weights", args.weights))
+                ("model_impl", args.model_impl), ("speculative", args.speculative), ("weights", args.weights),
+                ("draft_model", args.draft_model))
     engine_kwargs = {k: v for k, v in settings if v is not None}
     joined = bool(args.ray_address or os.environ.get("RAY_ADDRESS"))
     ray.init(address=args.ray_address)

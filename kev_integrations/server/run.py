@@ -63,10 +63,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-impl", dest="model_impl", choices=("auto", "kev", "transformers"),
                         help="the model's implementation: auto (default: Kev's own forward for the Llama, Mistral, "
                         "Qwen2 and Qwen3 families, else transformers' modeling code), kev, transformers")
-    parser.add_argument("--speculative", choices=("auto", "ngram", "off"),
-                        help="speculative decoding: auto (default: KEV_SPECULATIVE, else auto = ngram where the engine "
-                        "is batch-invariant), ngram (drafts from each question's own text, verified in the packed "
-                        "pass: the same tokens as off, bit for bit), off")
+    parser.add_argument("--speculative", choices=("auto", "ngram", "model", "off"),
+                        help="speculative decoding: auto (default: KEV_SPECULATIVE, else auto = model with "
+                        "--draft-model, else ngram, where the engine is batch-invariant), ngram (drafts from each "
+                        "question's own text, verified in the packed pass: the same tokens as off, bit for bit), "
+                        "model (drafts written by --draft-model), off")
+    parser.add_argument("--draft-model", dest="draft_model", metavar="MODEL",
+                        help="a smaller model with the same tokenizer that drafts (a folder, .gguf file or hub id; "
+                        "with --speculative model or auto)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--api-key", dest="api_keys", action="append", metavar="KEY",
@@ -133,12 +137,13 @@ def missing_adapter_folder(adapters: dict[str, str]) -> str | None:
 def engine_factory(model: str | None, device: str | None, dtype: str | None,
                    adapters: dict[str, str], max_model_len: int | None = None,
                    model_impl: str | None = None, speculative: str | None = None,
-                   weights: str | None = None) -> Callable[[], Engine]:
+                   weights: str | None = None, draft_model: str | None = None) -> Callable[[], Engine]:
     """The engine with its adapters, or a `StartError` naming the flag whose value did not load."""
     def load() -> Engine:
         try:
             engine = Engine.from_pretrained(model, device=device, dtype=dtype, max_model_len=max_model_len,
-                                            model_impl=model_impl, speculative=speculative, weights=weights)
+                                            model_impl=model_impl, speculative=speculative, weights=weights,
+                                            draft_model=draft_model)
         except Exception as exc:
             raise StartError(f"--model {model or EMBEDDED_NAME!r} could not be loaded: "
                              f"{type(exc).__name__}: {exc}") from exc
@@ -250,7 +255,7 @@ def serve(args: Any, config: ServerConfig, adapters: dict[str, str], name: str) 
     ready = Ready(name, stop)
     app = build_app(ready.loader(engine_factory(
         args.model, args.device, args.dtype, adapters, args.max_model_len, args.model_impl, args.speculative,
-        args.weights)), config,
+        args.weights, args.draft_model)), config,
                     model_name=name)
     server = Server(uvicorn.Config(app, host=args.host, port=args.port, timeout_graceful_shutdown=args.grace,
                                    log_level="info", http=header_deadline_protocol(
