@@ -1,22 +1,29 @@
 """Speculative decoding that changes no bit: the same workloads with speculation off and on.
 
-For each model and dtype, one process holds two engines over the same weights, `speculative="off"`
-and `speculative="ngram"` (drafts from each question's own text, priced by the engine's cost
-model), and times each workload on them in alternating rounds (off, on, off, on, ...), each
-round with fresh prefix-cache keys; best of `--rounds` per engine. Workloads (bench_invariance's
-prompts): "one" (the first RAG question alone), "rag16" (16 RAG questions with their own
-passages), "docqa" (20 questions on one ~1,500-token document); greedy, answers ending at their
-end-of-text or at --max-tokens. Reported per row: wall seconds off and on and their ratio, the
-passes and decode steps each took, the draft tokens verified and the share taken, tokens per
-decode step, and whether every answer's token ids are the same (they must be: speculation changes
-no bit on the batch-invariant path).
+For each model and dtype, one process holds engines over the same weights — `speculative="off"`,
+`"ngram"` (drafts from each question's own text) and, with --draft-model, `"model"` (drafts
+written by that smaller model) — and times each workload on them in alternating rounds (off,
+ngram, model, off, ...), each round with fresh prefix-cache keys; best of `--rounds` per engine.
+Workloads (bench_invariance's prompts): "one" (the first RAG question alone), "rag16" (16 RAG
+questions with their own passages), "docqa" (20 questions on one ~1,500-token document); greedy,
+answers ending at their end-of-text or at --max-tokens. Reported per mode: wall seconds off and
+on and their ratio, the passes and decode steps each took, the draft tokens verified and the
+share taken, the seconds the draft model took, tokens per decode step, and whether every answer's
+token ids are the same as off's (they must be: speculation changes no bit on the batch-invariant
+path).
 
-Models: the embedded SmolLM2-135M-Instruct, or ``--model llama-0.7b``, a 0.7B Llama of random
-weights built in --model-dir (its answers copy nothing, so drafts are rarely taken: there the
-question is whether the scheduler turns them down so that nothing gets slower).
+Models: the embedded SmolLM2-135M-Instruct; ``--model llama-0.7b``, a 0.7B Llama of random weights
+built in --model-dir (its answers copy nothing, so drafts are rarely taken: there the question is
+whether the scheduler turns them down so that nothing gets slower); or ``--model smollm2-silent``,
+the embedded model with --silent-layers more layers that add exactly zero (`random_models.
+with_silent_layers`), built in --model-dir: a model several times the embedded one's cost whose
+answers are the embedded model's bit for bit, so the embedded model (`--draft-model embedded`)
+drafts for it as a matched small model drafts for its large sibling. Its figures are those of a
+draft that nearly always agrees: an upper bound on what a real pair gains.
 
 Usage: python benchmarks/bench_speculative.py [--rounds 3] [--dtype float32 bfloat16]
-           [--workload one rag16 docqa] [--model embedded|llama-0.7b --model-dir DIR] [--out PATH]
+           [--workload one rag16 docqa] [--model embedded|llama-0.7b|smollm2-silent --model-dir DIR]
+           [--draft-model embedded|FOLDER [--draft-dtype bfloat16]] [--out PATH]
 """
 
 from __future__ import annotations
@@ -34,7 +41,8 @@ from machine import cpu_line  # noqa: E402
 
 RESULTS_MD = Path(__file__).resolve().parent / "results" / "bench_speculative.md"
 MAX_TOKENS = {"one": 48, "rag16": 48, "docqa": 32}
-COUNTERS = ("forward_passes", "decode_steps", "generated_tokens", "draft_tokens", "draft_accepted_tokens")
+COUNTERS = ("forward_passes", "decode_steps", "generated_tokens", "draft_tokens", "draft_accepted_tokens",
+            "draft_seconds")
 
 
 def timed(engine: Any, prompts: list[Any], max_tokens: int, salt: str) -> dict[str, Any]:
@@ -50,10 +58,13 @@ def timed(engine: Any, prompts: list[Any], max_tokens: int, salt: str) -> dict[s
             **{key: after[key] - before[key] for key in COUNTERS}}
 
 
-def measure(model: str | None, dtype: str, workloads: list[str], rounds: int) -> list[dict[str, Any]]:
+def measure(model: str | None, dtype: str, workloads: list[str], rounds: int,
+            draft: Any = None) -> list[dict[str, Any]]:
     from kev_engine import Engine
 
     engines = {mode: Engine.from_pretrained(model, dtype=dtype, speculative=mode) for mode in ("off", "ngram")}
+    if draft is not None:
+        engines["model"] = Engine.from_pretrained(model, dtype=dtype, speculative="model", draft_model=draft)
     rows = []
     try:
         for engine in engines.values():
@@ -66,34 +77,51 @@ def measure(model: str | None, dtype: str, workloads: list[str], rounds: int) ->
                     print(f"  {workload} {dtype} {mode} round {round_}: {run['wall_s']:.3f} s", flush=True)
                     if mode not in best or run["wall_s"] < best[mode]["wall_s"]:
                         best[mode] = run
-            off, on = best["off"], best["ngram"]
-            rows.append({"dtype": dtype, "workload": workload, "off": off, "on": on, "same": off["ids"] == on["ids"],
-                         "kernels": engines["off"].stats()["dtype_choice"]})
+            off = best["off"]
+            for mode in engines:
+                if mode != "off":
+                    rows.append({"dtype": dtype, "workload": workload, "mode": mode, "off": off, "on": best[mode],
+                                 "same": off["ids"] == best[mode]["ids"],
+                                 "kernels": engines["off"].stats()["dtype_choice"]})
     finally:
         for engine in engines.values():
             engine.close()
     return rows
 
 
-def report(rows: list[dict[str, Any]], model: str, rounds: int) -> str:
+def report(rows: list[dict[str, Any]], model: str, rounds: int, draft: str | None) -> str:
     import torch
 
-    lines = [f"# bench_speculative: speculation off vs on ({model}; {cpu_line()}; torch {torch.__version__}, "
-             f"{platform.machine()}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})", "",
+    drafted_by = f"; draft model: {draft}" if draft else ""
+    lines = [f"# bench_speculative: speculation off vs on ({model}{drafted_by}; {cpu_line()}; torch "
+             f"{torch.__version__}, {platform.machine()}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})", "",
              f"Wall = best of {rounds} alternating rounds per engine; greedy; the same answers required.", "",
-             "| dtype | workload | off s | on s | on / off | passes off / on | decode steps off / on | "
-             "drafted | taken | tokens per decode step off / on | same answers |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| dtype | workload | mode | off s | on s | on / off | passes off / on | decode steps off / on | "
+             "drafted | taken | draft model s | tokens per decode step off / on | same answers |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         off, on = row["off"], row["on"]
         taken = f"{on['draft_accepted_tokens']} ({on['draft_accepted_tokens'] / on['draft_tokens']:.0%})" \
             if on["draft_tokens"] else "0"
         per_step = [r["generated_tokens"] / max(r["decode_steps"], 1) for r in (off, on)]
-        lines.append(f"| {row['dtype']} | {row['workload']} | {off['wall_s']:.3f} | {on['wall_s']:.3f} | "
-                     f"{on['wall_s'] / off['wall_s']:.2f}x | {off['forward_passes']} / {on['forward_passes']} | "
-                     f"{off['decode_steps']} / {on['decode_steps']} | {on['draft_tokens']} | {taken} | "
+        lines.append(f"| {row['dtype']} | {row['workload']} | {row['mode']} | {off['wall_s']:.3f} | "
+                     f"{on['wall_s']:.3f} | {on['wall_s'] / off['wall_s']:.2f}x | "
+                     f"{off['forward_passes']} / {on['forward_passes']} | "
+                     f"{off['decode_steps']} / {on['decode_steps']} | "
+                     f"{on['draft_tokens']} | {taken} | {on['draft_seconds']:.3f} | "
                      f"{per_step[0]:.1f} / {per_step[1]:.1f} | {'yes' if row['same'] else 'NO'} |")
     return "\n".join(lines) + "\n"
+
+
+def silent_model(folder: Path, extra: int) -> Path:
+    """The embedded model with `extra` silent layers in `folder` (built once)."""
+    import random_models
+
+    from kev_engine import loader
+
+    if not (folder / "config.json").exists():
+        random_models.with_silent_layers(loader.converted_gguf_dir(loader.embedded_gguf()), extra, folder)
+    return folder
 
 
 def main() -> None:
@@ -101,20 +129,39 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
     ap.add_argument("--workload", nargs="+", default=list(MAX_TOKENS), choices=list(MAX_TOKENS))
-    ap.add_argument("--model", default="embedded", choices=MODELS)
-    ap.add_argument("--model-dir", dest="model_dir", help="where a random-weight --model is built (and reused)")
+    ap.add_argument("--model", default="embedded", choices=(*MODELS, "smollm2-silent"))
+    ap.add_argument("--model-dir", dest="model_dir", help="where a built --model is built (and reused)")
+    ap.add_argument("--silent-layers", dest="silent_layers", type=int, default=90,
+                    help="smollm2-silent: the layers added to the embedded model's 30")
+    ap.add_argument("--draft-model", dest="draft_model",
+                    help="also time speculative='model' with this draft: 'embedded' or a model folder")
+    ap.add_argument("--draft-dtype", dest="draft_dtype", default="bfloat16", choices=["float32", "bfloat16"])
     ap.add_argument("--out", default=str(RESULTS_MD), help="the report's path (.md; its .json beside it)")
     args = ap.parse_args()
     model = None
     if args.model != "embedded":
         if not args.model_dir:
             ap.error(f"--model {args.model} needs --model-dir")
-        model = str(build_model(args.model, Path(args.model_dir), None))
-    rows = [row for dtype in args.dtype for row in measure(model, dtype, args.workload, args.rounds)]
+        folder = Path(args.model_dir)
+        model = str(silent_model(folder, args.silent_layers) if args.model == "smollm2-silent"
+                    else build_model(args.model, folder, None))
+    draft = None
+    if args.draft_model:
+        from kev_engine import Engine
+
+        draft = Engine.from_pretrained(None if args.draft_model == "embedded" else args.draft_model,
+                                       dtype=args.draft_dtype, speculative="off")
+    try:
+        rows = [row for dtype in args.dtype for row in measure(model, dtype, args.workload, args.rounds, draft)]
+    finally:
+        if draft is not None:
+            draft.close()
     for row in rows:  # the answers are compared above; the report keeps counters, not ids
-        row["off"].pop("ids")
-        row["on"].pop("ids")
-    write_report(args.out, report(rows, args.model, args.rounds), rows)
+        row["off"].pop("ids", None)
+        row["on"].pop("ids", None)
+    name = args.model if args.model != "smollm2-silent" else f"smollm2-silent (+{args.silent_layers} layers)"
+    draft_name = None if draft is None else f"{args.draft_model} in {args.draft_dtype}"
+    write_report(args.out, report(rows, name, args.rounds, draft_name), rows)
     if not all(row["same"] for row in rows):
         sys.exit("speculation changed an answer: see the report")
 

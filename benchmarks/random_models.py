@@ -116,3 +116,37 @@ def first_layers(source: Path, layers: int, out: Path) -> Path:
                 kept[name] = tensor
     save_file(kept, out / "model.safetensors", metadata={"format": "pt"})
     return out
+
+
+def with_silent_layers(source: Path, extra: int, out: Path, seed: int = 0) -> Path:
+    """A model folder at `out`: `source`'s layers, then `extra` more whose attention and MLP outputs
+    are multiplied by zero weights (o_proj, down_proj) and whose other weights are random. Each
+    silent layer adds exactly zero to the residual, so the model's tokens and logits are `source`'s
+    bit for bit while every step reads and computes those layers too: a large model whose greedy
+    answers `source` knows, the stand-in for a matched target and draft pair (Qwen2.5-7B with
+    Qwen2.5-0.5B) on a machine that cannot download one."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    config = json.loads((source / "config.json").read_text())
+    layers = config["num_hidden_layers"]
+    copy_model_files(source, out)
+    config["num_hidden_layers"] = layers + extra
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    tensors: dict[str, torch.Tensor] = {}
+    for path in source.glob("*.safetensors"):
+        tensors.update(load_file(path))
+    generator = torch.Generator().manual_seed(seed)
+    template = {name.split(".", 3)[3]: tensor for name, tensor in tensors.items() if name.startswith("model.layers.0.")}
+    for index in range(layers, layers + extra):
+        for part, like in template.items():
+            if part.endswith(("o_proj.weight", "down_proj.weight")):
+                value = torch.zeros_like(like)
+            elif part.endswith("norm.weight"):
+                value = torch.ones_like(like)
+            else:
+                value = torch.randn(like.shape, generator=generator, dtype=torch.float32).mul_(0.02).to(like.dtype)
+            tensors[f"model.layers.{index}.{part}"] = value
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    return out

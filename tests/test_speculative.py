@@ -378,6 +378,16 @@ def test_a_draft_model_that_does_not_pay_is_turned_down(tokenizer) -> None:
         assert WARMUP_DRAFTS <= draft.drafting <= WARMUP_DRAFTS + draft.passes // PROBE_EVERY + 1
 
 
+def test_a_draft_model_writes_no_draft_that_no_pass_would_take(tokenizer) -> None:
+    """Rows that cost what tokens are worth (no fixed part in a pass): no draft would price in,
+    so the draft model is never asked for one."""
+    with drafted_by("llama", tokenizer, 0) as on:
+        on._scheduler.cost = CostModel(Work.of(on.model), seconds_per_flop=1e-9, fixed_s=0.0, learn=False)
+        on.generate(QUESTIONS, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+        assert verified(on) == (0, 0)
+        assert on._draft.passes > 0 and on._draft.drafting == 0
+
+
 def test_a_draft_model_is_checked_before_it_drafts(tokenizer, embedded_dir) -> None:
     from transformers import AutoTokenizer
 

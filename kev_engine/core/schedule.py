@@ -342,14 +342,23 @@ class Scheduler:
 
     def wanted_drafts(self, in_flight: frozenset[int] = frozenset()) -> list[tuple[Request, list[int], int]]:
         """The decoding questions a draft model should write for before the next pass is planned:
-        (request, its tokens now, the most draft tokens it may take). None before a pass was timed
-        (no draft is priced in then), nor where a pass of the decoding rows has no row to spare
-        in its product shape (`_drafts`)."""
+        (request, its tokens now, the most draft tokens it may take), at most as many questions
+        as a pass of their rows has rows to spare in its product shape, the likeliest taken
+        first, and only those whose first draft token would price in beside a pass of decode
+        rows alone (`_drafts` decides for the pass itself): a draft no pass takes is not written.
+        None before a pass was timed (no draft is priced in then)."""
         decoding = [r for r in self.running if r.decoding and r.drafter is not None and id(r) not in in_flight]
-        room = self.rows_alike(len(decoding)) - len(decoding) if decoding else 0
-        if room <= 0 or self.cost is None or not self.cost.ready:
+        rows = len(decoding)
+        room = self.rows_alike(rows) - rows if decoding else 0
+        seconds = self.predict(self.cost.work.dense(rows, rows), 0.0) if room > 0 and self.cost is not None else None
+        if seconds is None:
             return []
-        wanted = [(request, request.all_ids, _draft_limit(request, room)) for request in decoding]
+        more = self.predict(self.cost.work.dense(rows + 1, rows + 1), 0.0) or seconds
+        extra = max(more - seconds, self.row_cost.per_row() or 0.0)
+        chances = {id(r): self.acceptance.chances(r.drafter, 1)[0] for r in decoding if r.drafter is not None}
+        paying = [r for r in decoding if chances[id(r)] * seconds > DRAFT_MARGIN * rows * extra]
+        paying.sort(key=lambda r: -chances[id(r)])
+        wanted = [(request, request.all_ids, _draft_limit(request, room)) for request in paying[:room]]
         return [item for item in wanted if item[2] > 0]
 
     def decode_row_seconds(self, rows: int) -> float | None:

@@ -33,6 +33,7 @@ ENGINE_COUNTERS = {  # engine stat → (metric, help)
     "generated_tokens": ("kev_generated_tokens_total", "Tokens generated."),
     "draft_tokens": ("kev_draft_tokens_total", "Draft tokens verified in packed passes (speculative decoding)."),
     "draft_accepted_tokens": ("kev_draft_accepted_tokens_total", "Of the draft tokens, those the answers took."),
+    "draft_seconds": ("kev_draft_model_seconds_total", "Time a draft model (speculative='model') spent drafting."),
     "prefix_hit_tokens": ("kev_prefix_hit_tokens_total", "Prompt tokens whose KV was reused from a shared prefix."),
     "adapter_evictions": ("kev_adapter_evictions_total", "Adapters evicted from the GPU/CPU slots."),
     "preemptions": ("kev_preemptions_total", "Requests preempted for KV memory."),
