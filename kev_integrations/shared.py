@@ -98,25 +98,28 @@ def resolve_engine(
     api_key: str | None = None,
     max_retries: int = 0,
     speculative: str | None = None,
+    draft_model: str | None = None,
 ) -> EngineLike:
     """The engine an integration object runs on: the one it was given (its adapters loaded into
     it), else a running `kev serve` at `base_url` (`max_retries`: see `RemoteEngine`), else the
-    shared one for (source, device, dtype), built with `speculative` where it is given."""
+    shared one for (source, device, dtype), built with `speculative` and `draft_model` where they
+    are given."""
     if engine is not None and base_url is not None:
         raise ValueError("give engine= or base_url=, not both")
-    if engine is not None and speculative is not None:
-        raise ValueError("speculative= configures an engine this object builds; the engine= given has its own")
+    if engine is not None and (speculative is not None or draft_model is not None):
+        raise ValueError("speculative= and draft_model= configure an engine this object builds; the engine= given "
+                         "has its own")
     if base_url is not None:
-        if source is not None or device is not None or dtype is not None or speculative is not None:
-            raise ValueError(f"model/device/dtype/speculative are chosen by the server at {base_url}; "
+        if any(value is not None for value in (source, device, dtype, speculative, draft_model)):
+            raise ValueError(f"model/device/dtype/speculative/draft_model are chosen by the server at {base_url}; "
                              "leave them unset")
         client = remote_engine(base_url, api_key, max_retries)
         for name, path in adapters.items():  # the server holds adapters: only check they are there
             client.load_adapter(name, path)
         return client
     if engine is None:
-        return shared_engine(source, device, dtype, adapters,
-                             **({"speculative": speculative} if speculative is not None else {}))
+        settings = {"speculative": speculative, "draft_model": draft_model}
+        return shared_engine(source, device, dtype, adapters, **{k: v for k, v in settings.items() if v is not None})
     load_adapters(engine, adapters)
     return engine
 

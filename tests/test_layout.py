@@ -28,7 +28,8 @@ ENGINE_LEVELS = {
     "errors": 0, "results": 0,  # plain types every stage may import
     **{stage: i + 1 for i, stage in enumerate(STAGES[:-1])},
     # the top modules that compose the stages, then the command over them, then the package's surface
-    "engine": 9, "engine_like": 9, "stepper": 9, "runner": 9, "loader": 9, "tools": 10, "__init__": 11, "__main__": 11,
+    "engine": 9, "engine_like": 9, "stepper": 9, "runner": 9, "loader": 9, "draft_model": 9,
+    "tools": 10, "__init__": 11, "__main__": 11,
 }
 # kev_integrations: its top modules are shared helpers, the front ends over them, Ray over the server, the command
 INTEGRATION_LEVELS = {"langchain": 1, "llamaindex": 1, "server": 1, "ray": 2, "cli": 3, "__main__": 4, "__init__": 4}
@@ -116,8 +117,8 @@ def test_the_folders_are_the_stages_and_each_says_which() -> None:
         doc = ast.get_docstring(ast.parse((ENGINE / stage / "__init__.py").read_text()))
         assert doc and len(doc) > 80, stage
     loose = sorted(p.name for p in ENGINE.glob("*.py"))
-    assert loose == ["__init__.py", "__main__.py", "engine.py", "engine_like.py", "errors.py", "loader.py",
-                     "results.py", "runner.py", "stepper.py"]
+    assert loose == ["__init__.py", "__main__.py", "draft_model.py", "engine.py", "engine_like.py", "errors.py",
+                     "loader.py", "results.py", "runner.py", "stepper.py"]
 
 
 def test_imports_go_one_way_through_the_engines_stages() -> None:

@@ -506,6 +506,10 @@ def test_chatkev_kevllm_and_llamaindex_build_their_engine_with_speculative(built
     assert [call.get("speculative") for call in built] == ["off", "ngram", "auto"]
     ChatKev(device="cpu", dtype="float32").get_engine()  # the same engine: no new load, no conflict
     assert len(built) == 3
+    KevLLM(speculative="model", draft_model="small", device="cpu", dtype="float32", model="big").get_engine()
+    Kev(draft_model="small", device="cpu", dtype="float32", model="large").get_engine()
+    assert [(call.get("speculative"), call.get("draft_model")) for call in built[3:]] == \
+        [("model", "small"), (None, "small")]
 
 
 def test_the_front_ends_refuse_a_bad_mode_and_one_they_cannot_apply(tiny_engine: Engine) -> None:
@@ -520,6 +524,8 @@ def test_the_front_ends_refuse_a_bad_mode_and_one_they_cannot_apply(tiny_engine:
         Kev(speculative="eagle")
     with pytest.raises(ValueError, match="the engine= given has its own"):
         ChatKev(engine=tiny_engine, speculative="off").get_engine()
+    with pytest.raises(ValueError, match="the engine= given has its own"):
+        Kev(engine=tiny_engine, draft_model="small").get_engine()
     with pytest.raises(ValueError, match="chosen by the server"):
         ChatKev(base_url="http://127.0.0.1:9", speculative="off").get_engine()
 

@@ -39,10 +39,14 @@ class KevFields(KevSettings):  # type: ignore[misc, valid-type]  # a generated c
     """Weights dtype ("float32", "bfloat16", ...); None = the loader's choice for the device."""
     adapters: dict[str, str] = Field(default_factory=dict)
     """LoRA adapters to load on first use, name → PEFT folder; requests pick one with `adapter`."""
-    speculative: Literal["auto", "ngram", "off"] | None = None
+    speculative: Literal["auto", "ngram", "model", "off"] | None = None
     """Speculative decoding of the engine this object builds (`Engine(speculative=...)`): drafts
-    from each question's own text verified in the packed pass, the same tokens bit for bit; None
-    = ``KEV_SPECULATIVE``, else "auto" (on where the engine is batch-invariant)."""
+    from each question's own text ("ngram") or from `draft_model` ("model") verified in the packed
+    pass, the same tokens bit for bit; None = ``KEV_SPECULATIVE``, else "auto" (on where the engine
+    is batch-invariant: "model" with a draft model, else "ngram")."""
+    draft_model: str | None = None
+    """A smaller model with the same tokenizer that drafts for the engine this object builds (a
+    folder, .gguf file or hub id; `Engine(draft_model=...)`)."""
     engine: EngineLike | None = Field(default=None, exclude=True)
     """An already built engine (a `kev_engine.Engine`, or anything `EngineLike`) to use instead of the
     shared one (not serialized)."""
@@ -93,7 +97,8 @@ class KevFields(KevSettings):  # type: ignore[misc, valid-type]  # a generated c
         """The engine to run on: the one passed in, else a `kev serve` at `base_url`, else the shared
         one (loaded on first use)."""
         return resolve_engine(self.engine, self.model, self.device, self.dtype, self.adapters,
-                              self.base_url, self.api_key, self.max_retries or 0, self.speculative)
+                              self.base_url, self.api_key, self.max_retries or 0, self.speculative,
+                              self.draft_model)
 
     @property
     def model_name(self) -> str:

@@ -206,9 +206,11 @@ class Kev(KevSettings):  # type: ignore[misc, valid-type]  # a generated subclas
     adapters: dict[str, str] = Field(
         default_factory=dict, description="LoRA adapters to load once: name -> PEFT folder."
     )
-    speculative: Literal["auto", "ngram", "off"] | None = Field(
+    speculative: Literal["auto", "ngram", "model", "off"] | None = Field(
         default=None, description="Speculative decoding of the engine this LLM builds (the same tokens bit for bit); "
-        "None = KEV_SPECULATIVE, else auto (on where the engine is batch-invariant).")
+        "None = KEV_SPECULATIVE, else auto (on where the engine is batch-invariant: model with a draft model).")
+    draft_model: str | None = Field(
+        default=None, description="A smaller model with the same tokenizer that drafts (speculative='model').")
     adapter: str | None = Field(default=None, description="LoRA adapter for calls; None = the base model.")
     json_schema: dict[str, Any] | str | None = Field(
         default=None, description="Every reply satisfies this JSON schema (a dict, its JSON text or a pydantic class)."
@@ -276,7 +278,8 @@ class Kev(KevSettings):  # type: ignore[misc, valid-type]  # a generated subclas
         one (loaded on first use)."""
         if self._loaded is None:
             self._loaded = resolve_engine(self.engine, self.model, self.device, self.dtype, self.adapters,
-                                          self.base_url, self.api_key, self.max_retries or 0, self.speculative)
+                                          self.base_url, self.api_key, self.max_retries or 0, self.speculative,
+                                          self.draft_model)
         return self._loaded
 
     def with_settings(self, **settings: Any) -> Kev:
