@@ -149,5 +149,13 @@ def draft_engine(draft_model: Any, *, dtype: Any, device: Any, threads: int) -> 
     if not isinstance(draft_model, str):
         raise TypeError(f"draft_model={draft_model!r} is not allowed; give a model's folder, .gguf file or hub id, "
                         "or a Kev Engine")
-    engine = Engine.from_pretrained(draft_model, dtype=dtype, device=device, speculative="off", threads=threads)
+    try:
+        engine = Engine.from_pretrained(draft_model, dtype=dtype, device=device, speculative="off", threads=threads)
+    except (OSError, ValueError) as exc:  # said as the draft model's, in the error's own type where it takes a message
+        message = f"draft_model={draft_model!r} could not be loaded: {exc}"
+        try:
+            error = type(exc)(message)
+        except TypeError:
+            error = ValueError(message)
+        raise error from exc
     return engine, True

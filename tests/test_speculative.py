@@ -411,6 +411,8 @@ def test_a_draft_model_is_checked_before_it_drafts(tokenizer, embedded_dir) -> N
                    batch_invariant=False)
         with pytest.raises(ValueError, match="speculative='model' needs draft_model="):
             Engine.from_pretrained("/nonexistent", speculative="model")  # before the load
+        with pytest.raises(FileNotFoundError, match="draft_model='/nonexistent/draft' could not be loaded"):
+            Engine(tiny_model("llama", tokenizer), tokenizer, draft_model="/nonexistent/draft")
     finally:
         drafting.close()
         stranger.close()
