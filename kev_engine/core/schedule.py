@@ -344,9 +344,9 @@ class Scheduler:
         """The decoding questions a draft model should write for before the next pass is planned:
         (request, its tokens now, the most draft tokens it may take), at most as many questions
         as a pass of their rows has rows to spare in its product shape, the likeliest taken
-        first, and only those whose first draft token would price in beside a pass of decode
-        rows alone (`_drafts` decides for the pass itself): a draft no pass takes is not written.
-        None before a pass was timed (no draft is priced in then)."""
+        first, each its share of those rows, and only those whose first draft token would price
+        in beside a pass of decode rows alone (`_drafts` decides for the pass itself): a draft no
+        pass takes is not written. None before a pass was timed (no draft is priced in then)."""
         decoding = [r for r in self.running if r.decoding and r.drafter is not None and id(r) not in in_flight]
         rows = len(decoding)
         room = self.rows_alike(rows) - rows if decoding else 0
@@ -357,8 +357,10 @@ class Scheduler:
         extra = max(more - seconds, self.row_cost.per_row() or 0.0)
         chances = {id(r): self.acceptance.chances(r.drafter, 1)[0] for r in decoding if r.drafter is not None}
         paying = [r for r in decoding if chances[id(r)] * seconds > DRAFT_MARGIN * rows * extra]
-        paying.sort(key=lambda r: -chances[id(r)])
-        wanted = [(request, request.all_ids, _draft_limit(request, room)) for request in paying[:room]]
+        paying = sorted(paying, key=lambda r: -chances[id(r)])[:room]
+        share = -(-room // len(paying)) if paying else 0  # each its share of the spare rows: no draft token
+        # is written that the pass has no row for (a draft model's passes are as many as its longest draft)
+        wanted = [(request, request.all_ids, _draft_limit(request, share)) for request in paying]
         return [item for item in wanted if item[2] > 0]
 
     def decode_row_seconds(self, rows: int) -> float | None:
