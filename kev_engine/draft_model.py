@@ -15,7 +15,8 @@ Drafting costs passes of the draft model before every pass of the target, whatev
 it is turned down where it does not pay: the seconds spent drafting are weighed against the
 target passes the taken tokens saved (each taken token saves a decode pass of one question, a
 share of a pass of many), over a window that forgets; where drafting costs more, only every
-PROBE_EVERY-th pass drafts, to learn whether that has changed.
+PROBE_EVERY-th pass drafts, to learn whether that has changed. A draft model that raises (closed
+under the engine, say) is warned of and drafts no more: drafts are optional, answers go on.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ log = logging.getLogger("kev")
 
 WARMUP_DRAFTS = 8  # drafting passes before the draft model is judged on what it saved
 PROBE_EVERY = 16  # where drafting does not pay, one pass in this many still drafts (to learn)
-FORGET = 0.95  # each drafting pass, what the earlier seconds spent and saved still weigh
+FORGET = 0.95  # each pass, what the earlier seconds spent and saved still weigh
 
 
 class DraftModel:
@@ -58,6 +59,7 @@ class DraftModel:
         self.passes = 0  # target passes prepared for
         self.drafting = 0  # of those, the ones that drafted
         self._pending: list[tuple[ModelDrafter, int, int]] = []  # the last drafts: (drafter, taken before, rows)
+        self.failed: str | None = None  # the draft engine raised: why (no more drafts)
 
     @property
     def name(self) -> str:
@@ -68,20 +70,16 @@ class DraftModel:
         `generate` of the draft engine, greedy — unless drafting has not paid lately."""
         self._learn()
         self.passes += 1
-        if not wanted or not self._pays():
+        if not wanted or self.failed is not None or not self._pays():
             return
         started = time.perf_counter()
-        engine = self.engine
-        prompts = [{"prompt_token_ids": ids} for _, ids, _ in wanted]
-        sampling = [SamplingParams(temperature=0, max_tokens=limit) for _, _, limit in wanted]
-        with engine.hold():
-            futures = engine.submit_many(prompts, sampling)
-            while engine.has_work():
-                if engine.step() == 0:  # nothing could run (its KV pool is full): these drafts are given up
-                    for future in futures:
-                        future.cancel()
-                    engine.step()  # the cancelled leave
-                    break
+        try:
+            futures = self._generate(wanted)
+        except Exception as exc:  # noqa: BLE001 - drafts are optional: the answers go on without them
+            self.failed = f"{type(exc).__name__}: {exc}"
+            log.warning("Kev: the draft model %r failed (%s); this engine drafts no more, its answers are the same",
+                        self.name, self.failed)
+            return
         for (request, ids, _), future in zip(wanted, futures):
             drafter = request.drafter
             assert isinstance(drafter, ModelDrafter)
@@ -93,6 +91,21 @@ class DraftModel:
         rows = len(wanted)
         self._pending = [(request.drafter, request.drafter.taken_tokens, rows) for request, _, _ in wanted
                          if isinstance(request.drafter, ModelDrafter)]
+
+    def _generate(self, wanted: Sequence[tuple[Request, list[int], int]]) -> list[Future[Completion]]:
+        """The draft engine's greedy answers, its passes run here (`hold`, `step`)."""
+        engine = self.engine
+        prompts = [{"prompt_token_ids": ids} for _, ids, _ in wanted]
+        sampling = [SamplingParams(temperature=0, max_tokens=limit) for _, _, limit in wanted]
+        with engine.hold():
+            futures = engine.submit_many(prompts, sampling)
+            while engine.has_work():
+                if engine.step() == 0:  # nothing could run (its KV pool is full): these drafts are given up
+                    for future in futures:
+                        future.cancel()
+                    engine.step()  # the cancelled leave
+                    break
+        return futures
 
     def _draft(self, future: Future[Completion]) -> list[int]:
         """A draft's tokens, up to the first the target model has no row for; none where the draft

@@ -388,6 +388,16 @@ def test_a_draft_model_writes_no_draft_that_no_pass_would_take(tokenizer) -> Non
         assert on._draft.passes > 0 and on._draft.drafting == 0
 
 
+def test_a_draft_model_that_fails_stops_drafting_and_the_answers_go_on(tokenizer, caplog) -> None:
+    greedy = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)] * len(QUESTIONS)
+    with pair("llama", tokenizer) as (off, _), drafted_by("llama", tokenizer, 0) as on:
+        on._draft.engine.close()  # given as an Engine, closed under the engine it drafts for
+        with caplog.at_level("WARNING", logger="kev"):
+            assert differences(run(off, QUESTIONS, greedy), run(on, QUESTIONS, greedy)) == []
+        assert "drafts no more" in caplog.text and "closed" in on._draft.failed
+        assert verified(on) == (0, 0)
+
+
 def test_a_draft_model_is_checked_before_it_drafts(tokenizer, embedded_dir) -> None:
     from transformers import AutoTokenizer
 
