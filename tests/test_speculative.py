@@ -364,6 +364,21 @@ def test_a_draft_model_with_chunked_prefill_samples_and_adapters(tokenizer, tmp_
             off.close()
 
 
+def test_a_constrained_answer_parses_with_a_draft_model(tokenizer) -> None:
+    """The draft model writes unconstrained drafts; the grammar's matcher takes only drawn tokens."""
+    schema = {"type": "object", "properties": {"names": {"type": "array", "items": {"enum": ["Ada", "Bo", "Cy"]},
+                                                         "minItems": 6, "maxItems": 9}},
+              "required": ["names"], "additionalProperties": False}
+    with pair("llama", tokenizer) as (off, _), drafted_by("llama", tokenizer, 0) as on:
+        sampling = [SamplingParams(temperature=0, max_tokens=120, json_schema=schema)] * 2
+        prompts = [chat("List some names as JSON."), chat("Names, please.")]
+        plain, spoken = run(off, prompts, sampling), run(on, prompts, sampling)
+        assert differences(plain, spoken) == []
+        for completion, _ in spoken:
+            assert 6 <= len(json.loads(completion.text)["names"]) <= 9
+        assert verified(on)[0] > 0
+
+
 def test_a_draft_model_that_does_not_pay_is_turned_down(tokenizer) -> None:
     """Drafts that save nothing (each taken token priced at no time): after its first drafts the
     draft model drafts only for one pass in PROBE_EVERY; the answers stay the same."""
