@@ -247,6 +247,32 @@ def run_quantize(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags that choose and load the model, the same on `kev generate` and `kev serve`."""
+    parser.add_argument("--model", help="local folder, .gguf file or hub id (default: embedded SmolLM2-135M)")
+    parser.add_argument("--device", help="cpu, cuda, cuda:1... (default: cuda if available)")
+    parser.add_argument("--dtype", help="auto, float32, bfloat16, float16 (default auto: bf16 on CUDA, and on CPUs "
+                        "where bf16 measures faster than fp32; else fp32)")
+    parser.add_argument("--max-model-len", dest="max_model_len", type=int, metavar="TOKENS",
+                        help="longest question (prompt + answer) in tokens, at most the model's context (default: "
+                        "the model's); a model with a narrower sliding window loads only with this at most the window")
+    parser.add_argument("--weights", choices=("auto", "as-stored", "dense"),
+                        help="a GGUF's quantized weights: as-stored (computed in place by Kev's CPU kernels: the "
+                        "file's size in memory, the same answers), dense (dequantized into --dtype), auto (default: "
+                        "as stored in float32; in bfloat16 dense where that takes at most half the memory available)")
+    parser.add_argument("--model-impl", dest="model_impl", choices=("auto", "kev", "transformers"),
+                        help="the model's implementation: auto (default: Kev's own forward for the Llama, Mistral, "
+                        "Qwen2 and Qwen3 families, else transformers' modeling code), kev, transformers")
+    parser.add_argument("--speculative", choices=("auto", "ngram", "model", "off"),
+                        help="speculative decoding: auto (default: KEV_SPECULATIVE, else auto = model with "
+                        "--draft-model, else ngram, where the engine is batch-invariant), ngram (drafts from each "
+                        "question's own text, verified in the packed pass: the same tokens as off, bit for bit), "
+                        "model (drafts written by --draft-model), off")
+    parser.add_argument("--draft-model", dest="draft_model", metavar="MODEL",
+                        help="a smaller model with the same tokenizer that drafts (a folder, .gguf file or hub id; "
+                        "with --speculative model or auto)")
+
+
 def build_parser(extra: Sequence[Command] = ()) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kev", description="Answer many questions in one packed pass.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -255,28 +281,7 @@ def build_parser(extra: Sequence[Command] = ()) -> argparse.ArgumentParser:
     common.add_argument(
         "--file", help='JSONL, one {"question", "context"?, "id"?, sampling keys?} or {"messages"} a line; - = stdin'
     )
-    common.add_argument("--model", help="local folder, .gguf file or hub id (default: embedded SmolLM2-135M)")
-    common.add_argument("--device", help="cpu, cuda, cuda:1... (default: cuda if available)")
-    common.add_argument("--dtype", help="auto, float32, bfloat16, float16 (default auto: bf16 on CUDA, and on CPUs "
-                        "where bf16 measures faster than fp32; else fp32)")
-    common.add_argument("--max-model-len", dest="max_model_len", type=int, metavar="TOKENS",
-                        help="longest question (prompt + answer) in tokens, at most the model's context (default: "
-                        "the model's); a model with a narrower sliding window loads only with this at most the window")
-    common.add_argument("--weights", choices=("auto", "as-stored", "dense"),
-                        help="a GGUF's quantized weights: as-stored (computed in place by Kev's CPU kernels: the "
-                        "file's size in memory, the same answers), dense (dequantized into --dtype), auto (default: "
-                        "as stored in float32; in bfloat16 dense where that takes at most half the memory available)")
-    common.add_argument("--model-impl", dest="model_impl", choices=("auto", "kev", "transformers"),
-                        help="the model's implementation: auto (default: Kev's own forward for the Llama, Mistral, "
-                        "Qwen2 and Qwen3 families, else transformers' modeling code), kev, transformers")
-    common.add_argument("--speculative", choices=("auto", "ngram", "model", "off"),
-                        help="speculative decoding: auto (default: KEV_SPECULATIVE, else auto = model with "
-                        "--draft-model, else ngram, where the engine is batch-invariant), ngram (drafts from each "
-                        "question's own text, verified in the packed pass: the same tokens as off, bit for bit), "
-                        "model (drafts written by --draft-model), off")
-    common.add_argument("--draft-model", dest="draft_model", metavar="MODEL",
-                        help="a smaller model with the same tokenizer that drafts (a folder, .gguf file or hub id; "
-                        "with --speculative model or auto)")
+    add_model_arguments(common)
     common.add_argument("--system", help="system message put before every question")
     common.add_argument("--raw", action="store_true", help="send plain text, not chat messages")
     gen = commands.add_parser("generate", parents=[common], help="answer questions, one JSON line each")

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from kev_engine import EMBEDDED_NAME, Engine
+from kev_engine import EMBEDDED_NAME, Engine, cli
 
 from .config import ServerConfig, check_exposure
 
@@ -45,32 +45,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = "Serve the OpenAI-compatible API over one engine (or Ray Serve replicas with --ray)."
     parser.epilog = ENDPOINTS
     parser.formatter_class = argparse.RawDescriptionHelpFormatter  # keep the endpoint table's lines
-    parser.add_argument("--model", help="local folder, .gguf file or hub id (default: embedded SmolLM2-135M)")
+    cli.add_model_arguments(parser)
     parser.add_argument("--served-model-name", dest="served_name", help="the `model` id clients send "
                         "(default: the --model value, or the embedded model's name)")
     parser.add_argument("--adapter", dest="adapter_specs", action="append", default=[], metavar="NAME=PATH",
                         help="load a PEFT LoRA folder as NAME, served as model id NAME (repeatable)")
-    parser.add_argument("--device", help="cpu, cuda, cuda:1... (default: cuda if available)")
-    parser.add_argument("--dtype", help="auto, float32, bfloat16, float16 (default auto: bf16 on CUDA, and on CPUs "
-                        "where bf16 measures faster than fp32; else fp32)")
-    parser.add_argument("--weights", choices=("auto", "as-stored", "dense"),
-                        help="a GGUF's quantized weights: as-stored (computed in place by Kev's CPU kernels), dense "
-                        "(dequantized), auto (default: as stored in float32; in bfloat16 dense where that fits in "
-                        "half the memory)")
-    parser.add_argument("--max-model-len", dest="max_model_len", type=int, metavar="TOKENS",
-                        help="longest question (prompt + answer) in tokens, at most the model's context (default: "
-                        "the model's); a model with a narrower sliding window loads only with this at most the window")
-    parser.add_argument("--model-impl", dest="model_impl", choices=("auto", "kev", "transformers"),
-                        help="the model's implementation: auto (default: Kev's own forward for the Llama, Mistral, "
-                        "Qwen2 and Qwen3 families, else transformers' modeling code), kev, transformers")
-    parser.add_argument("--speculative", choices=("auto", "ngram", "model", "off"),
-                        help="speculative decoding: auto (default: KEV_SPECULATIVE, else auto = model with "
-                        "--draft-model, else ngram, where the engine is batch-invariant), ngram (drafts from each "
-                        "question's own text, verified in the packed pass: the same tokens as off, bit for bit), "
-                        "model (drafts written by --draft-model), off")
-    parser.add_argument("--draft-model", dest="draft_model", metavar="MODEL",
-                        help="a smaller model with the same tokenizer that drafts (a folder, .gguf file or hub id; "
-                        "with --speculative model or auto)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--api-key", dest="api_keys", action="append", metavar="KEY",
