@@ -1,5 +1,6 @@
-"""Speculative decoding that changes no bit: drafts looked up in a question's own text, verified as
-extra rows of its segment in the packed pass (kev_engine/core/drafts.py, `Stepper._walk_drafts`).
+"""Speculative decoding that changes no bit: drafts looked up in a question's own text, or written by
+a draft model (kev_engine/draft_model.py), verified as extra rows of its segment in the packed pass
+(kev_engine/core/drafts.py, `Stepper._walk_drafts`).
 
 Every comparison is bitwise: the tokens, the logits each token was drawn from (`torch.equal`), the
 logprobs and the finish reasons of an engine with speculation on against the same weights with it
@@ -8,7 +9,8 @@ greedy answers fall into loops (initializer_range 0.05), so their drafts are tak
 missed often; each test checks both happened. Whether a draft pays is priced by a cost model
 given here (a pass's fixed second dwarfs its rows: every draft joins), never by the clock. The
 control breaks invariance by the pass's row count on purpose (`reorder_by_pass_size`): there the
-same comparison finds the verified rows' differences.
+same comparison finds the verified rows' differences. The draft models are tiny engines too: the
+model's own weights (their greedy drafts mostly taken) or other random ones (mostly missed).
 """
 
 from __future__ import annotations
