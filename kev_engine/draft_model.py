@@ -80,17 +80,16 @@ class DraftModel:
             log.warning("Kev: the draft model %r failed (%s); this engine drafts no more, its answers are the same",
                         self.name, self.failed)
             return
+        self._pending = []
         for (request, ids, _), future in zip(wanted, futures):
             drafter = request.drafter
             assert isinstance(drafter, ModelDrafter)
             drafter.ready = (len(ids), self._draft(future))
+            self._pending.append((drafter, drafter.taken_tokens, len(wanted)))
         took = time.perf_counter() - started
         self.seconds += took
         self.spent_s += took
         self.drafting += 1
-        rows = len(wanted)
-        self._pending = [(request.drafter, request.drafter.taken_tokens, rows) for request, _, _ in wanted
-                         if isinstance(request.drafter, ModelDrafter)]
 
     def _generate(self, wanted: Sequence[tuple[Request, list[int], int]]) -> list[Future[Completion]]:
         """The draft engine's greedy answers, its passes run here (`hold`, `step`)."""

@@ -329,7 +329,7 @@ class Scheduler:
             if more is None:
                 break
             more = max(more, seconds + measured)
-            if more > limit_s or chance * seconds <= DRAFT_MARGIN * tokens * (more - seconds):
+            if more > limit_s or not _draft_pays(chance, seconds, tokens, more - seconds):
                 break
             depths[index] = depth
             seconds, tokens, dense, attention = more, tokens + chance, more_dense, more_attention
@@ -350,13 +350,12 @@ class Scheduler:
         decoding = [r for r in self.running if r.decoding and r.drafter is not None and id(r) not in in_flight]
         rows = len(decoding)
         room = self.rows_alike(rows) - rows if decoding else 0
-        seconds = self.predict(self.cost.work.dense(rows, rows), 0.0) if room > 0 and self.cost is not None else None
+        seconds = self._decode_seconds(rows) if room > 0 else None
         if seconds is None:
             return []
-        more = self.predict(self.cost.work.dense(rows + 1, rows + 1), 0.0) or seconds
-        extra = max(more - seconds, self.row_cost.per_row() or 0.0)
+        extra = max((self._decode_seconds(rows + 1) or seconds) - seconds, self.row_cost.per_row() or 0.0)
         chances = {id(r): self.acceptance.chances(r.drafter, 1)[0] for r in decoding if r.drafter is not None}
-        paying = [r for r in decoding if chances[id(r)] * seconds > DRAFT_MARGIN * rows * extra]
+        paying = [r for r in decoding if _draft_pays(chances[id(r)], seconds, rows, extra)]
         paying = sorted(paying, key=lambda r: -chances[id(r)])[:room]
         share = -(-room // len(paying)) if paying else 0  # each its share of the spare rows: no draft token
         # is written that the pass has no row for (a draft model's passes are as many as its longest draft)
@@ -366,8 +365,12 @@ class Scheduler:
     def decode_row_seconds(self, rows: int) -> float | None:
         """A decode pass of `rows` questions, predicted, per row: what a taken draft token saves
         there (None before a pass was timed)."""
-        seconds = None if self.cost is None else self.predict(self.cost.work.dense(rows, rows), 0.0)
+        seconds = self._decode_seconds(rows)
         return None if seconds is None else seconds / rows
+
+    def _decode_seconds(self, rows: int) -> float | None:
+        """A pass of `rows` decode rows alone, predicted from their dense work (None before a pass was timed)."""
+        return None if self.cost is None else self.predict(self.cost.work.dense(rows, rows), 0.0)
 
     def _decodes_fit(self, plan: PassBudget, rows: int) -> bool:
         """Whether `plan` with `rows` decode rows is predicted within the pass target."""
@@ -681,6 +684,12 @@ class Scheduler:
         self.adapters.unref(request.adapter)
         request.status = Status.FINISHED
         request.drafter = None  # its n-gram index: a few MB for a prompt of thousands of tokens
+
+
+def _draft_pays(chance: float, seconds: float, tokens: float, extra: float) -> bool:
+    """Whether a draft token taken with `chance`, for `extra` seconds beside a pass of `tokens`
+    sampled rows predicted at `seconds`, raises its tokens per second by DRAFT_MARGIN (`_drafts`)."""
+    return chance * seconds > DRAFT_MARGIN * tokens * extra
 
 
 def _draft_limit(request: Request, room: int) -> int:
