@@ -157,11 +157,15 @@ def tile(tensor: QuantTensor) -> torch.Tensor:
     else:
         low = (v & 0x0F).reshape(panels, blocks, f.block_k // 2, 2, LANES)  # byte j: row j at the even k, the odd
         planes.append((low[..., 0, :] | (low[..., 1, :] << 4)).reshape(panels, blocks, -1))
-    if f.high_bits:
-        width = np.uint16 if f.high_bits == 1 else np.uint32
-        shifts = (np.arange(LANES) * f.high_bits).astype(width)
-        high = ((v >> 4).astype(width) << shifts).sum(axis=-1, dtype=width)  # [panel, block, k]
+    if f.high_bits == 1:  # per k, bit j of two bytes: row j's fifth bit
+        shifts = np.arange(LANES, dtype=np.uint16)
+        high = ((v >> 4).astype(np.uint16) << shifts).sum(axis=-1, dtype=np.uint16)  # [panel, block, k]
         planes.append(np.ascontiguousarray(high).view(np.uint8).reshape(panels, blocks, -1))
+    elif f.high_bits == 2:  # per 8 k, two runs of 16 bytes: row j's two high bits at k 0, 1, 4, 5, then 2, 3, 6, 7
+        h = (v >> 4).reshape(panels, blocks, f.block_k // 8, 8, LANES)
+        first = h[..., 0, :] | h[..., 1, :] << 2 | h[..., 4, :] << 4 | h[..., 5, :] << 6
+        second = h[..., 2, :] | h[..., 3, :] << 2 | h[..., 6, :] << 4 | h[..., 7, :] << 6
+        planes.append(np.stack([first, second], axis=3).reshape(panels, blocks, -1))
     tiled = np.concatenate(planes, axis=-1)
     assert tiled.shape[-1] == LANES * f.block_bytes, (f.name, tiled.shape)
     return torch.from_numpy(np.ascontiguousarray(tiled))

@@ -7,8 +7,11 @@
 // panel's blocks along K in the file's order, each block [16 rows' scale bytes as in the file]
 // [low plane: per pair of k, 16 rows' 4-bit values (byte j: row j's at the even k low, at the odd
 // k high), or per k 16 rows' 8-bit ones]
-// [high plane: per k, the 16 rows' fifth bits (2 bytes) or fifth and sixth (4 bytes)]. Decoding
-// a k reads 16 outputs' values side by side: one vector, the layout linear.cpp's panels have.
+// [high plane: per k, the 16 rows' fifth bits (2 bytes); Q6_K's fifth and sixth bits per 8 k in
+// 32 bytes, byte j of the first 16 row j's two bits at k 0, 1, 4 and 5 (low bits first), of the
+// second at k 2, 3, 6 and 7: the order in which a 64-byte run of the low plane (its four pairs,
+// one a 128-bit lane) meets these 32 bytes loaded twice, lane by lane (quant_scaled.cpp)].
+// Decoding a k reads 16 outputs' values side by side: one vector, the layout linear.cpp's panels have.
 #pragma once
 
 #include <torch/extension.h>
@@ -82,6 +85,10 @@ inline void row_scales(const uint8_t* s, float* S, float* O) {
   }
 }
 
+// Q6_K's high plane: the 16 bytes holding k's two high bits (one a row), and their place in each byte.
+constexpr int six_byte(int k) { return k / 8 * 32 + (k & 2 ? 16 : 0); }
+constexpr int six_shift(int k) { return 2 * (k & 1) + (k & 4); }
+
 // Lane r's stored value at k of a panel's block (its low and high planes), less the format's zero.
 template <int T>
 inline int32_t stored_value(const uint8_t* block, int k, int r) {
@@ -98,9 +105,7 @@ inline int32_t stored_value(const uint8_t* block, int k, int r) {
     std::memcpy(&bits, high + k * 2, sizeof(bits));
     v |= ((bits >> r) & 1) << 4;
   } else if constexpr (f.high_bits == 2) {
-    uint32_t bits;
-    std::memcpy(&bits, high + k * 4, sizeof(bits));
-    v |= ((bits >> (2 * r)) & 3) << 4;
+    v |= ((high[six_byte(k) + r] >> six_shift(k)) & 3) << 4;
   }
   return v - f.zero;
 }
@@ -182,12 +187,10 @@ struct PanelValues {
       uint16_t h;
       std::memcpy(&h, high + k * 2, sizeof(h));
       return _mm512_or_si512(q, _mm512_maskz_set1_epi32(static_cast<__mmask16>(h), 16));
-    } else if constexpr (f.high_bits == 2) {  // lane j's two bits at 2j of k's dword: shifted into place in vectors
-      int32_t bits;
-      std::memcpy(&bits, high + k * 4, sizeof(bits));
-      const __m512i h = _mm512_set1_epi32(bits);
-      const __m512i at = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-      return _mm512_or_si512(q, _mm512_slli_epi32(_mm512_and_si512(_mm512_srlv_epi32(h, at), _mm512_set1_epi32(3)), 4));
+    } else if constexpr (f.high_bits == 2) {  // lane j's two bits in byte j of k's 16
+      const __m512i h = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(high + six_byte(k))));
+      return _mm512_or_si512(q, _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(h, six_shift(k)),
+                                                                  _mm512_set1_epi32(3)), 4));
     }
     return q;
   }
@@ -201,11 +204,26 @@ struct PanelValues {
       even = value(with_high(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(low + k * 16))), k));
       odd = value(with_high(
           _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(low + (k + 1) * 16))), k + 1));
+    } else if constexpr (f.high_bits == 0) {  // the table's lookup reads each lane's low four bits
+      const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(low + k / 2 * 16)));
+      even = _mm512_permutexvar_ps(bytes, table16());
+      odd = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table16());
+    } else if constexpr (f.high_bits == 1) {  // five bits: the lookup in two tables reads the low five
+      const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(low + k / 2 * 16)));
+      even = _mm512_permutex2var_ps(table16(), with_high(_mm512_and_si512(bytes, _mm512_set1_epi32(0x0F)), k),
+                                    table16(16));
+      odd = _mm512_permutex2var_ps(table16(), with_high(_mm512_srli_epi32(bytes, 4), k + 1), table16(16));
     } else {
       const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(low + k / 2 * 16)));
       even = value(with_high(_mm512_and_si512(bytes, _mm512_set1_epi32(0x0F)), k));
       odd = value(with_high(_mm512_srli_epi32(bytes, 4), k + 1));
     }
+  }
+  // value(q) for the stored q = from, from + 1, ..., from + 15: a lookup replaces the conversion
+  // (and the zero's subtraction) with the same exact floats
+  static inline __m512 table16(int from = 0) {
+    const float z = static_cast<float>(from - f.zero);
+    return _mm512_add_ps(_mm512_set1_ps(z), _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
   }
 };
 #define KEV_QUANT_AVX512 1

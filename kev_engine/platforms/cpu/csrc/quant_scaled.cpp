@@ -99,10 +99,88 @@ inline __m512 add_group(__m512 acc, __m512 S, __m512 O, __m512 p, const float* s
   return acc;
 }
 
+constexpr int64_t kAhead = 2;  // blocks a decode tile's prefetches run ahead
+
+// Q6_K's stored values less 32 at 8 k of a panel's block (o: k = 8o, ..., 8o + 7) as int8, out [2][4][16]:
+// the even k 8o + 2l in the l-th 16 bytes, then the odd k 8o + 2l + 1 — 128 values in a few byte
+// operations: the low plane's 64 bytes (lane l: pair l) beside the high plane's 32 loaded twice
+// (lanes: its first 16 bytes, its second, the first, the second), each lane's two bits turned into
+// bits 4-5 of its bytes.
+inline void q6k_bytes(const uint8_t* block, int o, int8_t* out) {
+  constexpr Format f = format_of(kQ6_K);
+  const uint8_t* low = block + kLanes * f.scale_bytes;
+  const uint8_t* high = low + f.block_k * 8;
+  // lanes 0, 1 hold pairs whose even k's bits are a byte's 0-1 and odd k's 2-3; lanes 2, 3: 4-5, 6-7
+  const __m512i even_turn = _mm512_setr_epi32(4, 4, 4, 4, 4, 4, 4, 4, 0, 0, 0, 0, 0, 0, 0, 0);
+  const __m512i odd_turn = _mm512_setr_epi32(2, 2, 2, 2, 2, 2, 2, 2, 30, 30, 30, 30, 30, 30, 30, 30);
+  const __m512i nibble = _mm512_set1_epi8(0x0F), bits45 = _mm512_set1_epi8(0x30), zero = _mm512_set1_epi8(32);
+  constexpr int kLowOrHigh = 0xEC;  // ternary logic (a & c) | b
+  const __m512i lo = _mm512_loadu_si512(low + o * 64);
+  const __m512i hi = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(high + o * 32)));
+  const __m512i even_hi = _mm512_and_si512(_mm512_rolv_epi32(hi, even_turn), bits45);
+  const __m512i odd_hi = _mm512_and_si512(_mm512_rolv_epi32(hi, odd_turn), bits45);
+  const __m512i even = _mm512_ternarylogic_epi32(lo, even_hi, nibble, kLowOrHigh);
+  const __m512i odd = _mm512_ternarylogic_epi32(_mm512_srli_epi16(lo, 4), odd_hi, nibble, kLowOrHigh);
+  _mm512_store_si512(out, _mm512_sub_epi8(even, zero));
+  _mm512_store_si512(out + 64, _mm512_sub_epi8(odd, zero));
+}
+
+// scaled_tile's arithmetic for Q6_K: each group's 16 k of each panel decoded to int8 by q6k_bytes
+// first (a quarter of the work of decoding each k's six bits in dword lanes), then each k's values
+// widened and converted as the tile takes them.
+template <int R, int NP>
+void q6k_tile(const float* x, int64_t ldx, const uint8_t* const* panels, int64_t blocks, float* c, int64_t ldc) {
+  constexpr Format f = format_of(kQ6_K);
+  constexpr int groups = f.block_k / f.group;
+  static_assert(f.group == 16, "a group is two runs of 8 k");
+  alignas(64) int8_t q[NP][2 * 128];
+  __m512 acc[R][NP];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NP; ++j) acc[r][j] = _mm512_setzero_ps();
+  auto values = [&](int j, int i) {  // the group's k = i's 16 values of panel j (q6k_bytes' order)
+    const int8_t* at = q[j] + i / 8 * 128 + (i & 1) * 64 + (i % 8 / 2) * 16;
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(at))));
+  };
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m512 S[NP][groups], O[NP][groups];
+    const uint8_t* block[NP];
+    for (int j = 0; j < NP; ++j) {
+      block[j] = panels[j] + b * block_bytes(f);
+      panel_scales<kQ6_K>(block[j], S[j], O[j]);
+    }
+    const float* xb = x + b * f.block_k;
+    for (int g = 0; g < groups; ++g) {
+      for (int j = 0; j < NP; ++j) {
+        if (b + kAhead < blocks)  // this group's share of the block kAhead on
+          for (int64_t at = g * block_bytes(f) / groups; at < (g + 1) * block_bytes(f) / groups; at += 64)
+            _mm_prefetch(reinterpret_cast<const char*>(block[j] + kAhead * block_bytes(f) + at), _MM_HINT_T0);
+        q6k_bytes(block[j], 2 * g, q[j]);
+        q6k_bytes(block[j], 2 * g + 1, q[j] + 128);
+      }
+      __m512 p[R][NP];
+      for (int r = 0; r < R; ++r)
+        for (int j = 0; j < NP; ++j) p[r][j] = _mm512_setzero_ps();
+      for (int i = 0; i < f.group; i += 2) {
+        const int k = g * f.group + i;
+        for (int j = 0; j < NP; ++j) {
+          const __m512 even = values(j, i), odd = values(j, i + 1);
+          for (int r = 0; r < R; ++r) p[r][j] = _mm512_fmadd_ps(_mm512_set1_ps(xb[r * ldx + k]), even, p[r][j]);
+          for (int r = 0; r < R; ++r) p[r][j] = _mm512_fmadd_ps(_mm512_set1_ps(xb[r * ldx + k + 1]), odd, p[r][j]);
+        }
+      }
+      for (int r = 0; r < R; ++r)
+        for (int j = 0; j < NP; ++j) acc[r][j] = _mm512_fmadd_ps(S[j][g], p[r][j], acc[r][j]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NP; ++j) _mm512_storeu_ps(c + r * ldc + j * kLanes, acc[r][j]);
+}
+
 // scaled_rows_generic's arithmetic for R rows x NP panels in registers.
 template <int T, int R, int NP>
 void scaled_tile(const float* x, int64_t ldx, const float* sx, int64_t ldsx, const uint8_t* const* panels,
                  int64_t blocks, float* c, int64_t ldc) {
+  if constexpr (T == kQ6_K) return q6k_tile<R, NP>(x, ldx, panels, blocks, c, ldc);
   constexpr Format f = format_of(T);
   constexpr int groups = f.block_k / f.group;
   __m512 acc[R][NP];
@@ -117,6 +195,10 @@ void scaled_tile(const float* x, int64_t ldx, const float* sx, int64_t ldsx, con
     }
     const float* xb = x + b * f.block_k;
     for (int g = 0; g < groups; ++g) {
+      if (b + kAhead < blocks)  // this group's share of the block kAhead on, for each panel
+        for (int j = 0; j < NP; ++j)
+          for (int64_t at = g * block_bytes(f) / groups; at < (g + 1) * block_bytes(f) / groups; at += 64)
+            _mm_prefetch(reinterpret_cast<const char*>(block[j] + kAhead * block_bytes(f) + at), _MM_HINT_T0);
       __m512 p[R][NP];
       for (int r = 0; r < R; ++r)
         for (int j = 0; j < NP; ++j) p[r][j] = _mm512_setzero_ps();
