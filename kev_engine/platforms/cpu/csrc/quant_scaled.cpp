@@ -220,31 +220,33 @@ void scaled_tile(const float* x, int64_t ldx, const float* sx, int64_t ldsx, con
     for (int j = 0; j < NP; ++j) _mm512_storeu_ps(c + r * ldc + j * kLanes, acc[r][j]);
 }
 
-constexpr int kChunk = 256;   // k a prefill decodes at once (whole blocks: 8 of 32, or one K-quant's)
-constexpr int kChunkGroups = 16;  // groups in a chunk at most (Q6_K's 16 of 16 weights)
+constexpr int kChunk = 128;       // k a prefill decodes at once: whole blocks of 32, or half a K-quant's
+constexpr int kChunkGroups = 8;   // groups in a chunk at most (Q6_K's 8 of 16 weights)
+constexpr int kChunkPanels = 4;   // panels a prefill's register tile spans (24 products a k for 6 rows)
 
-// scaled_tile's arithmetic for R rows x 2 panels over `groups` groups whose values (fp32,
-// [2][kChunk][16]) and scales are decoded already, acc in c (read and written back once a group:
+// scaled_tile's arithmetic for R rows x NP panels over `groups` groups whose values (fp32,
+// [NP][kChunk][16]) and scales are decoded already, acc in c (read and written back once a group:
 // exact), so a prefill decodes a chunk once for all its register tiles.
-template <int T, int R>
+template <int T, int R, int NP>
 void scaled_chunk_tile(const float* x, int64_t ldx, const float* sx, int64_t ldsx, const float* values,
                        const __m512 (*S)[kChunkGroups], const __m512 (*O)[kChunkGroups], int groups, float* c,
                        int64_t ldc) {
   constexpr Format f = format_of(T);
   for (int g = 0; g < groups; ++g) {
-    __m512 p[R][2];
-    for (int r = 0; r < R; ++r) p[r][0] = p[r][1] = _mm512_setzero_ps();
+    __m512 p[R][NP];
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < NP; ++j) p[r][j] = _mm512_setzero_ps();
     for (int i = 0; i < f.group; ++i) {
       const int k = g * f.group + i;
-      const __m512 w0 = _mm512_load_ps(values + k * kLanes), w1 = _mm512_load_ps(values + (kChunk + k) * kLanes);
+      __m512 w[NP];
+      for (int j = 0; j < NP; ++j) w[j] = _mm512_load_ps(values + (j * kChunk + k) * kLanes);
       for (int r = 0; r < R; ++r) {
         const __m512 v = _mm512_set1_ps(x[r * ldx + k]);
-        p[r][0] = _mm512_fmadd_ps(v, w0, p[r][0]);
-        p[r][1] = _mm512_fmadd_ps(v, w1, p[r][1]);
+        for (int j = 0; j < NP; ++j) p[r][j] = _mm512_fmadd_ps(v, w[j], p[r][j]);
       }
     }
     for (int r = 0; r < R; ++r) {
-      for (int j = 0; j < 2; ++j) {
+      for (int j = 0; j < NP; ++j) {
         float* at = c + r * ldc + j * kLanes;
         _mm512_storeu_ps(at, add_group<T>(_mm512_loadu_ps(at), S[j][g], O[j][g], p[r][j], sx + r * ldsx + g));
       }
@@ -252,51 +254,75 @@ void scaled_chunk_tile(const float* x, int64_t ldx, const float* sx, int64_t lds
   }
 }
 
-// A prefill's rows x `count` panels (even): per pair of panels, chunk by chunk of K (kChunk k), the
-// chunk's values decoded once into an L1 buffer and every register tile of 6 rows run over it (the
-// arithmetic of scaled_tile, acc waiting in c between chunks).
+template <int T, int NP>
+void chunk_tiles(const float* x, int64_t ldx, const float* sx, int64_t ldsx, int64_t rows, const float* values,
+                 const __m512 (*S)[kChunkGroups], const __m512 (*O)[kChunkGroups], int groups, float* c,
+                 int64_t ldc) {
+  for (int64_t r0 = 0; r0 < rows; r0 += 6) {
+    const float* xr = x + r0 * ldx;
+    const float* sr = sx + r0 * ldsx;
+    float* cr = c + r0 * ldc;
+    switch (std::min<int64_t>(6, rows - r0)) {
+      case 1: scaled_chunk_tile<T, 1, NP>(xr, ldx, sr, ldsx, values, S, O, groups, cr, ldc); break;
+      case 2: scaled_chunk_tile<T, 2, NP>(xr, ldx, sr, ldsx, values, S, O, groups, cr, ldc); break;
+      case 3: scaled_chunk_tile<T, 3, NP>(xr, ldx, sr, ldsx, values, S, O, groups, cr, ldc); break;
+      case 4: scaled_chunk_tile<T, 4, NP>(xr, ldx, sr, ldsx, values, S, O, groups, cr, ldc); break;
+      case 5: scaled_chunk_tile<T, 5, NP>(xr, ldx, sr, ldsx, values, S, O, groups, cr, ldc); break;
+      default: scaled_chunk_tile<T, 6, NP>(xr, ldx, sr, ldsx, values, S, O, groups, cr, ldc); break;
+    }
+  }
+}
+
+// A prefill's rows x `count` panels (even): per run of 4 panels (or a last 2), chunk by chunk of K
+// (kChunk k: blocks of 32 whole, a K-quant's block in halves), the chunk's values decoded once into
+// an L1 buffer and every register tile of 6 rows run over it (the arithmetic of scaled_tile, acc
+// waiting in c between chunks).
 template <int T>
 void scaled_prefill(const float* x, int64_t ldx, const float* sx, int64_t ldsx, int64_t rows,
                     const uint8_t* const* panels, int count, int64_t blocks, float* c, int64_t ldc) {
   constexpr Format f = format_of(T);
   constexpr int groups = f.block_k / f.group;
-  constexpr int64_t chunk = kChunk / f.block_k;  // blocks a chunk
-  static_assert(chunk * groups <= kChunkGroups, "a chunk's groups fit its scales");
-  alignas(64) float values[2 * kChunk * kLanes];
+  constexpr int chunk_groups = kChunk / f.group;  // groups a chunk
+  static_assert(chunk_groups <= kChunkGroups && (f.block_k % kChunk == 0 || kChunk % f.block_k == 0),
+                "a chunk is whole blocks or a whole part of one");
+  alignas(64) float values[kChunkPanels * kChunk * kLanes];
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t i = 0; i < count * kLanes; ++i) c[r * ldc + i] = 0.f;
-  for (int j = 0; j < count; j += 2) {
-    for (int64_t b0 = 0; b0 < blocks; b0 += chunk) {
-      const int64_t nb = std::min(chunk, blocks - b0);
-      __m512 S[2][kChunkGroups], O[2][kChunkGroups] = {};
-      for (int h = 0; h < 2; ++h) {
-        for (int64_t b = 0; b < nb; ++b) {
-          const uint8_t* block = panels[j + h] + (b0 + b) * block_bytes(f);
-          panel_scales<T>(block, S[h] + b * groups, O[h] + b * groups);
+  const int64_t K = blocks * f.block_k;
+  for (int j = 0; j < count; j += kChunkPanels) {
+    const int np = std::min(kChunkPanels, count - j);
+    for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
+      const int64_t span = std::min<int64_t>(kChunk, K - k0);  // a last chunk of fewer blocks of 32
+      __m512 S[kChunkPanels][kChunkGroups], O[kChunkPanels][kChunkGroups] = {};
+      for (int h = 0; h < np; ++h) {
+        for (int64_t kb = k0; kb < k0 + span; kb += f.block_k < kChunk ? f.block_k : kChunk) {
+          const uint8_t* block = panels[j + h] + kb / f.block_k * block_bytes(f);
+          const int first = static_cast<int>(kb % f.block_k);  // the chunk's first k in this block
+          __m512 s[groups], o[groups] = {};
+          panel_scales<T>(block, s, o);
+          const int g0 = static_cast<int>((kb - k0) / f.group);
+          for (int g = 0; g < std::min(groups, chunk_groups); ++g) {
+            S[h][g0 + g] = s[first / f.group + g];
+            O[h][g0 + g] = o[first / f.group + g];
+          }
           const PanelValues<T> v(block);
-          float* out = values + (h * kChunk + b * f.block_k) * kLanes;
-          for (int k = 0; k < f.block_k; k += 2) {
+          float* out = values + (h * kChunk + (kb - k0)) * kLanes;
+          for (int k = 0; k < std::min<int>(f.block_k, kChunk); k += 2) {
             __m512 even, odd;
-            v.pair(k, even, odd);
+            v.pair(first + k, even, odd);
             _mm512_store_ps(out + k * kLanes, even);
             _mm512_store_ps(out + (k + 1) * kLanes, odd);
           }
         }
       }
-      const int n = static_cast<int>(nb * groups);
-      for (int64_t r0 = 0; r0 < rows; r0 += 6) {
-        const float* xr = x + r0 * ldx + b0 * f.block_k;
-        const float* sr = sx + r0 * ldsx + b0 * groups;
-        float* cr = c + r0 * ldc + j * kLanes;
-        switch (std::min<int64_t>(6, rows - r0)) {
-          case 1: scaled_chunk_tile<T, 1>(xr, ldx, sr, ldsx, values, S, O, n, cr, ldc); break;
-          case 2: scaled_chunk_tile<T, 2>(xr, ldx, sr, ldsx, values, S, O, n, cr, ldc); break;
-          case 3: scaled_chunk_tile<T, 3>(xr, ldx, sr, ldsx, values, S, O, n, cr, ldc); break;
-          case 4: scaled_chunk_tile<T, 4>(xr, ldx, sr, ldsx, values, S, O, n, cr, ldc); break;
-          case 5: scaled_chunk_tile<T, 5>(xr, ldx, sr, ldsx, values, S, O, n, cr, ldc); break;
-          default: scaled_chunk_tile<T, 6>(xr, ldx, sr, ldsx, values, S, O, n, cr, ldc); break;
-        }
-      }
+      const float* xk = x + k0;
+      const float* sk = sx + k0 / 32;  // sums over groups of 32
+      float* cj = c + j * kLanes;
+      const int n = static_cast<int>(span / f.group);
+      if (np == kChunkPanels)
+        chunk_tiles<T, kChunkPanels>(xk, ldx, sk, ldsx, rows, values, S, O, n, cj, ldc);
+      else
+        chunk_tiles<T, 2>(xk, ldx, sk, ldsx, rows, values, S, O, n, cj, ldc);
     }
   }
 }
