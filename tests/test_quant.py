@@ -27,6 +27,7 @@ from test_invariance import alone, answers, differences, doc_questions, greedy, 
 from kev_engine import Engine, loader
 from kev_engine.models.gguf_file import GgufFile, read_header, tensor_bytes
 from kev_engine.models.quant import FORMATS, QuantTensor, tile
+from kev_engine.platforms.cpu import isa as cpu_isa
 from kev_engine.platforms.cpu import kernels as cpu_kernels
 from kev_engine.tools.cli import main as cli_main
 from kev_engine.tools.quantize import quantize
@@ -224,14 +225,18 @@ def test_weights_is_checked_and_refused_where_it_cannot_be_computed() -> None:
 
 
 def test_auto_keeps_the_blocks_where_they_measured_faster_or_dense_weights_would_not_fit(monkeypatch) -> None:
-    """float32 and bfloat16 on the AVX512-BF16 path: as stored; bfloat16 on AMX or the fma path:
-    dense where it fits in half the memory available, else as stored."""
+    """With AVX-512, float32 and bfloat16 on the AVX512-BF16 path: as stored; bfloat16 on AMX or the
+    fma path, and everything on a build without AVX-512: dense where it fits in half the memory
+    available, else as stored."""
     from kev_engine import platforms
 
-    dense_where_it_fits = cpu_kernels.load_kernels().bf16_path.path != "avx512_bf16"
+    built = cpu_kernels.load_kernels()
+    vectorized = built.quant_path == "avx512"
+    assert built.quant_path == ("avx512" if "avx512bw" in cpu_isa.cpu_flags() else "scalar")
+    bf16_dense = not vectorized or built.bf16_path.path != "avx512_bf16"
     bf16 = Engine.from_pretrained(dtype="bfloat16")
     try:
-        if dense_where_it_fits:
+        if bf16_dense:
             assert bf16.stats()["weights"] == "dense" and "fit in memory" in bf16.stats()["weights_choice"]
         else:
             assert bf16.stats()["weights"].startswith("as stored") and "block-scaled" in bf16.stats()["weights_choice"]
@@ -239,14 +244,17 @@ def test_auto_keeps_the_blocks_where_they_measured_faster_or_dense_weights_would
         bf16.close()
     fp32 = Engine.from_pretrained(dtype="float32")
     try:
-        assert fp32.stats()["weights"].startswith("as stored") and "float32" in fp32.stats()["weights_choice"]
+        if vectorized:
+            assert fp32.stats()["weights"].startswith("as stored") and "float32" in fp32.stats()["weights_choice"]
+        else:
+            assert fp32.stats()["weights"] == "dense" and "a lane at a time" in fp32.stats()["weights_choice"]
     finally:
         fp32.close()
     monkeypatch.setattr(platforms, "available_memory", lambda: 400_000_000)  # 0.27 GB of bf16 > half of it
     stored = Engine.from_pretrained(dtype="bfloat16")
     try:
         assert stored.stats()["weights"] == "as stored (210 Q4_1, 1 Q8_0)"
-        if dense_where_it_fits:
+        if bf16_dense:
             assert "would take more than 50% of the memory available (0.4 GB)" in stored.stats()["weights_choice"]
     finally:
         stored.close()

@@ -87,6 +87,7 @@ class Kernels:
         self.linear_paths: str = exact.linear_paths()
         self.quant_linear = exact.quant_linear  # products on GGUF's quantized weights (quant.cpp)
         self.quant_rows = exact.quant_rows
+        self.quant_path: str = exact.quant_path()  # "avx512" register tiles, or "scalar" (no AVX-512 here)
         self.paged_attention = exact.paged_attention
         self.paged_write_transposed = exact.paged_write_transposed
         self.silu_mul = exact.silu_mul

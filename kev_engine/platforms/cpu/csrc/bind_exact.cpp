@@ -13,6 +13,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("input"), pybind11::arg("parts"), pybind11::arg("types"), pybind11::arg("widths"),
         pybind11::arg("bias") = pybind11::none(), pybind11::arg("path") = "");
   m.def("quant_rows", &quant_rows, "Rows of a GGUF quantized weight as float32 (quant.cpp)");
+  m.def("quant_path", &quant_path, "How this build computes block-scaled products: avx512 or scalar (quant.cpp)");
   m.def("linear_paths", &linear_paths, "Which instructions compute each dtype on this machine");
   m.def("set_bf16_path", &set_bf16_path, "The bf16 path of products that name none (see linear.cpp)");
   m.def("paged_attention", &paged_attention, "Every row of a pass over its paged KV (see attention.cpp)");

@@ -32,5 +32,8 @@ at::Tensor quant_linear(const at::Tensor& input, const std::vector<at::Tensor>& 
                         const std::vector<int64_t>& widths, const c10::optional<at::Tensor>& bias,
                         const std::string& path);
 at::Tensor quant_rows(const at::Tensor& tiled, int64_t type, int64_t n, int64_t k, const at::Tensor& ids);
+// How this build computes block-scaled products (quant_scaled.cpp): "avx512" (register tiles) or "scalar"
+// (a lane at a time, what a build without AVX-512 has).
+std::string quant_path();
 at::Tensor rows_linear(const at::Tensor& input, const at::Tensor& weight);
 void bind_layer(pybind11::module& m);  // layer.cpp's DecoderLayer

@@ -256,6 +256,14 @@ at::Tensor quant_rows(const at::Tensor& tiled, int64_t type, int64_t n, int64_t 
   return out;
 }
 
+std::string quant_path() {
+#if defined(KEV_QUANT_AVX512)
+  return "avx512";
+#else
+  return "scalar";
+#endif
+}
+
 // input [M, k] (float32 or bfloat16) @ W.T (+ bias) → [M, sum(widths)], W the parts stacked: part i
 // tiled (`types[i]`, widths[i] outputs). `path`: a bf16 path for tests ("": this process's).
 at::Tensor quant_linear(const at::Tensor& input, const std::vector<at::Tensor>& parts,
