@@ -12,6 +12,12 @@ share taken, the seconds the draft model took, tokens per decode step, and wheth
 token ids are the same as off's (they must be: speculation changes no bit on the batch-invariant
 path).
 
+With --oracle, two more engines bound what any drafter could gain on this machine: "oracle" drafts
+each question's answer as speculation off wrote it (every draft token is taken; the scheduler
+prices the drafts as it does any other), and "oracle-free" drafts the same with the scheduler's
+pricing set aside (each decoding question drafts up to MAX_DRAFT tokens in every pass, whatever
+the rows cost). If a workload's "oracle-free" time is not below a goal, no drafter reaches it here.
+
 Models: the embedded SmolLM2-135M-Instruct; ``--model llama-0.7b``, a 0.7B Llama of random weights
 built in --model-dir (its answers copy nothing, so drafts are rarely taken: there the question is
 whether the scheduler turns them down so that nothing gets slower); or ``--model smollm2-silent``,
@@ -23,15 +29,17 @@ draft that nearly always agrees: an upper bound on what a real pair gains.
 
 Usage: python benchmarks/bench_speculative.py [--rounds 3] [--dtype float32 bfloat16]
            [--workload one rag16 docqa] [--model embedded|llama-0.7b|smollm2-silent --model-dir DIR]
-           [--draft-model embedded|FOLDER [--draft-dtype bfloat16]] [--out PATH]
+           [--draft-model embedded|FOLDER [--draft-dtype bfloat16]] [--oracle] [--out PATH]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import platform
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -58,22 +66,79 @@ def timed(engine: Any, prompts: list[Any], max_tokens: int, salt: str) -> dict[s
             **{key: after[key] - before[key] for key in COUNTERS}}
 
 
+class Answers:
+    """The answers speculation off wrote, by prompt ids: what the oracle engines draft from."""
+
+    def __init__(self) -> None:
+        self.by_prompt: dict[tuple[int, ...], list[int]] = {}
+
+    def drafter(self) -> type:
+        """A `Drafter` class proposing, for a question whose ids start with a known prompt, the next
+        tokens of the answer off wrote for it (found once per question, then kept)."""
+        from kev_engine.core.drafts import Drafter
+
+        answers = self.by_prompt
+
+        class Oracle(Drafter):
+            prompt_len = -1
+            answer: list[int] = []
+
+            def propose(self, ids: Any, limit: int) -> list[int]:
+                if self.prompt_len < 0:
+                    for prompt, answer in answers.items():
+                        if len(ids) > len(prompt) and tuple(ids[: len(prompt)]) == prompt:
+                            self.prompt_len, self.answer = len(prompt), answer
+                            break
+                    else:
+                        return []
+                done = len(ids) - self.prompt_len
+                return self.answer[done : done + limit]
+
+        return Oracle
+
+
+@contextlib.contextmanager
+def unpriced(engine: Any) -> Iterator[None]:
+    """`engine`'s scheduler takes every draft it is offered (up to MAX_DRAFT a question, any rows'
+    cost): its rows-alike limit lifted and `_draft_pays` always true, for the runs inside."""
+    from kev_engine.core import schedule
+
+    scheduler = engine._scheduler
+    pays, alike, budget = schedule._draft_pays, scheduler.rows_alike, scheduler.pass_time_s
+    schedule._draft_pays = lambda *args: True
+    scheduler.rows_alike = lambda rows: rows + schedule.MAX_DRAFT * max(rows, 1)
+    scheduler.pass_time_s = float("inf")
+    try:
+        yield
+    finally:
+        schedule._draft_pays, scheduler.rows_alike, scheduler.pass_time_s = pays, alike, budget
+
+
 def measure(model: str | None, dtype: str, workloads: list[str], rounds: int,
-            draft: Any = None) -> list[dict[str, Any]]:
+            draft: Any = None, oracle: bool = False) -> list[dict[str, Any]]:
     from kev_engine import Engine
 
     engines = {mode: Engine.from_pretrained(model, dtype=dtype, speculative=mode) for mode in ("off", "ngram")}
     if draft is not None:
         engines["model"] = Engine.from_pretrained(model, dtype=dtype, speculative="model", draft_model=draft)
+    answers = Answers()
+    if oracle:
+        for mode in ("oracle", "oracle-free"):
+            engines[mode] = Engine.from_pretrained(model, dtype=dtype, speculative="ngram")
+            engines[mode]._scheduler.drafter = answers.drafter()
     rows = []
     try:
         for engine in engines.values():
             engine.generate([WARM_UP] * 2)
         for workload in workloads:
             prompts, best = messages(workload), {}
+            prompt_ids = [tuple(engines["off"].encode(p)) for p in prompts]
             for round_ in range(rounds):
                 for mode, engine in engines.items():
-                    run = timed(engine, prompts, MAX_TOKENS[workload], f"{workload}-{mode}-{round_}")
+                    with unpriced(engine) if mode == "oracle-free" else contextlib.nullcontext():
+                        run = timed(engine, prompts, MAX_TOKENS[workload], f"{workload}-{mode}-{round_}")
+                    if mode == "off":
+                        answers.by_prompt.update(zip(prompt_ids, run["ids"]))
                     print(f"  {workload} {dtype} {mode} round {round_}: {run['wall_s']:.3f} s", flush=True)
                     if mode not in best or run["wall_s"] < best[mode]["wall_s"]:
                         best[mode] = run
@@ -136,6 +201,8 @@ def main() -> None:
     ap.add_argument("--draft-model", dest="draft_model",
                     help="also time speculative='model' with this draft: 'embedded' or a model folder")
     ap.add_argument("--draft-dtype", dest="draft_dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    ap.add_argument("--oracle", action="store_true",
+                    help="also time drafts that are the answers themselves, priced and unpriced (the ceiling)")
     ap.add_argument("--out", default=str(RESULTS_MD), help="the report's path (.md; its .json beside it)")
     args = ap.parse_args()
     model = None
@@ -152,7 +219,8 @@ def main() -> None:
         draft = Engine.from_pretrained(None if args.draft_model == "embedded" else args.draft_model,
                                        dtype=args.draft_dtype, speculative="off")
     try:
-        rows = [row for dtype in args.dtype for row in measure(model, dtype, args.workload, args.rounds, draft)]
+        rows = [row for dtype in args.dtype
+                for row in measure(model, dtype, args.workload, args.rounds, draft, args.oracle)]
     finally:
         if draft is not None:
             draft.close()
