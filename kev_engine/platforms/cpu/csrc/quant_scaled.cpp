@@ -21,7 +21,8 @@
 //
 // Threads: a product's tasks (a run of 8 panels x a run of up to 96 rows) are claimed from a
 // counter. A decode pass's rows (at most 6) are one register tile that decodes the panels' values
-// as it goes; a prefill's values are decoded 256 k at a time into an L1 buffer for all its tiles.
+// as it goes (Q6_K's a group at a time, to int8 in L1 first); a prefill's values are decoded 128 k
+// of 4 panels at a time into an L1 buffer for all its tiles.
 #include <torch/extension.h>
 
 #include <algorithm>
