@@ -102,6 +102,14 @@ inline __m512 add_group(__m512 acc, __m512 S, __m512 O, __m512 p, const float* s
 
 constexpr int64_t kAhead = 2;  // blocks a decode tile's prefetches run ahead
 
+// From block b of one of a tile's np panels (a part's panels lie one after another, `blocks` blocks
+// each), the bytes to the block kAhead on: in the same panel, or past its end in the panel the next
+// tile takes in its place (np panels on), so that tile's first blocks are on their way too. A
+// prefetch past the part's end is dropped by the CPU (it never faults).
+inline int64_t ahead(int64_t b, int64_t blocks, int np, int64_t bytes) {
+  return (kAhead + (b + kAhead < blocks ? 0 : (np - 1) * blocks)) * bytes;
+}
+
 // Q6_K's stored values less 32 at 8 k of a panel's block (o: k = 8o, ..., 8o + 7) as int8, out [2][4][16]:
 // the even k 8o + 2l in the l-th 16 bytes, then the odd k 8o + 2l + 1 — 128 values in a few byte
 // operations: the low plane's 64 bytes (lane l: pair l) beside the high plane's 32 loaded twice
@@ -152,9 +160,9 @@ void q6k_tile(const float* x, int64_t ldx, const uint8_t* const* panels, int64_t
     const float* xb = x + b * f.block_k;
     for (int g = 0; g < groups; ++g) {
       for (int j = 0; j < NP; ++j) {
-        if (b + kAhead < blocks)  // this group's share of the block kAhead on
-          for (int64_t at = g * block_bytes(f) / groups; at < (g + 1) * block_bytes(f) / groups; at += 64)
-            _mm_prefetch(reinterpret_cast<const char*>(block[j] + kAhead * block_bytes(f) + at), _MM_HINT_T0);
+        for (int64_t at = g * block_bytes(f) / groups; at < (g + 1) * block_bytes(f) / groups; at += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(block[j] + ahead(b, blocks, NP, block_bytes(f)) + at),
+                       _MM_HINT_T0);  // this group's share of the block kAhead on
         q6k_bytes(block[j], 2 * g, q[j]);
         q6k_bytes(block[j], 2 * g + 1, q[j] + 128);
       }
@@ -196,10 +204,10 @@ void scaled_tile(const float* x, int64_t ldx, const float* sx, int64_t ldsx, con
     }
     const float* xb = x + b * f.block_k;
     for (int g = 0; g < groups; ++g) {
-      if (b + kAhead < blocks)  // this group's share of the block kAhead on, for each panel
-        for (int j = 0; j < NP; ++j)
-          for (int64_t at = g * block_bytes(f) / groups; at < (g + 1) * block_bytes(f) / groups; at += 64)
-            _mm_prefetch(reinterpret_cast<const char*>(block[j] + kAhead * block_bytes(f) + at), _MM_HINT_T0);
+      for (int j = 0; j < NP; ++j)  // this group's share of the block kAhead on, for each panel
+        for (int64_t at = g * block_bytes(f) / groups; at < (g + 1) * block_bytes(f) / groups; at += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(block[j] + ahead(b, blocks, NP, block_bytes(f)) + at),
+                       _MM_HINT_T0);
       __m512 p[R][NP];
       for (int r = 0; r < R; ++r)
         for (int j = 0; j < NP; ++j) p[r][j] = _mm512_setzero_ps();
