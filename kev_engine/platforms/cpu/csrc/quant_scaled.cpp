@@ -134,80 +134,62 @@ inline void q6k_bytes(const uint8_t* block, int o, int8_t* out) {
   _mm512_store_si512(out + 64, _mm512_sub_epi8(odd, zero));
 }
 
-// scaled_tile's arithmetic for Q6_K: each group's 16 k of each panel decoded to int8 by q6k_bytes
-// first (a quarter of the work of decoding each k's six bits in dword lanes), then each k's values
-// widened and converted as the tile takes them.
-template <int R, int NP>
-void q6k_tile(const float* x, int64_t ldx, const uint8_t* const* panels, int64_t blocks, float* c, int64_t ldc) {
-  constexpr Format f = format_of(kQ6_K);
-  constexpr int groups = f.block_k / f.group;
-  static_assert(f.group == 16, "a group is two runs of 8 k");
+// A register tile's values, panel by panel: decoded as the tile takes each pair of k ...
+template <int T, int NP>
+struct TileValues {
+  const uint8_t* block[NP];
+  void group(int) {}
+  void pair(int j, int k, __m512& even, __m512& odd) const { PanelValues<T>(block[j]).pair(k, even, odd); }
+};
+
+// ... or, for Q6_K, each group's 16 k of each panel put together as int8 by q6k_bytes first (a
+// quarter of the work of decoding each k's six bits in dword lanes), then each k's values widened
+// and converted as the tile takes them.
+template <int NP>
+struct TileValues<kQ6_K, NP> {
+  const uint8_t* block[NP];
   alignas(64) int8_t q[NP][2 * 128];
-  __m512 acc[R][NP];
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < NP; ++j) acc[r][j] = _mm512_setzero_ps();
-  auto values = [&](int j, int i) {  // the group's k = i's 16 values of panel j (q6k_bytes' order)
-    const int8_t* at = q[j] + i / 8 * 128 + (i & 1) * 64 + (i % 8 / 2) * 16;
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(at))));
-  };
-  for (int64_t b = 0; b < blocks; ++b) {
-    __m512 S[NP][groups], O[NP][groups];
-    const uint8_t* block[NP];
+  void group(int g) {
     for (int j = 0; j < NP; ++j) {
-      block[j] = panels[j] + b * block_bytes(f);
-      panel_scales<kQ6_K>(block[j], S[j], O[j]);
-    }
-    const float* xb = x + b * f.block_k;
-    for (int g = 0; g < groups; ++g) {
-      for (int j = 0; j < NP; ++j) {
-        for (int64_t at = g * block_bytes(f) / groups; at < (g + 1) * block_bytes(f) / groups; at += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(block[j] + ahead(b, blocks, NP, block_bytes(f)) + at),
-                       _MM_HINT_T0);  // this group's share of the block kAhead on
-        q6k_bytes(block[j], 2 * g, q[j]);
-        q6k_bytes(block[j], 2 * g + 1, q[j] + 128);
-      }
-      __m512 p[R][NP];
-      for (int r = 0; r < R; ++r)
-        for (int j = 0; j < NP; ++j) p[r][j] = _mm512_setzero_ps();
-      for (int i = 0; i < f.group; i += 2) {
-        const int k = g * f.group + i;
-        for (int j = 0; j < NP; ++j) {
-          const __m512 even = values(j, i), odd = values(j, i + 1);
-          for (int r = 0; r < R; ++r) p[r][j] = _mm512_fmadd_ps(_mm512_set1_ps(xb[r * ldx + k]), even, p[r][j]);
-          for (int r = 0; r < R; ++r) p[r][j] = _mm512_fmadd_ps(_mm512_set1_ps(xb[r * ldx + k + 1]), odd, p[r][j]);
-        }
-      }
-      for (int r = 0; r < R; ++r)
-        for (int j = 0; j < NP; ++j) acc[r][j] = _mm512_fmadd_ps(S[j][g], p[r][j], acc[r][j]);
+      q6k_bytes(block[j], 2 * g, q[j]);
+      q6k_bytes(block[j], 2 * g + 1, q[j] + 128);
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < NP; ++j) _mm512_storeu_ps(c + r * ldc + j * kLanes, acc[r][j]);
-}
+  void pair(int j, int k, __m512& even, __m512& odd) const {
+    static_assert(format_of(kQ6_K).group == 16, "a group is two runs of 8 k");
+    const int i = k % 16;  // even: its pair's values at [i / 8][0 or 1][i % 8 / 2] (q6k_bytes' order)
+    const int8_t* at = q[j] + i / 8 * 128 + (i % 8 / 2) * 16;
+    auto floats = [](const int8_t* v) {
+      return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(v))));
+    };
+    even = floats(at);
+    odd = floats(at + 64);
+  }
+};
 
 // scaled_rows_generic's arithmetic for R rows x NP panels in registers.
 template <int T, int R, int NP>
 void scaled_tile(const float* x, int64_t ldx, const float* sx, int64_t ldsx, const uint8_t* const* panels,
                  int64_t blocks, float* c, int64_t ldc) {
-  if constexpr (T == kQ6_K) return q6k_tile<R, NP>(x, ldx, panels, blocks, c, ldc);
   constexpr Format f = format_of(T);
   constexpr int groups = f.block_k / f.group;
   __m512 acc[R][NP];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < NP; ++j) acc[r][j] = _mm512_setzero_ps();
+  TileValues<T, NP> values;
   for (int64_t b = 0; b < blocks; ++b) {
     __m512 S[NP][groups], O[NP][groups] = {};  // O: none for the formats without an offset
-    const uint8_t* block[NP];
     for (int j = 0; j < NP; ++j) {
-      block[j] = panels[j] + b * block_bytes(f);
-      panel_scales<T>(block[j], S[j], O[j]);
+      values.block[j] = panels[j] + b * block_bytes(f);
+      panel_scales<T>(values.block[j], S[j], O[j]);
     }
     const float* xb = x + b * f.block_k;
     for (int g = 0; g < groups; ++g) {
       for (int j = 0; j < NP; ++j)  // this group's share of the block kAhead on, for each panel
         for (int64_t at = g * block_bytes(f) / groups; at < (g + 1) * block_bytes(f) / groups; at += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(block[j] + ahead(b, blocks, NP, block_bytes(f)) + at),
+          _mm_prefetch(reinterpret_cast<const char*>(values.block[j] + ahead(b, blocks, NP, block_bytes(f)) + at),
                        _MM_HINT_T0);
+      values.group(g);
       __m512 p[R][NP];
       for (int r = 0; r < R; ++r)
         for (int j = 0; j < NP; ++j) p[r][j] = _mm512_setzero_ps();
@@ -215,7 +197,7 @@ void scaled_tile(const float* x, int64_t ldx, const float* sx, int64_t ldsx, con
         const int k = g * f.group + i;
         for (int j = 0; j < NP; ++j) {
           __m512 even, odd;
-          PanelValues<T>(block[j]).pair(k, even, odd);
+          values.pair(j, k, even, odd);
           for (int r = 0; r < R; ++r) p[r][j] = _mm512_fmadd_ps(_mm512_set1_ps(xb[r * ldx + k]), even, p[r][j]);
           for (int r = 0; r < R; ++r) p[r][j] = _mm512_fmadd_ps(_mm512_set1_ps(xb[r * ldx + k + 1]), odd, p[r][j]);
         }
