@@ -60,19 +60,24 @@ RESULTS = Path(__file__).resolve().parent / "results" / "bench_decode_roofline.m
 GIB = 1 << 30
 
 
+def best_seconds(run: Any, repeat: int) -> float:
+    """The least wall seconds of `repeat` calls of `run`, after one untimed call."""
+    run()
+    times = []
+    for _ in range(repeat):
+        started = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - started)
+    return min(times)
+
+
 def read_bandwidth(repeat: int = 5) -> tuple[float, str]:
     """Bytes per second the best of two streaming reads of 1 GiB reach, and which one."""
     data = torch.ones(GIB // 4)
     matrix, vector = data.view(-1, 4096), torch.ones(4096)
     best: dict[str, float] = {}
     for name, read in (("sum", lambda: data.sum()), ("matrix-vector", lambda: torch.mv(matrix, vector))):
-        read()
-        times = []
-        for _ in range(repeat):
-            started = time.perf_counter()
-            read()
-            times.append(time.perf_counter() - started)
-        best[name] = GIB / min(times)
+        best[name] = GIB / best_seconds(read, repeat)
     name = max(best, key=lambda k: best[k])
     return best[name], ", ".join(f"{k} {v / 1e9:.1f} GB/s" for k, v in best.items())
 

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_decode_roofline import read_bandwidth  # noqa: E402
+from bench_decode_roofline import best_seconds, read_bandwidth  # noqa: E402
 from bench_invariance import write_report  # noqa: E402
 from machine import cpu_line  # noqa: E402
 
@@ -66,16 +66,6 @@ def random_weight(name: str, rng: np.random.Generator) -> Any:
     return QuantTensor(TYPES[name], N, K, blocks.reshape(N, -1))
 
 
-def best(fn: Any, repeat: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeat):
-        started = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - started)
-    return min(times)
-
-
 def measure(name: str, dtype: Any, rows: list[int], path: str, rng: np.random.Generator) -> dict[str, Any]:
     import torch
 
@@ -93,16 +83,16 @@ def measure(name: str, dtype: Any, rows: list[int], path: str, rng: np.random.Ge
         for t in weights:
             built.quant_linear(x, [t], [TYPES[name]], [N], None, path_arg)
 
-    streamed = best(lambda: sweep(copies), 5) / len(copies)
+    streamed = best_seconds(lambda: sweep(copies), 5) / len(copies)
     copies.clear()
-    cached = best(lambda: built.quant_linear(x, [one], [TYPES[name]], [N], None, path_arg), 50)
+    cached = best_seconds(lambda: built.quant_linear(x, [one], [TYPES[name]], [N], None, path_arg), 50)
     row: dict[str, Any] = {"type": name, "dtype": str(dtype).removeprefix("torch."), "bytes": int(one.numel()),
                            "streamed_s": streamed, "cached_s": cached, "prefill": {}}
     dense = built.linear_pack(weight.dequantized().to(dtype))
     for m in rows:
         xs = torch.randn(m, K).to(dtype)
-        quant = best(lambda xs=xs: built.quant_linear(xs, [one], [TYPES[name]], [N], None, path_arg), 5)
-        packed = best(lambda xs=xs: built.linear_packed(xs, dense, N, None, path_arg), 5)
+        quant = best_seconds(lambda xs=xs: built.quant_linear(xs, [one], [TYPES[name]], [N], None, path_arg), 5)
+        packed = best_seconds(lambda xs=xs: built.linear_packed(xs, dense, N, None, path_arg), 5)
         row["prefill"][m] = {"quant_s": quant, "dense_s": packed}
     print(f"  {name} {row['dtype']}: one row {streamed * 1e3:.3f} ms streamed, {cached * 1e3:.3f} ms cached",
           flush=True)

@@ -37,6 +37,9 @@
 namespace kev_quant {
 namespace {
 
+// Every format with an offset groups 32 weights: a row's sums of x (sx) are over runs of this many.
+constexpr int64_t kSumGroup = 32;
+
 // q (the stored value less the format's zero) of every k of a panel's block, as fp32, into
 // q [block_k][16]; S and O' of each group into S [groups][16], O [groups][16].
 template <int T>
@@ -276,6 +279,7 @@ void scaled_prefill(const float* x, int64_t ldx, const float* sx, int64_t ldsx, 
   constexpr int chunk_groups = kChunk / f.group;  // groups a chunk
   static_assert(chunk_groups <= kChunkGroups && (f.block_k % kChunk == 0 || kChunk % f.block_k == 0),
                 "a chunk is whole blocks or a whole part of one");
+  static_assert(f.kind == 0 || f.group == kSumGroup, "a chunk's groups are the sums' groups");
   alignas(64) float values[kChunkPanels * kChunk * kLanes];
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t i = 0; i < count * kLanes; ++i) c[r * ldc + i] = 0.f;
@@ -307,7 +311,7 @@ void scaled_prefill(const float* x, int64_t ldx, const float* sx, int64_t ldsx, 
         }
       }
       const float* xk = x + k0;
-      const float* sk = sx + k0 / 32;  // sums over groups of 32
+      const float* sk = sx + k0 / kSumGroup;
       float* cj = c + j * kLanes;
       const int n = static_cast<int>(span / f.group);
       if (np == kChunkPanels)
@@ -363,18 +367,16 @@ void scaled_product(const float* x, int64_t m, int64_t k, const std::vector<at::
                     at::Tensor& out) {
   const int64_t n = out.size(1);
   const bool f32 = out.scalar_type() == at::kFloat;
-  // every format with an offset groups 32 weights: each row's sums over its groups of 32, in order
-  constexpr int64_t kGroup = 32;
   bool offsets = false;
   for (const int64_t type : types) offsets = offsets || format_of(static_cast<int>(type)).kind != 0;
-  const int64_t ldsx = k / kGroup;
+  const int64_t ldsx = k / kSumGroup;  // each row's sums over its groups, in order
   std::vector<float> sums(offsets ? m * ldsx : 1, 0.f);
   if (offsets)
     kev::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r)
         for (int64_t g = 0; g < ldsx; ++g) {
           float s = 0.f;
-          for (int64_t i = 0; i < kGroup; ++i) s += x[r * k + g * kGroup + i];
+          for (int64_t i = 0; i < kSumGroup; ++i) s += x[r * k + g * kSumGroup + i];
           sums[r * ldsx + g] = s;
         }
     });
