@@ -50,8 +50,18 @@ def _fma(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
     return (a.astype(np.float64) * b.astype(np.float64) + c.astype(np.float64)).astype(np.float32)
 
 
-def scaled_product(x: torch.Tensor, parts: list[QuantTensor], bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [m, k] @ the parts stacked, as csrc/quant_scaled.cpp computes it, in x's dtype."""
+def _dot_pair(x: np.ndarray, q: np.ndarray, k: int, p: np.ndarray) -> np.ndarray:
+    """`vdpbf16ps` on the pair k, k + 1: p + x[k+1] * q[k+1], then + x[k] * q[k], each rounded to fp32
+    (the instruction's order and rounding; a product of bf16s is exact in fp32; random inputs meet
+    no subnormal, which it would flush)."""
+    p = _fma(x[:, k + 1:k + 2], q[None, :, k + 1], p)
+    return _fma(x[:, k:k + 1], q[None, :, k], p)
+
+
+def scaled_product(x: torch.Tensor, parts: list[QuantTensor], bias: torch.Tensor | None = None,
+                   dot: bool = False) -> torch.Tensor:
+    """x [m, k] @ the parts stacked, as csrc/quant_scaled.cpp computes it, in x's dtype; `dot`: a
+    group's sums as `vdpbf16ps` takes them (the AVX512-BF16 path's bf16 products)."""
     rows = x.float().numpy()
     outs = []
     for part in parts:
@@ -62,7 +72,10 @@ def scaled_product(x: torch.Tensor, parts: list[QuantTensor], bias: torch.Tensor
             p = np.zeros_like(acc)
             sx = np.zeros((rows.shape[0], 1), np.float32)
             for k in range(g * group, (g + 1) * group):
-                p = _fma(rows[:, k:k + 1], q[None, :, k], p)
+                if not dot:
+                    p = _fma(rows[:, k:k + 1], q[None, :, k], p)
+                elif k % 2 == 0:
+                    p = _dot_pair(rows, q, k, p)
                 sx = (sx + rows[:, k:k + 1]).astype(np.float32)
             acc = _fma(scale[None, :, g], p, acc)
             if offset.any():

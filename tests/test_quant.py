@@ -113,15 +113,21 @@ def decoded_arithmetic(kernels, dtype, path: str) -> bool:
     return dtype == torch.bfloat16 and (path or kernels.bf16_path.path) == "amx"
 
 
+def dot_arithmetic(kernels, dtype, path: str) -> bool:
+    """Whether the block-scaled arithmetic's group sums are `vdpbf16ps`'s (bf16 on the AVX512-BF16 path)."""
+    return dtype == torch.bfloat16 and (path or kernels.bf16_path.path) == "avx512_bf16"
+
+
 FORMAT_SETS = [["Q4_K", "Q8_0", "Q6_K"], ["Q4_0", "Q4_1"], ["Q5_0", "Q5_1", "Q5_K"]]  # a Q4_K_M file mixes the first
 
 
 @pytest.mark.parametrize("dtype,path", PATHS, ids=["fp32", "bf16", "bf16-amx", "bf16-avx512_bf16", "bf16-fma"])
 def test_products_are_their_arithmetic_bitwise_whatever_the_row_count(kernels, dtype, path: str) -> None:
     """Fused parts of every format, a bias, row counts of decode steps and of prefills: every row
-    the same bits as the block-scaled arithmetic written out in numpy (quant_reference.py), or,
-    where bf16 products are AMX's, as linear_packed on the dequantized weight; so the same bits
-    whatever the row count (packed == alone). Both stay within rounding of the exact product."""
+    the same bits as the block-scaled arithmetic written out in numpy (quant_reference.py; on the
+    AVX512-BF16 path with its group sums as `vdpbf16ps` takes them), or, where bf16 products are
+    AMX's, as linear_packed on the dequantized weight; so the same bits whatever the row count
+    (packed == alone). Both stay within rounding of the exact product."""
     path_or_skip(kernels, dtype, path)
     decoded = decoded_arithmetic(kernels, dtype, path)
     for seed, names in enumerate(FORMAT_SETS):
@@ -134,7 +140,7 @@ def test_products_are_their_arithmetic_bitwise_whatever_the_row_count(kernels, d
         if decoded:
             expected = kernels.linear_packed(x, kernels.linear_pack(weight.to(dtype)), weight.shape[0], bias, path)
         else:
-            expected = scaled_product(x, parts, bias)
+            expected = scaled_product(x, parts, bias, dot=dot_arithmetic(kernels, dtype, path))
         exact = x.double() @ weight.double().T + bias.double()
         got = {}
         for rows in (1, 2, 5, 7, 17, 97, 300):
@@ -150,6 +156,25 @@ def test_products_are_their_arithmetic_bitwise_whatever_the_row_count(kernels, d
     tiled[1][0, 0, 40] ^= 0x70  # control: one quantized value of the Q5_1 part changed
     out = kernels.quant_linear(x[:5], tiled, [p.type for p in parts], [p.rows for p in parts], bias, path)
     assert not torch.equal(out, got[5])
+
+
+def test_control_the_avx512_bf16_paths_sums_are_vdpbf16ps_order(kernels) -> None:
+    """Random inputs round a group's sums to the same bf16 outputs in either order, so this control
+    builds one where the order shows: every weight 1 (Q8_0, d = 1), x = 1, 2^24, -2^24, 1, 0, ...
+    Summed a k at a time (the fma path's order) p is 1 (1 + 2^24 rounds to 2^24, less 2^24, plus 1);
+    by `vdpbf16ps` (k + 1 before k, each rounded) it is 0. Decode tiles and prefill alike."""
+    path_or_skip(kernels, torch.bfloat16, "avx512_bf16")
+    block = np.concatenate([np.array([1.0], np.float16).view(np.uint8), np.ones(32, np.uint8)])
+    ones = QuantTensor(NAMES["Q8_0"], 32, 64, np.tile(block, (32, 2)))
+    x = torch.zeros(9, 64)
+    x[:, :4] = torch.tensor([1.0, 2.0**24, -(2.0**24), 1.0])
+    x = x.to(torch.bfloat16)
+    dot, fma = scaled_product(x, [ones], dot=True), scaled_product(x, [ones], dot=False)
+    assert torch.equal(dot, torch.zeros_like(dot)) and torch.equal(fma, torch.ones_like(fma))
+    for rows in (1, 9):
+        out = kernels.quant_linear(x[:rows], [tile(ones)], [ones.type], [ones.rows], None, "avx512_bf16")
+        assert torch.equal(out, dot[:rows]) and not torch.equal(out, fma[:rows])
+    assert torch.equal(kernels.quant_linear(x, [tile(ones)], [ones.type], [ones.rows], None, "fma"), fma)
 
 
 def test_a_bad_tiled_weight_or_type_is_refused(kernels) -> None:

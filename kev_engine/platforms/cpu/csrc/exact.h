@@ -12,6 +12,7 @@ at::Tensor linear_packed(const at::Tensor& input, const at::Tensor& packed, int6
 void linear_packed_into(const void* x, int64_t m, int64_t k, const void* w, int64_t n, const float* bias, void* out,
                         int64_t ldo, bool f32, int path);
 int linear_bf16_path(const std::string& name);
+constexpr int kPathAmx = 0, kPathAvx512Bf16 = 1;  // linear_bf16_path's values (linear.cpp's Bf16Path)
 void store_bf16_rows(const float* c, int64_t ldc, int64_t rows, const float* bias, at::BFloat16* out, int64_t ldo,
                      int64_t cols);
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)

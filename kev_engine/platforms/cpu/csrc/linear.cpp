@@ -41,6 +41,7 @@
 #include <unistd.h>
 #endif
 
+#include "exact.h"
 #include "pool.h"
 
 namespace {
@@ -240,6 +241,8 @@ inline float bits_to_float(uint32_t bits) {
 inline float bf16_to_float(bf16 v) { return bits_to_float(static_cast<uint32_t>(v.x) << 16); }
 
 enum class Bf16Path { kAmx, kAvx512Bf16, kFma };
+static_assert(static_cast<int>(Bf16Path::kAmx) == kPathAmx && static_cast<int>(Bf16Path::kAvx512Bf16) == kPathAvx512Bf16,
+              "exact.h names linear_bf16_path's values");
 
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)
 bool amx_granted() {

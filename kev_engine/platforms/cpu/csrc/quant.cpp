@@ -14,7 +14,8 @@
 //   multiplies far faster than decoding costs, and AMX's sums cannot be reproduced otherwise, so
 //   both a prefill and a decode step take this arithmetic there.
 // - everything else (fp32, and bf16 on the AVX512-BF16 and fma paths): quant_scaled.cpp's
-//   block-scaled products, which never decode a weight to a float.
+//   block-scaled products, which never decode a weight to a float (on the AVX512-BF16 path a
+//   group's sums are vdpbf16ps's).
 // Each is batch-invariant: a row's product is the same bits alone or in any pack.
 //
 // Threads (the AMX arithmetic): a prefill's tasks (a run of panels x a run of rows) are claimed from
@@ -292,7 +293,7 @@ at::Tensor quant_linear(const at::Tensor& input, const std::vector<at::Tensor>& 
   const float* b = bias32.defined() ? bias32.data_ptr<float>() : nullptr;
   const int bf16_path = f32 ? -1 : linear_bf16_path(path);
 #if defined(KEV_QUANT_AMX)
-  if (bf16_path == 0) {  // linear.cpp's AMX path: the decoded weights' arithmetic
+  if (bf16_path == kPathAmx) {  // linear.cpp's AMX path: the decoded weights' arithmetic
     if (m <= 16)
       amx_decode_product(x, m, k, parts, types, widths, b, out);
     else
@@ -300,8 +301,10 @@ at::Tensor quant_linear(const at::Tensor& input, const std::vector<at::Tensor>& 
     return out;
   }
 #endif
-  TORCH_CHECK(f32 || bf16_path != 0, "quant_linear: the amx path is not built here");
+  TORCH_CHECK(f32 || bf16_path != kPathAmx, "quant_linear: the amx path is not built here");
   const auto x32 = f32 ? x : x.to(at::kFloat);
-  scaled_product(x32.data_ptr<float>(), m, k, parts, types, widths, b, out);
+  const bool dot = bf16_path == kPathAvx512Bf16;  // vdpbf16ps's group sums
+  scaled_product(x32.data_ptr<float>(), dot ? reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()) : nullptr,
+                 m, k, parts, types, widths, b, out);
   return out;
 }

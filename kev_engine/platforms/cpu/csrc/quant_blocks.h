@@ -225,6 +225,36 @@ struct PanelValues {
     const float z = static_cast<float>(from - f.zero);
     return _mm512_add_ps(_mm512_set1_ps(z), _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
   }
+#if defined(__AVX512BF16__)
+  // the values at k and k + 1 (k even) as bf16 pairs, vdpbf16ps's operand: lane j row j's value at
+  // k in its low half, at k + 1 in its high half. Exact: a stored value less its zero is an integer
+  // of at most eight significant bits, so its fp32 form's low half is zero and its high half is it
+  // in bf16. Four bits without a fifth: both of a byte's values looked up as bf16 in one vpermw.
+  inline __m512i pairs(int k) const {
+    if constexpr (f.low_bits == 4 && f.high_bits == 0) {
+      const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(low + k / 2 * 16)));
+      constexpr int kEitherThenMask = 0xA8;  // ternary logic (a | b) & c: the low nibble low, the high one high
+      const __m512i at = _mm512_ternarylogic_epi32(bytes, _mm512_slli_epi32(bytes, 12), _mm512_set1_epi32(0x000F000F),
+                                                   kEitherThenMask);
+      return _mm512_permutexvar_epi16(at, table_bf16());
+    } else {
+      __m512 even, odd;
+      pair(k, even, odd);
+      return as_pairs(even, odd);
+    }
+  }
+  // two vectors of such integers as bf16 pairs (lane j: even's high half low, odd's high half high)
+  static inline __m512i as_pairs(__m512 even, __m512 odd) {
+    constexpr int kLowOrMasked = 0xF8;  // ternary logic a | (b & c)
+    return _mm512_ternarylogic_epi32(_mm512_srli_epi32(_mm512_castps_si512(even), 16), _mm512_castps_si512(odd),
+                                     _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)), kLowOrMasked);
+  }
+  // table16()'s values as bf16, words 0-15 and again 16-31 (vpermw reads an index's low five bits)
+  static inline __m512i table_bf16() {
+    const __m256i words = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(table16()), 16));
+    return _mm512_broadcast_i64x4(words);
+  }
+#endif
 };
 #define KEV_QUANT_AVX512 1
 #endif
@@ -281,8 +311,10 @@ std::vector<Task> product_tasks(const std::vector<int64_t>& types, const std::ve
 }
 
 // input [m, k] as fp32 (x) @ W.T (+ bias, fp32 or null) into out [m, n] (fp32 or bf16) by the
-// block-scaled arithmetic (quant_scaled.cpp); the parts checked by the caller.
-void scaled_product(const float* x, int64_t m, int64_t k, const std::vector<at::Tensor>& parts,
+// block-scaled arithmetic (quant_scaled.cpp); `dot`: the same input's bf16 bits for vdpbf16ps's
+// group sums (the AVX512-BF16 path; a build without it refuses), or null for fused multiply-adds.
+// The parts checked by the caller.
+void scaled_product(const float* x, const uint16_t* dot, int64_t m, int64_t k, const std::vector<at::Tensor>& parts,
                     const std::vector<int64_t>& types, const std::vector<int64_t>& widths, const float* bias,
                     at::Tensor& out);
 

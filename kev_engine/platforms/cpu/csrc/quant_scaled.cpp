@@ -19,6 +19,14 @@
 // taken on AMX) but within fp32 rounding of it; tests/test_quant.py checks this arithmetic bit for
 // bit against tests/quant_reference.py, which writes it out in numpy.
 //
+// bf16 on the AVX512-BF16 path (linear.cpp's `vdpbf16ps` products: where it retires at a fused
+// multiply-add's rate it does twice the work, the Zen 4's prefill) takes the same arithmetic with
+// a group's p summed a pair of k at a time by `vdpbf16ps` on the bf16 input and the integers q as
+// bf16 (exact): p += x[k+1] * q[k+1], then p += x[k] * q[k], each rounded to fp32 (the instruction's
+// order; a product of bf16s is exact in fp32), so a group's sum is the instruction's and the rest
+// (scales, offsets, bias, rounding) as above. Every row count takes it (decode tiles and prefill
+// alike), so a row's bits never depend on the pass either.
+//
 // Threads: a product's tasks (a run of 8 panels x a run of up to 96 rows) are claimed from a
 // counter. A decode pass's rows (at most 6) are one register tile that decodes the panels' values
 // as it goes (Q6_K's a group at a time, to int8 in L1 first); a prefill's values are decoded 128 k
@@ -28,6 +36,8 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "exact.h"
@@ -39,6 +49,10 @@ namespace {
 
 // Every format with an offset groups 32 weights: a row's sums of x (sx) are over runs of this many.
 constexpr int64_t kSumGroup = 32;
+
+// The input's element: float (the fused multiply-adds' arithmetic) or a bf16's bits (vdpbf16ps's).
+template <typename X>
+constexpr bool kDot = std::is_same_v<X, uint16_t>;
 
 // q (the stored value less the format's zero) of every k of a panel's block, as fp32, into
 // q [block_k][16]; S and O' of each group into S [groups][16], O [groups][16].
@@ -92,6 +106,17 @@ void scaled_rows_generic(const float* x, int64_t ldx, const float* sx, int64_t l
 }
 
 #if defined(KEV_QUANT_AVX512)
+#if !defined(__AVX512BF16__)
+inline __m512 dot_step(__m512 p, __m512i, const uint16_t*) { return p; }  // never taken: no such path here
+#else
+// p + a row's pair of x at k, k + 1 (x: its bf16 bits at k) times 16 outputs' pairs of values w
+inline __m512 dot_step(__m512 p, __m512i w, const uint16_t* x) {
+  uint32_t both;
+  std::memcpy(&both, x, sizeof(both));
+  return _mm512_dpbf16_ps(p, (__m512bh)w, (__m512bh)_mm512_set1_epi32(static_cast<int>(both)));
+}
+#endif
+
 // A group's end, the same in every tile: acc = fma(S, p, acc), then the offset's fma with the
 // row's sum over the group (acc + O * sum, or acc - O * sum as one rounding each).
 template <int T>
@@ -143,6 +168,9 @@ struct TileValues {
   const uint8_t* block[NP];
   void group(int) {}
   void pair(int j, int k, __m512& even, __m512& odd) const { PanelValues<T>(block[j]).pair(k, even, odd); }
+#if defined(__AVX512BF16__)
+  __m512i pairs(int j, int k) const { return PanelValues<T>(block[j]).pairs(k); }
+#endif
 };
 
 // ... or, for Q6_K, each group's 16 k of each panel put together as int8 by q6k_bytes first (a
@@ -168,11 +196,18 @@ struct TileValues<kQ6_K, NP> {
     even = floats(at);
     odd = floats(at + 64);
   }
+#if defined(__AVX512BF16__)
+  __m512i pairs(int j, int k) const {
+    __m512 even, odd;
+    pair(j, k, even, odd);
+    return PanelValues<kQ6_K>::as_pairs(even, odd);
+  }
+#endif
 };
 
-// scaled_rows_generic's arithmetic for R rows x NP panels in registers.
-template <int T, int R, int NP>
-void scaled_tile(const float* x, int64_t ldx, const float* sx, int64_t ldsx, const uint8_t* const* panels,
+// scaled_rows_generic's arithmetic for R rows x NP panels in registers (X: kDot's).
+template <int T, int R, int NP, typename X>
+void scaled_tile(const X* x, int64_t ldx, const float* sx, int64_t ldsx, const uint8_t* const* panels,
                  int64_t blocks, float* c, int64_t ldc) {
   constexpr Format f = format_of(T);
   constexpr int groups = f.block_k / f.group;
@@ -186,7 +221,7 @@ void scaled_tile(const float* x, int64_t ldx, const float* sx, int64_t ldsx, con
       values.block[j] = panels[j] + b * block_bytes(f);
       panel_scales<T>(values.block[j], S[j], O[j]);
     }
-    const float* xb = x + b * f.block_k;
+    const X* xb = x + b * f.block_k;
     for (int g = 0; g < groups; ++g) {
       for (int j = 0; j < NP; ++j)  // this group's share of the block kAhead on, for each panel
         for (int64_t at = g * block_bytes(f) / groups; at < (g + 1) * block_bytes(f) / groups; at += 64)
@@ -199,10 +234,15 @@ void scaled_tile(const float* x, int64_t ldx, const float* sx, int64_t ldsx, con
       for (int i = 0; i < f.group; i += 2) {
         const int k = g * f.group + i;
         for (int j = 0; j < NP; ++j) {
-          __m512 even, odd;
-          values.pair(j, k, even, odd);
-          for (int r = 0; r < R; ++r) p[r][j] = _mm512_fmadd_ps(_mm512_set1_ps(xb[r * ldx + k]), even, p[r][j]);
-          for (int r = 0; r < R; ++r) p[r][j] = _mm512_fmadd_ps(_mm512_set1_ps(xb[r * ldx + k + 1]), odd, p[r][j]);
+          if constexpr (kDot<X>) {
+            const __m512i w = values.pairs(j, k);
+            for (int r = 0; r < R; ++r) p[r][j] = dot_step(p[r][j], w, xb + r * ldx + k);
+          } else {
+            __m512 even, odd;
+            values.pair(j, k, even, odd);
+            for (int r = 0; r < R; ++r) p[r][j] = _mm512_fmadd_ps(_mm512_set1_ps(xb[r * ldx + k]), even, p[r][j]);
+            for (int r = 0; r < R; ++r) p[r][j] = _mm512_fmadd_ps(_mm512_set1_ps(xb[r * ldx + k + 1]), odd, p[r][j]);
+          }
         }
       }
       for (int r = 0; r < R; ++r)
@@ -218,11 +258,12 @@ constexpr int kChunk = 128;       // k a prefill decodes at once: whole blocks o
 constexpr int kChunkGroups = 8;   // groups in a chunk at most (Q6_K's 8 of 16 weights)
 constexpr int kChunkPanels = 4;   // panels a prefill's register tile spans (24 products a k for 6 rows)
 
-// scaled_tile's arithmetic for R rows x NP panels over `groups` groups whose values (fp32,
-// [NP][kChunk][16]) and scales are decoded already, acc in c (read and written back once a group:
-// exact), so a prefill decodes a chunk once for all its register tiles.
-template <int T, int R, int NP>
-void scaled_chunk_tile(const float* x, int64_t ldx, const float* sx, int64_t ldsx, const float* values,
+// scaled_tile's arithmetic for R rows x NP panels over `groups` groups whose values and scales are
+// decoded already (values: fp32 [NP][kChunk][16], or for kDot bf16 pairs [NP][kChunk / 2][16]), acc in
+// c (read and written back once a group: exact), so a prefill decodes a chunk once for all its
+// register tiles.
+template <int T, int R, int NP, typename X>
+void scaled_chunk_tile(const X* x, int64_t ldx, const float* sx, int64_t ldsx, const float* values,
                        const __m512 (*S)[kChunkGroups], const __m512 (*O)[kChunkGroups], int groups, float* c,
                        int64_t ldc) {
   constexpr Format f = format_of(T);
@@ -230,13 +271,23 @@ void scaled_chunk_tile(const float* x, int64_t ldx, const float* sx, int64_t lds
     __m512 p[R][NP];
     for (int r = 0; r < R; ++r)
       for (int j = 0; j < NP; ++j) p[r][j] = _mm512_setzero_ps();
-    for (int i = 0; i < f.group; ++i) {
-      const int k = g * f.group + i;
-      __m512 w[NP];
-      for (int j = 0; j < NP; ++j) w[j] = _mm512_load_ps(values + (j * kChunk + k) * kLanes);
-      for (int r = 0; r < R; ++r) {
-        const __m512 v = _mm512_set1_ps(x[r * ldx + k]);
-        for (int j = 0; j < NP; ++j) p[r][j] = _mm512_fmadd_ps(v, w[j], p[r][j]);
+    if constexpr (kDot<X>) {
+      for (int i = 0; i < f.group; i += 2) {
+        const int k = g * f.group + i;
+        __m512i w[NP];
+        for (int j = 0; j < NP; ++j) w[j] = _mm512_load_si512(values + (j * kChunk + k) / 2 * kLanes);
+        for (int r = 0; r < R; ++r)
+          for (int j = 0; j < NP; ++j) p[r][j] = dot_step(p[r][j], w[j], x + r * ldx + k);
+      }
+    } else {
+      for (int i = 0; i < f.group; ++i) {
+        const int k = g * f.group + i;
+        __m512 w[NP];
+        for (int j = 0; j < NP; ++j) w[j] = _mm512_load_ps(values + (j * kChunk + k) * kLanes);
+        for (int r = 0; r < R; ++r) {
+          const __m512 v = _mm512_set1_ps(x[r * ldx + k]);
+          for (int j = 0; j < NP; ++j) p[r][j] = _mm512_fmadd_ps(v, w[j], p[r][j]);
+        }
       }
     }
     for (int r = 0; r < R; ++r) {
@@ -248,31 +299,31 @@ void scaled_chunk_tile(const float* x, int64_t ldx, const float* sx, int64_t lds
   }
 }
 
-template <int T, int NP>
-void chunk_tiles(const float* x, int64_t ldx, const float* sx, int64_t ldsx, int64_t rows, const float* values,
+template <int T, int NP, typename X>
+void chunk_tiles(const X* x, int64_t ldx, const float* sx, int64_t ldsx, int64_t rows, const float* values,
                  const __m512 (*S)[kChunkGroups], const __m512 (*O)[kChunkGroups], int groups, float* c,
                  int64_t ldc) {
   for (int64_t r0 = 0; r0 < rows; r0 += 6) {
-    const float* xr = x + r0 * ldx;
+    const X* xr = x + r0 * ldx;
     const float* sr = sx + r0 * ldsx;
     float* cr = c + r0 * ldc;
     switch (std::min<int64_t>(6, rows - r0)) {
-      case 1: scaled_chunk_tile<T, 1, NP>(xr, ldx, sr, ldsx, values, S, O, groups, cr, ldc); break;
-      case 2: scaled_chunk_tile<T, 2, NP>(xr, ldx, sr, ldsx, values, S, O, groups, cr, ldc); break;
-      case 3: scaled_chunk_tile<T, 3, NP>(xr, ldx, sr, ldsx, values, S, O, groups, cr, ldc); break;
-      case 4: scaled_chunk_tile<T, 4, NP>(xr, ldx, sr, ldsx, values, S, O, groups, cr, ldc); break;
-      case 5: scaled_chunk_tile<T, 5, NP>(xr, ldx, sr, ldsx, values, S, O, groups, cr, ldc); break;
-      default: scaled_chunk_tile<T, 6, NP>(xr, ldx, sr, ldsx, values, S, O, groups, cr, ldc); break;
+      case 1: scaled_chunk_tile<T, 1, NP, X>(xr, ldx, sr, ldsx, values, S, O, groups, cr, ldc); break;
+      case 2: scaled_chunk_tile<T, 2, NP, X>(xr, ldx, sr, ldsx, values, S, O, groups, cr, ldc); break;
+      case 3: scaled_chunk_tile<T, 3, NP, X>(xr, ldx, sr, ldsx, values, S, O, groups, cr, ldc); break;
+      case 4: scaled_chunk_tile<T, 4, NP, X>(xr, ldx, sr, ldsx, values, S, O, groups, cr, ldc); break;
+      case 5: scaled_chunk_tile<T, 5, NP, X>(xr, ldx, sr, ldsx, values, S, O, groups, cr, ldc); break;
+      default: scaled_chunk_tile<T, 6, NP, X>(xr, ldx, sr, ldsx, values, S, O, groups, cr, ldc); break;
     }
   }
 }
 
 // A prefill's rows x `count` panels (even): per run of 4 panels (or a last 2), chunk by chunk of K
 // (kChunk k: blocks of 32 whole, a K-quant's block in halves), the chunk's values decoded once into
-// an L1 buffer and every register tile of 6 rows run over it (the arithmetic of scaled_tile, acc
-// waiting in c between chunks).
-template <int T>
-void scaled_prefill(const float* x, int64_t ldx, const float* sx, int64_t ldsx, int64_t rows,
+// an L1 buffer (fp32, or kDot's bf16 pairs) and every register tile of 6 rows run over it (the
+// arithmetic of scaled_tile, acc waiting in c between chunks).
+template <int T, typename X>
+void scaled_prefill(const X* x, int64_t ldx, const float* sx, int64_t ldsx, int64_t rows,
                     const uint8_t* const* panels, int count, int64_t blocks, float* c, int64_t ldc) {
   constexpr Format f = format_of(T);
   constexpr int groups = f.block_k / f.group;
@@ -303,21 +354,27 @@ void scaled_prefill(const float* x, int64_t ldx, const float* sx, int64_t ldsx, 
           const PanelValues<T> v(block);
           float* out = values + (h * kChunk + (kb - k0)) * kLanes;
           for (int k = 0; k < std::min<int>(f.block_k, kChunk); k += 2) {
-            __m512 even, odd;
-            v.pair(first + k, even, odd);
-            _mm512_store_ps(out + k * kLanes, even);
-            _mm512_store_ps(out + (k + 1) * kLanes, odd);
+            if constexpr (kDot<X>) {
+#if defined(__AVX512BF16__)
+              _mm512_store_si512(values + (h * kChunk + (kb - k0) + k) / 2 * kLanes, v.pairs(first + k));
+#endif
+            } else {
+              __m512 even, odd;
+              v.pair(first + k, even, odd);
+              _mm512_store_ps(out + k * kLanes, even);
+              _mm512_store_ps(out + (k + 1) * kLanes, odd);
+            }
           }
         }
       }
-      const float* xk = x + k0;
+      const X* xk = x + k0;
       const float* sk = sx + k0 / kSumGroup;
       float* cj = c + j * kLanes;
       const int n = static_cast<int>(span / f.group);
       if (np == kChunkPanels)
-        chunk_tiles<T, kChunkPanels>(xk, ldx, sk, ldsx, rows, values, S, O, n, cj, ldc);
+        chunk_tiles<T, kChunkPanels, X>(xk, ldx, sk, ldsx, rows, values, S, O, n, cj, ldc);
       else
-        chunk_tiles<T, 2>(xk, ldx, sk, ldsx, rows, values, S, O, n, cj, ldc);
+        chunk_tiles<T, 2, X>(xk, ldx, sk, ldsx, rows, values, S, O, n, cj, ldc);
     }
   }
 }
@@ -325,48 +382,52 @@ void scaled_prefill(const float* x, int64_t ldx, const float* sx, int64_t ldsx, 
 // `rows` rows x `count` panels (even). A decode pass (at most 6 rows): one register tile, its
 // values decoded as it goes (1 row: 4 panels at a time, so 4 streams and 4 chains are in flight;
 // more rows: 2 panels, each decoded vector serving every row); more rows: scaled_prefill.
-template <int T>
-void scaled_rows(const float* x, int64_t ldx, const float* sx, int64_t ldsx, int64_t rows,
+template <int T, typename X>
+void scaled_rows(const X* x, int64_t ldx, const float* sx, int64_t ldsx, int64_t rows,
                  const uint8_t* const* panels, int count, int64_t blocks, float* c, int64_t ldc) {
-  if (rows > 6) return scaled_prefill<T>(x, ldx, sx, ldsx, rows, panels, count, blocks, c, ldc);
+  if (rows > 6) return scaled_prefill<T, X>(x, ldx, sx, ldsx, rows, panels, count, blocks, c, ldc);
   for (int64_t r0 = 0; r0 < rows; r0 += 6) {
     const int64_t r = std::min<int64_t>(6, rows - r0);
-    const float* xr = x + r0 * ldx;
+    const X* xr = x + r0 * ldx;
     const float* sr = sx + r0 * ldsx;
     float* cr = c + r0 * ldc;
     for (int j = 0; j < count;) {
       if (r == 1 && count - j >= 4) {
-        scaled_tile<T, 1, 4>(xr, ldx, sr, ldsx, panels + j, blocks, cr + j * kLanes, ldc);
+        scaled_tile<T, 1, 4, X>(xr, ldx, sr, ldsx, panels + j, blocks, cr + j * kLanes, ldc);
         j += 4;
         continue;
       }
       switch (r) {
-        case 1: scaled_tile<T, 1, 2>(xr, ldx, sr, ldsx, panels + j, blocks, cr + j * kLanes, ldc); break;
-        case 2: scaled_tile<T, 2, 2>(xr, ldx, sr, ldsx, panels + j, blocks, cr + j * kLanes, ldc); break;
-        case 3: scaled_tile<T, 3, 2>(xr, ldx, sr, ldsx, panels + j, blocks, cr + j * kLanes, ldc); break;
-        case 4: scaled_tile<T, 4, 2>(xr, ldx, sr, ldsx, panels + j, blocks, cr + j * kLanes, ldc); break;
-        case 5: scaled_tile<T, 5, 2>(xr, ldx, sr, ldsx, panels + j, blocks, cr + j * kLanes, ldc); break;
-        default: scaled_tile<T, 6, 2>(xr, ldx, sr, ldsx, panels + j, blocks, cr + j * kLanes, ldc); break;
+        case 1: scaled_tile<T, 1, 2, X>(xr, ldx, sr, ldsx, panels + j, blocks, cr + j * kLanes, ldc); break;
+        case 2: scaled_tile<T, 2, 2, X>(xr, ldx, sr, ldsx, panels + j, blocks, cr + j * kLanes, ldc); break;
+        case 3: scaled_tile<T, 3, 2, X>(xr, ldx, sr, ldsx, panels + j, blocks, cr + j * kLanes, ldc); break;
+        case 4: scaled_tile<T, 4, 2, X>(xr, ldx, sr, ldsx, panels + j, blocks, cr + j * kLanes, ldc); break;
+        case 5: scaled_tile<T, 5, 2, X>(xr, ldx, sr, ldsx, panels + j, blocks, cr + j * kLanes, ldc); break;
+        default: scaled_tile<T, 6, 2, X>(xr, ldx, sr, ldsx, panels + j, blocks, cr + j * kLanes, ldc); break;
       }
       j += 2;
     }
   }
 }
 #else
-template <int T>
-void scaled_rows(const float* x, int64_t ldx, const float* sx, int64_t ldsx, int64_t rows,
+template <int T, typename X>
+void scaled_rows(const X* x, int64_t ldx, const float* sx, int64_t ldsx, int64_t rows,
                  const uint8_t* const* panels, int count, int64_t blocks, float* c, int64_t ldc) {
+  static_assert(!kDot<X>, "vdpbf16ps's arithmetic is built with AVX512-BF16 only");
   scaled_rows_generic<T>(x, ldx, sx, ldsx, rows, panels, count, blocks, c, ldc);
 }
 #endif
 
 }  // namespace
 
-void scaled_product(const float* x, int64_t m, int64_t k, const std::vector<at::Tensor>& parts,
+void scaled_product(const float* x, const uint16_t* dot, int64_t m, int64_t k, const std::vector<at::Tensor>& parts,
                     const std::vector<int64_t>& types, const std::vector<int64_t>& widths, const float* bias,
                     at::Tensor& out) {
   const int64_t n = out.size(1);
   const bool f32 = out.scalar_type() == at::kFloat;
+#if !defined(__AVX512BF16__) || !defined(KEV_QUANT_AVX512)
+  TORCH_CHECK(dot == nullptr, "quant_linear: this build has no avx512_bf16 path");
+#endif
   bool offsets = false;
   for (const int64_t type : types) offsets = offsets || format_of(static_cast<int>(type)).kind != 0;
   const int64_t ldsx = k / kSumGroup;  // each row's sums over its groups, in order
@@ -399,8 +460,14 @@ void scaled_product(const float* x, int64_t m, int64_t k, const std::vector<at::
         const uint8_t* base = parts[task.part].data_ptr<uint8_t>();
         const uint8_t* panel[kRun];
         for (int j = 0; j < count; ++j) panel[j] = base + (task.p0 + j) * blocks * block_bytes(f);
-        scaled_rows<T>(x + task.r0 * k, k, sums.data() + (offsets ? task.r0 * ldsx : 0), ldsx, rows, panel, count,
-                       blocks, c.data(), ldc);
+        const float* sx = sums.data() + (offsets ? task.r0 * ldsx : 0);
+#if defined(__AVX512BF16__) && defined(KEV_QUANT_AVX512)
+        if (dot != nullptr) {
+          scaled_rows<T>(dot + task.r0 * k, k, sx, ldsx, rows, panel, count, blocks, c.data(), ldc);
+          return;
+        }
+#endif
+        scaled_rows<T>(x + task.r0 * k, k, sx, ldsx, rows, panel, count, blocks, c.data(), ldc);
       });
       const float* b = bias != nullptr ? bias + task.col0 + n0 : nullptr;
       if (f32) {
