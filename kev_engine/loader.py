@@ -9,10 +9,8 @@ The embedded default is SmolLM2-135M-Instruct (GGUF Q4_1) shipped in the PyPI wh
                safetensors are cached (`converted_gguf_dir`);
   "auto"       where the engine can compute them as stored (Kev's batch-invariant CPU kernels,
                `platforms.why_not_quantized`, and a family Kev's forward owns), what measured
-               faster (`platforms.stored_or_dense`): with AVX-512, as stored in float32 and in
-               bfloat16 on the AVX512-BF16 path; in bfloat16 on AMX or the fma path, and in any
-               dtype without AVX-512, dense where the dense weights fit in memory, else as stored.
-               Otherwise "dense".
+               faster for batches (`platforms.stored_or_dense`): dense where the dense weights
+               fit in half the memory available, else as stored. Otherwise "dense".
                `stats()["weights_choice"]` says why.
 Caches live under `KEV_CACHE_DIR` (default ~/.cache/kev), keyed on the file's content: a fresh
 venv reuses them. `trust_remote_code` only when asked.

@@ -111,25 +111,18 @@ MEMORY_SHARE = 0.5  # of the memory available, the most dense weights may take u
 
 def stored_or_dense(dense_bytes: int, dtype: torch.dtype) -> tuple[str, str]:
     """("as-stored" or "dense", why) for a GGUF whose weights take `dense_bytes` in `dtype`, as
-    measured (docs/benchmarks.md, "Block-scaled quantized products"): with AVX-512, float32 products
-    on the file's blocks (block-scaled) ran one question 2x faster than dense weights and batches
-    within 10%, and bfloat16 ones on the AVX512-BF16 path ran every workload faster, so as stored;
-    bfloat16 on AMX (each weight decoded) and on the fma path (batches 15-20% slower) ran faster
-    dense, and so did everything on a build without AVX-512 (its block-scaled products take a lane
-    at a time: a prefill 6x slower than dense float32), so dense where the dense weights fit in
-    MEMORY_SHARE of the memory available, else as stored (the file's size: a model that would not
-    fit dense still runs)."""
+    measured (docs/benchmarks.md, "Quantized products on the AVX512-BF16 path" and "Block-scaled
+    quantized products"): on every CPU and path measured, batches ran faster on dense weights than
+    on the file's blocks, while one question at a time ran faster on the blocks (a decode step
+    reads a third of the bytes); on a build without AVX-512 the blocks' products take a lane at a
+    time and everything ran faster dense. Kev is built for batches, so dense where the dense
+    weights fit in MEMORY_SHARE of the memory available, else as stored (the file's size: a model
+    that would not fit dense still runs). `weights="as-stored"` asks for the blocks."""
     from .cpu import kernels as cpu_kernels
 
-    built = cpu_kernels.load_kernels()
-    if built.quant_path == "avx512":
-        if dtype == torch.float32:
-            return "as-stored", ("float32 products block-scaled on the file's blocks measured a question 2x faster "
-                                 "than on dense weights and batches within 10%, at the file's size in memory")
-        if built.bf16_path.path == "avx512_bf16":
-            return "as-stored", ("bfloat16 products on the avx512_bf16 path measured faster block-scaled on the "
-                                 "file's blocks than on dense weights, on every workload")
-        faster = f"bfloat16 products on the {built.bf16_path.path} path measured batches faster on dense weights"
+    if cpu_kernels.load_kernels().quant_path == "avx512":
+        faster = ("batches measured faster on dense weights than on the file's blocks (one question at a time "
+                  "runs faster on them: weights='as-stored')")
     else:
         faster = "this build's block-scaled products take a lane at a time (no AVX-512): dense weights ran faster"
     available = available_memory()

@@ -259,8 +259,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--weights", choices=("auto", "as-stored", "dense"),
                         help="a GGUF's quantized weights: as-stored (computed in place by Kev's CPU kernels: the "
                         "file's size in memory, the same answers), dense (dequantized into --dtype), auto (default: "
-                        "what measured faster on this CPU: as stored in float32 with AVX-512 and in bfloat16 on its "
-                        "AVX512-BF16 path, else dense where that takes at most half the memory available)")
+                        "what measured faster for batches: dense where that takes at most half the memory available, "
+                        "else as stored; one question at a time runs faster as-stored)")
     parser.add_argument("--model-impl", dest="model_impl", choices=("auto", "kev", "transformers"),
                         help="the model's implementation: auto (default: Kev's own forward for the Llama, Mistral, "
                         "Qwen2 and Qwen3 families, else transformers' modeling code), kev, transformers")
