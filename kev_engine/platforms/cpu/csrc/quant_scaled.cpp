@@ -106,9 +106,7 @@ void scaled_rows_generic(const float* x, int64_t ldx, const float* sx, int64_t l
 }
 
 #if defined(KEV_QUANT_AVX512)
-#if !defined(__AVX512BF16__)
-inline __m512 dot_step(__m512 p, __m512i, const uint16_t*) { return p; }  // never taken: no such path here
-#else
+#if defined(__AVX512BF16__)
 // p + a row's pair of x at k, k + 1 (x: its bf16 bits at k) times 16 outputs' pairs of values w
 inline __m512 dot_step(__m512 p, __m512i w, const uint16_t* x) {
   uint32_t both;
@@ -352,17 +350,15 @@ void scaled_prefill(const X* x, int64_t ldx, const float* sx, int64_t ldsx, int6
             O[h][g0 + g] = o[first / f.group + g];
           }
           const PanelValues<T> v(block);
-          float* out = values + (h * kChunk + (kb - k0)) * kLanes;
+          const int64_t at = h * kChunk + (kb - k0);  // the block's first k in the buffer
           for (int k = 0; k < std::min<int>(f.block_k, kChunk); k += 2) {
             if constexpr (kDot<X>) {
-#if defined(__AVX512BF16__)
-              _mm512_store_si512(values + (h * kChunk + (kb - k0) + k) / 2 * kLanes, v.pairs(first + k));
-#endif
+              _mm512_store_si512(values + (at + k) / 2 * kLanes, v.pairs(first + k));
             } else {
               __m512 even, odd;
               v.pair(first + k, even, odd);
-              _mm512_store_ps(out + k * kLanes, even);
-              _mm512_store_ps(out + (k + 1) * kLanes, odd);
+              _mm512_store_ps(values + (at + k) * kLanes, even);
+              _mm512_store_ps(values + (at + k + 1) * kLanes, odd);
             }
           }
         }
