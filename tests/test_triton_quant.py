@@ -4,7 +4,9 @@ For Q8_0, Q4_0 and Q4_1 blocks of random weights (gguf's own quantizer), in floa
 1, 5 and 70 rows: the product on the blocks is bit for bit the dense fixed-order product
 (`triton_kernels.linear`) on the weight gguf's `dequantize` gives, rounded to the dtype as torch
 rounds it — the decode in the tile changes no bit. The control: the same comparison against the
-dequantized weight with one entry wrong finds the difference. In a process of its own
+dequantized weight with one entry off by 1 finds the difference (every row's input at that entry's
+column is 1, so the output moves by 1 against outputs near 0.6: far above bf16's rounding, whatever
+the random draw). In a process of its own
 (TRITON_INTERPRET=1 must be set before Triton compiles anything). What the GPU compiler makes of
 the kernel is tests/test_triton_compile.py's.
 """
@@ -22,6 +24,7 @@ CHECK = textwrap.dedent("""
     from kev_engine.platforms.cuda import triton_kernels, triton_quant
 
     rng = np.random.default_rng(0)
+    torch.manual_seed(0)
     N, K = 96, 160  # a partial tile of outputs, K over two and a half tiles of 64
     weights = (rng.standard_normal((N, K)) * 0.05).astype(np.float32)
     for name in ("Q8_0", "Q4_0", "Q4_1"):
@@ -32,8 +35,9 @@ CHECK = textwrap.dedent("""
         for dtype in (torch.float32, torch.bfloat16):
             dense = dequantized.to(dtype)
             nudged = dense.clone()
-            nudged[7, 33] = dense[7, 33] * 2 if dense[7, 33] != 0 else 0.01  # one weight decoded wrong
+            nudged[7, 33] = dense[7, 33] + 1  # one weight decoded wrong
             rows = torch.randn(70, K).to(dtype)
+            rows[:, 33] = 1  # so the wrong weight moves output 7 by 1 in every row
             for m in (1, 5, 70):
                 got = triton_quant.quant_linear(rows[:m], stored, name, K)
                 assert got.dtype == dtype and got.shape == (m, N)
