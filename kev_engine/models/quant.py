@@ -6,10 +6,11 @@ product's parts, and the CPU platform's ops compute with it (`csrc/quant.cpp`), 
 
 Why a layout of Kev's: the file stores each output row's blocks one after another; a product that
 decodes 16 outputs' k-th weights as one vector wants them side by side. `tile` moves the same bytes
-(a block's scales as the file has them, its 4-bit values two k to a byte, fifth and sixth bits in
-planes of their own) into panels of 16 outputs, the layout csrc/quant.cpp documents: the memory
-a weight takes is the file's bytes (padding aside: a last panel of fewer than 16 outputs, and an
-odd panel count, filled with zero bytes).
+(a block's scales as the file has them; 4-bit values without high bits a row's eight k to a dword,
+the even k low and the odd k high; the others' low four bits two k to a byte, fifth and sixth bits
+in planes of their own) into panels of 16 outputs, the layout csrc/quant_blocks.h documents: the
+memory a weight takes is the file's bytes (padding aside: a last panel of fewer than 16 outputs,
+and an odd panel count, filled with zero bytes).
 """
 
 from __future__ import annotations
@@ -139,7 +140,7 @@ def values_and_scales(tensor: QuantTensor) -> tuple[np.ndarray, np.ndarray]:
 
 
 def tile(tensor: QuantTensor) -> torch.Tensor:
-    """The weight in csrc/quant.cpp's layout: uint8 [panels, blocks, 16 x the file's block bytes]."""
+    """The weight in csrc/quant_blocks.h's layout: uint8 [panels, blocks, 16 x the file's block bytes]."""
     f = tensor.format
     if tensor.cols % f.block_k:
         raise ValueError(f"a {f.name} weight of {tensor.cols} inputs: not a whole number of {f.block_k}-weight blocks")
@@ -154,6 +155,10 @@ def tile(tensor: QuantTensor) -> torch.Tensor:
     planes = [scales.reshape(panels, LANES, blocks, f.scale_bytes).transpose(0, 2, 1, 3).reshape(panels, blocks, -1)]
     if f.low_bits == 8:
         planes.append(v.reshape(panels, blocks, -1))
+    elif f.high_bits == 0:  # per 8 k, dword j: row j's values at k 0, 2, 4, 6 (low nibble first), then 1, 3, 5, 7
+        runs = v.reshape(panels, blocks, f.block_k // 8, 2, 2, 2, LANES)  # [..., half, t % 2, k % 2, lane]
+        nibbles = runs[..., 0, :, :] | runs[..., 1, :, :] << 4  # [..., run, half, k % 2, lane]
+        planes.append(nibbles.transpose(0, 1, 2, 5, 4, 3).reshape(panels, blocks, -1))
     else:
         low = (v & 0x0F).reshape(panels, blocks, f.block_k // 2, 2, LANES)  # byte j: row j at the even k, the odd
         planes.append((low[..., 0, :] | (low[..., 1, :] << 4)).reshape(panels, blocks, -1))

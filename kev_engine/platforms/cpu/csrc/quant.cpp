@@ -60,12 +60,14 @@ inline void decode_panel_block(const uint8_t* block, Emit&& emit) {
     if constexpr (f.kind == 2) return _mm512_sub_ps(w, O[g]);
     return w;
   };
-  for (int k = 0; k < f.block_k; k += 2) {
+  each_pair(0, f.block_k, [&](int k8, auto place) {
+    constexpr int P = decltype(place)::value;
+    const int k = k8 + 2 * P;
     __m512 even, odd;
-    values.pair(k, even, odd);
+    values.template pair<P>(k8, even, odd);
     emit(k, weight(k / f.group, even));
     emit(k + 1, weight(k / f.group, odd));
-  }
+  });
 }
 
 // Two k's 16 weights each as bf16 pairs (lane j: row j's even k, then its odd k), to nearest even.

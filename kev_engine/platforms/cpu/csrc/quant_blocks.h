@@ -5,8 +5,11 @@
 // Layout (`models/quant.py` builds it from the file's blocks; the same bytes, reordered): the
 // outputs in panels of 16 (a last panel and an odd panel count padded with zero bytes), each
 // panel's blocks along K in the file's order, each block [16 rows' scale bytes as in the file]
-// [low plane: per pair of k, 16 rows' 4-bit values (byte j: row j's at the even k low, at the odd
-// k high), or per k 16 rows' 8-bit ones]
+// [low plane: per k 16 rows' 8-bit values; or 4-bit values with a high plane, per pair of k 16
+// rows' (byte j: row j's at the even k low, at the odd k high); or 4-bit values alone (Q4_0, Q4_1,
+// Q4_K), per 8 k 16 rows' in 64 bytes, dword j row j's: its values at k 0, 2, 4, 6 in nibbles 0-3
+// (bits 0-15), at k 1, 3, 5, 7 in nibbles 4-7, so one shift puts a pair of k's in place for every
+// row at once (PanelValues::pairs)]
 // [high plane: per k, the 16 rows' fifth bits (2 bytes); Q6_K's fifth and sixth bits per 8 k in
 // 32 bytes, byte j of the first 16 row j's two bits at k 0, 1, 4 and 5 (low bits first), of the
 // second at k 2, 3, 6 and 7: the order in which a 64-byte run of the low plane (its four pairs,
@@ -89,6 +92,9 @@ inline void row_scales(const uint8_t* s, float* S, float* O) {
 constexpr int six_byte(int k) { return k / 8 * 32 + (k & 2 ? 16 : 0); }
 constexpr int six_shift(int k) { return 2 * (k & 1) + (k & 4); }
 
+// Where k's 4-bit value lies in its row's dword of a run of 8 k (formats without high bits).
+constexpr int nibble_shift(int k) { return 16 * (k & 1) + 4 * (k % 8 / 2); }
+
 // Lane r's stored value at k of a panel's block (its low and high planes), less the format's zero.
 template <int T>
 inline int32_t stored_value(const uint8_t* block, int k, int r) {
@@ -96,10 +102,15 @@ inline int32_t stored_value(const uint8_t* block, int k, int r) {
   const uint8_t* low = block + kLanes * f.scale_bytes;
   const uint8_t* high = low + f.block_k * (f.low_bits == 8 ? 16 : 8);
   int32_t v;
-  if constexpr (f.low_bits == 8)
+  if constexpr (f.low_bits == 8) {
     v = static_cast<int8_t>(low[k * 16 + r]);
-  else
+  } else if constexpr (f.high_bits == 0) {
+    uint32_t row;
+    std::memcpy(&row, low + k / 8 * 64 + r * 4, sizeof(row));
+    v = (row >> nibble_shift(k)) & 0x0F;
+  } else {
     v = k % 2 == 0 ? low[k / 2 * 16 + r] & 0x0F : low[k / 2 * 16 + r] >> 4;
+  }
   if constexpr (f.high_bits == 1) {
     uint16_t bits;
     std::memcpy(&bits, high + k * 2, sizeof(bits));
@@ -194,20 +205,25 @@ struct PanelValues {
     }
     return q;
   }
+  // the run of 8 k holding k, 16 rows' dwords (formats without high bits)
+  inline __m512i run(int k) const { return _mm512_loadu_si512(low + k / 8 * 64); }
   inline __m512 value(__m512i q) const {
     if constexpr (f.zero != 0) q = _mm512_sub_epi32(q, _mm512_set1_epi32(f.zero));
     return _mm512_cvtepi32_ps(q);
   }
-  // the values at k and k + 1 (k even)
-  inline void pair(int k, __m512& even, __m512& odd) const {
+  // the values at k and k + 1 for k = k8 + 2P (k8 a multiple of 8: P the pair's place in its run,
+  // known when compiled, so a run's shifts are immediates)
+  template <int P>
+  inline void pair(int k8, __m512& even, __m512& odd) const {
+    const int k = k8 + 2 * P;
     if constexpr (f.low_bits == 8) {
       even = value(with_high(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(low + k * 16))), k));
       odd = value(with_high(
           _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(low + (k + 1) * 16))), k + 1));
     } else if constexpr (f.high_bits == 0) {  // the table's lookup reads each lane's low four bits
-      const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(low + k / 2 * 16)));
-      even = _mm512_permutexvar_ps(bytes, table16());
-      odd = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table16());
+      const __m512i rows = run(k8);
+      even = _mm512_permutexvar_ps(_mm512_srli_epi32(rows, nibble_shift(2 * P)), table16());
+      odd = _mm512_permutexvar_ps(_mm512_srli_epi32(rows, nibble_shift(2 * P + 1)), table16());
     } else if constexpr (f.high_bits == 1) {  // five bits: the lookup in two tables reads the low five
       const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(low + k / 2 * 16)));
       even = _mm512_permutex2var_ps(table16(), with_high(_mm512_and_si512(bytes, _mm512_set1_epi32(0x0F)), k),
@@ -226,20 +242,18 @@ struct PanelValues {
     return _mm512_add_ps(_mm512_set1_ps(z), _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
   }
 #if defined(__AVX512BF16__)
-  // the values at k and k + 1 (k even) as bf16 pairs, vdpbf16ps's operand: lane j row j's value at
+  // the values at k and k + 1 (k = k8 + 2P) as bf16 pairs, vdpbf16ps's operand: lane j row j's value at
   // k in its low half, at k + 1 in its high half. Exact: a stored value less its zero is an integer
   // of at most eight significant bits, so its fp32 form's low half is zero and its high half is it
-  // in bf16. Four bits without a fifth: both of a byte's values looked up as bf16 in one vpermw.
-  inline __m512i pairs(int k) const {
+  // in bf16. Four bits without a fifth: each row's dword shifted so its word halves hold the values
+  // at k and k + 1 in their low nibbles, then all 32 looked up as bf16 in one vpermw.
+  template <int P>
+  inline __m512i pairs(int k8) const {
     if constexpr (f.low_bits == 4 && f.high_bits == 0) {
-      const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(low + k / 2 * 16)));
-      constexpr int kEitherThenMask = 0xA8;  // ternary logic (a | b) & c: the low nibble low, the high one high
-      const __m512i at = _mm512_ternarylogic_epi32(bytes, _mm512_slli_epi32(bytes, 12), _mm512_set1_epi32(0x000F000F),
-                                                   kEitherThenMask);
-      return _mm512_permutexvar_epi16(at, table_bf16());
+      return _mm512_permutexvar_epi16(_mm512_srli_epi16(run(k8), nibble_shift(2 * P)), table_bf16());
     } else {
       __m512 even, odd;
-      pair(k, even, odd);
+      pair<P>(k8, even, odd);
       return as_pairs(even, odd);
     }
   }
@@ -249,7 +263,8 @@ struct PanelValues {
     return _mm512_ternarylogic_epi32(_mm512_srli_epi32(_mm512_castps_si512(even), 16), _mm512_castps_si512(odd),
                                      _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)), kLowOrMasked);
   }
-  // table16()'s values as bf16, words 0-15 and again 16-31 (vpermw reads an index's low five bits)
+  // table16()'s values as bf16, words 0-15 and again 16-31 (vpermw reads an index's low five bits,
+  // the fifth of them the next nibble's lowest)
   static inline __m512i table_bf16() {
     const __m256i words = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(table16()), 16));
     return _mm512_broadcast_i64x4(words);
@@ -258,6 +273,18 @@ struct PanelValues {
 };
 #define KEV_QUANT_AVX512 1
 #endif
+
+// f(k8, P) for each pair of k in [k0, k0 + n) (both multiples of 8), k = k8 + 2P: a run's four
+// pairs written out, P an std::integral_constant (PanelValues::pair's template argument).
+template <typename F>
+inline void each_pair(int k0, int n, F&& f) {
+  for (int k8 = k0; k8 < k0 + n; k8 += 8) {
+    f(k8, std::integral_constant<int, 0>{});
+    f(k8, std::integral_constant<int, 1>{});
+    f(k8, std::integral_constant<int, 2>{});
+    f(k8, std::integral_constant<int, 3>{});
+  }
+}
 
 template <typename F>
 void by_type(int type, F&& f) {

@@ -165,9 +165,15 @@ template <int T, int NP>
 struct TileValues {
   const uint8_t* block[NP];
   void group(int) {}
-  void pair(int j, int k, __m512& even, __m512& odd) const { PanelValues<T>(block[j]).pair(k, even, odd); }
+  template <int P>
+  void pair(int j, int k8, __m512& even, __m512& odd) const {
+    PanelValues<T>(block[j]).template pair<P>(k8, even, odd);
+  }
 #if defined(__AVX512BF16__)
-  __m512i pairs(int j, int k) const { return PanelValues<T>(block[j]).pairs(k); }
+  template <int P>
+  __m512i pairs(int j, int k8) const {
+    return PanelValues<T>(block[j]).template pairs<P>(k8);
+  }
 #endif
 };
 
@@ -184,9 +190,10 @@ struct TileValues<kQ6_K, NP> {
       q6k_bytes(block[j], 2 * g + 1, q[j] + 128);
     }
   }
-  void pair(int j, int k, __m512& even, __m512& odd) const {
+  template <int P>
+  void pair(int j, int k8, __m512& even, __m512& odd) const {
     static_assert(format_of(kQ6_K).group == 16, "a group is two runs of 8 k");
-    const int i = k % 16;  // even: its pair's values at [i / 8][0 or 1][i % 8 / 2] (q6k_bytes' order)
+    const int i = (k8 + 2 * P) % 16;  // even: its pair's values at [i / 8][0 or 1][i % 8 / 2] (q6k_bytes' order)
     const int8_t* at = q[j] + i / 8 * 128 + (i % 8 / 2) * 16;
     auto floats = [](const int8_t* v) {
       return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(v))));
@@ -195,9 +202,10 @@ struct TileValues<kQ6_K, NP> {
     odd = floats(at + 64);
   }
 #if defined(__AVX512BF16__)
-  __m512i pairs(int j, int k) const {
+  template <int P>
+  __m512i pairs(int j, int k8) const {
     __m512 even, odd;
-    pair(j, k, even, odd);
+    pair<P>(j, k8, even, odd);
     return PanelValues<kQ6_K>::as_pairs(even, odd);
   }
 #endif
@@ -229,20 +237,21 @@ void scaled_tile(const X* x, int64_t ldx, const float* sx, int64_t ldsx, const u
       __m512 p[R][NP];
       for (int r = 0; r < R; ++r)
         for (int j = 0; j < NP; ++j) p[r][j] = _mm512_setzero_ps();
-      for (int i = 0; i < f.group; i += 2) {
-        const int k = g * f.group + i;
+      each_pair(g * f.group, f.group, [&](int k8, auto place) {
+        constexpr int P = decltype(place)::value;
+        const int k = k8 + 2 * P;
         for (int j = 0; j < NP; ++j) {
           if constexpr (kDot<X>) {
-            const __m512i w = values.pairs(j, k);
+            const __m512i w = values.template pairs<P>(j, k8);
             for (int r = 0; r < R; ++r) p[r][j] = dot_step(p[r][j], w, xb + r * ldx + k);
           } else {
             __m512 even, odd;
-            values.pair(j, k, even, odd);
+            values.template pair<P>(j, k8, even, odd);
             for (int r = 0; r < R; ++r) p[r][j] = _mm512_fmadd_ps(_mm512_set1_ps(xb[r * ldx + k]), even, p[r][j]);
             for (int r = 0; r < R; ++r) p[r][j] = _mm512_fmadd_ps(_mm512_set1_ps(xb[r * ldx + k + 1]), odd, p[r][j]);
           }
         }
-      }
+      });
       for (int r = 0; r < R; ++r)
         for (int j = 0; j < NP; ++j)
           acc[r][j] = add_group<T>(acc[r][j], S[j][g], O[j][g], p[r][j], sx + r * ldsx + b * groups + g);
@@ -351,16 +360,18 @@ void scaled_prefill(const X* x, int64_t ldx, const float* sx, int64_t ldsx, int6
           }
           const PanelValues<T> v(block);
           const int64_t at = h * kChunk + (kb - k0);  // the block's first k in the buffer
-          for (int k = 0; k < std::min<int>(f.block_k, kChunk); k += 2) {
+          each_pair(first, std::min<int>(f.block_k, kChunk), [&](int k8, auto place) {
+            constexpr int P = decltype(place)::value;
+            const int64_t i = at + k8 - first + 2 * P;  // this pair's place in the buffer
             if constexpr (kDot<X>) {
-              _mm512_store_si512(values + (at + k) / 2 * kLanes, v.pairs(first + k));
+              _mm512_store_si512(values + i / 2 * kLanes, v.template pairs<P>(k8));
             } else {
               __m512 even, odd;
-              v.pair(first + k, even, odd);
-              _mm512_store_ps(values + (at + k) * kLanes, even);
-              _mm512_store_ps(values + (at + k + 1) * kLanes, odd);
+              v.template pair<P>(k8, even, odd);
+              _mm512_store_ps(values + i * kLanes, even);
+              _mm512_store_ps(values + (i + 1) * kLanes, odd);
             }
-          }
+          });
         }
       }
       const X* xk = x + k0;
