@@ -5,15 +5,14 @@
 // Layout (`models/quant.py` builds it from the file's blocks; the same bytes, reordered): the
 // outputs in panels of 16 (a last panel and an odd panel count padded with zero bytes), each
 // panel's blocks along K in the file's order, each block [16 rows' scale bytes as in the file]
-// [low plane: per k 16 rows' 8-bit values; or 4-bit values with a high plane, per pair of k 16
-// rows' (byte j: row j's at the even k low, at the odd k high); or 4-bit values alone (Q4_0, Q4_1,
-// Q4_K), per 8 k 16 rows' in 64 bytes, dword j row j's: its values at k 0, 2, 4, 6 in nibbles 0-3
-// (bits 0-15), at k 1, 3, 5, 7 in nibbles 4-7, so one shift puts a pair of k's in place for every
-// row at once (PanelValues::pairs)]
+// [low plane: per k 16 rows' 8-bit values; or 4-bit values in runs (Q4_0, Q4_1, Q4_K and Q6_K's
+// low four bits: `in_runs`), per 8 k 16 rows' in 64 bytes, dword j row j's: its values at k 0, 2,
+// 4, 6 in nibbles 0-3 (bits 0-15), at k 1, 3, 5, 7 in nibbles 4-7, so one shift puts a pair of k's
+// in place for every row at once (PanelValues::pairs); or the 5-bit formats' low four bits, per
+// pair of k 16 rows' (byte j: row j's at the even k low, at the odd k high)]
 // [high plane: per k, the 16 rows' fifth bits (2 bytes); Q6_K's fifth and sixth bits per 8 k in
-// 32 bytes, byte j of the first 16 row j's two bits at k 0, 1, 4 and 5 (low bits first), of the
-// second at k 2, 3, 6 and 7: the order in which a 64-byte run of the low plane (its four pairs,
-// one a 128-bit lane) meets these 32 bytes loaded twice, lane by lane (quant_scaled.cpp)].
+// 32 bytes, byte 2j + 1 (k odd) or 2j (even) row j's two bits at k, from bit 2 * (k % 8 / 2): zero
+// extended to words these lie beside the low plane's run shifted to words (PanelValues::six_bits)].
 // Decoding a k reads 16 outputs' values side by side: one vector, the layout linear.cpp's panels have.
 #pragma once
 
@@ -88,9 +87,8 @@ inline void row_scales(const uint8_t* s, float* S, float* O) {
   }
 }
 
-// Q6_K's high plane: the 16 bytes holding k's two high bits (one a row), and their place in each byte.
-constexpr int six_byte(int k) { return k / 8 * 32 + (k & 2 ? 16 : 0); }
-constexpr int six_shift(int k) { return 2 * (k & 1) + (k & 4); }
+// Whether a format's 4-bit low plane lies in runs of 8 k, a row's dword each (the layout above).
+constexpr bool in_runs(const Format& f) { return f.low_bits == 4 && f.high_bits != 1; }
 
 // Where k's 4-bit value lies in its row's dword of a run of 8 k (formats without high bits).
 constexpr int nibble_shift(int k) { return 16 * (k & 1) + 4 * (k % 8 / 2); }
@@ -104,7 +102,7 @@ inline int32_t stored_value(const uint8_t* block, int k, int r) {
   int32_t v;
   if constexpr (f.low_bits == 8) {
     v = static_cast<int8_t>(low[k * 16 + r]);
-  } else if constexpr (f.high_bits == 0) {
+  } else if constexpr (in_runs(f)) {
     uint32_t row;
     std::memcpy(&row, low + k / 8 * 64 + r * 4, sizeof(row));
     v = (row >> nibble_shift(k)) & 0x0F;
@@ -116,7 +114,7 @@ inline int32_t stored_value(const uint8_t* block, int k, int r) {
     std::memcpy(&bits, high + k * 2, sizeof(bits));
     v |= ((bits >> r) & 1) << 4;
   } else if constexpr (f.high_bits == 2) {
-    v |= ((high[six_byte(k) + r] >> six_shift(k)) & 3) << 4;
+    v |= ((high[k / 8 * 32 + 2 * r + (k & 1)] >> (2 * (k % 8 / 2))) & 3) << 4;
   }
   return v - f.zero;
 }
@@ -192,21 +190,46 @@ struct PanelValues {
   explicit PanelValues(const uint8_t* block)
       : low(block + kLanes * f.scale_bytes), high(low + f.block_k * (f.low_bits == 8 ? 16 : 8)) {}
 
-  // the fifth (and sixth) bits of k's 16 values, added to q
+  // the fifth bits of k's 16 values, added to q
   inline __m512i with_high(__m512i q, int k) const {
     if constexpr (f.high_bits == 1) {
       uint16_t h;
       std::memcpy(&h, high + k * 2, sizeof(h));
       return _mm512_or_si512(q, _mm512_maskz_set1_epi32(static_cast<__mmask16>(h), 16));
-    } else if constexpr (f.high_bits == 2) {  // lane j's two bits in byte j of k's 16
-      const __m512i h = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(high + six_byte(k))));
-      return _mm512_or_si512(q, _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(h, six_shift(k)),
-                                                                  _mm512_set1_epi32(3)), 4));
     }
     return q;
   }
-  // the run of 8 k holding k, 16 rows' dwords (formats without high bits)
+  // the run of 8 k holding k, 16 rows' dwords (in_runs formats)
   inline __m512i run(int k) const { return _mm512_loadu_si512(low + k / 8 * 64); }
+  // Q6_K's six-bit stored values at k = k8 + 2P and k + 1: word 2j (and 2j + 1) row j's at k (at
+  // k + 1) in bits 0-5, the bits above them others' (every reader masks or ignores them)
+  template <int P>
+  inline __m512i six_bits(int k8) const {
+    const __m512i h = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(high + k8 / 8 * 32)));
+    __m512i at4;  // the pair's two high bits moved to bits 4-5
+    if constexpr (P < 2)
+      at4 = _mm512_slli_epi16(h, 4 - 2 * P);
+    else if constexpr (P == 2)
+      at4 = h;
+    else
+      at4 = _mm512_srli_epi16(h, 2);
+    constexpr int kLowThenHigh = 0xE4;  // ternary logic (a & c) | (b & ~c)
+    return _mm512_ternarylogic_epi32(_mm512_srli_epi16(run(k8), 4 * P), at4, _mm512_set1_epi16(0x0F), kLowThenHigh);
+  }
+  // Q6_K's values at k = k8 + 2P and k + 1 as bf16 pairs (pairs' form; exact), by one vpermt2w in
+  // a table of all 64
+  template <int P>
+  inline __m512i six_pairs(int k8) const {
+    return _mm512_permutex2var_epi16(table32_bf16(0), six_bits<P>(k8), table32_bf16(32));
+  }
+  // value(q) as bf16 for the stored q = from, ..., from + 31 (word i: from + i)
+  static inline __m512i table32_bf16(int from) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(bf16_words(table16(from))), bf16_words(table16(from + 16)), 1);
+  }
+  // 16 exact floats of at most eight significant bits (table16's) as bf16: their high halves
+  static inline __m256i bf16_words(__m512 v) {
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16));
+  }
   inline __m512 value(__m512i q) const {
     if constexpr (f.zero != 0) q = _mm512_sub_epi32(q, _mm512_set1_epi32(f.zero));
     return _mm512_cvtepi32_ps(q);
@@ -220,19 +243,19 @@ struct PanelValues {
       even = value(with_high(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(low + k * 16))), k));
       odd = value(with_high(
           _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(low + (k + 1) * 16))), k + 1));
+    } else if constexpr (f.high_bits == 2) {  // six bits: looked up as bf16 (exact), each half widened
+      const __m512i both = six_pairs<P>(k8);
+      even = _mm512_castsi512_ps(_mm512_slli_epi32(both, 16));
+      odd = _mm512_castsi512_ps(_mm512_and_si512(both, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
     } else if constexpr (f.high_bits == 0) {  // the table's lookup reads each lane's low four bits
       const __m512i rows = run(k8);
       even = _mm512_permutexvar_ps(_mm512_srli_epi32(rows, nibble_shift(2 * P)), table16());
       odd = _mm512_permutexvar_ps(_mm512_srli_epi32(rows, nibble_shift(2 * P + 1)), table16());
-    } else if constexpr (f.high_bits == 1) {  // five bits: the lookup in two tables reads the low five
+    } else {  // five bits: the lookup in two tables reads the low five
       const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(low + k / 2 * 16)));
       even = _mm512_permutex2var_ps(table16(), with_high(_mm512_and_si512(bytes, _mm512_set1_epi32(0x0F)), k),
                                     table16(16));
       odd = _mm512_permutex2var_ps(table16(), with_high(_mm512_srli_epi32(bytes, 4), k + 1), table16(16));
-    } else {
-      const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(low + k / 2 * 16)));
-      even = value(with_high(_mm512_and_si512(bytes, _mm512_set1_epi32(0x0F)), k));
-      odd = value(with_high(_mm512_srli_epi32(bytes, 4), k + 1));
     }
   }
   // value(q) for the stored q = from, from + 1, ..., from + 15: a lookup replaces the conversion
@@ -246,11 +269,14 @@ struct PanelValues {
   // k in its low half, at k + 1 in its high half. Exact: a stored value less its zero is an integer
   // of at most eight significant bits, so its fp32 form's low half is zero and its high half is it
   // in bf16. Four bits without a fifth: each row's dword shifted so its word halves hold the values
-  // at k and k + 1 in their low nibbles, then all 32 looked up as bf16 in one vpermw.
+  // at k and k + 1 in their low nibbles, then all 32 looked up as bf16 in one vpermw; Q6_K's six
+  // bits the same way in one vpermt2w (64 entries).
   template <int P>
   inline __m512i pairs(int k8) const {
     if constexpr (f.low_bits == 4 && f.high_bits == 0) {
       return _mm512_permutexvar_epi16(_mm512_srli_epi16(run(k8), nibble_shift(2 * P)), table_bf16());
+    } else if constexpr (f.high_bits == 2) {
+      return six_pairs<P>(k8);
     } else {
       __m512 even, odd;
       pair<P>(k8, even, odd);
@@ -265,10 +291,7 @@ struct PanelValues {
   }
   // table16()'s values as bf16, words 0-15 and again 16-31 (vpermw reads an index's low five bits,
   // the fifth of them the next nibble's lowest)
-  static inline __m512i table_bf16() {
-    const __m256i words = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(table16()), 16));
-    return _mm512_broadcast_i64x4(words);
-  }
+  static inline __m512i table_bf16() { return _mm512_broadcast_i64x4(bf16_words(table16())); }
 #endif
 };
 #define KEV_QUANT_AVX512 1

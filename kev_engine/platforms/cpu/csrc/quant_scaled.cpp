@@ -29,8 +29,8 @@
 //
 // Threads: a product's tasks (a run of 8 panels x a run of up to 96 rows) are claimed from a
 // counter. A decode pass's rows (at most 6) are one register tile that decodes the panels' values
-// as it goes (Q6_K's a group at a time, to int8 in L1 first); a prefill's values are decoded 128 k
-// of 4 panels at a time into an L1 buffer for all its tiles.
+// as it goes; a prefill's values are decoded 128 k of 4 panels at a time into an L1 buffer for all
+// its tiles.
 #include <torch/extension.h>
 
 #include <algorithm>
@@ -136,82 +136,8 @@ inline int64_t ahead(int64_t b, int64_t blocks, int np, int64_t bytes) {
   return (kAhead + (b + kAhead < blocks ? 0 : (np - 1) * blocks)) * bytes;
 }
 
-// Q6_K's stored values less 32 at 8 k of a panel's block (o: k = 8o, ..., 8o + 7) as int8, out [2][4][16]:
-// the even k 8o + 2l in the l-th 16 bytes, then the odd k 8o + 2l + 1 — 128 values in a few byte
-// operations: the low plane's 64 bytes (lane l: pair l) beside the high plane's 32 loaded twice
-// (lanes: its first 16 bytes, its second, the first, the second), each lane's two bits turned into
-// bits 4-5 of its bytes.
-inline void q6k_bytes(const uint8_t* block, int o, int8_t* out) {
-  constexpr Format f = format_of(kQ6_K);
-  const uint8_t* low = block + kLanes * f.scale_bytes;
-  const uint8_t* high = low + f.block_k * 8;
-  // lanes 0, 1 hold pairs whose even k's bits are a byte's 0-1 and odd k's 2-3; lanes 2, 3: 4-5, 6-7
-  const __m512i even_turn = _mm512_setr_epi32(4, 4, 4, 4, 4, 4, 4, 4, 0, 0, 0, 0, 0, 0, 0, 0);
-  const __m512i odd_turn = _mm512_setr_epi32(2, 2, 2, 2, 2, 2, 2, 2, 30, 30, 30, 30, 30, 30, 30, 30);
-  const __m512i nibble = _mm512_set1_epi8(0x0F), bits45 = _mm512_set1_epi8(0x30), zero = _mm512_set1_epi8(32);
-  constexpr int kLowOrHigh = 0xEC;  // ternary logic (a & c) | b
-  const __m512i lo = _mm512_loadu_si512(low + o * 64);
-  const __m512i hi = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(high + o * 32)));
-  const __m512i even_hi = _mm512_and_si512(_mm512_rolv_epi32(hi, even_turn), bits45);
-  const __m512i odd_hi = _mm512_and_si512(_mm512_rolv_epi32(hi, odd_turn), bits45);
-  const __m512i even = _mm512_ternarylogic_epi32(lo, even_hi, nibble, kLowOrHigh);
-  const __m512i odd = _mm512_ternarylogic_epi32(_mm512_srli_epi16(lo, 4), odd_hi, nibble, kLowOrHigh);
-  _mm512_store_si512(out, _mm512_sub_epi8(even, zero));
-  _mm512_store_si512(out + 64, _mm512_sub_epi8(odd, zero));
-}
-
-// A register tile's values, panel by panel: decoded as the tile takes each pair of k ...
-template <int T, int NP>
-struct TileValues {
-  const uint8_t* block[NP];
-  void group(int) {}
-  template <int P>
-  void pair(int j, int k8, __m512& even, __m512& odd) const {
-    PanelValues<T>(block[j]).template pair<P>(k8, even, odd);
-  }
-#if defined(__AVX512BF16__)
-  template <int P>
-  __m512i pairs(int j, int k8) const {
-    return PanelValues<T>(block[j]).template pairs<P>(k8);
-  }
-#endif
-};
-
-// ... or, for Q6_K, each group's 16 k of each panel put together as int8 by q6k_bytes first (a
-// quarter of the work of decoding each k's six bits in dword lanes), then each k's values widened
-// and converted as the tile takes them.
-template <int NP>
-struct TileValues<kQ6_K, NP> {
-  const uint8_t* block[NP];
-  alignas(64) int8_t q[NP][2 * 128];
-  void group(int g) {
-    for (int j = 0; j < NP; ++j) {
-      q6k_bytes(block[j], 2 * g, q[j]);
-      q6k_bytes(block[j], 2 * g + 1, q[j] + 128);
-    }
-  }
-  template <int P>
-  void pair(int j, int k8, __m512& even, __m512& odd) const {
-    static_assert(format_of(kQ6_K).group == 16, "a group is two runs of 8 k");
-    const int i = (k8 + 2 * P) % 16;  // even: its pair's values at [i / 8][0 or 1][i % 8 / 2] (q6k_bytes' order)
-    const int8_t* at = q[j] + i / 8 * 128 + (i % 8 / 2) * 16;
-    auto floats = [](const int8_t* v) {
-      return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(v))));
-    };
-    even = floats(at);
-    odd = floats(at + 64);
-  }
-#if defined(__AVX512BF16__)
-  template <int P>
-  __m512i pairs(int j, int k8) const {
-    __m512 even, odd;
-    pair<P>(j, k8, even, odd);
-    return PanelValues<kQ6_K>::as_pairs(even, odd);
-  }
-#endif
-};
-
-// scaled_rows_generic's arithmetic for R rows x NP panels in registers (X: kDot's).
+// scaled_rows_generic's arithmetic for R rows x NP panels in registers (X: kDot's), each panel's
+// values decoded as the tile takes each pair of k.
 template <int T, int R, int NP, typename X>
 void scaled_tile(const X* x, int64_t ldx, const float* sx, int64_t ldsx, const uint8_t* const* panels,
                  int64_t blocks, float* c, int64_t ldc) {
@@ -220,20 +146,19 @@ void scaled_tile(const X* x, int64_t ldx, const float* sx, int64_t ldsx, const u
   __m512 acc[R][NP];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < NP; ++j) acc[r][j] = _mm512_setzero_ps();
-  TileValues<T, NP> values;
+  const uint8_t* block[NP];
   for (int64_t b = 0; b < blocks; ++b) {
     __m512 S[NP][groups], O[NP][groups] = {};  // O: none for the formats without an offset
     for (int j = 0; j < NP; ++j) {
-      values.block[j] = panels[j] + b * block_bytes(f);
-      panel_scales<T>(values.block[j], S[j], O[j]);
+      block[j] = panels[j] + b * block_bytes(f);
+      panel_scales<T>(block[j], S[j], O[j]);
     }
     const X* xb = x + b * f.block_k;
     for (int g = 0; g < groups; ++g) {
       for (int j = 0; j < NP; ++j)  // this group's share of the block kAhead on, for each panel
         for (int64_t at = g * block_bytes(f) / groups; at < (g + 1) * block_bytes(f) / groups; at += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(values.block[j] + ahead(b, blocks, NP, block_bytes(f)) + at),
+          _mm_prefetch(reinterpret_cast<const char*>(block[j] + ahead(b, blocks, NP, block_bytes(f)) + at),
                        _MM_HINT_T0);
-      values.group(g);
       __m512 p[R][NP];
       for (int r = 0; r < R; ++r)
         for (int j = 0; j < NP; ++j) p[r][j] = _mm512_setzero_ps();
@@ -242,11 +167,11 @@ void scaled_tile(const X* x, int64_t ldx, const float* sx, int64_t ldsx, const u
         const int k = k8 + 2 * P;
         for (int j = 0; j < NP; ++j) {
           if constexpr (kDot<X>) {
-            const __m512i w = values.template pairs<P>(j, k8);
+            const __m512i w = PanelValues<T>(block[j]).template pairs<P>(k8);
             for (int r = 0; r < R; ++r) p[r][j] = dot_step(p[r][j], w, xb + r * ldx + k);
           } else {
             __m512 even, odd;
-            values.template pair<P>(j, k8, even, odd);
+            PanelValues<T>(block[j]).template pair<P>(k8, even, odd);
             for (int r = 0; r < R; ++r) p[r][j] = _mm512_fmadd_ps(_mm512_set1_ps(xb[r * ldx + k]), even, p[r][j]);
             for (int r = 0; r < R; ++r) p[r][j] = _mm512_fmadd_ps(_mm512_set1_ps(xb[r * ldx + k + 1]), odd, p[r][j]);
           }
