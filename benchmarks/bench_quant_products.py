@@ -15,8 +15,8 @@ For each GGML type asked for, random blocks of one weight of the 0.7B Llama's fu
 Best of 5 sweeps (50 for the cached row). The figures are the kernels' alone: a whole decode step
 and whole engines are bench_quant.py's.
 
-Usage: python benchmarks/bench_quant_products.py [--type Q4_K Q6_K Q8_0 Q4_1] [--rows 132 300]
-           [--dtype bfloat16 float32] [--path fma|avx512_bf16] [--out PATH]
+Usage: python benchmarks/bench_quant_products.py [--type Q4_K Q6_K Q8_0 Q4_1 (also Q4_0 Q5_0 Q5_1 Q5_K)]
+           [--rows 132 300] [--dtype bfloat16 float32] [--path fma|avx512_bf16] [--out PATH]
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from machine import cpu_line  # noqa: E402
 
 RESULTS_MD = Path(__file__).resolve().parent / "results" / "bench_quant_products.md"
 N, K = 11264, 2048
-TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
+TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
 STREAM_BYTES = 700e6
 
 
@@ -54,14 +54,14 @@ def random_weight(name: str, rng: np.random.Generator) -> Any:
     if name == "Q6_K":  # 16 int8 scales of 16, then d
         blocks[..., 192:208] = 16
         blocks[..., 208:210] = np.array([1e-4], dtype=half).view(np.uint8)
-    elif name == "Q4_K":  # d, dmin, every group's six-bit scale and min 32
+    elif name in ("Q4_K", "Q5_K"):  # d, dmin, every group's six-bit scale and min 32
         blocks[..., 0:2] = np.array([1e-4], dtype=half).view(np.uint8)
         blocks[..., 2:4] = np.array([7.5e-4], dtype=half).view(np.uint8)
         blocks[..., 4:12] = 160
         blocks[..., 12:16] = 0
-    else:  # d first; Q4_1's m after it
+    else:  # d first; Q4_1's and Q5_1's m after it
         blocks[..., 0:2] = np.array([1e-3], dtype=half).view(np.uint8)
-        if name == "Q4_1":
+        if name in ("Q4_1", "Q5_1"):
             blocks[..., 2:4] = np.array([-8e-3], dtype=half).view(np.uint8)
     return QuantTensor(TYPES[name], N, K, blocks.reshape(N, -1))
 

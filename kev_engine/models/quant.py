@@ -6,8 +6,8 @@ product's parts, and the CPU platform's ops compute with it (`csrc/quant.cpp`), 
 
 Why a layout of Kev's: the file stores each output row's blocks one after another; a product that
 decodes 16 outputs' k-th weights as one vector wants them side by side. `tile` moves the same bytes
-(a block's scales as the file has them; 4-bit values a row's eight k to a dword, the even k low and
-the odd k high — the 5-bit formats' two k to a byte —, fifth and sixth bits in planes of their own)
+(a block's scales as the file has them; 4-bit values, or the low four bits, a row's eight k to a
+dword, the even k low and the odd k high; fifth and sixth bits in planes of their own)
 into panels of 16 outputs, the layout csrc/quant_blocks.h documents: the memory a weight takes is
 the file's bytes (padding aside: a last panel of fewer than 16 outputs, and an odd panel count,
 filled with zero bytes).
@@ -155,18 +155,15 @@ def tile(tensor: QuantTensor) -> torch.Tensor:
     planes = [scales.reshape(panels, LANES, blocks, f.scale_bytes).transpose(0, 2, 1, 3).reshape(panels, blocks, -1)]
     if f.low_bits == 8:
         planes.append(v.reshape(panels, blocks, -1))
-    elif f.high_bits != 1:  # per 8 k, dword j: row j's values at k 0, 2, 4, 6 (low nibble first), then 1, 3, 5, 7
+    else:  # per 8 k, dword j: row j's values at k 0, 2, 4, 6 (low nibble first), then 1, 3, 5, 7
         # [..., run, k % 8 // 4, k % 4 // 2, k % 2, lane]: byte k % 8 // 4 of a word, its nibble k % 4 // 2
         runs = (v & 0x0F).reshape(panels, blocks, f.block_k // 8, 2, 2, 2, LANES)
         nibbles = runs[..., 0, :, :] | runs[..., 1, :, :] << 4  # [..., run, byte, k % 2, lane]
         planes.append(nibbles.transpose(0, 1, 2, 5, 4, 3).reshape(panels, blocks, -1))
-    else:
-        low = (v & 0x0F).reshape(panels, blocks, f.block_k // 2, 2, LANES)  # byte j: row j at the even k, the odd
-        planes.append((low[..., 0, :] | (low[..., 1, :] << 4)).reshape(panels, blocks, -1))
-    if f.high_bits == 1:  # per k, bit j of two bytes: row j's fifth bit
-        shifts = np.arange(LANES, dtype=np.uint16)
-        high = ((v >> 4).astype(np.uint16) << shifts).sum(axis=-1, dtype=np.uint16)  # [panel, block, k]
-        planes.append(np.ascontiguousarray(high).view(np.uint8).reshape(panels, blocks, -1))
+    if f.high_bits == 1:  # per 8 k, a little-endian dword per pair of k: bit 2j (k even) or 2j + 1 row j's fifth bit
+        h = (v >> 4).reshape(panels, blocks, f.block_k // 8, 4, 2, LANES)  # [..., run, k % 8 // 2, k % 2, lane]
+        bits = h.transpose(0, 1, 2, 3, 5, 4).reshape(panels, blocks, f.block_k // 8, 4, 2 * LANES)
+        planes.append(np.packbits(bits, axis=-1, bitorder="little").reshape(panels, blocks, -1))
     elif f.high_bits == 2:  # per 8 k, byte 2j (k even) or 2j + 1: row j's two high bits at k from bit 2 * (k % 8 // 2)
         h = (v >> 4).reshape(panels, blocks, f.block_k // 8, 4, 2, LANES)  # [..., run, k % 8 // 2, k % 2, lane]
         fields = h[..., 0, :, :] | h[..., 1, :, :] << 2 | h[..., 2, :, :] << 4 | h[..., 3, :, :] << 6

@@ -5,12 +5,12 @@
 // Layout (`models/quant.py` builds it from the file's blocks; the same bytes, reordered): the
 // outputs in panels of 16 (a last panel and an odd panel count padded with zero bytes), each
 // panel's blocks along K in the file's order, each block [16 rows' scale bytes as in the file]
-// [low plane: per k 16 rows' 8-bit values; or 4-bit values in runs (Q4_0, Q4_1, Q4_K and Q6_K's
-// low four bits: `in_runs`), per 8 k 16 rows' in 64 bytes, dword j row j's: its values at k 0, 2,
-// 4, 6 in nibbles 0-3 (bits 0-15), at k 1, 3, 5, 7 in nibbles 4-7, so one shift puts a pair of k's
-// in place for every row at once (PanelValues::pairs); or the 5-bit formats' low four bits, per
-// pair of k 16 rows' (byte j: row j's at the even k low, at the odd k high)]
-// [high plane: per k, the 16 rows' fifth bits (2 bytes); Q6_K's fifth and sixth bits per 8 k in
+// [low plane: per k 16 rows' 8-bit values; or 4-bit values (every other format's, or its low four
+// bits) in runs of 8 k, 16 rows' in 64 bytes, dword j row j's: its values at k 0, 2, 4, 6 in
+// nibbles 0-3 (bits 0-15), at k 1, 3, 5, 7 in nibbles 4-7, so one shift puts a pair of k's in
+// place for every row at once (PanelValues::pairs)]
+// [high plane, per run: the fifth bits in 16 bytes, a dword per pair of k (bit 2j + 1 row j's at
+// the odd k, 2j at the even: a mask of the words that pair fills); Q6_K's fifth and sixth bits in
 // 32 bytes, byte 2j + 1 (k odd) or 2j (even) row j's two bits at k, from bit 2 * (k % 8 / 2): zero
 // extended to words these lie beside the low plane's run shifted to words (PanelValues::six_bits)].
 // Decoding a k reads 16 outputs' values side by side: one vector, the layout linear.cpp's panels have.
@@ -87,9 +87,6 @@ inline void row_scales(const uint8_t* s, float* S, float* O) {
   }
 }
 
-// Whether a format's 4-bit low plane lies in runs of 8 k, a row's dword each (the layout above).
-constexpr bool in_runs(const Format& f) { return f.low_bits == 4 && f.high_bits != 1; }
-
 // Where k's 4-bit value lies in its row's dword of a run of 8 k (formats without high bits).
 constexpr int nibble_shift(int k) { return 16 * (k & 1) + 4 * (k % 8 / 2); }
 
@@ -102,17 +99,15 @@ inline int32_t stored_value(const uint8_t* block, int k, int r) {
   int32_t v;
   if constexpr (f.low_bits == 8) {
     v = static_cast<int8_t>(low[k * 16 + r]);
-  } else if constexpr (in_runs(f)) {
+  } else {
     uint32_t row;
     std::memcpy(&row, low + k / 8 * 64 + r * 4, sizeof(row));
     v = (row >> nibble_shift(k)) & 0x0F;
-  } else {
-    v = k % 2 == 0 ? low[k / 2 * 16 + r] & 0x0F : low[k / 2 * 16 + r] >> 4;
   }
   if constexpr (f.high_bits == 1) {
-    uint16_t bits;
-    std::memcpy(&bits, high + k * 2, sizeof(bits));
-    v |= ((bits >> r) & 1) << 4;
+    uint32_t bits;
+    std::memcpy(&bits, high + k / 8 * 16 + k % 8 / 2 * 4, sizeof(bits));
+    v |= ((bits >> (2 * r + (k & 1))) & 1) << 4;
   } else if constexpr (f.high_bits == 2) {
     v |= ((high[k / 8 * 32 + 2 * r + (k & 1)] >> (2 * (k % 8 / 2))) & 3) << 4;
   }
@@ -190,17 +185,18 @@ struct PanelValues {
   explicit PanelValues(const uint8_t* block)
       : low(block + kLanes * f.scale_bytes), high(low + f.block_k * (f.low_bits == 8 ? 16 : 8)) {}
 
-  // the fifth bits of k's 16 values, added to q
-  inline __m512i with_high(__m512i q, int k) const {
-    if constexpr (f.high_bits == 1) {
-      uint16_t h;
-      std::memcpy(&h, high + k * 2, sizeof(h));
-      return _mm512_or_si512(q, _mm512_maskz_set1_epi32(static_cast<__mmask16>(h), 16));
-    }
-    return q;
-  }
-  // the run of 8 k holding k, 16 rows' dwords (in_runs formats)
+  // the run of 8 k holding k, 16 rows' dwords (the 4-bit formats)
   inline __m512i run(int k) const { return _mm512_loadu_si512(low + k / 8 * 64); }
+  // The 5-bit formats' stored values at k = k8 + 2P and k + 1: word 2j (and 2j + 1) row j's at k
+  // (at k + 1) in bits 0-4, the bits above them others' (vpermw reads an index's low five)
+  template <int P>
+  inline __m512i five_bits(int k8) const {
+    uint32_t words;  // the mask of the words whose fifth bit is set
+    std::memcpy(&words, high + k8 / 8 * 16 + 4 * P, sizeof(words));
+    const __m512i at4 = _mm512_maskz_mov_epi16(_cvtu32_mask32(words), _mm512_set1_epi16(16));
+    constexpr int kLowThenHigh = 0xE4;  // ternary logic (a & c) | (b & ~c)
+    return _mm512_ternarylogic_epi32(_mm512_srli_epi16(run(k8), 4 * P), at4, _mm512_set1_epi16(0x0F), kLowThenHigh);
+  }
   // Q6_K's six-bit stored values at k = k8 + 2P and k + 1: word 2j (and 2j + 1) row j's at k (at
   // k + 1) in bits 0-5, the bits above them others' (every reader masks or ignores them)
   template <int P>
@@ -216,11 +212,14 @@ struct PanelValues {
     constexpr int kLowThenHigh = 0xE4;  // ternary logic (a & c) | (b & ~c)
     return _mm512_ternarylogic_epi32(_mm512_srli_epi16(run(k8), 4 * P), at4, _mm512_set1_epi16(0x0F), kLowThenHigh);
   }
-  // Q6_K's values at k = k8 + 2P and k + 1 as bf16 pairs (pairs' form; exact), by one vpermt2w in
-  // a table of all 64
+  // The values of a format with high bits at k = k8 + 2P and k + 1 as bf16 pairs (pairs' form;
+  // exact), looked up in a table of all 32 (vpermw) or 64 (Q6_K: vpermt2w)
   template <int P>
-  inline __m512i six_pairs(int k8) const {
-    return _mm512_permutex2var_epi16(table32_bf16(0), six_bits<P>(k8), table32_bf16(32));
+  inline __m512i high_pairs(int k8) const {
+    if constexpr (f.high_bits == 1)
+      return _mm512_permutexvar_epi16(five_bits<P>(k8), table32_bf16(0));
+    else
+      return _mm512_permutex2var_epi16(table32_bf16(0), six_bits<P>(k8), table32_bf16(32));
   }
   // value(q) as bf16 for the stored q = from, ..., from + 31 (word i: from + i)
   static inline __m512i table32_bf16(int from) {
@@ -238,24 +237,18 @@ struct PanelValues {
   // known when compiled, so a run's shifts are immediates)
   template <int P>
   inline void pair(int k8, __m512& even, __m512& odd) const {
-    const int k = k8 + 2 * P;
     if constexpr (f.low_bits == 8) {
-      even = value(with_high(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(low + k * 16))), k));
-      odd = value(with_high(
-          _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(low + (k + 1) * 16))), k + 1));
-    } else if constexpr (f.high_bits == 2) {  // six bits: looked up as bf16 (exact), each half widened
-      const __m512i both = six_pairs<P>(k8);
+      const int k = k8 + 2 * P;
+      even = value(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(low + k * 16))));
+      odd = value(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(low + (k + 1) * 16))));
+    } else if constexpr (f.high_bits != 0) {  // five or six bits: looked up as bf16 (exact), each half widened
+      const __m512i both = high_pairs<P>(k8);
       even = _mm512_castsi512_ps(_mm512_slli_epi32(both, 16));
       odd = _mm512_castsi512_ps(_mm512_and_si512(both, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
-    } else if constexpr (f.high_bits == 0) {  // the table's lookup reads each lane's low four bits
+    } else {  // four bits: the table's lookup reads each lane's low four
       const __m512i rows = run(k8);
       even = _mm512_permutexvar_ps(_mm512_srli_epi32(rows, nibble_shift(2 * P)), table16());
       odd = _mm512_permutexvar_ps(_mm512_srli_epi32(rows, nibble_shift(2 * P + 1)), table16());
-    } else {  // five bits: the lookup in two tables reads the low five
-      const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(low + k / 2 * 16)));
-      even = _mm512_permutex2var_ps(table16(), with_high(_mm512_and_si512(bytes, _mm512_set1_epi32(0x0F)), k),
-                                    table16(16));
-      odd = _mm512_permutex2var_ps(table16(), with_high(_mm512_srli_epi32(bytes, 4), k + 1), table16(16));
     }
   }
   // value(q) for the stored q = from, from + 1, ..., from + 15: a lookup replaces the conversion
@@ -268,15 +261,15 @@ struct PanelValues {
   // the values at k and k + 1 (k = k8 + 2P) as bf16 pairs, vdpbf16ps's operand: lane j row j's value at
   // k in its low half, at k + 1 in its high half. Exact: a stored value less its zero is an integer
   // of at most eight significant bits, so its fp32 form's low half is zero and its high half is it
-  // in bf16. Four bits without a fifth: each row's dword shifted so its word halves hold the values
-  // at k and k + 1 in their low nibbles, then all 32 looked up as bf16 in one vpermw; Q6_K's six
-  // bits the same way in one vpermt2w (64 entries).
+  // in bf16. Four bits: each row's dword shifted so its word halves hold the values at k and k + 1
+  // in their low nibbles, then all 32 looked up as bf16 in one vpermw; five and six bits the same
+  // way with the high bits merged in (high_pairs).
   template <int P>
   inline __m512i pairs(int k8) const {
     if constexpr (f.low_bits == 4 && f.high_bits == 0) {
       return _mm512_permutexvar_epi16(_mm512_srli_epi16(run(k8), nibble_shift(2 * P)), table_bf16());
-    } else if constexpr (f.high_bits == 2) {
-      return six_pairs<P>(k8);
+    } else if constexpr (f.high_bits != 0) {
+      return high_pairs<P>(k8);
     } else {
       __m512 even, odd;
       pair<P>(k8, even, odd);
