@@ -6,11 +6,11 @@ product's parts, and the CPU platform's ops compute with it (`csrc/quant.cpp`), 
 
 Why a layout of Kev's: the file stores each output row's blocks one after another; a product that
 decodes 16 outputs' k-th weights as one vector wants them side by side. `tile` moves the same bytes
-(a block's scales as the file has them; 4-bit values, or the low four bits, a row's eight k to a
-dword, the even k low and the odd k high; fifth and sixth bits in planes of their own)
-into panels of 16 outputs, the layout csrc/quant_blocks.h documents: the memory a weight takes is
-the file's bytes (padding aside: a last panel of fewer than 16 outputs, and an odd panel count,
-filled with zero bytes).
+(a block's scales as the file has them; 4-bit values, and the 5- and 6-bit formats' low four bits,
+a row's eight k to a dword, the even k low and the odd k high; fifth and sixth bits in planes of
+their own) into panels of 16 outputs, the layout csrc/quant_blocks.h documents: the memory a
+weight takes is the file's bytes (padding aside: a last panel of fewer than 16 outputs, and an odd
+panel count, filled with zero bytes).
 """
 
 from __future__ import annotations

@@ -5,10 +5,10 @@
 // Layout (`models/quant.py` builds it from the file's blocks; the same bytes, reordered): the
 // outputs in panels of 16 (a last panel and an odd panel count padded with zero bytes), each
 // panel's blocks along K in the file's order, each block [16 rows' scale bytes as in the file]
-// [low plane: per k 16 rows' 8-bit values; or 4-bit values (every other format's, or its low four
-// bits) in runs of 8 k, 16 rows' in 64 bytes, dword j row j's: its values at k 0, 2, 4, 6 in
-// nibbles 0-3 (bits 0-15), at k 1, 3, 5, 7 in nibbles 4-7, so one shift puts a pair of k's in
-// place for every row at once (PanelValues::pairs)]
+// [low plane: per k 16 rows' 8-bit values (Q8_0); or the other formats' 4-bit values (the 5- and
+// 6-bit formats' low four bits) in runs of 8 k, 16 rows' in 64 bytes, dword j row j's: its values
+// at k 0, 2, 4, 6 in nibbles 0-3 (bits 0-15), at k 1, 3, 5, 7 in nibbles 4-7, so one shift puts a
+// pair of k's in place for every row at once (PanelValues::pairs)]
 // [high plane, per run: the fifth bits in 16 bytes, a dword per pair of k (bit 2j + 1 row j's at
 // the odd k, 2j at the even: a mask of the words that pair fills); Q6_K's fifth and sixth bits in
 // 32 bytes, byte 2j + 1 (k odd) or 2j (even) row j's two bits at k, from bit 2 * (k % 8 / 2): zero
@@ -87,7 +87,7 @@ inline void row_scales(const uint8_t* s, float* S, float* O) {
   }
 }
 
-// Where k's 4-bit value lies in its row's dword of a run of 8 k (formats without high bits).
+// Where k's 4-bit value (or low four bits) lies in its row's dword of a run of 8 k.
 constexpr int nibble_shift(int k) { return 16 * (k & 1) + 4 * (k % 8 / 2); }
 
 // Lane r's stored value at k of a panel's block (its low and high planes), less the format's zero.
