@@ -160,14 +160,14 @@ def tile(tensor: QuantTensor) -> torch.Tensor:
         runs = (v & 0x0F).reshape(panels, blocks, f.block_k // 8, 2, 2, 2, LANES)
         nibbles = runs[..., 0, :, :] | runs[..., 1, :, :] << 4  # [..., run, byte, k % 2, lane]
         planes.append(nibbles.transpose(0, 1, 2, 5, 4, 3).reshape(panels, blocks, -1))
-    if f.high_bits == 1:  # per 8 k, a little-endian dword per pair of k: bit 2j (k even) or 2j + 1 row j's fifth bit
-        h = (v >> 4).reshape(panels, blocks, f.block_k // 8, 4, 2, LANES)  # [..., run, k % 8 // 2, k % 2, lane]
-        bits = h.transpose(0, 1, 2, 3, 5, 4).reshape(panels, blocks, f.block_k // 8, 4, 2 * LANES)
-        planes.append(np.packbits(bits, axis=-1, bitorder="little").reshape(panels, blocks, -1))
-    elif f.high_bits == 2:  # per 8 k, byte 2j (k even) or 2j + 1: row j's two high bits at k from bit 2 * (k % 8 // 2)
-        h = (v >> 4).reshape(panels, blocks, f.block_k // 8, 4, 2, LANES)  # [..., run, k % 8 // 2, k % 2, lane]
-        fields = h[..., 0, :, :] | h[..., 1, :, :] << 2 | h[..., 2, :, :] << 4 | h[..., 3, :, :] << 6
-        planes.append(fields.transpose(0, 1, 2, 4, 3).reshape(panels, blocks, -1))
+    if f.high_bits:  # per 8 k: [..., run, k % 8 // 2, k % 2, lane]
+        h = (v >> 4).reshape(panels, blocks, f.block_k // 8, 4, 2, LANES)
+        if f.high_bits == 1:  # a little-endian dword per pair of k: bit 2j (k even) or 2j + 1 row j's fifth bit
+            bits = h.transpose(0, 1, 2, 3, 5, 4).reshape(panels, blocks, f.block_k // 8, 4, 2 * LANES)
+            planes.append(np.packbits(bits, axis=-1, bitorder="little").reshape(panels, blocks, -1))
+        else:  # byte 2j (k even) or 2j + 1: row j's two high bits at k from bit 2 * (k % 8 // 2)
+            fields = h[..., 0, :, :] | h[..., 1, :, :] << 2 | h[..., 2, :, :] << 4 | h[..., 3, :, :] << 6
+            planes.append(fields.transpose(0, 1, 2, 4, 3).reshape(panels, blocks, -1))
     tiled = np.concatenate(planes, axis=-1)
     assert tiled.shape[-1] == LANES * f.block_bytes, (f.name, tiled.shape)
     return torch.from_numpy(np.ascontiguousarray(tiled))

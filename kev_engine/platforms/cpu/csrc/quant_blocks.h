@@ -187,15 +187,20 @@ struct PanelValues {
 
   // the run of 8 k holding k, 16 rows' dwords (the 4-bit formats)
   inline __m512i run(int k) const { return _mm512_loadu_si512(low + k / 8 * 64); }
+  // The run's 4-bit values at k = k8 + 2P and k + 1 in each word's bits 0-3 (word 2j row j's at k,
+  // 2j + 1 its at k + 1), `above`'s bits over them: the 5- and 6-bit formats' lookup indices
+  template <int P>
+  inline __m512i low_under(int k8, __m512i above) const {
+    constexpr int kLowThenHigh = 0xE4;  // ternary logic (a & c) | (b & ~c)
+    return _mm512_ternarylogic_epi32(_mm512_srli_epi16(run(k8), 4 * P), above, _mm512_set1_epi16(0x0F), kLowThenHigh);
+  }
   // The 5-bit formats' stored values at k = k8 + 2P and k + 1: word 2j (and 2j + 1) row j's at k
   // (at k + 1) in bits 0-4, the bits above them others' (vpermw reads an index's low five)
   template <int P>
   inline __m512i five_bits(int k8) const {
     uint32_t words;  // the mask of the words whose fifth bit is set
     std::memcpy(&words, high + k8 / 8 * 16 + 4 * P, sizeof(words));
-    const __m512i at4 = _mm512_maskz_mov_epi16(_cvtu32_mask32(words), _mm512_set1_epi16(16));
-    constexpr int kLowThenHigh = 0xE4;  // ternary logic (a & c) | (b & ~c)
-    return _mm512_ternarylogic_epi32(_mm512_srli_epi16(run(k8), 4 * P), at4, _mm512_set1_epi16(0x0F), kLowThenHigh);
+    return low_under<P>(k8, _mm512_maskz_mov_epi16(_cvtu32_mask32(words), _mm512_set1_epi16(16)));
   }
   // Q6_K's six-bit stored values at k = k8 + 2P and k + 1: word 2j (and 2j + 1) row j's at k (at
   // k + 1) in bits 0-5, the bits above them others' (every reader masks or ignores them)
@@ -209,8 +214,7 @@ struct PanelValues {
       at4 = h;
     else
       at4 = _mm512_srli_epi16(h, 2);
-    constexpr int kLowThenHigh = 0xE4;  // ternary logic (a & c) | (b & ~c)
-    return _mm512_ternarylogic_epi32(_mm512_srli_epi16(run(k8), 4 * P), at4, _mm512_set1_epi16(0x0F), kLowThenHigh);
+    return low_under<P>(k8, at4);
   }
   // The values of a format with high bits at k = k8 + 2P and k + 1 as bf16 pairs (pairs' form;
   // exact), looked up in a table of all 32 (vpermw) or 64 (Q6_K: vpermt2w)
