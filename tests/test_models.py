@@ -90,6 +90,34 @@ def test_the_one_call_layer_is_the_op_by_op_layer_bitwise(family: str, dtype: to
         engine.close()
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_the_layers_of_a_pass_in_one_call_are_a_call_per_layer_bitwise(dtype: torch.dtype, tokenizer: Any) -> None:
+    """A whole pass hands the platform all its layers at once (`Ops.layers`, so the kernels' workers
+    stay awake from one layer to the next); a pass paused between layers calls a layer at a time.
+    The bits must not depend on which; the control drops a layer from the run and must differ."""
+    engine = Engine(tiny_model("llama", tokenizer).to(dtype), tokenizer)
+    ops = engine.model.ops
+    layers, runs = ops.layers, []
+    try:
+        ids = _ids(tokenizer, 40)
+        together = _pass(engine, ids, native=True)
+
+        def apart(run: list[Any], hidden: torch.Tensor, *rest: Any) -> torch.Tensor:
+            runs.append(len(run))
+            for layer in run:
+                hidden = layers([layer], hidden, *rest)
+            return hidden
+
+        ops.layers = apart
+        assert torch.equal(_pass(engine, ids, native=True), together)
+        assert runs == [len(engine.model.layers)]  # the whole pass was one run
+        ops.layers = lambda run, *args: layers(run[:-1], *args)
+        assert not torch.equal(_pass(engine, ids, native=True), together)
+    finally:
+        del ops.layers
+        engine.close()
+
+
 def _pass(engine: Engine, ids: list[int], native: bool) -> torch.Tensor:
     """Logits of `ids` as one fresh question in the engine's pool, each layer one call or op by op."""
     model, backend = engine.model, engine._backend

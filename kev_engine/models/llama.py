@@ -186,10 +186,11 @@ class DecoderModel:
         while rows > 0 and state.next_layer < len(self.layers):
             layer = self.layers[state.next_layer]
             if state.next_row == 0 and (rows >= total or state.routes):
-                state.hidden = self._run(layer, state.hidden, state.cos, state.sin, state.backend, state.batch,
+                whole = self.layers[state.next_layer : state.next_layer + max(1, rows // total)]
+                state.hidden = self._run(whole, state.hidden, state.cos, state.sin, state.backend, state.batch,
                                          state.routes)
-                state.next_layer += 1
-                rows -= total
+                state.next_layer += len(whole)
+                rows -= len(whole) * total
                 continue
             start, stop = state.next_row, min(total, state.next_row + rows)
             if state.out is None:
@@ -201,18 +202,22 @@ class DecoderModel:
                 state.hidden, state.out = state.out, None
                 state.next_layer, state.next_row = state.next_layer + 1, 0
 
-    def _run(self, layer: Layer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: Any,
+    def _run(self, layers: list[Layer], hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: Any,
              batch: Any, routes: LoraRoutes) -> torch.Tensor:
-        """One layer over `batch`'s rows: the platform's one call where it has one (never with LoRA
-        rows), else op by op."""
-        out = None if routes else self.ops.layer(layer, hidden, cos, sin, backend, batch)
-        return out if out is not None else self._layer(layer, hidden, cos, sin, backend, batch, routes)
+        """Consecutive layers over `batch`'s rows: the platform's one call where it has one (never
+        with LoRA rows), else op by op, a layer at a time."""
+        out = None if routes else self.ops.layers(layers, hidden, cos, sin, backend, batch)
+        if out is not None:
+            return out
+        for layer in layers:
+            hidden = self._layer(layer, hidden, cos, sin, backend, batch, routes)
+        return hidden
 
     def _rows(self, layer: Layer, state: PassState, start: int, stop: int) -> torch.Tensor:
         """Rows [start, stop) of one layer, as a pack of their own: each segment's rows there,
         after what it has in the pool (its earlier rows of this layer included)."""
         rows = _rows_batch(state.batch, state.backend, start, stop)
-        return self._run(layer, state.hidden[start:stop], state.cos[start:stop], state.sin[start:stop],
+        return self._run([layer], state.hidden[start:stop], state.cos[start:stop], state.sin[start:stop],
                          state.backend, rows, ())
 
     @torch.inference_mode()

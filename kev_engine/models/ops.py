@@ -63,10 +63,10 @@ class Ops:
         gate, up = gate_up.split(width, dim=-1)
         return F.silu(gate) * up
 
-    def layer(self, layer: Layer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: Any,
-              batch: Any) -> torch.Tensor | None:
-        """The whole layer as one platform call where there is one (`Layer.native`), else None:
-        the forward then calls the ops one by one."""
+    def layers(self, layers: list[Layer], hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: Any,
+               batch: Any) -> torch.Tensor | None:
+        """Consecutive whole layers as one platform call where there is one (`Layer.native`), else
+        None: the forward then calls the ops one by one, layer by layer."""
         return None
 
     def lora_products(self, weights: LoraWeights, x: torch.Tensor) -> torch.Tensor:

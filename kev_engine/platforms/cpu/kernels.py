@@ -97,6 +97,7 @@ class Kernels:
         self.rows_linear = exact.rows_linear
         self.DecoderLayer = exact.DecoderLayer
         self.Product = exact.Product  # a DecoderLayer's product: packed or quantized
+        self.layers_forward = exact.layers_forward  # consecutive DecoderLayers in one call
         self.paged_decode = fast.paged_decode
         self.paged_write = fast.paged_write
         self.serial_torch_here = exact.serial_torch_here

@@ -103,14 +103,19 @@ class ExactOps(_KernelElementwise):
             return self.kernels.quant_linear(x, q.tiled, q.types, q.widths, linear.bias)
         return self.kernels.linear_packed(x, linear.packed, linear.out_features, linear.bias)
 
-    def layer(self, layer: Layer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: Any,
-              batch: Any) -> torch.Tensor | None:
-        if layer.native is None or type(backend) is not ExactBackend or batch.slot_blocks is None:
+    def layers(self, layers: list[Layer], hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: Any,
+               batch: Any) -> torch.Tensor | None:
+        """The layers in one call (`layers_forward`: no return to Python between them, so the pool's
+        workers stay awake from one layer to the next; csrc/layer.cpp)."""
+        if type(backend) is not ExactBackend or batch.slot_blocks is None:
+            return None
+        if any(layer.native is None for layer in layers):
             return None
         pool, tables = backend.pool, batch.attention
-        return layer.native.forward(hidden, cos, sin, pool.keys[layer.index], pool.values[layer.index],
-                                    batch.slot_blocks, batch.slot_offsets, tables.block_tables, batch.cu_seqlens,
-                                    tables.past_lens)
+        return self.kernels.layers_forward([layer.native for layer in layers], hidden, cos, sin,
+                                           [pool.keys[layer.index] for layer in layers],
+                                           [pool.values[layer.index] for layer in layers], batch.slot_blocks,
+                                           batch.slot_offsets, tables.block_tables, batch.cu_seqlens, tables.past_lens)
 
     def lora_products(self, weights: LoraWeights, x: torch.Tensor) -> torch.Tensor:
         return packed_delta(self.kernels, weights, x)

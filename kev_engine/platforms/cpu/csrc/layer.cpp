@@ -128,6 +128,24 @@ class DecoderLayer {
   double scale_;
 };
 
+// Consecutive layers of one pass in one call: each layer's forward on the previous one's output,
+// keys[i] and values[i] layer i's pool. Why one call: between two calls from Python the pool's
+// workers stop spinning and sleep (pool.h), and each call then starts on the caller alone while a
+// worker wakes; a decode step's layers are a few hundred microseconds each, so that wake came
+// once a layer. Within the call the gaps between kernels are shorter than the workers' spin.
+at::Tensor layers_forward(const std::vector<DecoderLayer*>& layers, at::Tensor hidden, const at::Tensor& cos,
+                          const at::Tensor& sin, const std::vector<at::Tensor>& keys,
+                          const std::vector<at::Tensor>& values, const at::Tensor& slot_blocks,
+                          const at::Tensor& slot_offsets, const at::Tensor& tables, const at::Tensor& cu_seqlens,
+                          const at::Tensor& past) {
+  TORCH_CHECK(keys.size() == layers.size() && values.size() == layers.size(),
+              "layers_forward: one pool's keys and values per layer");
+  for (size_t i = 0; i < layers.size(); ++i)
+    hidden = layers[i]->forward(hidden, cos, sin, keys[i], values[i], slot_blocks, slot_offsets, tables, cu_seqlens,
+                                past);
+  return hidden;
+}
+
 }  // namespace
 
 void bind_layer(pybind11::module& m) {
@@ -139,4 +157,6 @@ void bind_layer(pybind11::module& m) {
                           Product, Optional, Product, Optional, Product, Optional, std::vector<int64_t>,
                           int64_t, int64_t, double>())
       .def("forward", &DecoderLayer::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("layers_forward", &layers_forward, "consecutive DecoderLayers of one pass in one call (see layer.cpp)",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
 }
