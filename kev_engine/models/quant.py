@@ -152,7 +152,12 @@ def tile(tensor: QuantTensor) -> torch.Tensor:
     scales = np.pad(scales, ((0, pad), (0, 0), (0, 0)))
     # [panel, block, k, lane]: a k's 16 outputs side by side
     v = values.reshape(panels, LANES, blocks, f.block_k).transpose(0, 2, 3, 1)
-    planes = [scales.reshape(panels, LANES, blocks, f.scale_bytes).transpose(0, 2, 1, 3).reshape(panels, blocks, -1)]
+    rows = scales.reshape(panels, LANES, blocks, f.scale_bytes).transpose(0, 2, 1, 3)  # [panel, block, lane, byte]
+    if f.block_k == 256:  # the K-quants: dword i of every lane side by side (one load, not a gather), then Q6_K's d
+        words = rows[..., :16].reshape(panels, blocks, LANES, 4, 4).transpose(0, 1, 3, 2, 4)
+        planes = [words.reshape(panels, blocks, -1), rows[..., 16:].reshape(panels, blocks, -1)]
+    else:
+        planes = [rows.reshape(panels, blocks, -1)]
     if f.low_bits == 8:
         planes.append(v.reshape(panels, blocks, -1))
     else:  # per 8 k, dword j: row j's values at k 0, 2, 4, 6 (low nibble first), then 1, 3, 5, 7

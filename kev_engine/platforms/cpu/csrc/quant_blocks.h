@@ -4,7 +4,10 @@
 //
 // Layout (`models/quant.py` builds it from the file's blocks; the same bytes, reordered): the
 // outputs in panels of 16 (a last panel and an odd panel count padded with zero bytes), each
-// panel's blocks along K in the file's order, each block [16 rows' scale bytes as in the file]
+// panel's blocks along K in the file's order, each block [16 rows' scale bytes as in the file, row
+// after row; the K-quants' first 16 as four dword planes, plane i every row's bytes 4i..4i+3
+// side by side (one load puts a row's dword in each lane: panel_scales), then Q6_K's d, row
+// after row]
 // [low plane: per k 16 rows' 8-bit values (Q8_0); or the other formats' 4-bit values (the 5- and
 // 6-bit formats' low four bits) in runs of 8 k, 16 rows' in 64 bytes, dword j row j's: its values
 // at k 0, 2, 4, 6 in nibbles 0-3 (bits 0-15), at k 1, 3, 5, 7 in nibbles 4-7, so one shift puts a
@@ -87,6 +90,20 @@ inline void row_scales(const uint8_t* s, float* S, float* O) {
   }
 }
 
+// Row r's scale bytes (the file's order) of a panel's block into out [scale_bytes]: the K-quants'
+// from their dword planes, the others' where they lie.
+template <int T>
+inline const uint8_t* lane_scale_bytes(const uint8_t* block, int r, uint8_t* out) {
+  constexpr Format f = format_of(T);
+  if constexpr (f.block_k != 256) {
+    return block + r * f.scale_bytes;
+  } else {
+    for (int i = 0; i < 4; ++i) std::memcpy(out + 4 * i, block + i * 4 * kLanes + 4 * r, 4);
+    std::memcpy(out + 16, block + 16 * kLanes + r * (f.scale_bytes - 16), f.scale_bytes - 16);
+    return out;
+  }
+}
+
 // Where k's 4-bit value (or low four bits) lies in its row's dword of a run of 8 k.
 constexpr int nibble_shift(int k) { return 16 * (k & 1) + 4 * (k % 8 / 2); }
 
@@ -119,7 +136,8 @@ template <int T>
 inline void decode_lane(const uint8_t* block, int r, float* out) {
   constexpr Format f = format_of(T);
   float S[f.block_k / f.group], O[f.block_k / f.group] = {};
-  row_scales<T>(block + r * f.scale_bytes, S, O);
+  uint8_t bytes[f.scale_bytes];
+  row_scales<T>(lane_scale_bytes<T>(block, r, bytes), S, O);
   for (int k = 0; k < f.block_k; ++k) {
     const int g = k / f.group;
     const float w = S[g] * static_cast<float>(stored_value<T>(block, k, r));
@@ -144,10 +162,8 @@ inline void panel_scales(const uint8_t* block, __m512* S, __m512* O) {
     const __m512i dm = _mm512_loadu_si512(block);
     S[0] = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dm));
     O[0] = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(dm, 16)));
-  } else {  // the K-quants: each row's dwords of scale bytes gathered into lanes, then row_scales' arithmetic
-    const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                            _mm512_set1_epi32(f.scale_bytes));
-    auto dwords = [&](int offset) { return _mm512_i32gather_epi32(rows, block + offset, 1); };
+  } else {  // the K-quants: each row's dword of scale bytes at `offset` from its plane, then row_scales' arithmetic
+    auto dwords = [&](int offset) { return _mm512_loadu_si512(block + offset / 4 * 4 * kLanes); };
     auto floats = [](__m512i v) { return _mm512_cvtepi32_ps(v); };
     const __m512i six = _mm512_set1_epi32(0x3F), four = _mm512_set1_epi32(0x0F), high = _mm512_set1_epi32(0x30);
     if constexpr (T == kQ4_K || T == kQ5_K) {
@@ -165,7 +181,7 @@ inline void panel_scales(const uint8_t* block, __m512* S, __m512* O) {
                                                               _mm512_and_si512(_mm512_srli_epi32(b, 2), high))));
       }
     } else {  // Q6_K: 16 signed eight-bit scales, then d
-      const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dwords(16)));
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 16 * kLanes)));
       for (int i = 0; i < 4; ++i) {
         const __m512i v = dwords(4 * i);
         for (int byte = 0; byte < 4; ++byte)

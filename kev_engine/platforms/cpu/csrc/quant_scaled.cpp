@@ -62,7 +62,8 @@ inline void block_q(const uint8_t* block, float* q, float* S, float* O) {
   constexpr int groups = f.block_k / f.group;
   for (int j = 0; j < kLanes; ++j) {
     float s[groups], o[groups] = {};
-    row_scales<T>(block + j * f.scale_bytes, s, o);
+    uint8_t bytes[f.scale_bytes];
+    row_scales<T>(lane_scale_bytes<T>(block, j, bytes), s, o);
     for (int g = 0; g < groups; ++g) {
       S[g * kLanes + j] = s[g];
       O[g * kLanes + j] = f.kind == 2 ? -o[g] : o[g];
