@@ -131,8 +131,9 @@ class DecoderLayer {
 // Consecutive layers of one pass in one call: each layer's forward on the previous one's output,
 // keys[i] and values[i] layer i's pool. Why one call: between two calls from Python the pool's
 // workers stop spinning and sleep (pool.h), and each call then starts on the caller alone while a
-// worker wakes; a decode step's layers are a few hundred microseconds each, so that wake came
-// once a layer. Within the call the gaps between kernels are shorter than the workers' spin.
+// worker wakes; a decode step's layers are a few hundred microseconds each, and a call a layer
+// would pay that wake once a layer. Within the call the gaps between kernels are shorter than the
+// workers' spin.
 at::Tensor layers_forward(const std::vector<DecoderLayer*>& layers, at::Tensor hidden, const at::Tensor& cos,
                           const at::Tensor& sin, const std::vector<at::Tensor>& keys,
                           const std::vector<at::Tensor>& values, const at::Tensor& slot_blocks,
