@@ -22,11 +22,9 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from types import ModuleType
-from typing import Any
 
 import numpy as np
 import torch
@@ -34,6 +32,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import bench_quant_products as products  # noqa: E402
+from bench_decode_roofline import best_seconds  # noqa: E402
 from machine import cpu_line  # noqa: E402
 
 from kev_engine.models import quant  # noqa: E402
@@ -57,15 +56,6 @@ def baseline_build(tree: Path) -> Path:
     out = subprocess.run([sys.executable, "-c", code], cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)},
                          check=True, capture_output=True, text=True)
     return Path(out.stdout.strip().splitlines()[-1])
-
-
-def best(run: Callable[[], Any], times: int) -> float:
-    fastest = float("inf")
-    for _ in range(times):
-        started = time.perf_counter()
-        run()
-        fastest = min(fastest, time.perf_counter() - started)
-    return fastest
 
 
 def main() -> None:
@@ -112,9 +102,10 @@ def measure(sides: dict[str, tuple[ModuleType, torch.Tensor]], kind: int, dtype:
     cached = dict(streamed)
     for _ in range(3):
         for side, (_, one) in sides.items():
-            every = best(partial(lambda side, weights: [product(side, x, t) for t in weights], side, copies[side]), 3)
+            sweep = partial(lambda side, weights: [product(side, x, t) for t in weights], side, copies[side])
+            every = best_seconds(sweep, 3)
             streamed[side] = min(streamed[side], every / len(copies[side]))
-            cached[side] = min(cached[side], best(partial(product, side, x, one), 40))
+            cached[side] = min(cached[side], best_seconds(partial(product, side, x, one), 40))
     return same, streamed, cached
 
 if __name__ == "__main__":

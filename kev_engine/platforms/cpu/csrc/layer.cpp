@@ -1,13 +1,14 @@
-// A Llama-style decoder layer as one call: the same kernels as `layer_forward._forward`, on the
-// same values, in the same order, so it gives the same bits (tests/test_layer_forward.py). The
+// A Llama-style decoder layer as one call: the same kernels as the op-by-op layer
+// (`models.llama.DecoderModel._layer`), on the same values, in the same order, so it gives the
+// same bits (tests/test_models.py). The
 // residual additions are `add_into` in place of torch's add: the same sum and rounding, without
 // an allocation and a dispatch each.
 //
 // Why: a decode step of few rows is thirty layers of small work, and in Python each layer is a
 // dozen kernel calls with views, splits, shape checks and attribute lookups between them: several
 // milliseconds of a step, a fifth to a third of it beside the products of a small model. Here the
-// layer's weights and constants are held once (`DecoderLayer`, built when the engine installs its
-// forwards) and a call runs the whole layer without returning to Python, the interpreter's lock
+// layer's weights and constants are held once (`DecoderLayer`, built by `ExactOps.prepare`) and a
+// call (`layers_forward`) runs whole layers without returning to Python, the interpreter's lock
 // released (the server's event loop and tokenizers run meanwhile).
 //
 // What it runs: RMSNorm; q, k and v as one product (`Product`: packed, or a GGUF's quantized parts); Qwen3's per-head norms where given;
@@ -156,8 +157,7 @@ void bind_layer(pybind11::module& m) {
   pybind11::class_<DecoderLayer>(m, "DecoderLayer", "A Llama-style decoder layer in one call (see layer.cpp)")
       .def(pybind11::init<at::Tensor, at::Tensor, Optional, Optional, std::vector<double>, Product, Optional,
                           Product, Optional, Product, Optional, Product, Optional, std::vector<int64_t>,
-                          int64_t, int64_t, double>())
-      .def("forward", &DecoderLayer::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
+                          int64_t, int64_t, double>());
   m.def("layers_forward", &layers_forward, "consecutive DecoderLayers of one pass in one call (see layer.cpp)",
         pybind11::call_guard<pybind11::gil_scoped_release>());
 }
