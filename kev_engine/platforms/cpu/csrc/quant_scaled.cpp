@@ -127,10 +127,10 @@ inline __m512 add_group(__m512 acc, __m512 S, __m512 O, __m512 p, const float* s
   return acc;
 }
 
-// Blocks a decode tile's prefetches run ahead, requested into L2 (`prefetcht1`): the tile decodes as
-// it reads, so a request into L1 waits among the L1's few misses in flight while into L2 it joins
-// more of them, and the lines reach L1 from L2 in time (one block on is far enough). One row from
-// memory ran 10-20 % faster so on every format than two blocks on into L1 (docs/benchmarks.md).
+// Blocks a decode tile's prefetches run ahead, requested into L2 (`prefetcht1`): a tile decodes as
+// it reads, and a request into L1 waits for one of the few misses an L1 keeps in flight, while one
+// into L2 joins that cache's longer queue and the line moves on to L1 in time; one block on is far
+// enough (docs/benchmarks.md has the distances and hints measured).
 constexpr int64_t kAhead = 1;
 
 // From block b of one of a tile's np panels (a part's panels lie one after another, `blocks` blocks
