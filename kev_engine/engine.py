@@ -228,6 +228,7 @@ class Engine:
             self._scheduler.drafter = drafts.ModelDrafter
             self._draft.saved_per_token = self._scheduler.decode_row_seconds
         self._scheduler.rows_alike = functools.partial(self._platform.rows_alike, dtype=self.dtype)
+        self._scheduler.keys_answers = impl != "kev" or not model.ops.prompt_arithmetic
         self._grammars = Grammars(tokenizer, _logits_width(model), self.eos_ids)
         self._intake = Intake(tokenizer, self.max_context, self._kv, self._grammars, self._adapters, self._cond)
         self._token_texts = TokenTexts(tokenizer)  # logprobs name their tokens

@@ -71,6 +71,7 @@ class ModelRunner:
                 block_ids=request.blocks.block_ids,
                 adapter=request.adapter,
                 all_logits=request.all_logits or bool(chunk.draft),  # a draft's every row is drawn from
+                prompt_rows=max(0, min(chunk.num_tokens, len(request.prompt_ids) - start)),
             ))
         return pack(segments, self.device, self.backend)
 

@@ -226,9 +226,9 @@ def reorder_by_pass_size(model: Any) -> None:
             eye = torch.eye(layer.down.in_features, dtype=model.dtype)
             weights[id(layer.down)] = product(eye, layer.down).T.contiguous()  # one product per entry: W exactly
 
-        def linear(x: torch.Tensor, part: Any) -> torch.Tensor:
+        def linear(x: torch.Tensor, part: Any, prompt: torch.Tensor | None = None) -> torch.Tensor:
             weight = weights.get(id(part))
-            return product(x, part) if weight is None else split_product(x, weight, part.bias)
+            return product(x, part, prompt) if weight is None else split_product(x, weight, part.bias)
 
         model.ops.linear = linear
         for layer in model.layers:

@@ -13,6 +13,7 @@ comparison on a quantized engine fails once a reduction is ordered by the pass's
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +25,7 @@ from peft import PeftModel
 from quant_reference import scaled_product
 from test_invariance import alone, answers, differences, doc_questions, greedy, questions, reorder_by_pass_size
 
-from kev_engine import Engine, loader
+from kev_engine import Engine, SamplingParams, loader
 from kev_engine.models.gguf_file import GgufFile, read_header, tensor_bytes
 from kev_engine.models.quant import FORMATS, QuantTensor, tile
 from kev_engine.platforms.cpu import isa as cpu_isa
@@ -158,6 +159,38 @@ def test_products_are_their_arithmetic_bitwise_whatever_the_row_count(kernels, d
     assert not torch.equal(out, got[5])
 
 
+@pytest.mark.parametrize("dtype,path", PATHS, ids=["fp32", "bf16", "bf16-amx", "bf16-avx512_bf16", "bf16-fma"])
+def test_a_prompts_rows_take_the_dequantized_weights_bits_and_the_others_their_own(kernels, dtype, path: str) -> None:
+    """`prompt` marks a prompt's rows: where this build decodes them (AVX-512), each such row is the
+    same bits as linear_packed on gguf's dequantized weight, the other rows the same bits as without
+    a mask (the block-scaled arithmetic), whatever the mix and the row count; without AVX-512 the
+    mask changes no bit. Control: the two arithmetics differ on these weights, so a row given the
+    wrong one would be seen."""
+    path_or_skip(kernels, dtype, path)
+    parts = [random_blocks(NAMES[name], 24 + 16 * i, 512, 40 + i) for i, name in enumerate(["Q4_K", "Q5_1", "Q6_K"])]
+    weight = torch.cat([part.dequantized() for part in parts])
+    generator = torch.Generator().manual_seed(4)
+    bias = torch.randn(weight.shape[0], generator=generator)
+    x = torch.randn(130, 512, generator=generator).to(dtype)
+    tiled, types, widths = [tile(part) for part in parts], [p.type for p in parts], [p.rows for p in parts]
+    dense = kernels.linear_packed(x, kernels.linear_pack(weight.to(dtype)), weight.shape[0], bias, path)
+    own = kernels.quant_linear(x, tiled, types, widths, bias, path)
+    decodes = kernels.quant_prompt_decoded or decoded_arithmetic(kernels, dtype, path)
+    expected_prompt = dense if decodes else own
+    assert torch.equal(own, dense) == decoded_arithmetic(kernels, dtype, path)  # control: they differ but on AMX
+    mask = torch.rand(130, generator=generator) < 0.5
+    mixed = kernels.quant_linear(x, tiled, types, widths, bias, path, prompt=mask)
+    assert torch.equal(mixed[mask], expected_prompt[mask]) and torch.equal(mixed[~mask], own[~mask])
+    for rows in (1, 6, 7, 130):
+        every = torch.ones(rows, dtype=torch.bool)
+        got = kernels.quant_linear(x[:rows], tiled, types, widths, bias, path, prompt=every)
+        assert torch.equal(got, expected_prompt[:rows]), rows
+        none = kernels.quant_linear(x[:rows], tiled, types, widths, bias, path, prompt=~every)
+        assert torch.equal(none, own[:rows]), rows
+    with pytest.raises(RuntimeError, match="prompt must be a bool mask of the input's 130 rows"):
+        kernels.quant_linear(x, tiled, types, widths, bias, path, prompt=mask[:-1])
+
+
 def test_control_the_avx512_bf16_paths_sums_are_vdpbf16ps_order(kernels) -> None:
     """Random inputs round a group's sums to the same bf16 outputs in either order, so this control
     builds one where the order shows: every weight 1 (Q8_0, d = 1), x = 1, 2^24, -2^24, 1, 0, ...
@@ -200,16 +233,18 @@ def stored_and_dense(request):
 
 
 def test_the_embedded_file_as_stored_stays_within_rounding_of_the_dequantized(stored_and_dense) -> None:
-    """The file's 211 quantized weights kept as stored, at the file's size; the logits within the
-    dtype's rounding of the same model dequantized (the block-scaled products sum other roundings),
-    and where bf16 products are AMX's (the decoded weights' arithmetic) the same answers bit for bit."""
+    """The file's 211 quantized weights kept as stored, at the file's size. A prompt's logits: where
+    this build decodes a prompt's rows (AVX-512), bit for bit the same model dequantized; elsewhere
+    within the dtype's rounding of it (the block-scaled products sum other roundings). Where bf16
+    products are AMX's (every row decoded) the same answers bit for bit too."""
     stored, dense = stored_and_dense
     assert stored.stats()["weights"] == "as stored (210 Q4_1, 1 Q8_0)" and dense.stats()["weights"] == "dense"
     assert stored.stats()["weight_bytes"] <= 1.1 * tensor_bytes(loader.embedded_gguf())
     dtype = getattr(torch, stored.stats()["dtype"])
+    decodes = cpu_kernels.load_kernels().quant_prompt_decoded
     for got, expected in zip(stored.prompt_logits(QUESTIONS[:3]), dense.prompt_logits(QUESTIONS[:3])):
         torch.testing.assert_close(got, expected, atol=rounding_tolerance(expected, dtype), rtol=0)
-        assert not torch.equal(got, expected) or dtype == torch.bfloat16  # fp32: the two arithmetics differ
+        assert torch.equal(got, expected) == (decodes or dtype == torch.bfloat16)  # fp32: the arithmetics differ
     if decoded_arithmetic(cpu_kernels.load_kernels(), dtype, ""):
         prompts = questions(5, 6)
         assert differences(answers(stored, prompts, greedy(6, 10)), answers(dense, prompts, greedy(6, 10))) == []
@@ -220,6 +255,32 @@ def test_the_embedded_file_as_stored_packed_equals_alone_bitwise(stored_and_dens
     prompts = doc_questions()
     packed = answers(stored, prompts, greedy(6, 12))
     assert differences(packed, alone(stored, prompts, greedy(6, 12))) == []
+
+
+def test_a_follow_up_repeating_an_answer_gets_the_same_bits_with_its_blocks_cached_or_not(stored_and_dense) -> None:
+    """Where a prompt's rows take their own arithmetic (`Ops.prompt_arithmetic`: AVX-512), the
+    blocks holding a generated answer are never found by a later prompt: a follow-up turn that
+    repeats the answer computes those tokens as a prompt's, the same bits as with nothing cached.
+    Control: with the answer's blocks findable (`keys_answers`), the follow-up's bits differ."""
+    stored, _ = stored_and_dense
+    split = stored.model.ops.prompt_arithmetic
+    assert stored._scheduler.keys_answers is not split
+    first = stored.encode(QUESTIONS[0])
+    turn = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True, cache_salt="turns")
+    answer = stored.generate([{"prompt_token_ids": first}], turn)[0].token_ids
+    follow = {"prompt_token_ids": first + answer + first[:8]}
+
+    def follow_up(salt: str):
+        return answers(stored, [follow], [SamplingParams(temperature=0, max_tokens=4, cache_salt=salt)])
+
+    assert differences(follow_up("turns"), follow_up("cold")) == []
+    if split:
+        stored._scheduler.keys_answers = True
+        try:
+            stored.generate([{"prompt_token_ids": first}], dataclasses.replace(turn, cache_salt="turns-keyed"))
+            assert differences(follow_up("turns-keyed"), follow_up("cold-again")) != []
+        finally:
+            stored._scheduler.keys_answers = False
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])

@@ -167,6 +167,10 @@ class Scheduler:
         self.drafter: type[Drafter] = Drafter  # where drafts come from: its own text, or a draft model's
         self.acceptance = Acceptance()  # how often drafts were taken: what their rows are worth
         self.rows_alike: Callable[[int], int] = lambda rows: rows  # `Platform.rows_alike`, at the model's dtype
+        # whether blocks holding generated tokens become findable by later prompts: not where a
+        # prompt's rows take another arithmetic (`Ops.prompt_arithmetic`), since a prompt that
+        # computed those tokens itself would have other bits in them
+        self.keys_answers = True
         self.row_cost = RowCost()  # what a decode pass's rows cost, measured
         self.adapters: AdapterSlots = adapters if adapters is not None else NoAdapters()
         self.max_context = max_context
@@ -537,7 +541,8 @@ class Scheduler:
 
     def _plan(self, request: Request, take: int) -> Chunk:
         # later chunks of this same pass may start after the full blocks this one writes
-        self.blocks.announce(request.blocks, request.all_ids, request.prefix_key, request.num_computed + take)
+        self.blocks.announce(request.blocks, request.all_ids, request.prefix_key,
+                             self._keyed_upto(request, request.num_computed + take))
         reaches_end = request.num_computed + take == request.num_tokens
         return Chunk(request, take, needs_logits=reaches_end and not request.all_logits)
 
@@ -588,7 +593,12 @@ class Scheduler:
         """`tokens` more of `request`'s tokens are in its KV (a chunk's, or a draft token its answer
         took): its full blocks are committed, findable by later prompts."""
         request.num_computed += tokens
-        self.blocks.commit(request.blocks, request.all_ids, request.prefix_key, request.num_computed)
+        self.blocks.commit(request.blocks, request.all_ids, request.prefix_key,
+                           self._keyed_upto(request, request.num_computed))
+
+    def _keyed_upto(self, request: Request, computed: int) -> int:
+        """How many of a request's `computed` tokens its findable blocks may cover (`keys_answers`)."""
+        return computed if self.keys_answers else min(computed, len(request.prompt_ids))
 
     def drafted(self, chunks: Sequence[Chunk], taken: dict[int, int], ended: set[int]) -> None:
         """A pass's drafts were walked (`OutputProcessor.walk_drafts`): `taken` maps each drafting

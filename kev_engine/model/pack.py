@@ -30,6 +30,7 @@ class Segment:
     block_ids: list[int] = field(default_factory=list)  # covering past_len + len(token_ids) tokens
     adapter: str | None = None
     all_logits: bool = False  # logits at every new token (prompt_logits), not only the last
+    prompt_rows: int = 0  # of token_ids, how many lead as its prompt's tokens (the rest it generated)
 
     @property
     def end(self) -> int:
@@ -55,6 +56,10 @@ class PackedBatch:
     slot_blocks: torch.Tensor | None = None  # [T] long: block of each new token's K/V; None = no KV pool
     slot_offsets: torch.Tensor | None = None  # [T] long: its position inside that block
     attention: Any = None  # the backend's metadata for this pass (its `plan`): plain data, no pool
+    prompt_rows: list[int] = field(default_factory=list)  # [S] each segment's leading prompt rows
+    # [T] bool: the rows that are a prompt's tokens (None: no row), for products whose arithmetic
+    # depends on what a row is (`Ops.linear`'s `prompt`)
+    prompt: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -89,14 +94,17 @@ def pack(segments: Sequence[Segment], device: torch.device | str = "cpu", backen
     logits_rows: list[tuple[int, int]] = []
     slot_blocks: list[int] = []
     slot_offsets: list[int] = []
+    prompt: list[bool] = []
     block_size = pool.block_size if pool is not None else 0
     for seg in segments:
         assert seg.token_ids, f"empty segment for request {seg.request_id}"
+        assert 0 <= seg.prompt_rows <= len(seg.token_ids), f"request {seg.request_id}: prompt_rows out of range"
         start = len(input_ids)
         input_ids.extend(seg.token_ids)
         positions = range(seg.past_len, seg.end)
         position_ids.extend(positions)
         cu_seqlens.append(len(input_ids))
+        prompt.extend([True] * seg.prompt_rows + [False] * (len(seg.token_ids) - seg.prompt_rows))
         first = len(logits_indices)
         if seg.all_logits:
             logits_indices.extend(range(start, len(input_ids)))
@@ -128,6 +136,8 @@ def pack(segments: Sequence[Segment], device: torch.device | str = "cpu", backen
         slot_blocks=tensor(slot_blocks) if pool is not None else None,
         slot_offsets=tensor(slot_offsets) if pool is not None else None,
         attention=backend.plan(segments, cu_seqlens, device) if pool is not None else None,
+        prompt_rows=[seg.prompt_rows for seg in segments],
+        prompt=tensor(prompt, torch.bool) if any(prompt) else None,
     )
 
 

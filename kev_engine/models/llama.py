@@ -224,10 +224,12 @@ class DecoderModel:
     def end(self, state: PassState, all_logits: bool = False) -> torch.Tensor:
         """The final norm and the output head of a pass whose layers have all run: fp32 logits."""
         assert state.next_layer == len(self.layers), "a pass ends after its last layer"
-        hidden = state.hidden
+        hidden, prompt = state.hidden, state.batch.prompt
         rows = hidden if all_logits else hidden.index_select(0, state.batch.logits_indices)  # [K, hidden]
+        if prompt is not None and not all_logits:
+            prompt = prompt.index_select(0, state.batch.logits_indices)
         rows = self.ops.rms_norm(rows, self.norm, self.eps)
-        return self.ops.linear(rows, self.head).float()  # [K, vocab]
+        return self.ops.linear(rows, self.head, prompt).float()  # [K, vocab]
 
     def _layer(self, layer: Layer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: Any,
                batch: Any, routes: LoraRoutes) -> torch.Tensor:
@@ -235,7 +237,7 @@ class DecoderModel:
         ops, tokens = self.ops, hidden.shape[0]
 
         def linear(x: torch.Tensor, part: Linear) -> torch.Tensor:
-            out = ops.linear(x, part)
+            out = ops.linear(x, part, batch.prompt)
             return ops.with_lora(out, x, part, routes) if routes else out
 
         normed = ops.rms_norm(hidden, layer.input_norm, self.eps)
@@ -264,9 +266,11 @@ def _rows_batch(batch: Any, backend: Any, start: int, stop: int) -> Any:
     for i in range(len(bounds) - 1):
         low, high = max(bounds[i], start), min(bounds[i + 1], stop)
         if low < high:
+            prompt_end = bounds[i] + batch.prompt_rows[i]  # the segment's prompt rows end here
             segments.append(Segment(request_id=batch.request_ids[i], token_ids=ids[low - start : high - start],
                                     past_len=batch.past_lens[i] + low - bounds[i], needs_logits=False,
-                                    block_ids=batch.block_tables[i]))
+                                    block_ids=batch.block_tables[i],
+                                    prompt_rows=max(0, min(high, prompt_end) - low)))
     return pack(segments, batch.input_ids.device, backend if batch.slot_blocks is not None else None)
 
 

@@ -27,6 +27,10 @@ class Ops:
     """torch's ops; subclasses override what their device computes otherwise."""
 
     name = "torch"
+    # Whether a prompt's rows of a product take another arithmetic than a generated token's (Kev's
+    # CPU products on a GGUF's blocks: csrc/quant.cpp): each row's bits then depend on what it is,
+    # so a generated token's keys and values are not a later prompt's (`Scheduler.keys_answers`).
+    prompt_arithmetic = False
 
     def prepare(self, model: Any) -> None:
         """Put each weight in this platform's layout, once, before the first pass (nothing here:
@@ -41,8 +45,9 @@ class Ops:
         """input_ids [T] → [T, hidden]."""
         return F.embedding(input_ids, table)
 
-    def linear(self, x: torch.Tensor, linear: Linear) -> torch.Tensor:
-        """x [T, in] → [T, out]."""
+    def linear(self, x: torch.Tensor, linear: Linear, prompt: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, in] → [T, out]. `prompt` (bool [T], or None: no row): the rows that are a prompt's
+        tokens, for ops whose arithmetic depends on it (`prompt_arithmetic`); the others ignore it."""
         return F.linear(x, linear.weight, linear.bias)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -10,10 +10,11 @@ once into its panels and the torch copies dropped; RMSNorm, the rotary embedding
 one call (`kernels.DecoderLayer`, csrc/layer.cpp: these kernels in this order without returning
 to Python) on a pass of the exact pool without LoRA rows. The LoRA deltas by the packed product
 too: a row's delta is the same however many rows of its adapter share the pass. Weights kept as
-a GGUF stores them (`models.quant`) by `quant_linear`: in bf16 on AMX each chunk decoded and the
-packed product run on it (csrc/quant.cpp: the bits of `linear_packed` on the dequantized weight),
-elsewhere block-scaled (csrc/quant_scaled.cpp: each group's scale applied once to its integers'
-sum with the inputs, never a weight decoded to a float); the embedding lookup by `quant_rows`.
+a GGUF stores them (`models.quant`) by `quant_linear`, each row by what it is (the pass's
+`prompt` rows): a prompt's rows, and on AMX every row, on the weight decoded (csrc/quant.cpp: the
+bits of `linear_packed` on the dequantized weight), a generated token's block-scaled
+(csrc/quant_scaled.cpp: each group's scale applied once to its integers' sum with the inputs, never
+a weight decoded to a float; every row so without AVX-512); the embedding lookup by `quant_rows`.
 
 `FastOps` (`batch_invariant=False`): torch's BLAS for prefill, Kev's few-row kernel for decode
 rows (`rows_linear`), the same elementwise kernels.
@@ -69,6 +70,8 @@ class ExactOps(_KernelElementwise):
         """Each dense product packed once (the torch copy dropped, but the embedding table a tied
         head reads), and each layer's one call built over its products, packed or quantized."""
         self.dtype = model.dtype  # a quantized embedding's rows come out in it
+        amx = model.dtype == torch.bfloat16 and self.kernels.bf16_path.path == "amx"  # every row decoded there
+        self.prompt_arithmetic = bool(model.quantized()) and self.kernels.quant_prompt_decoded and not amx
         for linear in model.linears():
             if linear.packed is None and linear.quant is None:
                 linear.packed = self.kernels.linear_pack(linear.weight)
@@ -97,10 +100,10 @@ class ExactOps(_KernelElementwise):
             return self.kernels.Product.quantized(linear.quant.tiled, linear.quant.types, linear.quant.widths)
         return self.kernels.Product.packed(linear.packed, linear.out_features)
 
-    def linear(self, x: torch.Tensor, linear: Linear) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, linear: Linear, prompt: torch.Tensor | None = None) -> torch.Tensor:
         if linear.quant is not None:
             q = linear.quant
-            return self.kernels.quant_linear(x, q.tiled, q.types, q.widths, linear.bias)
+            return self.kernels.quant_linear(x, q.tiled, q.types, q.widths, linear.bias, prompt=prompt)
         return self.kernels.linear_packed(x, linear.packed, linear.out_features, linear.bias)
 
     def layers(self, layers: list[Layer], hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: Any,
@@ -115,7 +118,8 @@ class ExactOps(_KernelElementwise):
         return self.kernels.layers_forward([layer.native for layer in layers], hidden, cos, sin,
                                            [pool.keys[layer.index] for layer in layers],
                                            [pool.values[layer.index] for layer in layers], batch.slot_blocks,
-                                           batch.slot_offsets, tables.block_tables, batch.cu_seqlens, tables.past_lens)
+                                           batch.slot_offsets, tables.block_tables, batch.cu_seqlens, tables.past_lens,
+                                           batch.prompt)
 
     def lora_products(self, weights: LoraWeights, x: torch.Tensor) -> torch.Tensor:
         return packed_delta(self.kernels, weights, x)
@@ -133,7 +137,7 @@ def packed_delta(kernels: Any, weights: LoraWeights, x: torch.Tensor) -> torch.T
 class FastOps(_KernelElementwise):
     name = "cpu-fast"
 
-    def linear(self, x: torch.Tensor, linear: Linear) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, linear: Linear, prompt: torch.Tensor | None = None) -> torch.Tensor:
         """Few rows (float32) by Kev's row kernel, else torch's BLAS."""
         assert linear.weight is not None
         if (x.dtype == torch.float32 and x.shape[0] <= rows_linear.KERNEL_ROWS and linear.in_features % 8 == 0

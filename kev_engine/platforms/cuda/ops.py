@@ -25,7 +25,7 @@ class InvariantOps(Ops):
     def __init__(self, kernels: Any) -> None:
         self.kernels = kernels  # `triton_kernels`
 
-    def linear(self, x: torch.Tensor, linear: Linear) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, linear: Linear, prompt: torch.Tensor | None = None) -> torch.Tensor:
         return self.kernels.linear(x, linear.weight, linear.bias)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

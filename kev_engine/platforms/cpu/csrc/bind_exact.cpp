@@ -11,7 +11,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("path") = "");
   m.def("quant_linear", &quant_linear, "input @ W.T (+ bias) from GGUF quantized parts, batch-invariant (quant.cpp)",
         pybind11::arg("input"), pybind11::arg("parts"), pybind11::arg("types"), pybind11::arg("widths"),
-        pybind11::arg("bias") = pybind11::none(), pybind11::arg("path") = "");
+        pybind11::arg("bias") = pybind11::none(), pybind11::arg("path") = "",
+        pybind11::arg("prompt") = pybind11::none());
+  m.def("quant_prompt_decoded", &quant_prompt_decoded,
+        "Whether a prompt's rows take the decoded weights' arithmetic in this build (quant.cpp)");
   m.def("quant_rows", &quant_rows, "Rows of a GGUF quantized weight as float32 (quant.cpp)");
   m.def("quant_path", &quant_path, "How this build computes block-scaled products: avx512 or scalar (quant.cpp)");
   m.def("linear_paths", &linear_paths, "Which instructions compute each dtype on this machine");

@@ -43,9 +43,10 @@ class Product {
     for (const int64_t w : p.widths_) p.n_ += w;
     return p;
   }
-  at::Tensor operator()(const at::Tensor& x, const Optional& bias) const {
+  // prompt: the rows that are a prompt's tokens (quant_linear's), or none.
+  at::Tensor operator()(const at::Tensor& x, const Optional& bias, const Optional& prompt) const {
     if (parts_.empty()) return linear_packed(x, packed_, n_, bias, "");
-    return quant_linear(x, parts_, types_, widths_, bias, "");
+    return quant_linear(x, parts_, types_, widths_, bias, "", prompt);
   }
 
  private:
@@ -81,16 +82,18 @@ class DecoderLayer {
 
   // hidden [T, hidden] → [T, hidden]; cos, sin [T, head_dim]; keys, values: this layer's pool;
   // slot_blocks, slot_offsets: each new token's slot; tables, cu_seqlens, past: the pass's
-  // segments (attention.cpp's arguments).
+  // segments (attention.cpp's arguments); prompt: the rows that are a prompt's tokens, or none
+  // (quant_linear's).
   at::Tensor forward(const at::Tensor& hidden, const at::Tensor& cos, const at::Tensor& sin, at::Tensor keys,
                      at::Tensor values, const at::Tensor& slot_blocks, const at::Tensor& slot_offsets,
-                     const at::Tensor& tables, const at::Tensor& cu_seqlens, const at::Tensor& past) const {
+                     const at::Tensor& tables, const at::Tensor& cu_seqlens, const at::Tensor& past,
+                     const Optional& prompt) const {
     TORCH_CHECK(hidden.dim() == 2 && hidden.size(1) == hidden_, "DecoderLayer: hidden must be [tokens, ", hidden_,
                 "]");
     const int64_t tokens = hidden.size(0);
     const int64_t q_width = widths_[0], k_width = widths_[1], v_width = widths_[2], inter = widths_[3];
     const auto normed = norm_rows(hidden, input_norm_, eps_[0]);
-    const auto qkv = qkv_(normed, qkv_bias_);
+    const auto qkv = qkv_(normed, qkv_bias_, prompt);
     auto query = qkv.narrow(1, 0, q_width).view({tokens, -1, head_dim_});
     auto key = qkv.narrow(1, q_width, k_width).view({tokens, -1, head_dim_});
     const auto value = qkv.narrow(1, q_width + k_width, v_width).view({tokens, -1, head_dim_});
@@ -102,12 +105,12 @@ class DecoderLayer {
     key = rotary(key, cos, sin);      // [T, kv_heads, dim]
     paged_write_transposed(keys, values, key.transpose(0, 1), value.transpose(0, 1), slot_blocks, slot_offsets);
     const auto attended = paged_attention(query, keys, values, tables, cu_seqlens, past, scale_);
-    auto mixed = o_(attended.view({tokens, -1}), o_bias_);
+    auto mixed = o_(attended.view({tokens, -1}), o_bias_, prompt);
     add_into(mixed, hidden);
-    const auto both = gate_up_(norm_rows(mixed, post_norm_, eps_[1]), gate_up_bias_);
+    const auto both = gate_up_(norm_rows(mixed, post_norm_, eps_[1]), gate_up_bias_, prompt);
     auto product = at::empty({tokens, inter}, both.options());
     silu_mul(both.narrow(1, 0, inter), both.narrow(1, inter, inter), product);
-    auto out = down_(product, down_bias_);
+    auto out = down_(product, down_bias_, prompt);
     add_into(out, mixed);
     return out;
   }
@@ -139,12 +142,12 @@ at::Tensor layers_forward(const std::vector<DecoderLayer*>& layers, at::Tensor h
                           const at::Tensor& sin, const std::vector<at::Tensor>& keys,
                           const std::vector<at::Tensor>& values, const at::Tensor& slot_blocks,
                           const at::Tensor& slot_offsets, const at::Tensor& tables, const at::Tensor& cu_seqlens,
-                          const at::Tensor& past) {
+                          const at::Tensor& past, const Optional& prompt) {
   TORCH_CHECK(keys.size() == layers.size() && values.size() == layers.size(),
               "layers_forward: one pool's keys and values per layer");
   for (size_t i = 0; i < layers.size(); ++i)
     hidden = layers[i]->forward(hidden, cos, sin, keys[i], values[i], slot_blocks, slot_offsets, tables, cu_seqlens,
-                                past);
+                                past, prompt);
   return hidden;
 }
 
@@ -159,5 +162,8 @@ void bind_layer(pybind11::module& m) {
                           Product, Optional, Product, Optional, Product, Optional, std::vector<int64_t>,
                           int64_t, int64_t, double>());
   m.def("layers_forward", &layers_forward, "consecutive DecoderLayers of one pass in one call (see layer.cpp)",
-        pybind11::call_guard<pybind11::gil_scoped_release>());
+        pybind11::arg("layers"), pybind11::arg("hidden"), pybind11::arg("cos"), pybind11::arg("sin"),
+        pybind11::arg("keys"), pybind11::arg("values"), pybind11::arg("slot_blocks"), pybind11::arg("slot_offsets"),
+        pybind11::arg("tables"), pybind11::arg("cu_seqlens"), pybind11::arg("past"),
+        pybind11::arg("prompt") = pybind11::none(), pybind11::call_guard<pybind11::gil_scoped_release>());
 }

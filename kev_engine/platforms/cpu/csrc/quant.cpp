@@ -5,23 +5,24 @@
 // a few billion weights is bound by reading them. Here the weights stay in memory at the file's
 // size (quant_blocks.h's layout) and each product reads them as stored.
 //
-// Two arithmetics, one per process and dtype (a process computes every product one way all its
-// life, as linear.cpp's paths do):
-// - bf16 where linear.cpp's bf16 path is AMX: every weight decoded to exactly the value gguf's own
-//   `dequantize` gives (the same fp32 operations in the same order: d * q, d * q + m,
-//   (d * sc) * q - dmin * m, ...), rounded to bf16 as torch rounds, then multiplied by linear.cpp's
-//   AMX kernels on those values: the same bits as `linear_packed` on the dequantized weight. AMX
-//   multiplies far faster than decoding costs, and AMX's sums cannot be reproduced otherwise, so
-//   both a prefill and a decode step take this arithmetic there.
-// - everything else (fp32, and bf16 on the AVX512-BF16 and fma paths): quant_scaled.cpp's
-//   block-scaled products, which never decode a weight to a float (on the AVX512-BF16 path a
-//   group's sums are vdpbf16ps's).
-// Each is batch-invariant: a row's product is the same bits alone or in any pack.
+// Two arithmetics, chosen per row by what the row is (never by the rows beside it), so a row's
+// product is the same bits alone or in any pack:
+// - decoded: every weight decoded to exactly the value gguf's own `dequantize` gives (the same fp32
+//   operations in the same order: d * q, d * q + m, (d * sc) * q - dmin * m, ...), for bf16 rounded
+//   as torch rounds, then multiplied by linear.cpp's kernels on those values: the same bits as
+//   `linear_packed` on the dequantized weight. A prompt's rows take it (a prefill shares each decoded
+//   panel across its rows, so decoding costs little and the product runs at the dense kernels'
+//   rate), and on AMX every row (AMX multiplies far faster than decoding costs, and AMX's sums
+//   cannot be reproduced otherwise).
+// - block-scaled (quant_scaled.cpp): never a weight decoded to a float, each group's scale applied
+//   once to its integers' sum with the inputs. The other rows take it (a decode step's: it reads
+//   every block once, and decoding each weight would cost more than the bytes saved), and every row
+//   in a build without AVX-512.
 //
-// Threads (the AMX arithmetic): a prefill's tasks (a run of panels x a run of rows) are claimed from
-// a counter; each decodes its panels into its thread's buffer and runs linear.cpp's product on them
-// there. A decode pass decodes block by block into an L1 buffer instead, running linear.cpp's
-// decode-tile steps on each block (amx_decoded_panels).
+// Threads (the decoded arithmetic): a prefill's tasks (a run of panels x a run of rows) are claimed
+// from a counter; each decodes its panels into its thread's buffer and runs linear.cpp's product on
+// them there. A decode pass on AMX decodes block by block into an L1 buffer instead, running
+// linear.cpp's decode-tile steps on each block (amx_decoded_panels).
 #include <algorithm>
 #include <atomic>
 #include <cstring>
@@ -44,7 +45,7 @@ void decode_row(const uint8_t* tiled, int64_t k, int64_t row, float* out) {
     decode_lane<T>(panel + b * block_bytes(f), static_cast<int>(row % kLanes), out + b * f.block_k);
 }
 
-#if defined(KEV_QUANT_AVX512) && defined(__AVX512BF16__) && defined(__AMX_BF16__) && defined(__AMX_TILE__)
+#if defined(KEV_QUANT_AVX512) && defined(__AVX512BF16__)
 // A panel's block as gguf's dequantized values, k by k (decode_lane's operations on the same values,
 // 16 outputs a vector): `emit(k, w)` takes each k's weights.
 template <int T, typename Emit>
@@ -106,6 +107,60 @@ void decode_panels(const uint8_t* tiled, int64_t k, int64_t p0, int64_t count, u
                             dst + (p * k + b * f.block_k) / 2 * kLanes);
 }
 
+// Panels [p0, p0 + count) as gguf's dequantized values in linear.cpp's fp32 packed layout at dst,
+// [count][k][16], block by block across the panels as decode_panels goes.
+template <int T>
+void decode_panels_f32(const uint8_t* tiled, int64_t k, int64_t p0, int64_t count, float* dst) {
+  constexpr Format f = format_of(T);
+  const int64_t blocks = k / f.block_k;
+  for (int64_t b = 0; b < blocks; ++b)
+    for (int64_t p = 0; p < count; ++p) {
+      float* panel = dst + (p * k + b * f.block_k) * kLanes;
+      decode_panel_block<T>(tiled + ((p0 + p) * blocks + b) * block_bytes(f),
+                            [&](int kk, __m512 v) { _mm512_storeu_ps(panel + kk * kLanes, v); });
+    }
+}
+
+// Rows of x (float32 or bfloat16) times a weight decoded to gguf's values: each task (a run of 8
+// panels x a run of 768 rows, claimed from a counter) decodes its panels into its thread's buffer
+// (decode_panels, or decode_panels_f32 for float32) and runs linear.cpp's product on them there
+// (`path`: linear_bf16_path's), so each row gets the bits of `linear_packed` on the dequantized
+// weight, whatever the rows beside it.
+void decoded_product(const at::Tensor& x, int64_t k, const std::vector<at::Tensor>& parts,
+                     const std::vector<int64_t>& types, const std::vector<int64_t>& widths, const float* bias,
+                     at::Tensor& out, int path) {
+  constexpr int64_t run = 8, row_run = 768;
+  const int64_t m = x.size(0), n = out.size(1), size = x.element_size();
+  const bool f32 = x.scalar_type() == at::kFloat;
+  const std::vector<Task> tasks = product_tasks(types, widths, m, row_run, [](int) { return run; });
+  const char* xs = static_cast<const char*>(x.data_ptr());
+  char* os = static_cast<char*>(out.data_ptr());
+  std::atomic<int64_t> next{0};
+  kev::on_threads([&] {
+    std::vector<uint32_t> scratch(run * kLanes * k / (f32 ? 1 : 2));  // a value, or a bf16 pair, each
+    for (int64_t t = next++; t < static_cast<int64_t>(tasks.size()); t = next++) {
+      const Task& task = tasks[t];
+      const int64_t width = widths[task.part], n0 = task.p0 * kLanes;
+      const int64_t count = std::min(run, tiled_panels(width) - task.p0);  // whole pairs, as bf16 panels come
+      const int64_t cols = std::min(count * kLanes, width - n0), rows = std::min(row_run, m - task.r0);
+      const uint8_t* tiled = parts[task.part].data_ptr<uint8_t>();
+      by_type(static_cast<int>(types[task.part]), [&](auto tc) {
+        constexpr int T = decltype(tc)::value;
+        if (f32)
+          decode_panels_f32<T>(tiled, k, task.p0, count, reinterpret_cast<float*>(scratch.data()));
+        else
+          decode_panels<T>(tiled, k, task.p0, count, scratch.data());
+      });
+      linear_packed_into(xs + task.r0 * k * size, rows, k, scratch.data(), cols,
+                         bias != nullptr ? bias + task.col0 + n0 : nullptr,
+                         os + (task.r0 * n + task.col0 + n0) * size, n, f32, path);
+    }
+  });
+}
+#define KEV_QUANT_DECODED 1
+#endif
+
+#if defined(KEV_QUANT_DECODED) && defined(__AMX_BF16__) && defined(__AMX_TILE__)
 constexpr int kAmxPanels = 6;  // panels a decode tile streams side by side (linear.cpp's kDecodePairs pairs)
 constexpr int64_t kAmxBuffer = 16 * 1024;  // bytes of decoded blocks a tile keeps in L1 at most
 
@@ -207,33 +262,6 @@ void amx_decode_product(const at::Tensor& x, int64_t m, int64_t k, const std::ve
   });
 }
 
-// quant_linear's prefill on AMX: runs of 8 panels over runs of 768 rows, each run's panels decoded
-// once (decode_panels) into the thread's buffer and multiplied by linear.cpp's AMX product there.
-void amx_prefill_product(const at::Tensor& x, int64_t m, int64_t k, const std::vector<at::Tensor>& parts,
-                         const std::vector<int64_t>& types, const std::vector<int64_t>& widths, const float* bias,
-                         at::Tensor& out) {
-  constexpr int64_t run = 8, row_run = 768;
-  const int64_t n = out.size(1);
-  const std::vector<Task> tasks = product_tasks(types, widths, m, row_run, [](int) { return run; });
-  const at::BFloat16* xs = x.data_ptr<at::BFloat16>();
-  at::BFloat16* os = out.data_ptr<at::BFloat16>();
-  std::atomic<int64_t> next{0};
-  kev::on_threads([&] {
-    std::vector<uint32_t> scratch(run * kLanes * k / 2);
-    for (int64_t t = next++; t < static_cast<int64_t>(tasks.size()); t = next++) {
-      const Task& task = tasks[t];
-      const int64_t width = widths[task.part], n0 = task.p0 * kLanes;
-      const int64_t count = std::min(run, tiled_panels(width) - task.p0);  // whole pairs, as bf16 panels come
-      const int64_t cols = std::min(count * kLanes, width - n0), rows = std::min(row_run, m - task.r0);
-      by_type(static_cast<int>(types[task.part]), [&](auto tc) {
-        decode_panels<decltype(tc)::value>(parts[task.part].data_ptr<uint8_t>(), k, task.p0, count, scratch.data());
-      });
-      linear_packed_into(xs + task.r0 * k, rows, k, scratch.data(), cols,
-                         bias != nullptr ? bias + task.col0 + n0 : nullptr, os + task.r0 * n + task.col0 + n0, n, false,
-                         0);
-    }
-  });
-}
 #endif
 
 }  // namespace
@@ -267,11 +295,41 @@ std::string quant_path() {
 #endif
 }
 
+bool quant_prompt_decoded() {
+#if defined(KEV_QUANT_DECODED)
+  return true;
+#else
+  return false;
+#endif
+}
+
+namespace {
+
+// The block-scaled products of rows x into out (quant_scaled.cpp), `bf16_path` -1 for float32.
+void scaled_into(const at::Tensor& x, int64_t k, const std::vector<at::Tensor>& parts,
+                 const std::vector<int64_t>& types, const std::vector<int64_t>& widths, const float* bias,
+                 at::Tensor& out, int bf16_path) {
+  const bool f32 = x.scalar_type() == at::kFloat;
+  const auto x32 = f32 ? x : x.to(at::kFloat);
+  const bool dot = bf16_path == kPathAvx512Bf16;  // vdpbf16ps's group sums
+  scaled_product(x32.data_ptr<float>(), dot ? reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()) : nullptr,
+                 x.size(0), k, parts, types, widths, bias, out);
+}
+
+}  // namespace
+
 // input [M, k] (float32 or bfloat16) @ W.T (+ bias) → [M, sum(widths)], W the parts stacked: part i
 // tiled (`types[i]`, widths[i] outputs). `path`: a bf16 path for tests ("": this process's).
+// `prompt` (bool [M], or none: no row): the rows that are a prompt's tokens. Where this build
+// decodes (quant_prompt_decoded) they take the decoded weights' arithmetic (decoded_product: a
+// prefill's rows share each decoded panel, so decoding costs little there) and the others the
+// block-scaled one (a decode step's rows: it reads the blocks once, and decoding each weight would
+// cost more than the bytes save). Which arithmetic a row takes depends on that row alone, never on
+// the rows beside it. On AMX every row takes the decoded arithmetic.
 at::Tensor quant_linear(const at::Tensor& input, const std::vector<at::Tensor>& parts,
                         const std::vector<int64_t>& types, const std::vector<int64_t>& widths,
-                        const c10::optional<at::Tensor>& bias, const std::string& path) {
+                        const c10::optional<at::Tensor>& bias, const std::string& path,
+                        const c10::optional<at::Tensor>& prompt) {
   TORCH_CHECK(input.device().is_cpu() && input.dim() == 2, "quant_linear takes a CPU input [M, K]");
   TORCH_CHECK(input.scalar_type() == at::kFloat || input.scalar_type() == at::kBFloat16,
               "quant_linear computes float32 and bfloat16 inputs, not ", input.scalar_type());
@@ -290,23 +348,42 @@ at::Tensor quant_linear(const at::Tensor& input, const std::vector<at::Tensor>& 
     TORCH_CHECK(bias->numel() == n, "quant_linear: bias of ", bias->numel(), " values for ", n, " outputs");
     bias32 = bias->to(at::kFloat).contiguous();
   }
+  at::Tensor mask;
+  if (prompt.has_value() && prompt->defined()) {
+    TORCH_CHECK(prompt->dim() == 1 && prompt->numel() == m && prompt->scalar_type() == at::kBool,
+                "quant_linear: prompt must be a bool mask of the input's ", m, " rows");
+    mask = prompt->contiguous();
+  }
   auto out = at::empty({m, n}, x.options());
   if (m == 0) return out;
   const float* b = bias32.defined() ? bias32.data_ptr<float>() : nullptr;
   const int bf16_path = f32 ? -1 : linear_bf16_path(path);
 #if defined(KEV_QUANT_AMX)
-  if (bf16_path == kPathAmx) {  // linear.cpp's AMX path: the decoded weights' arithmetic
+  if (bf16_path == kPathAmx) {  // linear.cpp's AMX path: the decoded weights' arithmetic, every row
     if (m <= 16)
       amx_decode_product(x, m, k, parts, types, widths, b, out);
     else
-      amx_prefill_product(x, m, k, parts, types, widths, b, out);
+      decoded_product(x, k, parts, types, widths, b, out, bf16_path);
     return out;
   }
 #endif
   TORCH_CHECK(f32 || bf16_path != kPathAmx, "quant_linear: the amx path is not built here");
-  const auto x32 = f32 ? x : x.to(at::kFloat);
-  const bool dot = bf16_path == kPathAvx512Bf16;  // vdpbf16ps's group sums
-  scaled_product(x32.data_ptr<float>(), dot ? reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()) : nullptr,
-                 m, k, parts, types, widths, b, out);
+#if defined(KEV_QUANT_DECODED)
+  const int64_t prompt_rows = mask.defined() ? mask.sum().item<int64_t>() : 0;
+  if (prompt_rows == m) {
+    decoded_product(x, k, parts, types, widths, b, out, bf16_path);
+    return out;
+  }
+  if (prompt_rows > 0) {  // each share computed apart, then put back in its rows
+    const auto prompt_ids = mask.nonzero().squeeze(1), other_ids = mask.logical_not().nonzero().squeeze(1);
+    auto prompt_out = at::empty({prompt_rows, n}, x.options()), other_out = at::empty({m - prompt_rows, n}, x.options());
+    decoded_product(x.index_select(0, prompt_ids), k, parts, types, widths, b, prompt_out, bf16_path);
+    scaled_into(x.index_select(0, other_ids), k, parts, types, widths, b, other_out, bf16_path);
+    out.index_copy_(0, prompt_ids, prompt_out);
+    out.index_copy_(0, other_ids, other_out);
+    return out;
+  }
+#endif
+  scaled_into(x, k, parts, types, widths, b, out, bf16_path);
   return out;
 }

@@ -15,17 +15,17 @@
 // where sx_g is the row's sum of x over g (adds in order); then + bias in fp32 and, for bf16, one
 // rounding to nearest even. x is the input as fp32 (exact from bf16). The same operations on every
 // x86 CPU with fused multiply-adds (AVX-512 tiles here; one scalar at a time elsewhere): the same
-// bits on each. Not the bits of the product on gguf's dequantized weights (quant.cpp's arithmetic,
-// taken on AMX) but within fp32 rounding of it; tests/test_quant.py checks this arithmetic bit for
-// bit against tests/quant_reference.py, which writes it out in numpy.
+// bits on each. Not the bits of the product on gguf's dequantized weights (quant.cpp's decoded
+// arithmetic, which a prompt's rows take, and on AMX every row) but within fp32 rounding of it;
+// tests/test_quant.py checks this arithmetic bit for bit against tests/quant_reference.py, which
+// writes it out in numpy. The rows that take it (quant_linear: a generated token's, and every row
+// without AVX-512) take it whatever their count, so a row's bits never depend on the pass.
 //
-// bf16 on the AVX512-BF16 path (linear.cpp's `vdpbf16ps` products: where it retires at a fused
-// multiply-add's rate it does twice the work, the Zen 4's prefill) takes the same arithmetic with
+// bf16 on the AVX512-BF16 path (linear.cpp's `vdpbf16ps` products) takes the same arithmetic with
 // a group's p summed a pair of k at a time by `vdpbf16ps` on the bf16 input and the integers q as
 // bf16 (exact): p += x[k+1] * q[k+1], then p += x[k] * q[k], each rounded to fp32 (the instruction's
 // order; a product of bf16s is exact in fp32), so a group's sum is the instruction's and the rest
-// (scales, offsets, bias, rounding) as above. Every row count takes it (decode tiles and prefill
-// alike), so a row's bits never depend on the pass either.
+// (scales, offsets, bias, rounding) as above.
 //
 // Threads: a product's tasks (a run of 8 panels x a run of up to 96 rows) are claimed from a
 // counter. A decode pass's rows (at most 6) are one register tile that decodes the panels' values
