@@ -5,9 +5,10 @@ For each model file and dtype, one process holds two engines on the same GGUF:
 `weights="dense"` (dequantized into the dtype at load), speculation off in both (a decode step is
 then one token), and times each workload on them in alternating rounds, best of `--rounds`, fresh
 prefix-cache keys each round. Whether the answers are the same token ids is reported: they are
-where the products are the decoded weights' (bf16 on AMX: the same bits), and may part where they
-are block-scaled (fp32, bf16 on the other paths: within rounding). `KEV_BF16_PATH=avx512_bf16`
-measures the block-scaled bf16 products on a CPU with AMX (the header names the path).
+where every row's products are the decoded weights' (bf16 on AMX: the same bits), and may part
+where a generated token's are block-scaled (within rounding; a prompt's rows are the decoded
+weights' wherever the build has AVX-512). `KEV_BF16_PATH=avx512_bf16` measures the split
+arithmetics in bf16 on a CPU with AMX (the header names the path).
 
 Reported per model, dtype and workload: wall seconds as stored and dense and their ratio, and
 whether the answers are the same; per model and dtype: the memory the weights take in each engine
@@ -227,12 +228,15 @@ def report(rows: list[dict[str, Any]], rounds: int, bandwidth: float, how: str,
            servers: dict[str, dict[str, Any]]) -> str:
     import torch
 
-    path = bf16_path()
+    from kev_engine.platforms.cpu import kernels
+
+    path, decodes = bf16_path(), kernels.load_kernels().quant_prompt_decoded
+    split = "a prompt's rows decoded, a generated token's block-scaled" if decodes else "block-scaled"
     lines = [f"# bench_quant: a GGUF's blocks as stored vs dequantized ({cpu_line()}; torch {torch.__version__}, "
              f"{platform.machine()}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})", "",
              f"Wall = best of {rounds} alternating rounds per engine; greedy; speculation off; bf16 path "
-             f"{path} (quantized products {'decoded' if path == 'amx' else 'block-scaled'} in bf16, "
-             f"block-scaled in fp32). Read bandwidth measured in this run: {bandwidth / 1e9:.1f} GB/s ({how}). "
+             f"{path} (quantized products {'decoded' if path == 'amx' else split} in bf16, "
+             f"{split} in fp32). Read bandwidth measured in this run: {bandwidth / 1e9:.1f} GB/s ({how}). "
              "llama-server: "
              + ("; ".join(sorted({s.get('command') or s['skipped'] for r in servers.values() for s in r.values()}))
                 if servers else "not run (no --llama-server)") + ".", "",

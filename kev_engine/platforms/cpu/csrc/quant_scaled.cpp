@@ -28,9 +28,9 @@
 // (scales, offsets, bias, rounding) as above.
 //
 // Threads: a product's tasks (a run of 8 panels x a run of up to 96 rows) are claimed from a
-// counter. A decode pass's rows (at most 6) are one register tile that decodes the panels' values
-// as it goes; a prefill's values are decoded 128 k of 4 panels at a time into an L1 buffer for all
-// its tiles.
+// counter. Up to 64 rows (kTileRows) each run of 6 is a register tile that decodes the panels'
+// values as it goes; more rows' values are decoded 128 k of 4 panels at a time into an L1 buffer
+// for all their tiles.
 #include <torch/extension.h>
 
 #include <algorithm>
@@ -316,13 +316,21 @@ void scaled_prefill(const X* x, int64_t ldx, const float* sx, int64_t ldsx, int6
   }
 }
 
-// `rows` rows x `count` panels (even). A decode pass (at most 6 rows): one register tile, its
-// values decoded as it goes (1 row: 4 panels at a time, so 4 streams and 4 chains are in flight;
-// more rows: 2 panels, each decoded vector serving every row); more rows: scaled_prefill.
+// Rows a product takes in register tiles (at most kTileRows): past them, scaled_prefill. A tile
+// decodes its panels' values as it goes, and each run of 6 rows decodes them again (from L2, the
+// task's 8 panels being read already), where a prefill decodes a chunk once into L1 for all its
+// rows but then loads every value and keeps its sums in memory between groups: up to 64 rows the
+// tiles measured faster on the 4-bit formats, Q6_K and Q8_0, within 6 % slower on Q5_1 and Q5_K
+// (docs/benchmarks.md). A decode pass of several questions, or a speculative draft's rows, takes them.
+constexpr int64_t kTileRows = 64;
+
+// `rows` rows x `count` panels (even): register tiles of up to 6 rows (1 row: 4 panels at a time,
+// so 4 streams and 4 chains are in flight; more rows: 2 panels, each decoded vector serving every
+// row), or past kTileRows rows scaled_prefill.
 template <int T, typename X>
 void scaled_rows(const X* x, int64_t ldx, const float* sx, int64_t ldsx, int64_t rows,
                  const uint8_t* const* panels, int count, int64_t blocks, float* c, int64_t ldc) {
-  if (rows > 6) return scaled_prefill<T, X>(x, ldx, sx, ldsx, rows, panels, count, blocks, c, ldc);
+  if (rows > kTileRows) return scaled_prefill<T, X>(x, ldx, sx, ldsx, rows, panels, count, blocks, c, ldc);
   for (int64_t r0 = 0; r0 < rows; r0 += 6) {
     const int64_t r = std::min<int64_t>(6, rows - r0);
     const X* xr = x + r0 * ldx;
