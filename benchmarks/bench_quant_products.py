@@ -3,15 +3,16 @@
 For each GGML type asked for, random blocks of one weight of the 0.7B Llama's fused gate/up shape
 (11,264 outputs x 2,048 inputs; K-quant scales set so the weights lie within about +-0.03, as
 `bench_quant.write_random_k_quants` writes them) are tiled as Kev keeps them, and timed in Kev's
-`quant_linear` (the block-scaled products of csrc/quant_scaled.cpp; bf16 on the path named by
---path, default fma, which never decodes on AMX):
+`quant_linear` (the block-scaled products of csrc/quant_scaled.cpp, a generated token's rows'; bf16
+on the path named by --path, default fma, which never decodes on AMX):
   - one row, streamed: enough copies of the weight to fill ~700 MB (past any L3) swept in turn, so
     each product reads its weight from memory as a decode step does: ms a weight, GB/s of its
     blocks, and that beside the read bandwidth measured in the same run (torch's matrix-vector
     product over 1 GiB);
   - one row, cached: the same weight again and again (from the L3), the products' own arithmetic;
-  - a prefill of --rows rows, against `linear_packed` on the same weight dequantized (dense bf16 on
-    the same path, or fp32), in GFLOP/s.
+  - --rows rows, block-scaled and as a prompt's rows (`prompt`: the weight decoded, csrc/quant.cpp,
+    where the build has AVX-512), against `linear_packed` on the same weight dequantized (dense bf16
+    on the same path, or fp32), in GFLOP/s.
 Best of 5 sweeps (50 for the cached row). The figures are the kernels' alone: a whole decode step
 and whole engines are bench_quant.py's.
 
@@ -91,9 +92,12 @@ def measure(name: str, dtype: Any, rows: list[int], path: str, rng: np.random.Ge
     dense = built.linear_pack(weight.dequantized().to(dtype))
     for m in rows:
         xs = torch.randn(m, K).to(dtype)
+        every = torch.ones(m, dtype=torch.bool)
         quant = best_seconds(lambda xs=xs: built.quant_linear(xs, [one], [TYPES[name]], [N], None, path_arg), 5)
+        prompt = best_seconds(lambda xs=xs, every=every: built.quant_linear(xs, [one], [TYPES[name]], [N], None,
+                                                                            path_arg, prompt=every), 5)
         packed = best_seconds(lambda xs=xs: built.linear_packed(xs, dense, N, None, path_arg), 5)
-        row["prefill"][m] = {"quant_s": quant, "dense_s": packed}
+        row["prefill"][m] = {"quant_s": quant, "prompt_s": prompt, "dense_s": packed}
     print(f"  {name} {row['dtype']}: one row {streamed * 1e3:.3f} ms streamed, {cached * 1e3:.3f} ms cached",
           flush=True)
     return row
@@ -104,15 +108,17 @@ def report(rows: list[dict[str, Any]], bandwidth: float, how: str, path: str) ->
 
     lines = [f"# bench_quant_products: one product on a GGUF's blocks ({cpu_line()}; torch {torch.__version__}, "
              f"{platform.machine()}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})", "",
-             f"One {N} x {K} weight of random blocks; block-scaled products (bf16 on the {path} path). Read "
+             f"One {N} x {K} weight of random blocks; block-scaled products, and rows marked a prompt's "
+             f"(bf16 on the {path} path). Read "
              f"bandwidth measured in this run: {bandwidth / 1e9:.1f} GB/s ({how}). Best of 5 (cached row: of 50).",
              "", "| type | dtype | MB | one row streamed ms | GB/s | / roofline | one row cached ms | "
-             + " | ".join(f"{m} rows ms quant / dense (GFLOP/s)" for m in rows[0]["prefill"]) + " |",
+             + " | ".join(f"{m} rows ms block-scaled / prompt / dense (GFLOP/s)" for m in rows[0]["prefill"]) + " |",
              "|---|---|---|---|---|---|---|" + "---|" * len(rows[0]["prefill"])]
     for row in rows:
         roofline = row["bytes"] / bandwidth
-        cells = [f"{p['quant_s'] * 1e3:.2f} / {p['dense_s'] * 1e3:.2f} ({2 * m * N * K / p['quant_s'] / 1e9:.0f} / "
-                 f"{2 * m * N * K / p['dense_s'] / 1e9:.0f})" for m, p in row["prefill"].items()]
+        cells = [" / ".join(f"{p[key] * 1e3:.2f}" for key in ("quant_s", "prompt_s", "dense_s")) + " ("
+                 + " / ".join(f"{2 * m * N * K / p[key] / 1e9:.0f}" for key in ("quant_s", "prompt_s", "dense_s"))
+                 + ")" for m, p in row["prefill"].items()]
         lines.append(f"| {row['type']} | {row['dtype']} | {row['bytes'] / 1e6:.1f} | {row['streamed_s'] * 1e3:.3f} | "
                      f"{row['bytes'] / row['streamed_s'] / 1e9:.1f} | {row['streamed_s'] / roofline:.2f}x | "
                      f"{row['cached_s'] * 1e3:.3f} | " + " | ".join(cells) + " |")
