@@ -111,11 +111,13 @@ MEMORY_SHARE = 0.5  # of the memory available, the most dense weights may take u
 
 def stored_or_dense(dense_bytes: int, dtype: torch.dtype) -> tuple[str, str]:
     """("as-stored" or "dense", why) for a GGUF whose weights take `dense_bytes` in `dtype`, as
-    measured (docs/benchmarks.md, "Quantized products on the AVX512-BF16 path" and "Block-scaled
-    quantized products"): on every path a CPU takes by itself, batches ran faster on dense weights
-    than on the file's blocks, while one question at a time ran faster on the blocks (a decode step
-    reads a third of the bytes); on a build without AVX-512 the blocks' products take a lane at a
-    time and everything ran faster dense. Kev is built for batches, so dense where the dense
+    measured (docs/benchmarks.md, "A prompt's rows on the decoded weights" and "Block-scaled
+    quantized products"): on every path a CPU takes by itself, batches ran as fast or faster on
+    dense weights than on the file's blocks (a prompt's rows compute on the weights decoded, at
+    dense's rate; a decode pass of many questions' generated rows stays slower on the blocks), while
+    one question at a time ran faster on the blocks (a decode step reads a third of the bytes); on
+    a build without AVX-512 the blocks' products take a lane at a time and everything ran faster
+    dense. Kev is built for batches, so dense where the dense
     weights fit in MEMORY_SHARE of the memory available, else as stored (the file's size: a model
     that would not fit dense still runs). `weights="as-stored"` asks for the blocks."""
     from .cpu import kernels as cpu_kernels

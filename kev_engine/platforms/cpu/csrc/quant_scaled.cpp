@@ -320,8 +320,8 @@ void scaled_prefill(const X* x, int64_t ldx, const float* sx, int64_t ldsx, int6
 // decodes its panels' values as it goes, and each run of 6 rows decodes them again (from L2, the
 // task's 8 panels being read already), where a prefill decodes a chunk once into L1 for all its
 // rows but then loads every value and keeps its sums in memory between groups: up to 64 rows the
-// tiles measured faster on the 4-bit formats, Q6_K and Q8_0, within 6 % slower on Q5_1 and Q5_K
-// (docs/benchmarks.md). A decode pass of several questions, or a speculative draft's rows, takes them.
+// tiles measured faster on Q4_0, Q4_1, Q4_K, Q6_K and Q8_0, within 6 % of the chunks on the 5-bit
+// formats (docs/benchmarks.md). A decode pass of several questions, or their drafts' rows, takes them.
 constexpr int64_t kTileRows = 64;
 
 // `rows` rows x `count` panels (even): register tiles of up to 6 rows (1 row: 4 panels at a time,
