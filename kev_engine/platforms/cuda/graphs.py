@@ -85,6 +85,7 @@ def static_pack(rows: int, block_size: int, max_context: int, device: torch.devi
         request_ids=list(range(rows)),
         adapters=[None] * rows,
         block_tables=[[] for _ in range(rows)],
+        prompt_rows=[0] * rows,  # the GPU's products compute every row one way
         slot_blocks=zeros(rows),
         slot_offsets=zeros(rows),
         attention=PagedTables(
