@@ -1,14 +1,17 @@
 """GGUF's quantized weights computed as stored: each block type decoded bit for bit as gguf-py's
 own `dequantize`; products bit for bit their arithmetic on every path and row count (so packed
-equals alone): the block-scaled one (quant_reference.py writes it out) or, for bf16 on AMX, the
-packed product on the dequantized weight; engines on the file's blocks within rounding of the same
-model dequantized, LoRA on a quantized base against PEFT on the dequantized one, and `kev
-quantize`'s round trip.
+equals alone): the block-scaled one (quant_reference.py writes it out) or, for a prompt's rows
+where the build decodes them and for bf16 on AMX, the packed product on the dequantized weight;
+engines on the file's blocks within rounding of the same model dequantized (a prompt's logits bit
+for bit where a prompt's rows are decoded), a follow-up repeating an answer the same bits with the
+answer's blocks cached or not, LoRA on a quantized base against PEFT on the dequantized one, and
+`kev quantize`'s round trip.
 
 Controls: one changed quantized value is seen by every comparison of values and products; the
-exact product summed in another order differs from the block-scaled one; the packed-versus-alone
-comparison on a quantized engine fails once a reduction is ordered by the pass's size
-(`test_invariance.reorder_by_pass_size`).
+exact product summed in another order differs from the block-scaled one, and the block-scaled from
+the decoded; the packed-versus-alone comparison on a quantized engine fails once a reduction is
+ordered by the pass's size (`test_invariance.reorder_by_pass_size`); a follow-up that finds the
+answer's blocks differs.
 """
 
 from __future__ import annotations
