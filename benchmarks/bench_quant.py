@@ -7,7 +7,7 @@ then one token), and times each workload on them in alternating rounds, best of 
 prefix-cache keys each round. Whether the answers are the same token ids is reported: they are
 where every row's products are the decoded weights' (bf16 on AMX: the same bits), and may part
 where a generated token's are block-scaled (within rounding; a prompt's rows are the decoded
-weights' wherever the build has AVX-512). `KEV_BF16_PATH=avx512_bf16` measures the split
+weights' wherever the build has AVX512-BF16). `KEV_BF16_PATH=avx512_bf16` measures the split
 arithmetics in bf16 on a CPU with AMX (the header names the path).
 
 Reported per model, dtype and workload: wall seconds as stored and dense and their ratio, and

@@ -164,9 +164,9 @@ def test_products_are_their_arithmetic_bitwise_whatever_the_row_count(kernels, d
 
 @pytest.mark.parametrize("dtype,path", PATHS, ids=["fp32", "bf16", "bf16-amx", "bf16-avx512_bf16", "bf16-fma"])
 def test_a_prompts_rows_take_the_dequantized_weights_bits_and_the_others_their_own(kernels, dtype, path: str) -> None:
-    """`prompt` marks a prompt's rows: where this build decodes them (AVX-512), each such row is the
+    """`prompt` marks a prompt's rows: where this build decodes them (AVX512-BF16), each such row is the
     same bits as linear_packed on gguf's dequantized weight, the other rows the same bits as without
-    a mask (the block-scaled arithmetic), whatever the mix and the row count; without AVX-512 the
+    a mask (the block-scaled arithmetic), whatever the mix and the row count; without it the
     mask changes no bit. Control: the two arithmetics differ on these weights, so a row given the
     wrong one would be seen."""
     path_or_skip(kernels, dtype, path)
@@ -237,7 +237,7 @@ def stored_and_dense(request):
 
 def test_the_embedded_file_as_stored_stays_within_rounding_of_the_dequantized(stored_and_dense) -> None:
     """The file's 211 quantized weights kept as stored, at the file's size. A prompt's logits: where
-    this build decodes a prompt's rows (AVX-512), bit for bit the same model dequantized; elsewhere
+    this build decodes a prompt's rows (AVX512-BF16), bit for bit the same model dequantized; elsewhere
     within the dtype's rounding of it (the block-scaled products sum other roundings). Where bf16
     products are AMX's (every row decoded) the same answers bit for bit too."""
     stored, dense = stored_and_dense
@@ -264,7 +264,7 @@ def test_the_embedded_file_as_stored_packed_equals_alone_bitwise(stored_and_dens
 
 
 def test_a_follow_up_repeating_an_answer_gets_the_same_bits_with_its_blocks_cached_or_not(stored_and_dense) -> None:
-    """Where a prompt's rows take their own arithmetic (`Ops.prompt_arithmetic`: AVX-512), the
+    """Where a prompt's rows take their own arithmetic (`Ops.prompt_arithmetic`: AVX512-BF16), the
     blocks holding a generated answer are never found by a later prompt: a follow-up turn that
     repeats the answer computes those tokens as a prompt's, the same bits as with nothing cached.
     Control: with the answer's blocks findable (`keys_answers`), the follow-up's bits differ."""

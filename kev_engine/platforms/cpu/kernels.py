@@ -88,7 +88,7 @@ class Kernels:
         self.quant_linear = exact.quant_linear  # products on GGUF's quantized weights (quant.cpp)
         self.quant_rows = exact.quant_rows
         self.quant_path: str = exact.quant_path()  # "avx512" register tiles, or "scalar" (no AVX-512 here)
-        # whether a prompt's rows take the decoded weights' arithmetic (quant.cpp): with AVX-512
+        # whether a prompt's rows take the decoded weights' arithmetic (quant.cpp): a build with AVX512-BF16
         self.quant_prompt_decoded: bool = exact.quant_prompt_decoded()
         self.paged_attention = exact.paged_attention
         self.paged_write_transposed = exact.paged_write_transposed

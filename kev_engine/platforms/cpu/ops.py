@@ -14,7 +14,7 @@ a GGUF stores them (`models.quant`) by `quant_linear`, each row by what it is (t
 `prompt` rows): a prompt's rows, and on AMX every row, on the weight decoded (csrc/quant.cpp: the
 bits of `linear_packed` on the dequantized weight), a generated token's block-scaled
 (csrc/quant_scaled.cpp: each group's scale applied once to its integers' sum with the inputs, never
-a weight decoded to a float; every row so without AVX-512); the embedding lookup by `quant_rows`.
+a weight decoded to a float; every row so without AVX512-BF16); the embedding lookup by `quant_rows`.
 
 `FastOps` (`batch_invariant=False`): torch's BLAS for prefill, Kev's few-row kernel for decode
 rows (`rows_linear`), the same elementwise kernels.

@@ -32,7 +32,7 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
 at::Tensor quant_linear(const at::Tensor& input, const std::vector<at::Tensor>& parts, const std::vector<int64_t>& types,
                         const std::vector<int64_t>& widths, const c10::optional<at::Tensor>& bias,
                         const std::string& path, const c10::optional<at::Tensor>& prompt);
-// Whether this build computes a prompt's rows on decoded weights (quant.cpp): true with AVX-512.
+// Whether this build computes a prompt's rows on decoded weights (quant.cpp): with AVX512-BF16.
 bool quant_prompt_decoded();
 at::Tensor quant_rows(const at::Tensor& tiled, int64_t type, int64_t n, int64_t k, const at::Tensor& ids);
 // How this build computes block-scaled products (quant_scaled.cpp): "avx512" (register tiles) or "scalar"

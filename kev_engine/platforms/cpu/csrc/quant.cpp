@@ -17,7 +17,7 @@
 // - block-scaled (quant_scaled.cpp): never a weight decoded to a float, each group's scale applied
 //   once to its integers' sum with the inputs. The other rows take it (a decode step's: it reads
 //   every block once, and decoding each weight would cost more than the bytes saved), and every row
-//   in a build without AVX-512.
+//   in a build without AVX512-BF16.
 //
 // Threads (the decoded arithmetic): a prefill's tasks (a run of panels x a run of rows) are claimed
 // from a counter; each decodes its panels into its thread's buffer and runs linear.cpp's product on
