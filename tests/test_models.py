@@ -92,8 +92,8 @@ def test_the_one_call_layer_is_the_op_by_op_layer_bitwise(family: str, dtype: to
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_the_layers_of_a_pass_in_one_call_are_a_call_per_layer_bitwise(dtype: torch.dtype, tokenizer: Any) -> None:
-    """A whole pass hands the platform all its layers at once (`Ops.layers`, so the kernels' workers
-    stay awake from one layer to the next); a pass paused between layers calls a layer at a time.
+    """A whole pass hands the platform all its layers at once (`Ops.layers`: no return to Python
+    between them); a pass paused between layers calls a layer at a time.
     The bits must not depend on which; the control drops a layer from the run and must differ."""
     engine = Engine(tiny_model("llama", tokenizer).to(dtype), tokenizer)
     ops = engine.model.ops

@@ -108,8 +108,8 @@ class ExactOps(_KernelElementwise):
 
     def layers(self, layers: list[Layer], hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: Any,
                batch: Any) -> torch.Tensor | None:
-        """The layers in one call (`layers_forward`: no return to Python between them, so the pool's
-        workers stay awake from one layer to the next; csrc/layer.cpp)."""
+        """The layers in one call (`layers_forward`: no return to Python between them, the
+        interpreter's lock released throughout; csrc/layer.cpp)."""
         if type(backend) is not ExactBackend or batch.slot_blocks is None:
             return None
         if any(layer.native is None for layer in layers):
