@@ -133,13 +133,12 @@ class DecoderLayer {
 };
 
 // Consecutive layers of one pass in one call: each layer's forward on the previous one's output,
-// keys[i] and values[i] layer i's pool. Why one call: between two calls from Python the pool's
-// workers stop spinning and sleep (pool.h), and each call then starts on the caller alone while a
-// worker wakes; a decode step's layers are a few hundred microseconds each, and a call a layer
-// would pay that wake once a layer. Within a decode step's call a worker still sleeps where the
-// one-row work between two products (norms, rotary, attention: 5-50 µs, cold in cache after the
-// product's stream of weights) outlasts its spin; spinning through those gaps measured slower with
-// another program on a core (docs/benchmarks.md, "Where a decode step's time goes").
+// keys[i] and values[i] layer i's pool. Why one call: a return to Python between layers costs the
+// interpreter's work and its lock, and between two calls from Python the pool's workers stop
+// spinning and sleep (pool.h). Within the call, too, a decode step's worker sleeps where the one-row
+// work between two products (norms, rotary, attention: 5-50 µs, cold in cache after the product's
+// stream of weights) outlasts its spin; spinning through those gaps measured slower with another
+// program on a core (docs/benchmarks.md, "Where a decode step's time goes").
 at::Tensor layers_forward(const std::vector<DecoderLayer*>& layers, at::Tensor hidden, const at::Tensor& cos,
                           const at::Tensor& sin, const std::vector<at::Tensor>& keys,
                           const std::vector<at::Tensor>& values, const at::Tensor& slot_blocks,
