@@ -477,9 +477,7 @@ void paged_write_transposed(at::Tensor& keys, at::Tensor& values, const at::Tens
     E* to = reinterpret_cast<E*>(dst);
     for (int64_t d = 0; d < dim; ++d) to[d * block] = from[d];
   };
-  // a decode step's few tokens stay on this thread: a call to the pool costs more than their copies
-  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(tokens * dim, 1));
-  kev::parallel_for(0, kv_heads, grain, [&](int64_t h0, int64_t h1) {
+  kev::parallel_for(0, kv_heads, kev::grain_for(tokens * dim), [&](int64_t h0, int64_t h1) {
     for (int64_t h = h0; h < h1; ++h) {
       for (int64_t t = 0; t < tokens; ++t) {
         const char* src_k = ks + (h * k.stride(0) + t * k.stride(1)) * item;

@@ -65,7 +65,7 @@ void run(const at::Tensor& gate, const at::Tensor& up, at::Tensor& out) {
   const T* u = up.data_ptr<T>();
   T* o = out.data_ptr<T>();
   const int64_t gs = gate.stride(0), us = up.stride(0), os = out.stride(0);
-  kev::parallel_for(0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(width, 1)), [&](int64_t r0, int64_t r1) {
+  kev::parallel_for(0, rows, kev::grain_for(width), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       for (int64_t c = 0; c < width; c += kLanes) {
         const int64_t count = std::min<int64_t>(kLanes, width - c);
@@ -95,7 +95,7 @@ void rms_rows(const at::Tensor& x, const at::Tensor& weight, double eps, at::Ten
   T* o = out.data_ptr<T>();
   const int64_t xstride = x.stride(0);
   const float epsilon = static_cast<float>(eps);
-  kev::parallel_for(0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(width, 1)), [&](int64_t r0, int64_t r1) {
+  kev::parallel_for(0, rows, kev::grain_for(width), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const T* row = xs + r * xstride;
       vf acc{};
@@ -121,7 +121,7 @@ void rotate_rows(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& s
   const T* cs = cos.data_ptr<T>();
   const T* ss = sin.data_ptr<T>();
   T* o = out.data_ptr<T>();
-  kev::parallel_for(0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(heads * dim, 1)), [&](int64_t r0, int64_t r1) {
+  kev::parallel_for(0, rows, kev::grain_for(heads * dim), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const T* c = cs + r * dim;
       const T* s = ss + r * dim;
@@ -147,7 +147,7 @@ void add_rows(at::Tensor& out, const at::Tensor& residual) {
   const int64_t rows = out.size(0), width = out.size(1), stride = residual.stride(0);
   const T* res = residual.data_ptr<T>();
   T* o = out.data_ptr<T>();
-  kev::parallel_for(0, rows, std::max<int64_t>(1, 65536 / std::max<int64_t>(width, 1)), [&](int64_t r0, int64_t r1) {
+  kev::parallel_for(0, rows, kev::grain_for(width, 65536), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       for (int64_t c = 0; c < width; c += kLanes) {
         const int64_t count = std::min<int64_t>(kLanes, width - c);

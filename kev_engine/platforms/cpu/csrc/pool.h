@@ -187,6 +187,13 @@ class Pool {
   int started_ = 0;             // workers running loop()
 };
 
+// parallel_for's grain over units of `unit` elements each (rows of a width, heads of tokens x dim):
+// enough units that a task holds about `elements`, so a decode step's few rows stay on the calling
+// thread, where a call to the pool would cost more than their work.
+inline int64_t grain_for(int64_t unit, int64_t elements = 16384) {
+  return std::max<int64_t>(1, elements / std::max<int64_t>(unit, 1));
+}
+
 // at::parallel_for's contract — f(b, e) over consecutive ranges covering [begin, end), none
 // shorter than `grain` but the last — on Kev's pool: the range in several chunks per thread, so
 // a thread whose core is taken computes fewer of them.
