@@ -64,6 +64,51 @@ CHECK = textwrap.dedent("""
 """)
 
 
+ELEMENTWISE = textwrap.dedent("""
+    import torch
+    from kev_engine.models.ops import Ops
+    from kev_engine.platforms.cuda import triton_elementwise, triton_kernels
+
+    torch.manual_seed(0)
+    reference = Ops()  # torch's formulas, each product and sum rounded to the dtype
+    T, heads, kv_heads, dim, width = 9, 6, 2, 80, 1500  # head_dim 80: halves of 40, masked to 64
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        # bf16 within its operands' ulps: the interpreter's float32 -> bf16 cast truncates (the GPU's
+        # rounds to nearest even, as torch does); float32 and float16 casts are numpy's, rounded as torch's
+        same = (lambda a, b: torch.equal(a, b)) if dtype != torch.bfloat16 else (
+            lambda a, b: torch.allclose(a.float(), b.float(), rtol=2 ** -6, atol=2 ** -3))
+        qkv = torch.randn(T, (heads + 2 * kv_heads) * dim, dtype=dtype)  # a qkv product's output, viewed
+        query = qkv[:, :heads * dim].view(T, heads, dim)
+        key = qkv[:, heads * dim:(heads + kv_heads) * dim].view(T, kv_heads, dim)
+        cos, sin = torch.randn(T, dim).to(dtype), torch.randn(T, dim).to(dtype)
+        q_out, k_out = triton_elementwise.rotary_qk(query, key, cos, sin)
+        assert same(q_out, reference.rotary(query, cos, sin)) and same(k_out, reference.rotary(key, cos, sin)), dtype
+        for m in (1, 4):  # each token by itself
+            q_alone, k_alone = triton_elementwise.rotary_qk(query[m:m + 1], key[m:m + 1], cos[m:m + 1], sin[m:m + 1])
+            assert torch.equal(q_alone, q_out[m:m + 1]) and torch.equal(k_alone, k_out[m:m + 1])
+        if dtype == torch.float16:  # the control: the rotary rounded once, as a fused kernel would, is told apart
+            half = dim // 2
+            rotated = torch.cat((-query[..., half:], query[..., :half]), dim=-1)
+            once = (query.float() * cos.float()[:, None] + rotated.float() * sin.float()[:, None]).to(dtype)
+            assert not torch.equal(once, reference.rotary(query, cos, sin)), "the control changed nothing"
+
+        gate_up = torch.randn(T, 2 * width, dtype=dtype)
+        out = triton_elementwise.silu_mul(gate_up, width)  # the exp is the kernel's own: close, not bitwise
+        torch.testing.assert_close(out.float(), reference.silu_mul(gate_up, width).float(),
+                                   rtol=2 ** -6 if dtype != torch.float32 else 1e-5, atol=1e-6)
+        assert torch.equal(triton_elementwise.silu_mul(gate_up[3:4], width), out[3:4])
+
+        x, delta = torch.randn(T, 72, dtype=dtype), torch.randn(T, 72, dtype=dtype)
+        weight = torch.randn(72, dtype=dtype)
+        total, normed = triton_kernels.add_rms_norm(x, delta, weight, 1e-6)
+        assert same(total, x + delta), dtype  # the residual: torch's add
+        assert torch.equal(normed, triton_kernels.rms_norm(total, weight, 1e-6))  # the norm: the unfused kernel's
+        torch.testing.assert_close(normed.float(), reference.rms_norm(x + delta, weight, 1e-6).float(),
+                                   rtol=2 ** -6 if dtype != torch.float32 else 1e-5, atol=1e-5)
+    print("elementwise ok")
+""")
+
+
 ENGINE = textwrap.dedent("""
     import pathlib, sys, tempfile
     sys.path.insert(0, sys.argv[1])
@@ -153,6 +198,14 @@ def interpreted(script: str, *args: str) -> subprocess.CompletedProcess:
 def test_triton_kernels_in_the_interpreter() -> None:
     done = interpreted(CHECK)
     assert done.returncode == 0 and "kernels ok" in done.stdout, done.stderr[-3000:]
+
+
+def test_elementwise_kernels_in_the_interpreter() -> None:
+    """The fused rotary of queries and keys, silu·mul and the residual add with RMSNorm against
+    torch's formulas: the rotary and the add bit for bit where the interpreter rounds as the GPU
+    does (float32, float16), with a control that rounds once; silu close (its exp is Triton's)."""
+    done = interpreted(ELEMENTWISE)
+    assert done.returncode == 0 and "elementwise ok" in done.stdout, done.stderr[-3000:]
 
 
 @pytest.mark.parametrize("case", ["invariant", "control"])

@@ -20,7 +20,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kev_engine.platforms.cuda import triton_attention, triton_kernels, triton_quant
+from kev_engine.platforms.cuda import triton_attention, triton_elementwise, triton_kernels, triton_quant
 
 TYPES = {"bf16": "*bf16", "fp16": "*fp16", "fp32": "*fp32"}
 
@@ -68,6 +68,32 @@ def test_products_and_norm_compile(arch, dtype) -> None:
     norm = compile_for(triton_kernels._rms_norm_kernel, arch, pointers, dict(BLOCK=1024),
                        enable_fp_fusion=triton_kernels.FP_FUSION)
     assert norm.asm["cubin"]
+    pointers = {name: TYPES[dtype] for name in ("x_ptr", "d_ptr", "w_ptr", "h_ptr", "y_ptr")}
+    add_norm = compile_for(triton_kernels._add_rms_norm_kernel, arch, pointers, dict(BLOCK=1024),
+                           enable_fp_fusion=triton_kernels.FP_FUSION)
+    assert add_norm.asm["cubin"]
+
+
+def elementwise_ptx(arch: int, dtype: str, fusion: bool) -> dict[str, str]:
+    """The rotary (Qwen2.5-0.5B's 14 query and 2 key heads of 64) and silu·mul kernels' PTX."""
+    rotary = compile_for(triton_elementwise._rotary_kernel, arch, {
+        name: TYPES[dtype] for name in ("q_ptr", "k_ptr", "cos_ptr", "sin_ptr", "qo_ptr", "ko_ptr")},
+        dict(Q_HEADS=16, K_HEADS=2, HALF=32), enable_fp_fusion=fusion)
+    silu = compile_for(triton_elementwise._silu_mul_kernel, arch, {"g_ptr": TYPES[dtype], "y_ptr": TYPES[dtype]},
+                       dict(BLOCK=triton_elementwise.SILU_BLOCK), enable_fp_fusion=fusion)
+    assert rotary.asm["cubin"] and silu.asm["cubin"]
+    return {"rotary": rotary.asm["ptx"], "silu": silu.asm["ptx"]}
+
+
+@pytest.mark.parametrize("arch", [80, 90])
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_elementwise_compile_uncontracted(arch, dtype) -> None:
+    """As shipped, the fp32 rotary rounds each product before the sum, as torch does: no fused
+    multiply-add in its PTX; the control, compiled with contraction, fuses them."""
+    shipped = elementwise_ptx(arch, dtype, fusion=triton_elementwise.FP_FUSION)
+    assert fused(shipped["rotary"]) == 0
+    if dtype == "fp32":
+        assert fused(elementwise_ptx(arch, dtype, fusion=True)["rotary"]) > 0
 
 
 def quant_ptx(arch: int, name: str, fusion: bool) -> str:

@@ -205,13 +205,15 @@ class DecoderModel:
     def _run(self, layers: list[Layer], hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: Any,
              batch: Any, routes: LoraRoutes) -> torch.Tensor:
         """Consecutive layers over `batch`'s rows: the platform's one call where it has one (never
-        with LoRA rows), else op by op, a layer at a time."""
+        with LoRA rows), else op by op, a layer at a time, each layer's last residual add made
+        with the next layer's first norm (`Ops.add_rms_norm`)."""
         out = None if routes else self.ops.layers(layers, hidden, cos, sin, backend, batch)
         if out is not None:
             return out
+        delta = None
         for layer in layers:
-            hidden = self._layer(layer, hidden, cos, sin, backend, batch, routes)
-        return hidden
+            hidden, delta = self._layer(layer, hidden, delta, cos, sin, backend, batch, routes)
+        return hidden + delta
 
     def _rows(self, layer: Layer, state: PassState, start: int, stop: int) -> torch.Tensor:
         """Rows [start, stop) of one layer, as a pack of their own: each segment's rows there,
@@ -231,16 +233,21 @@ class DecoderModel:
         rows = self.ops.rms_norm(rows, self.norm, self.eps)
         return self.ops.linear(rows, self.head, prompt).float()  # [K, vocab]
 
-    def _layer(self, layer: Layer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: Any,
-               batch: Any, routes: LoraRoutes) -> torch.Tensor:
-        """One decoder layer, op by op: hidden [T, hidden] → [T, hidden]."""
+    def _layer(self, layer: Layer, hidden: torch.Tensor, delta: torch.Tensor | None, cos: torch.Tensor,
+               sin: torch.Tensor, backend: Any, batch: Any, routes: LoraRoutes) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decoder layer, op by op: hidden [T, hidden] plus the layer before's MLP output `delta`
+        (None for a pass's first layer here) → this layer's hidden after attention and its MLP
+        output, whose sum is the layer's output."""
         ops, tokens = self.ops, hidden.shape[0]
 
         def linear(x: torch.Tensor, part: Linear) -> torch.Tensor:
             out = ops.linear(x, part, batch.prompt)
             return ops.with_lora(out, x, part, routes) if routes else out
 
-        normed = ops.rms_norm(hidden, layer.input_norm, self.eps)
+        if delta is None:
+            normed = ops.rms_norm(hidden, layer.input_norm, self.eps)
+        else:
+            hidden, normed = ops.add_rms_norm(hidden, delta, layer.input_norm, self.eps)
         q_width, k_width, _ = layer.qkv.widths
         qkv = linear(normed, layer.qkv)  # [T, q + k + v]
         query = qkv[:, :q_width].view(tokens, self.num_heads, self.head_dim)
@@ -248,11 +255,12 @@ class DecoderModel:
         value = qkv[:, q_width + k_width :].view(tokens, self.num_kv_heads, self.head_dim)
         if layer.q_norm is not None and layer.k_norm is not None:  # Qwen3: per-head norms before the rotary
             query, key = ops.rms_norm(query, layer.q_norm, self.eps), ops.rms_norm(key, layer.k_norm, self.eps)
-        query, key = ops.rotary(query, cos, sin), ops.rotary(key, cos, sin)  # [T, heads, D], [T, kv_heads, D]
+        query, key = ops.rotary_qk(query, key, cos, sin)  # [T, heads, D], [T, kv_heads, D]
         attended = attend(backend, layer.index, batch, query, key, value, self.scaling)  # [T, heads, D]
-        hidden = hidden + linear(attended.reshape(tokens, -1), layer.o)
-        gate_up = linear(ops.rms_norm(hidden, layer.post_norm, self.eps), layer.gate_up)  # [T, 2 * inter]
-        return hidden + linear(ops.silu_mul(gate_up, self.intermediate), layer.down)
+        hidden, normed = ops.add_rms_norm(hidden, linear(attended.reshape(tokens, -1), layer.o), layer.post_norm,
+                                          self.eps)
+        gate_up = linear(normed, layer.gate_up)  # [T, 2 * inter]
+        return hidden, linear(ops.silu_mul(gate_up, self.intermediate), layer.down)
 
 
 def _rows_batch(batch: Any, backend: Any, start: int, stop: int) -> Any:

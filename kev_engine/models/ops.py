@@ -57,11 +57,24 @@ class Ops:
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
         return weight * x32.to(dtype)
 
+    def add_rms_norm(self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """A residual add and the norm after it: (x + delta, rms_norm(x + delta)). Platforms may
+        fuse the two; the sum's bits stay torch's add's."""
+        total = x + delta
+        return total, self.rms_norm(total, weight, eps)
+
     def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [T, heads, D] rotated by its rows' cos, sin [T, D]."""
         half = x.shape[-1] // 2
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * cos[:, None] + rotated * sin[:, None]
+
+    def rotary_qk(self, query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor,
+                  sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`rotary` of a layer's queries [T, heads, D] and keys [T, kv_heads, D]; platforms may
+        rotate both in one call."""
+        return self.rotary(query, cos, sin), self.rotary(key, cos, sin)
 
     def silu_mul(self, gate_up: torch.Tensor, width: int) -> torch.Tensor:
         """gate_up [T, 2 * width] → silu(gate) * up [T, width]."""

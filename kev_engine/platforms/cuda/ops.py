@@ -22,14 +22,26 @@ from ...models.ops import Ops
 class InvariantOps(Ops):
     name = "cuda-invariant"
 
-    def __init__(self, kernels: Any) -> None:
+    def __init__(self, kernels: Any, elementwise: Any) -> None:
         self.kernels = kernels  # `triton_kernels`
+        self.elementwise = elementwise  # `triton_elementwise`
 
     def linear(self, x: torch.Tensor, linear: Linear, prompt: torch.Tensor | None = None) -> torch.Tensor:
         return self.kernels.linear(x, linear.weight, linear.bias)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return self.kernels.rms_norm(x, weight, eps)
+
+    def add_rms_norm(self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.kernels.add_rms_norm(x, delta, weight, eps)
+
+    def rotary_qk(self, query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor,
+                  sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.elementwise.rotary_qk(query, key, cos, sin)
+
+    def silu_mul(self, gate_up: torch.Tensor, width: int) -> torch.Tensor:
+        return self.elementwise.silu_mul(gate_up, width)
 
     def lora_products(self, weights: LoraWeights, x: torch.Tensor) -> torch.Tensor:
         return fixed_order_delta(self.kernels.linear, weights, x)

@@ -56,7 +56,9 @@ class CudaPlatform(Platform):
         kernels, why = invariant.triton_or_why()
         if why is not None:
             raise RuntimeError(why)
-        return InvariantOps(kernels)
+        from . import triton_elementwise  # Triton imports: `kernels` did
+
+        return InvariantOps(kernels, triton_elementwise)
 
     def decode_graphs(self, forward: Callable[[PackedBatch], torch.Tensor], max_rows: int,
                       max_context: int) -> DecodeGraphs | None:

@@ -1,4 +1,5 @@
-"""Batch-invariant CUDA kernels in Triton: the Linear product and RMSNorm, one order per output.
+"""Batch-invariant CUDA kernels in Triton: the Linear product and RMSNorm (alone or after the
+residual add), one order per output.
 
 Where this sits: imported (it needs Triton) only by `invariant`, for a batch-invariant CUDA
 engine. Why: cuBLAS picks its kernel, tile and split-K by the row count, and torch's reductions
@@ -55,16 +56,36 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, st
 
 
 @triton.jit
+def _normed(x, w_ptr, cols, mask, H, eps, DTYPE: tl.constexpr):
+    """One row x (fp32 tile of the model's values) times the weight, as LlamaRMSNorm computes it."""
+    variance = tl.sum(x * x, axis=0) / H  # one tree over one row: its shape is fixed by H alone
+    normed = (x * (1.0 / tl.sqrt(variance + eps))).to(DTYPE)  # LlamaRMSNorm rounds here
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    return w.to(tl.float32) * normed.to(tl.float32)
+
+
+@triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, H, stride_x, stride_y, eps, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < H
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    variance = tl.sum(x * x, axis=0) / H  # one tree over one row: its shape is fixed by H alone
-    normed = (x * (1.0 / tl.sqrt(variance + eps))).to(x_ptr.dtype.element_ty)  # LlamaRMSNorm rounds here
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
-    tl.store(y_ptr + row * stride_y + cols, (w.to(tl.float32) * normed.to(tl.float32)).to(y_ptr.dtype.element_ty),
-             mask=mask)
+    y = _normed(x, w_ptr, cols, mask, H, eps, x_ptr.dtype.element_ty)
+    tl.store(y_ptr + row * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _add_rms_norm_kernel(x_ptr, d_ptr, w_ptr, h_ptr, y_ptr, H, stride_x, stride_d, stride_h, stride_y, eps,
+                         BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < H
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    d = tl.load(d_ptr + row * stride_d + cols, mask=mask, other=0.0).to(tl.float32)
+    h = (x + d).to(h_ptr.dtype.element_ty)  # the residual, rounded as torch's add rounds it
+    tl.store(h_ptr + row * stride_h + cols, h, mask=mask)
+    y = _normed(h.to(tl.float32), w_ptr, cols, mask, H, eps, h_ptr.dtype.element_ty)
+    tl.store(y_ptr + row * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -86,14 +107,33 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     return out.view(*x.shape[:-1], N)
 
 
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x [..., H] as rows [n, H] whose last dim is contiguous."""
+    rows = x.reshape(-1, x.shape[-1])
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' LlamaRMSNorm: weight * (x / sqrt(mean(x²) + eps)).to(x.dtype), over the last dim."""
     H = x.shape[-1]
-    rows = x.reshape(-1, H)
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
+    rows = _rows(x)
     out = torch.empty(rows.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
     if rows.shape[0]:
         _rms_norm_kernel[(rows.shape[0],)](rows, weight, out, H, rows.stride(0), out.stride(0), eps,
                                            BLOCK=triton.next_power_of_2(H), enable_fp_fusion=FP_FUSION)
     return out.view(x.shape)
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`h = x + delta` and `rms_norm(h, weight, eps)` in one launch: a layer's residual add and the
+    norm after it (x, delta [T, H] in one dtype). h has torch's add's bits, the norm `rms_norm`'s."""
+    H = x.shape[-1]
+    rows, deltas = _rows(x), _rows(delta)
+    total = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+    out = torch.empty(rows.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    if rows.shape[0]:
+        _add_rms_norm_kernel[(rows.shape[0],)](rows, deltas, weight, total, out, H, rows.stride(0), deltas.stride(0),
+                                               total.stride(0), out.stride(0), eps,
+                                               BLOCK=triton.next_power_of_2(H), enable_fp_fusion=FP_FUSION)
+    return total.view(x.shape), out.view(x.shape)
