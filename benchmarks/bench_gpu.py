@@ -153,7 +153,8 @@ def decode_step_ms(engine: Engine, chats: list[list[dict]], rows: int) -> float:
 def device_figures(engine: Engine, chats: list[list[dict]], rates: dict[str, float]) -> dict[str, Any]:
     """The GPU-only figures of one engine: decode steps and its weight shapes' product rates."""
     return {"decode_step_ms": {str(rows): decode_step_ms(engine, chats, rows) for rows in STEP_ROWS},
-            "products": gpu_floor.products(engine.model, engine.device, PRODUCT_ROWS, rates["bf16_flop_s"])}
+            "products": gpu_floor.products(engine.model, engine.device, PRODUCT_ROWS, rates["bf16_flop_s"],
+                                          rates["read_bytes_s"])}
 
 
 def run(device: str = "cuda", source: str | None = None, max_tokens: int = 48,

@@ -11,7 +11,9 @@
             the floor is their sum. Shared prefixes are counted in full (Kev computes them once,
             so it may beat this part of the floor) and nothing is charged for sampling or launches.
 `products` times the model's own weight shapes through Kev's fixed-order Triton product and
-torch's at a prefill's row count, against the measured rate.
+torch's at a prefill's row count, against the measured rate, and at a decode step's 16 rows:
+each shape's `Tiles`, its chunks spread over programs of their own (as the engine runs 16 rows)
+beside one program a tile, against the weight's bytes over the measured bandwidth.
 The figures are a GPU's (`make gpu-check`); on a CPU the same code runs in tests, small, for its
 plumbing, never as a figure.
 """
@@ -111,9 +113,11 @@ def rates(device: torch.device, read_bytes: int = READ_BYTES, size: int = MATMUL
     return {"read_bytes_s": read, "bf16_flop_s": flops}
 
 
-def products(model: Any, device: torch.device, rows: int, flop_s: float) -> list[dict[str, Any]]:
+def products(model: Any, device: torch.device, rows: int, flop_s: float, read_bytes_s: float | None = None,
+             decode_rows: int = 16) -> list[dict[str, Any]]:
     """Each distinct weight shape of Kev's model through the fixed-order Triton product and torch's,
-    `rows` rows: TFLOP/s and the fraction of the measured rate."""
+    `rows` rows: TFLOP/s and the fraction of the measured rate; then `decode_rows` rows in
+    microseconds, the chunks spread and not, beside the weight's read at `read_bytes_s`."""
     from kev_engine.platforms.cuda import triton_kernels
 
     shapes: dict[tuple[int, int], list[str]] = {}
@@ -128,6 +132,15 @@ def products(model: Any, device: torch.device, rows: int, flop_s: float) -> list
         work = 2 * rows * n * k
         triton_s = best_of(device, triton_kernels.linear, x, weight, None)
         torch_s = best_of(device, torch.nn.functional.linear, x, weight)
+        tiles = triton_kernels.tiles_for(n, k, model.dtype)
+        few = x[:decode_rows]
+        spread_s = best_of(device, triton_kernels.linear, few, weight, None, tiles, True)
+        tiled_s = best_of(device, triton_kernels.linear, few, weight, None, tiles, False)
         out.append({"weights": names, "n": n, "k": k, "rows": rows, "triton_tflop_s": work / triton_s / 1e12,
-                    "torch_tflop_s": work / torch_s / 1e12, "triton_of_measured_peak": work / triton_s / flop_s})
+                    "torch_tflop_s": work / torch_s / 1e12, "triton_of_measured_peak": work / triton_s / flop_s,
+                    "tiles": f"{tiles.bm}x{tiles.bn}x{tiles.bk} w{tiles.warps} s{tiles.stages}",
+                    "chunks": tiles.splits(k), "decode_rows": decode_rows, "decode_spread_us": spread_s * 1e6,
+                    "decode_one_program_a_tile_us": tiled_s * 1e6,
+                    "decode_torch_us": best_of(device, torch.nn.functional.linear, few, weight) * 1e6,
+                    "weight_read_us": weight.nbytes / read_bytes_s * 1e6 if read_bytes_s else None})
     return out

@@ -53,6 +53,21 @@ CHECK = textwrap.dedent("""
         torch.testing.assert_close(cuda_triton.linear(strided, weight, None).float(),
                                    F.linear(strided.float(), weight.float()), rtol=tol, atol=tol)
 
+        # K in chunks (a weight shape's `Tiles`): each chunk a program of its own and a second launch
+        # adding them (a decode step's few rows) gives the bits of one program a tile summing its
+        # chunks in turn (a prefill's many), at every row count; the control, other chunks, differs
+        wide, wide_bias = torch.randn(96, 300, dtype=dtype), torch.randn(96, dtype=dtype)
+        many = torch.randn(70, 300, dtype=dtype)
+        chunked = cuda_triton.Tiles(64, 64, 64, 4, 3, 128)  # 3 chunks of 2, 2 and the last 1 (partial) steps
+        for m in (1, 5, 70):
+            spread = cuda_triton.linear(many[:m], wide, wide_bias, tiles=chunked, spread=True)
+            assert torch.equal(spread, cuda_triton.linear(many[:m], wide, wide_bias, tiles=chunked, spread=False))
+            torch.testing.assert_close(spread.float(), F.linear(many[:m].float(), wide.float(), wide_bias.float()),
+                                       rtol=tol, atol=tol * 10)
+        whole = cuda_triton.linear(many, wide, wide_bias, tiles=cuda_triton.Tiles(64, 64, 64, 4, 3, 320))
+        if dtype == torch.float32:  # bf16's rounding of the output (truncated here) can hide the order
+            assert not torch.equal(spread, whole), "the control changed nothing"
+
         norm = LlamaRMSNorm(72, eps=1e-6).to(dtype)
         norm.weight.data = torch.randn(72, dtype=dtype)
         hidden = torch.randn(1, 70, 72, dtype=dtype)

@@ -7,7 +7,10 @@ be twice the parameters of its layers' products, and the measurements' code run 
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -62,3 +65,36 @@ def test_rates_and_a_decode_step_run(tokenizer) -> None:
         assert engine.stats()["generated_tokens"] == 2 * 2 * sum(bench_gpu.STEP_TOKENS)  # no stop token ended one
     finally:
         engine.close()
+
+
+PRODUCTS = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, sys.argv[1])
+    sys.path.insert(0, sys.argv[2])
+    import torch
+    from conftest import tiny_model
+    from transformers import AutoTokenizer
+    import gpu_floor
+    from kev_engine import Engine, loader
+
+    tokenizer = AutoTokenizer.from_pretrained(str(loader.converted_gguf_dir(loader.embedded_gguf())))
+    engine = Engine(tiny_model("llama", tokenizer), tokenizer)
+    try:
+        found = gpu_floor.products(engine.model, torch.device("cpu"), 8, 1e9, 1e9, decode_rows=2)
+    finally:
+        engine.close()
+    assert {tuple(row["weights"]) for row in found} >= {("head",)}
+    for row in found:
+        assert row["chunks"] >= 1 and row["tiles"].count("x") == 2 and row["weight_read_us"] > 0
+        assert min(row[key] for key in ("decode_spread_us", "decode_one_program_a_tile_us", "decode_torch_us")) > 0
+    print("products ok")
+""")
+
+
+def test_products_run_in_the_interpreter() -> None:
+    """The products' timings (`make gpu-check`'s) run small under Triton's interpreter: each weight
+    shape's tiles and chunks, a few rows spread and not; their plumbing, not a figure."""
+    benchmarks = str(Path(__file__).resolve().parent.parent / "benchmarks")
+    done = subprocess.run([sys.executable, "-c", PRODUCTS, str(Path(__file__).resolve().parent), benchmarks],
+                          env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and "products ok" in done.stdout, done.stderr[-3000:]

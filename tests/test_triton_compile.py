@@ -16,6 +16,7 @@ import inspect
 import re
 
 import pytest
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -60,11 +61,21 @@ def test_attention_compiles(arch, dtype, group, head_dim) -> None:
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 def test_products_and_norm_compile(arch, dtype) -> None:
     pointers = {name: TYPES[dtype] for name in ("x_ptr", "w_ptr", "b_ptr", "y_ptr")}
-    linear = compile_for(triton_kernels._linear_kernel, arch, pointers, dict(
-        HAS_BIAS=True, IEEE=dtype == "fp32", UPCAST=False, BM=triton_kernels.BLOCK_M, BN=triton_kernels.BLOCK_N,
-        BK=triton_kernels.BLOCK_K), num_warps=triton_kernels.NUM_WARPS, num_stages=triton_kernels.NUM_STAGES,
-        enable_fp_fusion=triton_kernels.FP_FUSION)
-    assert linear.asm["cubin"]
+    torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+    for n, k in ((896, 896), (1536, 4096)):  # small tiles, and the large weights' 128 x 128 of 8 warps
+        tiles = triton_kernels.tiles_for(n, k, torch_dtype)
+        options = dict(num_warps=tiles.warps, num_stages=tiles.stages, enable_fp_fusion=triton_kernels.FP_FUSION)
+        shape = dict(IEEE=dtype == "fp32", UPCAST=False, BM=tiles.bm, BN=tiles.bn, BK=tiles.bk)
+        linear = compile_for(triton_kernels._linear_kernel, arch, pointers, dict(HAS_BIAS=True, **shape), **options)
+        spread = compile_for(triton_kernels._chunk_kernel, arch, {"x_ptr": TYPES[dtype], "w_ptr": TYPES[dtype],
+                                                                   "p_ptr": "*fp32"}, shape, **options)
+        assert linear.asm["cubin"] and spread.asm["cubin"]
+        if arch == 80:  # the A100's shared memory a block: 163 KiB
+            assert linear.metadata.shared <= 163 * 1024, (tiles, linear.metadata.shared)
+    added = compile_for(triton_kernels._add_chunks_kernel, arch, {"p_ptr": "*fp32", "b_ptr": TYPES[dtype],
+                                                                  "y_ptr": TYPES[dtype]},
+                        dict(HAS_BIAS=True, BLOCK=triton_kernels.ADD_BLOCK), enable_fp_fusion=triton_kernels.FP_FUSION)
+    assert added.asm["cubin"]
     norm = compile_for(triton_kernels._rms_norm_kernel, arch, pointers, dict(BLOCK=1024),
                        enable_fp_fusion=triton_kernels.FP_FUSION)
     assert norm.asm["cubin"]

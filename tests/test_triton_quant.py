@@ -1,14 +1,15 @@
 """The GPU's product on a GGUF's blocks (`platforms.cuda.triton_quant`), run by Triton's interpreter on CPU.
 
 For Q8_0, Q4_0 and Q4_1 blocks of random weights (gguf's own quantizer), in float32 and bfloat16, at
-1, 5 and 70 rows: the product on the blocks is bit for bit the dense fixed-order product
-(`triton_kernels.linear`) on the weight gguf's `dequantize` gives, rounded to the dtype as torch
-rounds it — the decode in the tile changes no bit. The control: the same comparison against the
-dequantized weight with one entry off by 1 finds the difference (every row's input at that entry's
-column is 1, so the output moves by 1 against outputs near 0.6: far above bf16's rounding, whatever
-the random draw). In a process of its own
-(TRITON_INTERPRET=1 must be set before Triton compiles anything). What the GPU compiler makes of
-the kernel is tests/test_triton_compile.py's.
+1, 5 and 70 rows, K of 160 and of 1,088 (two chunks of the weight shape's `Tiles`, which the dense
+product gives programs of their own at these row counts, the block product not): the product on
+the blocks is bit for bit the dense fixed-order product (`triton_kernels.linear`) on the weight
+gguf's `dequantize` gives, rounded to the dtype as torch rounds it — the decode in the tile
+changes no bit. The control: the same comparison against the dequantized weight with one entry
+off by 1 finds the difference (every row's input at that entry's column is 1, so the output moves
+by 1 against outputs near 0.6: far above bf16's rounding, whatever the random draw). In a process
+of its own (TRITON_INTERPRET=1 must be set before Triton compiles anything). What the GPU compiler
+makes of the kernel is tests/test_triton_compile.py's.
 """
 
 from __future__ import annotations
@@ -19,15 +20,16 @@ import sys
 import textwrap
 
 CHECK = textwrap.dedent("""
+    import itertools
     import numpy as np, torch
     from gguf import GGMLQuantizationType, quants
     from kev_engine.platforms.cuda import triton_kernels, triton_quant
 
     rng = np.random.default_rng(0)
     torch.manual_seed(0)
-    N, K = 96, 160  # a partial tile of outputs, K over two and a half tiles of 64
-    weights = (rng.standard_normal((N, K)) * 0.05).astype(np.float32)
-    for name in ("Q8_0", "Q4_0", "Q4_1"):
+    for (N, K), name in itertools.product(((96, 160), (96, 1088)), ("Q8_0", "Q4_0", "Q4_1")):
+        # a partial tile of outputs; K over two and a half steps of 64, or in two chunks (`Tiles`)
+        weights = (rng.standard_normal((N, K)) * 0.05).astype(np.float32)
         kind = GGMLQuantizationType[name]
         blocks = quants.quantize(weights, kind)
         dequantized = torch.from_numpy(quants.dequantize(blocks, kind).reshape(N, K).copy())

@@ -10,9 +10,12 @@ after another (Q8_0: an fp16 scale and 32 int8 values in 34 bytes; Q4_0: a scale
 values in 18; Q4_1: a scale, a minimum and 32 four-bit values in 20). Each program decodes the
 [BK, BN] tile of weights it needs, in registers, to exactly the value gguf's `dequantize` gives
 (the same float32 operations: `q * d`, `d * q + m`, never fused into one multiply-add), rounds it
-to the activations' dtype as torch does, and runs the dense kernel's step on it: the same tiles,
-the same K order, the same `tl.dot`. So a row's result is the dense product's on the dequantized
-weight, bit for bit, and as batch-invariant as it: one configuration for every row count.
+to the activations' dtype as torch does, and runs the dense kernel's step on it: the same tiles
+for the weight's shape (`triton_kernels.tiles_for`), the same chunks of K summed in the same
+order, the same `tl.dot`. So a row's result is the dense product's on the dequantized weight, bit
+for bit, and as batch-invariant as it: one configuration for every row count. (A tile's chunks
+are summed in one program here; the dense kernel's spreading of them over programs for a few rows
+is not written for blocks yet.)
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_kernels import BLOCK_K, BLOCK_M, BLOCK_N, INTERPRETED, NUM_STAGES, NUM_WARPS
+from .triton_kernels import INTERPRETED, tiles_for
 
 FORMATS = {"Q8_0": (0, 34), "Q4_0": (1, 18), "Q4_1": (2, 20)}  # name → (kernel's code, bytes a block of 32)
 BLOCK = 32  # weights a block
@@ -35,16 +38,14 @@ def _half(ptr, at, mask):
     return (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
 
 
-@triton.jit(do_not_specialize=["M"])  # one compiled kernel for every row count, 1 included
-def _quant_linear_kernel(x_ptr, q_ptr, y_ptr, M, N, K, stride_xm, stride_qn, stride_ym,
-                         FORMAT: tl.constexpr, BLOCK_BYTES: tl.constexpr, BF16: tl.constexpr, IEEE: tl.constexpr,
-                         UPCAST: tl.constexpr,
-                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    rows = tl.program_id(0) * BM + tl.arange(0, BM)
-    cols = tl.program_id(1) * BN + tl.arange(0, BN)
+@triton.jit
+def _quant_chunk(x_ptr, q_ptr, rows, cols, M, N, K, start, stop, stride_xm, stride_qn, FORMAT: tl.constexpr,
+                 BLOCK_BYTES: tl.constexpr, BF16: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """A tile's sum over K in [start, stop), decoding the blocks: `triton_kernels._chunk`'s steps."""
     ks = tl.arange(0, BK)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for k0 in range(0, K, BK):  # always from the first K chunk to the last: the dense kernel's order
+    for k0 in range(start, stop, BK):  # from the chunk's first step to its last: the dense kernel's order
         k = k0 + ks
         x = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :], mask=(rows[:, None] < M) & (k[None, :] < K),
                     other=0.0)
@@ -74,6 +75,21 @@ def _quant_linear_kernel(x_ptr, q_ptr, y_ptr, M, N, K, stride_xm, stride_qn, str
             acc += tl.dot(x, w, input_precision="ieee")
         else:
             acc += tl.dot(x, w)
+    return acc
+
+
+@triton.jit(do_not_specialize=["M"])  # one compiled kernel for every row count, 1 included
+def _quant_linear_kernel(x_ptr, q_ptr, y_ptr, M, N, K, CHUNK, stride_xm, stride_qn, stride_ym,
+                         FORMAT: tl.constexpr, BLOCK_BYTES: tl.constexpr, BF16: tl.constexpr, IEEE: tl.constexpr,
+                         UPCAST: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """A tile a program, its chunks of K summed apart and added in turn: `triton_kernels._linear_kernel`."""
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    cols = tl.program_id(1) * BN + tl.arange(0, BN)
+    acc = _quant_chunk(x_ptr, q_ptr, rows, cols, M, N, K, 0, tl.minimum(CHUNK, K), stride_xm, stride_qn, FORMAT,
+                       BLOCK_BYTES, BF16, IEEE, UPCAST, BM, BN, BK)
+    for start in range(CHUNK, K, CHUNK):
+        acc += _quant_chunk(x_ptr, q_ptr, rows, cols, M, N, K, start, tl.minimum(start + CHUNK, K), stride_xm,
+                            stride_qn, FORMAT, BLOCK_BYTES, BF16, IEEE, UPCAST, BM, BN, BK)
     tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], acc.to(y_ptr.dtype.element_ty),
              mask=(rows[:, None] < M) & (cols[None, :] < N))
 
@@ -98,11 +114,12 @@ def quant_linear(x: torch.Tensor, blocks: torch.Tensor, format: str, in_features
     M, N = rows.shape[0], blocks.shape[0]
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M:
-        grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(N, BLOCK_N))
-        _quant_linear_kernel[grid](rows, blocks, out, M, N, in_features, rows.stride(0), blocks.stride(0),
+        tiles = tiles_for(N, in_features, x.dtype)  # the dense product's on this weight shape
+        grid = (triton.cdiv(M, tiles.bm), triton.cdiv(N, tiles.bn))
+        _quant_linear_kernel[grid](rows, blocks, out, M, N, in_features, tiles.chunk, rows.stride(0), blocks.stride(0),
                                    out.stride(0), FORMAT=code, BLOCK_BYTES=block_bytes, BF16=x.dtype == torch.bfloat16,
                                    IEEE=x.dtype == torch.float32, UPCAST=INTERPRETED and x.dtype != torch.float32,
-                                   BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
-                                   enable_fp_fusion=False)
+                                   BM=tiles.bm, BN=tiles.bn, BK=tiles.bk, num_warps=tiles.warps,
+                                   num_stages=tiles.stages, enable_fp_fusion=False)
     return out.view(*x.shape[:-1], N)
 
