@@ -133,9 +133,10 @@ def test_quant_product_compiles(arch, name, dtype) -> None:
 
 
 def test_quant_decode_is_not_contracted() -> None:
-    """fp32, 64x64x64 tiles: the dense kernel's product is 2048 multiply-adds in its PTX; the Q4_1
-    kernel as shipped (no contraction) has exactly those, and its decode's mul and add apart; the
-    control, the same kernel compiled with contraction, has more fused ones: its decode fused."""
+    """fp32, 64x64x64 tiles: the dense kernel's product is 4096 multiply-adds in its PTX (a chunk's
+    steps written twice: the first chunk's and the others' loop); the Q4_1 kernel as shipped (no
+    contraction) has exactly those, and its decode's mul and add apart; the control, the same
+    kernel compiled with contraction, has more fused ones: its decode fused."""
     dense = compile_for(triton_kernels._linear_kernel, 90, {n: "*fp32" for n in ("x_ptr", "w_ptr", "b_ptr", "y_ptr")},
                         dict(HAS_BIAS=False, IEEE=True, UPCAST=False, BM=64, BN=64, BK=64), num_warps=4, num_stages=3,
                         enable_fp_fusion=triton_kernels.FP_FUSION).asm["ptx"]

@@ -3,8 +3,9 @@
 Where this sits: installed on the model when a CUDA `Engine` runs batch-invariant
 (`CudaPlatform.install`), removed when it closes; the counterpart of `cpu.exact_linear` and
 `rotary_table` on CPU. The reductions of a pass, and what makes each one independent of the pack:
-  - Linear products (the output head and LoRA deltas too): `triton_kernels.linear`, one tile shape
-    and one K order for every row count (cuBLAS would choose both by the row count);
+  - Linear products (the output head and LoRA deltas too): `triton_kernels.linear`, tiles and K
+    chunks set by the weight's shape, one K order for every row count (cuBLAS would choose both
+    by the row count);
   - RMSNorm (the layers', and Qwen3's per-head q/k norms): `triton_kernels.rms_norm`, one program
     per row (torch's reduction would lay its threads out by the number of rows);
   - attention: torch's varlen_attn with `num_splits=1` (`varlen`), each query's keys in

@@ -2,10 +2,12 @@
 
 Where this sits: `CudaPlatform.ops()` hands these to Kev's model (`models.llama.DecoderModel.use`).
 Batch-invariant (`invariant`): every product (the output head and LoRA deltas too) by
-`triton_kernels.linear`, one tile shape and one K order for every row count, and every RMSNorm
-(Qwen3's per-head norms too) by `triton_kernels.rms_norm`, one program per row; attention is the
-paged varlen backend's, unsplit. The rotary embedding, residuals and SiLU are elementwise: one
-formula per element whatever the shape. Otherwise torch's ops (`models.ops.Ops`).
+`triton_kernels.linear`, tiles set by the weight's shape and one K order for every row count;
+every RMSNorm (Qwen3's per-head norms too) by `triton_kernels.rms_norm`, one program per row, the
+residual add before a layer's norm in the same launch (`add_rms_norm`); attention is the paged
+backend's, unsplit, or Kev's Triton attention. The rotary of queries and keys and the MLP's
+silu·mul are one launch each (`triton_elementwise`): elementwise, one formula per element whatever
+the shape, and a decode graph replays fewer launches. Otherwise torch's ops (`models.ops.Ops`).
 """
 
 from __future__ import annotations
