@@ -107,6 +107,10 @@ def test_a_control_that_finds_no_difference_is_reported_apart_from_packed_equals
     assert found["control_tests"] == ["t::test_packed_equals_alone[control]"]
     cases[0]["outcome"] = "failed"  # control: a bitwise case that fails fails the bar
     assert gpu_check.targets({"cases": cases}, None)["packed_equals_alone_bitwise"] is False
+    named = {"t::test_x_equal_alone[reordered-control]": True, "t::test_x_equal_alone[control-llama]": True,
+             "t::test_x_equal_alone[invariant]": False, "t::test_uncontrolled_equal_alone": False,
+             "t::test_x_equal_alone[controlled-run]": False}
+    assert {name: gpu_check.is_control(name) for name in named} == named
 
 
 def test_a_failed_benchmark_still_leaves_the_report(tmp_path, model_files) -> None:

@@ -223,7 +223,7 @@ def reorder_by_pass_size(model: Any) -> None:
         product = model.ops.linear
         weights: dict[int, torch.Tensor] = {}  # each down projection's W, from its packed form
         for layer in model.layers:
-            eye = torch.eye(layer.down.in_features, dtype=model.dtype)
+            eye = torch.eye(layer.down.in_features, dtype=model.dtype, device=model.device)
             weights[id(layer.down)] = product(eye, layer.down).T.contiguous()  # one product per entry: W exactly
 
         def linear(x: torch.Tensor, part: Any, prompt: torch.Tensor | None = None) -> torch.Tensor:
