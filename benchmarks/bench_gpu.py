@@ -8,7 +8,13 @@ Every system answers the same prompt ids (`engine.encode`) greedily, in one proc
 another, each timed after an untimed warm-up (Kev's on the whole workload under another
 `cache_salt`, so its decode graphs are captured and Triton has compiled; nothing of it is reused).
   kev        one `Engine.generate` call with every question (a budget of twice the workload's
-             tokens for its KV pool, not half the GPU: the pool is allocated up front);
+             tokens for its KV pool, not half the GPU: the pool is allocated up front), on the
+             attention `cuda_attention="auto"` picks (Kev's Triton kernel where torch's varlen_attn
+             is not paged);
+  kev_varlen the same on torch's varlen_attn (`cuda_attention="varlen"`: paged from torch 2.12,
+             gathered in 2.10/2.11, where decode runs without graphs); CUDA only. Both Kev
+             systems also time the workload's prefill alone (`prefill_s`: one token each), which
+             attention prefill should take;
   hf_serial  transformers `generate` per question (SDPA, the same dtype);
   hf_padded  transformers `generate` on one left-padded batch.
 Per system: wall seconds, generated tokens (cut at the first stop token), tokens/s, peak memory
@@ -45,7 +51,8 @@ from kev_engine import (
     loader,  # noqa: E402
 )
 
-SYSTEMS = ("kev", "hf_serial", "hf_padded")
+SYSTEMS = ("kev", "kev_varlen", "hf_serial", "hf_padded")
+CUDA_ONLY = ("kev_varlen",)
 RAG64_ROUNDS = 4  # 16 passages, 4 rounds: 64 questions, each round under its own system prompt
 STEP_ROWS = (1, 16)  # decode steps timed at these row counts
 STEP_TOKENS = (8, 40)  # tokens per question in the two runs a step's time is the difference of
@@ -166,9 +173,13 @@ def run(device: str = "cuda", source: str | None = None, max_tokens: int = 48,
     from transformers import AutoModelForCausalLM
 
     torch_device = loader.resolve_device(device)
-    chosen = ["kev", *[name for name in (systems or SYSTEMS) if name != "kev"]]
+    on_gpu = torch_device.type == "cuda"
+    default = [name for name in SYSTEMS if on_gpu or name not in CUDA_ONLY]
+    chosen = ["kev", *[name for name in (systems or default) if name != "kev"]]
     if set(chosen) - set(SYSTEMS):
         raise ValueError(f"systems {sorted(set(chosen) - set(SYSTEMS))} are not allowed; use some of {list(SYSTEMS)}")
+    if not on_gpu and set(chosen) & set(CUDA_ONLY):
+        raise ValueError(f"systems {sorted(set(chosen) & set(CUDA_ONLY))} run on CUDA only; this run is on {device}")
     names = workloads or list(WORKLOADS)
     unknown = sorted(set(names) - set(WORKLOADS))
     if unknown:
@@ -184,24 +195,28 @@ def run(device: str = "cuda", source: str | None = None, max_tokens: int = 48,
     result: dict[str, Any] = {"model": folder if source else "embedded SmolLM2-135M-Instruct",
                               "device": str(device), "dtype": str(torch_dtype).removeprefix("torch."),
                               "max_tokens": max_tokens, "workloads": {}}
-    on_gpu = torch_device.type == "cuda"
     rates = gpu_floor.rates(torch_device) if on_gpu else None
     result["rates"] = rates
     for name, prompts in suites.items():
         systems: dict[str, dict[str, Any]] = {}
-        engine = Engine.from_pretrained(folder, device=device, dtype=torch_dtype, kv_cache_bytes=budgets[name])
-        result.setdefault("kev_engine", {"attention": engine.attention,
-                                         "cuda_graphs": engine.cuda_graphs, "batch_invariant": engine.batch_invariant})
-        kev = kev_runner(engine, chats[name], max_tokens)
-        kev()  # warm-up on the whole workload: graphs captured, kernels compiled
-        systems["kev"] = measure(torch_device, kev)
-        systems["kev"]["kv_cache_bytes"] = budgets[name]
-        shape = gpu_floor.Shape.of(engine.model)
-        if rates is not None and "device_figures" not in result:
-            result["device_figures"] = device_figures(engine, chats.get("rag16", chats[name]), rates)
-        engine.close()
-        del engine, kev
-        if len(chosen) > 1:
+        for system, attention in (("kev", None), ("kev_varlen", "varlen")):
+            if system not in chosen:
+                continue
+            engine = Engine.from_pretrained(folder, device=device, dtype=torch_dtype, kv_cache_bytes=budgets[name],
+                                            cuda_attention=attention)
+            result.setdefault(f"{system}_engine", {"attention": engine.attention, "cuda_graphs": engine.cuda_graphs,
+                                                   "batch_invariant": engine.batch_invariant})
+            kev = kev_runner(engine, chats[name], max_tokens)
+            kev()  # warm-up on the whole workload: graphs captured, kernels compiled
+            systems[system] = measure(torch_device, kev)
+            systems[system]["kv_cache_bytes"] = budgets[name]
+            systems[system]["prefill_s"] = timed(torch_device, kev_runner(engine, chats[name], 1))[0]
+            shape = gpu_floor.Shape.of(engine.model)
+            if system == "kev" and rates is not None and "device_figures" not in result:
+                result["device_figures"] = device_figures(engine, chats.get("rag16", chats[name]), rates)
+            engine.close()
+            del engine, kev
+        if set(chosen) & {"hf_serial", "hf_padded"}:
             model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype, attn_implementation="sdpa")
             model = model.to(torch_device).eval()
             pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(stop)

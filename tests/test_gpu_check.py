@@ -82,6 +82,8 @@ def test_report_on_cpu(tmp_path, model_files) -> None:
         # greedy on the same ids: transformers one at a time equals itself, and Kev equals it
         assert workload["systems"]["hf_serial"]["answers_equal_to_hf_serial"] == 2
         assert workload["systems"]["kev"]["answers_equal_to_hf_serial"] == 2
+        assert 0 < workload["systems"]["kev"]["prefill_s"]
+        assert "kev_varlen" not in workload["systems"]  # torch's varlen_attn beside it: on CUDA only
     targets = report["targets"]
     assert targets["packed_equals_alone_tests"] == [next(c["name"] for c in tests["cases"] if "packed" in c["name"])]
     assert targets["packed_equals_alone_bitwise"] is True
