@@ -22,8 +22,10 @@ the device allocated during the timed run (None off CUDA), and how many answers 
 hf_serial's token for token. On a GPU, beside them (`gpu_floor`, measured in the same run): the
 device's read bandwidth and bf16 rate, each workload's floor and Kev's time over it, a decode
 step of 1 and of 16 rows in milliseconds (two runs of the same questions with `ignore_eos`, 8 and
-40 tokens each: the difference over 32 steps), and the model's weight shapes through Kev's
-Triton product against the rate. On a CPU (the report format's test) the same code runs with the
+40 tokens each: the difference over 32 steps), the 16-row step with every other question on a
+random rank-16 adapter of every projection (such a pass runs eagerly, off its graph: what
+per-question adapters cost a decode step), and the model's weight shapes through Kev's Triton
+product against the rate. On a CPU (the report format's test) the same code runs with the
 device named in the result and none of the GPU-only figures: never a GPU figure that a GPU did not
 produce.
 """
@@ -33,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -144,24 +147,66 @@ def kv_budget(engine: Engine, prompts: list[list[int]], max_tokens: int) -> int:
     return 2 * (blocks + 1) * kv.block_bytes
 
 
-def decode_step_ms(engine: Engine, chats: list[list[dict]], rows: int) -> float:
+def decode_step_ms(engine: Engine, chats: list[list[dict]], rows: int,
+                   adapters: list[str | None] | None = None) -> float:
     """Milliseconds of one decode step of `rows` questions: the same questions answered to
-    STEP_TOKENS[1] and to STEP_TOKENS[0] tokens (no stop), the difference over the steps between."""
+    STEP_TOKENS[1] and to STEP_TOKENS[0] tokens (no stop), the difference over the steps between.
+    `adapters`: each question's adapter (None: the base model's)."""
     device = engine.device
     walls = []
     for tokens in STEP_TOKENS:
         sampling = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True, cache_salt=f"step-{tokens}")
-        engine.generate(chats[:rows], sampling=sampling)  # warm: this row count's graph captured
+        engine.generate(chats[:rows], sampling=sampling, adapters=adapters)  # warm: this row count's graph captured
         sampling = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True, cache_salt=f"step-{tokens}-timed")
-        walls.append(timed(device, lambda s=sampling: engine.generate(chats[:rows], sampling=s))[0])
+        walls.append(timed(device, lambda s=sampling: engine.generate(chats[:rows], sampling=s,
+                                                                      adapters=adapters))[0])
     return (walls[1] - walls[0]) / (STEP_TOKENS[1] - STEP_TOKENS[0]) * 1e3
 
 
+ADAPTER_PARTS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+                 "mlp.up_proj", "mlp.down_proj")
+
+
+def random_adapter(model: Any, folder: Path, rank: int = 16, seed: int = 0) -> Path:
+    """A PEFT LoRA adapter folder for Kev's `model`: every projection of every layer, rank `rank`,
+    random A and B (small: the answers stay near the base model's)."""
+    from safetensors.torch import save_file
+
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for index in range(len(model.layers)):
+        for part in ADAPTER_PARTS:
+            name = f"model.layers.{index}.{part}"
+            in_features, out_features = model.lora_target(name)
+            for key, shape in (("lora_A", (rank, in_features)), ("lora_B", (out_features, rank))):
+                tensors[f"base_model.model.{name}.{key}.weight"] = torch.randn(shape, generator=generator) * 0.01
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    (folder / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank,
+        "target_modules": [part.split(".")[-1] for part in ADAPTER_PARTS], "base_model_name_or_path": ""}))
+    return folder
+
+
+def adapter_step_ms(engine: Engine, chats: list[list[dict]], rows: int) -> float:
+    """A decode step of `rows` questions, every other one on a rank-16 adapter of every projection:
+    such a pass runs eagerly (no graph), so this beside `decode_step_ms` is what adapters cost."""
+    with tempfile.TemporaryDirectory() as tmp:
+        engine.load_adapter("bench", str(random_adapter(engine.model, Path(tmp) / "bench")))
+        try:
+            return decode_step_ms(engine, chats, rows, ["bench" if i % 2 == 0 else None for i in range(rows)])
+        finally:
+            engine.unload_adapter("bench")
+
+
 def device_figures(engine: Engine, chats: list[list[dict]], rates: dict[str, float]) -> dict[str, Any]:
-    """The GPU-only figures of one engine: decode steps and its weight shapes' product rates."""
+    """The GPU-only figures of one engine: decode steps (with and without adapters) and its weight
+    shapes' product rates."""
     return {"decode_step_ms": {str(rows): decode_step_ms(engine, chats, rows) for rows in STEP_ROWS},
+            "decode_step_half_on_an_adapter_ms": {str(rows): adapter_step_ms(engine, chats, rows)
+                                                  for rows in STEP_ROWS if rows > 1},
             "products": gpu_floor.products(engine.model, engine.device, PRODUCT_ROWS, rates["bf16_flop_s"],
-                                          rates["read_bytes_s"])}
+                                           rates["read_bytes_s"])}
 
 
 def run(device: str = "cuda", source: str | None = None, max_tokens: int = 48,

@@ -63,6 +63,9 @@ def test_rates_and_a_decode_step_run(tokenizer) -> None:
         chats = [[{"role": "user", "content": f"Question {i}?"}] for i in range(2)]
         assert isinstance(bench_gpu.decode_step_ms(engine, chats, 2), float)
         assert engine.stats()["generated_tokens"] == 2 * 2 * sum(bench_gpu.STEP_TOKENS)  # no stop token ended one
+        assert isinstance(bench_gpu.adapter_step_ms(engine, chats, 2), float)  # one of the two on a random adapter
+        assert engine.stats()["generated_tokens"] == 2 * 2 * 2 * sum(bench_gpu.STEP_TOKENS)
+        assert "bench" not in engine.adapters  # unloaded after
     finally:
         engine.close()
 
