@@ -12,9 +12,10 @@ another, each timed after an untimed warm-up (Kev's on the whole workload under 
              attention `cuda_attention="auto"` picks (Kev's Triton kernel where torch's varlen_attn
              is not paged);
   kev_varlen the same on torch's varlen_attn (`cuda_attention="varlen"`: paged from torch 2.12,
-             gathered in 2.10/2.11, where decode runs without graphs); CUDA only. Both Kev
-             systems also time the workload's prefill alone (`prefill_s`: one token each), which
-             attention prefill should take;
+             gathered in 2.10/2.11, where decode runs without graphs); on CUDA with varlen_attn
+             only (else the result's `kev_varlen_not_run` says why). Both Kev systems also time
+             the workload's prefill alone (`prefill_s`: one token each): which attention prefill
+             should take;
   hf_serial  transformers `generate` per question (SDPA, the same dtype);
   hf_padded  transformers `generate` on one left-padded batch.
 Per system: wall seconds, generated tokens (cut at the first stop token), tokens/s, peak memory
@@ -219,7 +220,10 @@ def run(device: str = "cuda", source: str | None = None, max_tokens: int = 48,
 
     torch_device = loader.resolve_device(device)
     on_gpu = torch_device.type == "cuda"
-    default = [name for name in SYSTEMS if on_gpu or name not in CUDA_ONLY]
+    from kev_engine.platforms.cuda import choice
+
+    why_not_varlen = choice.varlen_kernel()[2] if on_gpu else "not on CUDA"
+    default = [name for name in SYSTEMS if name not in CUDA_ONLY or why_not_varlen is None]
     chosen = ["kev", *[name for name in (systems or default) if name != "kev"]]
     if set(chosen) - set(SYSTEMS):
         raise ValueError(f"systems {sorted(set(chosen) - set(SYSTEMS))} are not allowed; use some of {list(SYSTEMS)}")
@@ -240,6 +244,8 @@ def run(device: str = "cuda", source: str | None = None, max_tokens: int = 48,
     result: dict[str, Any] = {"model": folder if source else "embedded SmolLM2-135M-Instruct",
                               "device": str(device), "dtype": str(torch_dtype).removeprefix("torch."),
                               "max_tokens": max_tokens, "workloads": {}}
+    if "kev_varlen" not in chosen:
+        result["kev_varlen_not_run"] = why_not_varlen or "not asked for"
     rates = gpu_floor.rates(torch_device) if on_gpu else None
     result["rates"] = rates
     for name, prompts in suites.items():
