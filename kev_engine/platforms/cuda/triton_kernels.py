@@ -171,6 +171,12 @@ def _add_rms_norm_kernel(x_ptr, d_ptr, w_ptr, h_ptr, y_ptr, H, stride_x, stride_
     tl.store(y_ptr + row * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
+def as_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [..., H] as rows [n, H] whose last dim is contiguous: what every kernel here reads."""
+    rows = x.reshape(-1, x.shape[-1])
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tiles: Tiles | None = None,
            spread: bool | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)` for x [..., K], weight [N, K] → [..., N], fp32 accumulation.
@@ -179,9 +185,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, til
     tiles would leave SMs idle (a decode step), each chunk is a program of its own and a second
     launch adds the chunks (`spread`; None: by that rule): the same sums added in the same order,
     so the same bits as one program a tile summing its chunks in turn."""
-    rows = x.reshape(-1, x.shape[-1])
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
+    rows = as_rows(x)
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
     M, K = rows.shape
     N = weight.shape[0]
@@ -212,16 +216,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, til
 ADD_BLOCK = 1024  # outputs a program of `_add_chunks_kernel` adds
 
 
-def _rows(x: torch.Tensor) -> torch.Tensor:
-    """x [..., H] as rows [n, H] whose last dim is contiguous."""
-    rows = x.reshape(-1, x.shape[-1])
-    return rows if rows.stride(-1) == 1 else rows.contiguous()
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' LlamaRMSNorm: weight * (x / sqrt(mean(x²) + eps)).to(x.dtype), over the last dim."""
     H = x.shape[-1]
-    rows = _rows(x)
+    rows = as_rows(x)
     out = torch.empty(rows.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
     if rows.shape[0]:
         _rms_norm_kernel[(rows.shape[0],)](rows, weight, out, H, rows.stride(0), out.stride(0), eps,
@@ -234,7 +232,7 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
     """`h = x + delta` and `rms_norm(h, weight, eps)` in one launch: a layer's residual add and the
     norm after it (x, delta [T, H] in one dtype). h has torch's add's bits, the norm `rms_norm`'s."""
     H = x.shape[-1]
-    rows, deltas = _rows(x), _rows(delta)
+    rows, deltas = as_rows(x), as_rows(delta)
     total = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
     out = torch.empty(rows.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
     if rows.shape[0]:

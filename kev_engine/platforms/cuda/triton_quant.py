@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_kernels import INTERPRETED, tiles_for
+from .triton_kernels import INTERPRETED, as_rows, tiles_for
 
 FORMATS = {"Q8_0": (0, 34), "Q4_0": (1, 18), "Q4_1": (2, 20)}  # name → (kernel's code, bytes a block of 32)
 BLOCK = 32  # weights a block
@@ -107,9 +107,7 @@ def quant_linear(x: torch.Tensor, blocks: torch.Tensor, format: str, in_features
         raise ValueError(f"x has {x.shape[-1]} features; the weight takes {in_features}")
     if x.dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"x is {x.dtype}; the quantized product computes float32 and bfloat16")
-    rows = x.reshape(-1, in_features)
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
+    rows = as_rows(x)  # [M, in_features]: its last dim checked above
     blocks = blocks if blocks.stride(-1) == 1 else blocks.contiguous()
     M, N = rows.shape[0], blocks.shape[0]
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
